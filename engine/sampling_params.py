@@ -1,0 +1,67 @@
+"""Sampling parameters of one request, validated at the edge (router) and trusted after."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+DEFAULT_MAX_TOKENS = 256
+
+
+class InvalidRequestError(ValueError):
+    """Bad client input. `field` names the offending request field; maps to INVALID_ARGUMENT."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop (names and defaults as in vLLM's SamplingParams).
+
+    temperature 0 is greedy. top_k 0 and top_p 1.0 disable those filters. `seed` makes
+    sampling reproducible, whichever worker samples (engine/sampler.py). `max_tokens`
+    counts generated tokens. `stop` strings are matched on detokenized text by the
+    router; token-level stops (EOS, stop_token_ids, max_tokens) by the worker.
+    """
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError("sampling.max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError("sampling.temperature",
+                                      f"must be a finite number >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError("sampling.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError("sampling.top_k", f"must be >= 0 (0 disables), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequestError("sampling.seed", f"must be in [0, 2^63), got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError("sampling.stop",
+                                      f"at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(
+                    "sampling.stop", f"each string must be 1..{MAX_STOP_STRING_CHARS} characters, "
+                                     f"got {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("sampling.stop_token_ids",
+                                      f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

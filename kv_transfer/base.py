@@ -1,0 +1,280 @@
+"""Transport-independent KV transfer types: layout descriptor, state enum, errors,
+and the two small interfaces every transport implements (STYLE rule 7).
+
+Lifecycle of one request's KV, seen from both ends::
+
+    decode worker D (KVReceiver)               prefill worker P (KVSender)
+    ---------------------------------          ---------------------------------
+    start() -> addr                            (connects lazily, handshake with
+    expect(request_id, dst_block_ids)           layout + epoch on first use)
+      state WAITING
+                                               send_layers(addr, rid, epoch, 0, k, src)
+      state TRANSFERRING   <-- KV frames --    send_layers(addr, rid, epoch, k, L, src)
+                           <-- DONE frame --   send_done(addr, rid, epoch, first_token, L)
+      state DONE, on_complete(ok=True)
+    (or FAILED, on_complete(ok=False, error) on abort, stale epoch, lost connection,
+     a short/duplicate layer set, a block-count or checksum mismatch)
+
+The cache both ends share the layout of is one contiguous tensor::
+
+    kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
+
+P's ``num_blocks`` may differ from D's; every other dimension and the dtype must match,
+which is what :class:`KVLayout` describes and the handshake compares.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+
+# Longest request id (UTF-8 bytes) a frame may carry; bounds what a receiver reads
+# before it has validated anything else.
+MAX_REQUEST_ID_BYTES = 256
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed (socket error, refused handshake, ...). Aborts one request."""
+
+
+class KVLayoutMismatch(KVTransferError):
+    """P and D caches cannot pair; the message names every differing field."""
+
+
+class KVFrameError(KVTransferError):
+    """A frame on the wire is malformed or truncated; the connection is dropped."""
+
+
+class TransferState(enum.IntEnum):
+    """State of one expected request on the receiver. Finished states are last, so
+    ``state >= TransferState.DONE`` means "finished"."""
+
+    WAITING = 0  # reserved, no layer arrived yet
+    TRANSFERRING = 1  # at least one layer arrived, DONE frame not yet
+    DONE = 2  # every layer arrived, then the DONE frame
+    FAILED = 3  # aborted, stale epoch, connection lost, inconsistent frames
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What both ends of a transfer must agree on before pairing.
+
+    model_id: a hash of the model config, so equal shapes of different models do not
+        pair. dtype: torch dtype name without the ``torch.`` prefix ("bfloat16").
+    block_size is in tokens.
+    """
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.dtype, str) or not isinstance(
+            getattr(torch, self.dtype, None), torch.dtype
+        ):
+            raise ValueError(f"KVLayout.dtype must name a torch dtype, got {self.dtype!r}")
+        if not isinstance(self.model_id, str):
+            raise ValueError(f"KVLayout.model_id must be a str, got {self.model_id!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def kv_bytes_per_block_layer(self) -> int:
+        """Bytes of K plus V for one block of one layer."""
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def payload_bytes(self, num_layers: int, num_blocks: int) -> int:
+        """Bytes of a packed ``[num_layers, 2, num_blocks, block_size, heads, head_dim]``."""
+        return num_layers * num_blocks * self.kv_bytes_per_block_layer
+
+    def mismatch(
+        self, other: KVLayout, mine: str = "prefill", theirs: str = "decode"
+    ) -> str | None:
+        """None if the two layouts can pair, else one message naming every differing
+        field with both values, e.g. ``"block_size: prefill has 16, decode has 32"``."""
+        diffs = [
+            f"{f.name}: {mine} has {getattr(self, f.name)!r}, {theirs} has {getattr(other, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+        return "; ".join(diffs) if diffs else None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> KVLayout:
+        """Raises ValueError on malformed JSON, unknown/missing fields or bad values."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"KVLayout JSON is malformed: {e}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"KVLayout JSON must be an object, got {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"KVLayout JSON has unknown fields {sorted(unknown)}")
+        try:
+            return cls(**data)
+        except TypeError as e:  # missing required fields
+            raise ValueError(f"KVLayout JSON is incomplete: {e}") from e
+
+    @classmethod
+    def for_cache(cls, kv: torch.Tensor, model_id: str) -> KVLayout:
+        """Layout of a cache tensor ``[num_layers, 2, num_blocks, block_size, heads, head_dim]``."""
+        if kv.dim() != 6 or kv.shape[1] != 2:
+            raise ValueError(
+                "kv must be [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], "
+                f"got shape {tuple(kv.shape)}"
+            )
+        num_layers, _, _, block_size, num_kv_heads, head_dim = kv.shape
+        return cls(
+            model_id=model_id,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=str(kv.dtype).removeprefix("torch."),
+        )
+
+
+@dataclass(frozen=True)
+class KVCompletion:
+    """Outcome of one expected request, handed to the receiver's ``on_complete``.
+
+    first_token is the token P sampled (set when ok); error says what went wrong
+    (set when not ok).
+    """
+
+    request_id: str
+    ok: bool
+    first_token: int | None
+    error: str | None
+
+
+def check_cache(kv: torch.Tensor, layout: KVLayout) -> None:
+    """Raise KVLayoutMismatch unless ``kv`` is a contiguous cache of ``layout``."""
+    if not kv.is_contiguous():
+        raise ValueError("kv cache tensor must be contiguous")
+    mine = KVLayout.for_cache(kv, layout.model_id)
+    msg = mine.mismatch(layout, mine="kv tensor", theirs="layout")
+    if msg is not None:
+        raise KVLayoutMismatch(f"kv tensor does not match its layout: {msg}")
+
+
+class KVSender(ABC):
+    """Prefill side: pushes a request's K/V blocks into a decode worker's blocks.
+
+    Connections are opened lazily per ``addr``, handshaken once and reused; every call
+    is blocking and may be made from several threads at once (one lock per connection).
+    On a socket error the connection is dropped (the next call reconnects) and
+    KVTransferError raised.
+    """
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout) -> None:
+        check_cache(kv, layout)
+        self.kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.layout = layout
+
+    @abstractmethod
+    def send_layers(
+        self,
+        addr: tuple[str, int],
+        request_id: str,
+        epoch: int,
+        layer_start: int,
+        layer_end: int,
+        src_block_ids: Sequence[int],
+    ) -> int:
+        """Send K and V of layers ``[layer_start, layer_end)`` of blocks ``src_block_ids``
+        (they land in D's reserved blocks in the same order). Returns the K/V payload
+        bytes sent. Raises ValueError on bad arguments, KVLayoutMismatch if D refuses
+        the pairing, KVTransferError on socket failure."""
+
+    @abstractmethod
+    def send_done(
+        self,
+        addr: tuple[str, int],
+        request_id: str,
+        epoch: int,
+        first_token: int,
+        num_layers_sent: int,
+    ) -> None:
+        """Tell D the request's KV is complete and hand over the first sampled token."""
+
+    @abstractmethod
+    def send_abort(self, addr: tuple[str, int], request_id: str, epoch: int, reason: str) -> None:
+        """Tell D the request is abandoned; D fails it with ``reason``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close every connection. Idempotent."""
+
+
+class KVReceiver(ABC):
+    """Decode side: receives K/V frames into blocks reserved with :meth:`expect` and
+    reports each expected request once through ``on_complete`` (from the receiver's
+    own thread; the callback must be thread-safe and quick)."""
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        layout: KVLayout,
+        epoch: int,
+        host: str = "127.0.0.1",
+        *,
+        on_complete: Callable[[KVCompletion], None],
+    ) -> None:
+        check_cache(kv, layout)
+        if not isinstance(epoch, int) or not 0 <= epoch < 2**64:
+            raise ValueError(f"epoch must be an int in [0, 2**64), got {epoch!r}")
+        if not callable(on_complete):
+            raise ValueError("on_complete must be callable")
+        self.kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.layout = layout
+        self.epoch = epoch
+        self.host = host
+        self.on_complete = on_complete
+
+    @abstractmethod
+    def start(self) -> tuple[str, int]:
+        """Start listening; returns the (host, port) senders connect to."""
+
+    @abstractmethod
+    def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
+        """Reserve: frames for ``request_id`` are scattered into ``dst_block_ids``."""
+
+    @abstractmethod
+    def forget(self, request_id: str) -> None:
+        """Drop a reservation (or a finished record); later frames are discarded and
+        no further write into its blocks happens once this returns."""
+
+    @abstractmethod
+    def state(self, request_id: str) -> TransferState:
+        """State of an expected request; KeyError if unknown or forgotten."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop threads and close sockets. Idempotent."""

@@ -1,0 +1,77 @@
+"""KV cache transfer between prefill (P) and decode (D) workers.
+
+Transports are registered by name as "module:Class" strings and imported only when
+chosen, so a CPU-only install never imports a heavy back end (ucx-py) it does not use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import torch
+
+from .base import (
+    PROTOCOL_VERSION,
+    KVCompletion,
+    KVFrameError,
+    KVLayout,
+    KVLayoutMismatch,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    TransferState,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "KVCompletion",
+    "KVFrameError",
+    "KVLayout",
+    "KVLayoutMismatch",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferError",
+    "TransferState",
+    "SENDERS",
+    "RECEIVERS",
+    "make_sender",
+    "make_receiver",
+]
+
+# name -> "module:Class", module relative to this package. UCX registers here later.
+SENDERS: dict[str, str] = {"tcp": ".tcp:TcpKVSender"}
+RECEIVERS: dict[str, str] = {"tcp": ".tcp:TcpKVReceiver"}
+
+
+def _load(registry: dict[str, str], kind: str, role: str) -> type:
+    try:
+        target = registry[kind]
+    except KeyError:
+        raise ValueError(
+            f"unknown KV transfer {role} kind {kind!r}; valid kinds: {sorted(registry)}"
+        ) from None
+    module_name, _, class_name = target.partition(":")
+    module = importlib.import_module(module_name, package=__name__)
+    return getattr(module, class_name)
+
+
+def make_sender(kind: str, kv: torch.Tensor, layout: KVLayout, **kw: Any) -> KVSender:
+    """Construct the ``kind`` sender over cache ``kv``
+    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``; ``kw`` goes to
+    the transport (e.g. ``checksum=True`` for tcp). ValueError for an unknown kind."""
+    return _load(SENDERS, kind, "sender")(kv, layout, **kw)
+
+
+def make_receiver(
+    kind: str,
+    kv: torch.Tensor,
+    layout: KVLayout,
+    epoch: int,
+    on_complete: Callable[[KVCompletion], None],
+    host: str = "127.0.0.1",
+    **kw: Any,
+) -> KVReceiver:
+    """Construct (not start) the ``kind`` receiver writing into ``kv``. ValueError for an
+    unknown kind."""
+    return _load(RECEIVERS, kind, "receiver")(kv, layout, epoch, host, on_complete=on_complete, **kw)

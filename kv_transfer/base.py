@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import enum
 import json
-import logging
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, Sequence
 
 import torch
 
-logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 

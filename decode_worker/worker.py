@@ -1,0 +1,161 @@
+"""Decode worker: a Ray actor that reserves KV blocks, receives prefill's KV, and runs
+the continuous-batching decode loop.
+
+Request lifecycle here (see scheduler.py for the state machine):
+
+    router ── reserve(request_id, prompt_len, params) ──▶ blocks + KV address + epoch
+    prefill ══ KV frames, layer by layer, then done(first token) ══▶ KV receiver
+    step thread: schedule() → ModelRunner.decode() → sample() → update_from_output()
+    router ◀── stream(request_id): TokenEvents until finish_reason is set
+
+The step thread owns the model; the actor's event loop serves RPCs; the KV receiver
+has its own threads. Events cross to the event loop through per-request asyncio
+queues (`call_soon_threadsafe`), so a slow client never blocks the step loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+
+import ray
+
+from ..engine.block_pool import BlockPool, NoFreeBlocksError
+from ..engine.model_runner import DecodeSeq, ModelRunner
+from ..engine.request import TokenEvent
+from ..engine.sampler import sample
+from ..engine.sampling_params import SamplingParams
+from ..kv_transfer import KVCompletion, KVLayout, make_receiver
+from ..config import WorkerConfig
+from .scheduler import DecodeScheduler
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05   # step thread's wake-up period when idle (lease checks, shutdown)
+
+
+class DecodeWorker:
+    """Ray actor (see ``DecodeWorker.remote_class``); methods are called by the router."""
+
+    def __init__(self, worker_id: str, config: WorkerConfig):
+        logging.basicConfig(level=config.log_level)
+        self.worker_id, self.config = worker_id, config
+        self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation of the process
+        self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads)
+        self.pool = BlockPool(self.runner.cache_config.num_blocks)
+        layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)
+        self.receiver = make_receiver(config.transport, self.runner.kv_cache, layout, self.epoch,
+                                      on_complete=self._on_kv_complete, host=config.host)
+        self.kv_address = self.receiver.start()
+        self.scheduler = DecodeScheduler(
+            self.pool, self.runner.block_size, self.runner.config.max_model_len,
+            self.runner.config.eos_token_ids, config.max_batch_size,
+            on_release=self.receiver.forget)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._step_loop, name="decode-step", daemon=True)
+        self._thread.start()
+
+    # --- RPCs -------------------------------------------------------------------------
+
+    async def ready(self) -> dict:
+        self._loop = asyncio.get_running_loop()
+        return {"worker_id": self.worker_id, "kv_address": self.kv_address, "epoch": self.epoch,
+                "num_blocks": self.pool.num_blocks, "block_size": self.runner.block_size}
+
+    async def reserve(self, request_id: str, prompt_len: int, params: SamplingParams) -> dict | None:
+        """Reserve blocks for a request's KV; None when the pool cannot hold it now.
+
+        Returns {"kv_address": (host, port), "epoch", "num_blocks": prompt blocks,
+        "free_blocks"} for the prefill worker to send to.
+        """
+        self._loop = self._loop or asyncio.get_running_loop()
+        if request_id not in self._queues:
+            self._queues[request_id] = asyncio.Queue()
+        try:
+            block_ids = self.scheduler.reserve(request_id, prompt_len, params,
+                                               self.config.lease_s)
+        except NoFreeBlocksError:
+            self._queues.pop(request_id, None)
+            return None
+        self.receiver.expect(request_id, block_ids)
+        return {"kv_address": self.kv_address, "epoch": self.epoch,
+                "num_blocks": len(block_ids), "free_blocks": self.pool.num_free}
+
+    async def stream(self, request_id: str):
+        """Yield lists of TokenEvents for the request until one carries finish_reason.
+
+        Events that piled up while the consumer was slow are coalesced per yield.
+        """
+        queue = self._queues.get(request_id)
+        if queue is None:
+            yield [TokenEvent(request_id, (), "error", "unknown request_id on decode worker")]
+            return
+        try:
+            while True:
+                events = [await queue.get()]
+                while not queue.empty():
+                    events.append(queue.get_nowait())
+                yield events
+                if events[-1].finish_reason is not None:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+
+    async def abort(self, request_id: str, reason: str = "cancelled") -> None:
+        self.scheduler.abort(request_id, reason)
+        self._wake.set()
+
+    async def status(self) -> dict:
+        running, waiting = self.scheduler.counts()
+        host, port = self.kv_address
+        return {"worker_id": self.worker_id, "role": "decode", "pid": os.getpid(),
+                "node_ip": ray.util.get_node_ip_address(), "state": "ready",
+                "kv_blocks_total": self.pool.num_blocks, "kv_blocks_free": self.pool.num_free,
+                "running_requests": running, "waiting_requests": waiting,
+                "epoch": self.epoch, "kv_address": f"{host}:{port}"}
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self.receiver.close()
+
+    # --- threads ------------------------------------------------------------------------
+
+    def _on_kv_complete(self, c: KVCompletion) -> None:
+        self.scheduler.on_kv_complete(c.request_id, c.ok, c.first_token, c.error)
+        self._wake.set()
+
+    def _publish(self, events: list[TokenEvent]) -> None:
+        if events and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._deliver, events)
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for e in events:
+            q = self._queues.get(e.request_id)
+            if q is not None:
+                q.put_nowait(e)
+
+    def _step_loop(self) -> None:
+        runner, sched = self.runner, self.scheduler
+        while not self._stop.is_set():
+            batch = sched.schedule()
+            if not batch.requests:
+                self._publish(sched.drain_events())
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            reqs = batch.requests
+            t0 = time.perf_counter()
+            logits = runner.decode([
+                DecodeSeq(r.output_ids[-1], r.num_tokens - 1, r.block_table) for r in reqs])
+            tokens = sample(logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs])
+            self._publish(sched.update_from_output(batch, tokens))
+            logger.debug("decode step: batch %d, %.1f ms", len(reqs), 1e3 * (time.perf_counter() - t0))

@@ -1,0 +1,349 @@
+"""Wire format shared by every stream transport (TCP now, UCX streams later).
+
+Every frame is a fixed 48-byte little-endian header, the UTF-8 request id, then the
+payload::
+
+     0       4   5   6   7   8                              16
+    +-------+---+---+---+---+-------------------------------+
+    | magic |ver|typ|flg|dty|          epoch (u64)          |
+    |"PDKV" |u8 |u8 |u8 |u8 |                               |
+    +-------+---+---+---+---+-------------------------------+
+    16             20             24             28
+    +--------------+--------------+--------------+
+    | layer_start  |  layer_end   |  num_blocks  |
+    |    (u32)     |    (u32)     |    (u32)     |
+    +--------------+--------------+--------------+
+    28                             36                             44     46     48
+    +------------------------------+------------------------------+------+------+
+    |     first_token (i64, -1     |      payload_len (u64)       |rid_ln| zero |
+    |       = no token)            |   (incl. trailing crc32)     | u16  |  pad |
+    +------------------------------+------------------------------+------+------+
+    48                 48 + rid_len                               + payload_len
+    +------------------+------------------------------------------+
+    | request_id UTF-8 | payload                                  |
+    +------------------+------------------------------------------+
+
+Payload by frame type:
+
+    HANDSHAKE      JSON {"layout": <KVLayout>, "epoch": <P's epoch>}        (P -> D)
+    HANDSHAKE_ACK  JSON {"layout": <KVLayout>, "epoch": <D's epoch>,
+                         "error": null | "<why D refuses>"}                  (D -> P)
+    KV             K/V bytes of a [layer_end - layer_start, 2, num_blocks,
+                   block_size, num_kv_heads, head_dim] tensor in the layout
+                   dtype, C order; + 4-byte LE zlib.crc32 of them if flag bit 0
+    DONE           empty; first_token set, layer_end = number of layers sent
+    ABORT          UTF-8 reason (<= MAX_REASON_BYTES)
+
+A KV frame's payload_len is fully determined by its header and the layout, so a
+receiver checks it before reading a single payload byte.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import socket
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .base import MAX_REQUEST_ID_BYTES, PROTOCOL_VERSION, KVFrameError, KVLayout
+
+MAGIC = b"PDKV"
+HEADER = struct.Struct("<4sBBBBQIIIqQH2x")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 48, HEADER_SIZE
+
+FLAG_CRC32 = 1 << 0  # payload carries a trailing little-endian zlib.crc32
+KNOWN_FLAGS = FLAG_CRC32
+CRC_BYTES = 4
+
+MAX_HANDSHAKE_BYTES = 64 * 1024  # layout JSON is ~200 bytes; bound what we buffer
+MAX_REASON_BYTES = 4096
+
+# Codes are part of the protocol: never renumber, only append.
+DTYPE_CODES: dict[str, int] = {
+    "float32": 1,
+    "float16": 2,
+    "bfloat16": 3,
+    "uint8": 4,
+    "int8": 5,
+    "float8_e4m3fn": 6,
+    "float8_e5m2": 7,
+}
+DTYPE_NAMES: dict[int, str] = {code: name for name, code in DTYPE_CODES.items()}
+
+
+class FrameType(enum.IntEnum):
+    HANDSHAKE = 1
+    HANDSHAKE_ACK = 2
+    KV = 3
+    DONE = 4
+    ABORT = 5
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    """Decoded header plus request id. first_token is None when absent on the wire."""
+
+    frame_type: FrameType
+    request_id: str = ""
+    flags: int = 0
+    epoch: int = 0
+    layer_start: int = 0
+    layer_end: int = 0
+    num_blocks: int = 0
+    dtype_code: int = 0
+    first_token: int | None = None
+    payload_len: int = 0  # bytes following the request id, crc included
+
+    @property
+    def has_crc(self) -> bool:
+        return bool(self.flags & FLAG_CRC32)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+def dtype_code(dtype: str) -> int:
+    """Wire code of a layout dtype name; ValueError if it has none."""
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"dtype {dtype!r} has no wire code; supported: {sorted(DTYPE_CODES)}"
+        ) from None
+
+
+def pack_header(
+    frame_type: FrameType,
+    request_id: str = "",
+    *,
+    flags: int = 0,
+    epoch: int = 0,
+    layer_start: int = 0,
+    layer_end: int = 0,
+    num_blocks: int = 0,
+    dtype_code: int = 0,
+    first_token: int | None = None,
+    payload_len: int = 0,
+) -> bytes:
+    """Fixed header followed by the UTF-8 request id. Raises ValueError on values that
+    do not fit their fields."""
+    rid = request_id.encode("utf-8")
+    if len(rid) > MAX_REQUEST_ID_BYTES:
+        raise ValueError(f"request_id is {len(rid)} bytes UTF-8, limit {MAX_REQUEST_ID_BYTES}")
+    if first_token is not None and first_token < 0:
+        raise ValueError(f"first_token must be >= 0, got {first_token}")
+    try:
+        fixed = HEADER.pack(
+            MAGIC,
+            PROTOCOL_VERSION,
+            int(frame_type),
+            flags,
+            dtype_code,
+            epoch,
+            layer_start,
+            layer_end,
+            num_blocks,
+            -1 if first_token is None else first_token,
+            payload_len,
+            len(rid),
+        )
+    except struct.error as e:
+        raise ValueError(f"frame header field out of range: {e}") from e
+    return fixed + rid
+
+
+def _unpack_fixed(buf: bytes | memoryview) -> tuple:
+    """Parse and check the fixed part; returns the raw struct tuple."""
+    if len(buf) < HEADER_SIZE:
+        raise KVFrameError(f"truncated header: {len(buf)} of {HEADER_SIZE} bytes")
+    raw = HEADER.unpack_from(buf, 0)
+    magic, version, ftype, flags = raw[0], raw[1], raw[2], raw[3]
+    if magic != MAGIC:
+        raise KVFrameError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != PROTOCOL_VERSION:
+        raise KVFrameError(f"protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+    if ftype not in FrameType._value2member_map_:
+        raise KVFrameError(f"unknown frame type {ftype}")
+    if flags & ~KNOWN_FLAGS:
+        raise KVFrameError(f"unknown flag bits {flags & ~KNOWN_FLAGS:#x}")
+    if raw[11] > MAX_REQUEST_ID_BYTES:
+        raise KVFrameError(f"request_id length {raw[11]} exceeds {MAX_REQUEST_ID_BYTES} bytes")
+    return raw
+
+
+def unpack_header(
+    buf: bytes | memoryview, layout: KVLayout | None = None, max_blocks: int | None = None
+) -> FrameHeader:
+    """Decode ``HEADER_SIZE + request_id_len`` bytes of ``buf`` and validate them.
+
+    With ``layout``, a KV frame's dtype, layer range and payload_len are checked against
+    it; with ``max_blocks``, its block count too. Raises KVFrameError on any violation.
+    """
+    raw = _unpack_fixed(buf)
+    (_, _, ftype, flags, dcode, epoch, lstart, lend, nblocks, tok, plen, rid_len) = raw
+    if len(buf) < HEADER_SIZE + rid_len:
+        raise KVFrameError(
+            f"truncated request_id: {len(buf) - HEADER_SIZE} of {rid_len} bytes"
+        )
+    try:
+        rid = bytes(buf[HEADER_SIZE : HEADER_SIZE + rid_len]).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise KVFrameError(f"request_id is not UTF-8: {e}") from e
+    if tok < -1:
+        raise KVFrameError(f"first_token {tok} is negative")
+    h = FrameHeader(
+        frame_type=FrameType(ftype),
+        request_id=rid,
+        flags=flags,
+        epoch=epoch,
+        layer_start=lstart,
+        layer_end=lend,
+        num_blocks=nblocks,
+        dtype_code=dcode,
+        first_token=None if tok == -1 else tok,
+        payload_len=plen,
+    )
+    _validate(h, layout, max_blocks)
+    return h
+
+
+def _validate(h: FrameHeader, layout: KVLayout | None, max_blocks: int | None) -> None:
+    t = h.frame_type
+    if t in (FrameType.KV, FrameType.DONE, FrameType.ABORT) and not h.request_id:
+        raise KVFrameError(f"{t.name} frame without request_id")
+    if t in (FrameType.HANDSHAKE, FrameType.HANDSHAKE_ACK):
+        if not 0 < h.payload_len <= MAX_HANDSHAKE_BYTES:
+            raise KVFrameError(
+                f"{t.name} payload_len {h.payload_len} not in [1, {MAX_HANDSHAKE_BYTES}]"
+            )
+    elif t == FrameType.ABORT:
+        if h.payload_len > MAX_REASON_BYTES:
+            raise KVFrameError(f"ABORT reason {h.payload_len} bytes, limit {MAX_REASON_BYTES}")
+    elif t == FrameType.DONE:
+        if h.payload_len != 0:
+            raise KVFrameError(f"DONE frame has payload_len {h.payload_len}, expected 0")
+        if h.first_token is None:
+            raise KVFrameError("DONE frame without first_token")
+        if layout is not None and h.layer_end > layout.num_layers:
+            raise KVFrameError(
+                f"DONE frame claims {h.layer_end} layers, layout has {layout.num_layers}"
+            )
+    elif t == FrameType.KV:
+        _validate_kv(h, layout, max_blocks)
+
+
+def _validate_kv(h: FrameHeader, layout: KVLayout | None, max_blocks: int | None) -> None:
+    if h.num_blocks == 0:
+        raise KVFrameError("KV frame with num_blocks 0")
+    if max_blocks is not None and h.num_blocks > max_blocks:
+        raise KVFrameError(f"KV frame num_blocks {h.num_blocks} exceeds {max_blocks}")
+    if h.layer_start >= h.layer_end:
+        raise KVFrameError(f"KV frame layer range [{h.layer_start}, {h.layer_end}) is empty")
+    if layout is None:
+        return
+    if h.layer_end > layout.num_layers:
+        raise KVFrameError(
+            f"KV frame layer range [{h.layer_start}, {h.layer_end}) beyond "
+            f"num_layers {layout.num_layers}"
+        )
+    if h.dtype_code != DTYPE_CODES.get(layout.dtype):
+        got = DTYPE_NAMES.get(h.dtype_code, f"code {h.dtype_code}")
+        raise KVFrameError(f"KV frame dtype {got}, layout dtype {layout.dtype}")
+    expected = layout.payload_bytes(h.num_layers, h.num_blocks) + (CRC_BYTES if h.has_crc else 0)
+    if h.payload_len != expected:
+        raise KVFrameError(
+            f"KV frame payload_len {h.payload_len}, expected {expected} for "
+            f"{h.num_layers} layers x {h.num_blocks} blocks of {layout.dtype}"
+            + (" + crc32" if h.has_crc else "")
+        )
+
+
+def recv_exact(sock: socket.socket, buf: memoryview, *, eof_ok: bool = False) -> bool:
+    """Fill ``buf`` from ``sock`` with ``recv_into``. Returns False only if ``eof_ok``
+    and the peer closed before the first byte; EOF after that raises KVFrameError.
+    Socket errors (including timeouts) propagate as OSError."""
+    got, want = 0, len(buf)
+    while got < want:
+        n = sock.recv_into(buf[got:])
+        if n == 0:
+            if got == 0 and eof_ok:
+                return False
+            raise KVFrameError(f"connection closed mid-frame after {got} of {want} bytes")
+        got += n
+    return True
+
+
+def read_header(
+    sock: socket.socket,
+    layout: KVLayout | None = None,
+    max_blocks: int | None = None,
+    *,
+    eof_ok: bool = False,
+    frame_timeout_s: float | None = None,
+) -> FrameHeader | None:
+    """Read and validate one header + request id from ``sock``. None on a clean EOF
+    before the frame (only if ``eof_ok``); KVFrameError on anything malformed.
+    frame_timeout_s, if given, becomes the socket timeout once the first byte is in
+    (so a caller can wait forever for a frame but not for the rest of one)."""
+    buf = bytearray(HEADER_SIZE + MAX_REQUEST_ID_BYTES)
+    mv = memoryview(buf)
+    if not recv_exact(sock, mv[:1], eof_ok=eof_ok):
+        return None
+    if frame_timeout_s is not None:
+        sock.settimeout(frame_timeout_s)
+    recv_exact(sock, mv[1:HEADER_SIZE])
+    rid_len = _unpack_fixed(mv[:HEADER_SIZE])[11]  # validated before we read that far
+    recv_exact(sock, mv[HEADER_SIZE : HEADER_SIZE + rid_len])
+    return unpack_header(mv[: HEADER_SIZE + rid_len], layout, max_blocks)
+
+
+def encode_handshake(layout: KVLayout, epoch: int, error: str | None = None, *, ack: bool) -> bytes:
+    """Handshake (``ack=False``) or ack payload JSON, UTF-8."""
+    body: dict = {"layout": json.loads(layout.to_json()), "epoch": epoch}
+    if ack:
+        body["error"] = error
+    return json.dumps(body, sort_keys=True).encode("utf-8")
+
+
+def decode_handshake(payload: bytes) -> tuple[KVLayout, int, str | None]:
+    """Inverse of :func:`encode_handshake`: (layout, epoch, error). KVFrameError if
+    malformed."""
+    try:
+        body = json.loads(payload)
+        layout = KVLayout.from_json(json.dumps(body["layout"]))
+        epoch = body["epoch"]
+        error = body.get("error")
+    except (ValueError, KeyError, TypeError) as e:
+        raise KVFrameError(f"malformed handshake payload: {e}") from e
+    if not isinstance(epoch, int) or not (error is None or isinstance(error, str)):
+        raise KVFrameError(f"malformed handshake payload: epoch={epoch!r} error={error!r}")
+    return layout, epoch, error
+
+
+def torch_dtype_for_code(code: int) -> torch.dtype:
+    """torch dtype of a wire code; KVFrameError if unknown."""
+    try:
+        return getattr(torch, DTYPE_NAMES[code])
+    except (KeyError, AttributeError):
+        raise KVFrameError(f"unknown dtype code {code}") from None
+
+
+def grow_buffer(buf: torch.Tensor | None, nbytes: int, pinned: bool) -> torch.Tensor:
+    """A uint8 host staging buffer of at least ``nbytes``, reusing ``buf`` when big
+    enough (and doubling otherwise, so a growing stream of frames reallocates rarely)."""
+    if buf is not None and buf.numel() >= nbytes:
+        return buf
+    size = max(nbytes, 2 * buf.numel() if buf is not None else 0)
+    return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor, for any dtype (bf16 included:
+    numpy has no bf16, but a uint8 view of it does)."""
+    assert t.device.type == "cpu" and t.is_contiguous(), (t.device, t.is_contiguous())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())

@@ -1,0 +1,231 @@
+"""Receiver-side state machine, shared by every transport: which requests D expects,
+into which blocks, which layers have arrived, and when to call ``on_complete``.
+
+Per expected request::
+
+    expect() -> WAITING --first KV frame--> TRANSFERRING --DONE, all layers--> DONE
+                   |                             |
+                   +-----------------------------+--abort / stale epoch / lost
+                                                     connection / bad frame--> FAILED
+
+Every transition into DONE or FAILED calls ``on_complete`` exactly once, outside the
+table's locks. ``forget`` removes a request without a callback; once it returns, no
+frame writes into that request's blocks any more (it waits out a scatter in flight),
+so D may hand those blocks to someone else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .base import MAX_REQUEST_ID_BYTES, KVCompletion, KVLayout, TransferState
+from .frames import FrameHeader
+
+logger = logging.getLogger(__name__)
+
+# Finished records kept for state(); older ones are dropped so a long-running D
+# that never calls forget() does not grow without bound.
+MAX_FINISHED_RECORDS = 8192
+
+
+@dataclass(eq=False)
+class Reservation:
+    """One expected request. Mutable; guarded by ``lock`` (internal, never crosses a
+    module boundary except as an opaque handle to the transport)."""
+
+    request_id: str
+    dst_idx: torch.Tensor  # [num_blocks] int64, on kv.device
+    layers_seen: list[bool]  # [num_layers]
+    state: TransferState = TransferState.WAITING
+    conn_ids: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.dst_idx.numel()
+
+
+class ReservationTable:
+    """Thread-safe table of expected requests for one receiver (one epoch)."""
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        layout: KVLayout,
+        epoch: int,
+        on_complete: Callable[[KVCompletion], None],
+    ) -> None:
+        self.kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.layout = layout
+        self.epoch = epoch
+        self._on_complete = on_complete
+        self._lock = threading.Lock()
+        self._active: dict[str, Reservation] = {}
+        self._finished: OrderedDict[str, TransferState] = OrderedDict()
+
+    # ---- decode-worker side -------------------------------------------------------
+
+    def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
+        """Register a reservation. Idempotent for the same blocks; ValueError for bad ids
+        or for re-expecting an active request with different blocks."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if len(request_id.encode("utf-8")) > MAX_REQUEST_ID_BYTES:
+            raise ValueError(f"request_id longer than {MAX_REQUEST_ID_BYTES} bytes UTF-8")
+        ids = [int(b) for b in dst_block_ids]
+        total = self.kv.shape[2]
+        if not ids:
+            raise ValueError(f"request {request_id}: dst_block_ids is empty")
+        bad = [b for b in ids if not 0 <= b < total]
+        if bad:
+            raise ValueError(f"request {request_id}: block ids {bad} outside [0, {total})")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"request {request_id}: dst_block_ids has duplicates")
+        with self._lock:
+            old = self._active.get(request_id)
+            if old is not None:
+                if old.dst_idx.tolist() != ids:
+                    raise ValueError(
+                        f"request {request_id} already expected with other blocks"
+                    )
+                return
+            self._finished.pop(request_id, None)
+            self._active[request_id] = Reservation(
+                request_id=request_id,
+                dst_idx=torch.tensor(ids, dtype=torch.long, device=self.kv.device),
+                layers_seen=[False] * self.layout.num_layers,
+            )
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            res = self._active.pop(request_id, None)
+            self._finished.pop(request_id, None)
+        if res is not None:
+            with res.lock:  # waits out a scatter in flight into these blocks
+                res.state = TransferState.FAILED
+
+    def state(self, request_id: str) -> TransferState:
+        with self._lock:
+            res = self._active.get(request_id)
+            if res is not None:
+                return res.state
+            try:
+                return self._finished[request_id]
+            except KeyError:
+                raise KeyError(f"request {request_id!r} is not expected") from None
+
+    def fail_all(self, reason: str) -> None:
+        """Fail every active request (receiver shutting down)."""
+        with self._lock:
+            pending = list(self._active.values())
+        for res in pending:
+            self.fail(res, reason)
+
+    # ---- transport side ------------------------------------------------------------
+
+    def admit_kv(self, h: FrameHeader, conn_id: int) -> Reservation | None:
+        """Reservation a KV frame's payload should be written into, or None if the
+        payload must be read and discarded (unknown request, stale epoch, block-count
+        mismatch; the latter two fail the request)."""
+        res = self._lookup(h.request_id, h.epoch, "KV")
+        if res is None:
+            return None
+        if h.num_blocks != res.num_blocks:
+            self.fail(
+                res,
+                f"KV frame for layers [{h.layer_start}, {h.layer_end}) carries "
+                f"{h.num_blocks} blocks, reservation has {res.num_blocks}",
+            )
+            return None
+        with res.lock:
+            res.conn_ids.add(conn_id)
+        return res
+
+    def write_layers(self, res: Reservation, h: FrameHeader, staged: torch.Tensor) -> None:
+        """Scatter ``staged`` [n_layers, 2, num_blocks, block_size, heads, head_dim]
+        (layout dtype, on kv.device) into the reservation's blocks, unless the request
+        finished or was forgotten meanwhile, or a layer arrives twice (fails it)."""
+        dup = None
+        with res.lock:
+            if res.state >= TransferState.DONE:
+                logger.debug("request %s finished; dropping KV frame", res.request_id)
+                return
+            seen = res.layers_seen[h.layer_start : h.layer_end]
+            if any(seen):
+                dup = h.layer_start + seen.index(True)
+            else:
+                self.kv[h.layer_start : h.layer_end].index_copy_(2, res.dst_idx, staged)
+                res.layers_seen[h.layer_start : h.layer_end] = [True] * h.num_layers
+                res.state = TransferState.TRANSFERRING
+        if dup is not None:
+            self.fail(res, f"layer {dup} received twice")
+
+    def on_done(self, h: FrameHeader) -> None:
+        res = self._lookup(h.request_id, h.epoch, "DONE")
+        if res is None:
+            return
+        with res.lock:
+            missing = [i for i, s in enumerate(res.layers_seen) if not s]
+        if missing or h.layer_end != self.layout.num_layers:
+            self.fail(
+                res,
+                f"DONE after {self.layout.num_layers - len(missing)} of "
+                f"{self.layout.num_layers} layers (sender claims {h.layer_end}); "
+                f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}",
+            )
+            return
+        self._finish(res, KVCompletion(h.request_id, True, h.first_token, None))
+
+    def on_abort(self, h: FrameHeader, reason: str) -> None:
+        res = self._lookup(h.request_id, h.epoch, "ABORT")
+        if res is not None:
+            self.fail(res, f"aborted by prefill worker: {reason}")
+
+    def connection_lost(self, conn_id: int, why: str) -> None:
+        """Fail every unfinished request that received frames over ``conn_id``."""
+        with self._lock:
+            touched = [r for r in self._active.values() if conn_id in r.conn_ids]
+        for res in touched:
+            self.fail(res, f"connection lost mid-request: {why}")
+
+    def fail(self, res: Reservation, error: str) -> None:
+        self._finish(res, KVCompletion(res.request_id, False, None, error))
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _lookup(self, request_id: str, epoch: int, what: str) -> Reservation | None:
+        with self._lock:
+            res = self._active.get(request_id)
+        if res is None:
+            logger.debug("discarding %s frame for unexpected request %s", what, request_id)
+            return None
+        if epoch != self.epoch:
+            self.fail(res, f"stale epoch {epoch} on {what} frame, receiver epoch {self.epoch}")
+            return None
+        return res
+
+    def _finish(self, res: Reservation, completion: KVCompletion) -> None:
+        new = TransferState.DONE if completion.ok else TransferState.FAILED
+        with self._lock:
+            # Exactly once: only the caller that still finds the reservation active
+            # (and not replaced by a fresh expect() of the same id) reports it.
+            if self._active.get(res.request_id) is not res:
+                return
+            del self._active[res.request_id]
+            self._finished[res.request_id] = new
+            while len(self._finished) > MAX_FINISHED_RECORDS:
+                self._finished.popitem(last=False)
+        with res.lock:  # also waits out a scatter in flight before reporting
+            res.state = new
+        if not completion.ok:
+            logger.warning("KV transfer of request %s failed: %s", res.request_id, completion.error)
+        try:
+            self._on_complete(completion)
+        except Exception:  # a buggy callback must not kill the receiver thread
+            logger.exception("on_complete raised for request %s", res.request_id)

@@ -1,0 +1,289 @@
+"""TCP receiver (decode worker D side); the transport is described in ``tcp.py``.
+
+One accept thread, one thread per connection. Each frame header is validated against
+the layout, then the payload is ``recv_into`` a reused per-connection uint8 staging
+tensor, checked (crc32 when flagged), viewed as the layout dtype and scattered into
+the reserved blocks by ReservationTable. A connection that sends anything malformed
+is closed with a warning; the other connections are unaffected.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import selectors
+import socket
+import threading
+import time
+import zlib
+from typing import Callable, Sequence
+
+import torch
+
+from . import frames
+from .base import (
+    KVCompletion,
+    KVFrameError,
+    KVLayout,
+    KVLayoutMismatch,
+    KVReceiver,
+    KVTransferError,
+    TransferState,
+)
+from .frames import FrameHeader, FrameType
+from .reservations import ReservationTable
+from .tcp_sender import set_nodelay
+
+logger = logging.getLogger(__name__)
+
+THREAD_PREFIX = "kvrecv"  # threads: kvrecv-accept-<port>, kvrecv-conn-<port>-<n>
+DISCARD_CHUNK_BYTES = 1 << 20
+
+
+class TcpKVReceiver(KVReceiver):
+    """Threaded TCP receiver; see the module docstring.
+
+    port: 0 picks a free one. io_timeout_s bounds the wait for the rest of a frame once
+    its first byte arrived (an idle connection between frames never times out).
+    """
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        layout: KVLayout,
+        epoch: int,
+        host: str = "127.0.0.1",
+        *,
+        on_complete: Callable[[KVCompletion], None],
+        port: int = 0,
+        io_timeout_s: float = 30.0,
+    ) -> None:
+        super().__init__(kv, layout, epoch, host, on_complete=on_complete)
+        self.port = port
+        self.io_timeout_s = io_timeout_s
+        self._table = ReservationTable(kv, layout, epoch, on_complete)
+        self._pinned = kv.device.type == "cuda" and torch.cuda.is_available()
+        self._lock = threading.Lock()  # guards the fields below
+        self._listen: socket.socket | None = None
+        self._wake_r, self._wake_w = None, None
+        self._threads: list[threading.Thread] = []
+        self._conns: dict[int, socket.socket] = {}
+        self._conn_ids = itertools.count()
+        self._started = False
+        self._closed = False
+
+    def start(self) -> tuple[str, int]:
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("receiver is closed")
+            if self._started:
+                return self.host, self.port
+            lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            lsock.bind((self.host, self.port))
+            lsock.listen(64)
+            self.port = lsock.getsockname()[1]
+            self._listen = lsock
+            # select() on this pair lets close() wake the accept thread at once.
+            self._wake_r, self._wake_w = socket.socketpair()
+            t = threading.Thread(
+                target=self._accept_loop, name=f"{THREAD_PREFIX}-accept-{self.port}", daemon=True
+            )
+            self._threads.append(t)
+            self._started = True
+        t.start()
+        logger.info("KV receiver listening on %s:%d (epoch %d)", self.host, self.port, self.epoch)
+        return self.host, self.port
+
+    def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
+        self._table.expect(request_id, dst_block_ids)
+
+    def forget(self, request_id: str) -> None:
+        self._table.forget(request_id)
+
+    def state(self, request_id: str) -> TransferState:
+        return self._table.state(request_id)
+
+    def close(self, join_timeout_s: float = 5.0) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            threads = list(self._threads)
+            conns = list(self._conns.values())
+        if self._wake_w is not None:
+            self._wake_w.send(b"x")
+        for sock in conns:
+            try:  # wakes the connection thread blocked in recv_into
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError as e:
+                logger.debug("shutdown of KV connection: %s", e)
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(join_timeout_s)
+                if t.is_alive():
+                    logger.warning("KV receiver thread %s did not stop in %.1fs", t.name, join_timeout_s)
+        for s in (self._listen, self._wake_r, self._wake_w):
+            if s is not None:
+                s.close()
+        self._table.fail_all("KV receiver closed")
+
+    # ---- threads -------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listen is not None and self._wake_r is not None
+        # selectors (epoll), not select(): a busy server may hold fds above 1024.
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._listen, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                ready = {key.fileobj for key, _ in sel.select()}
+                if self._wake_r in ready:
+                    return
+                self._accept_one()
+
+    def _accept_one(self) -> None:
+        assert self._listen is not None
+        try:
+            sock, peer = self._listen.accept()
+        except OSError as e:
+            logger.warning("KV receiver accept failed: %s", e)
+            time.sleep(0.05)  # e.g. out of fds: back off instead of spinning on select
+            return
+        conn_id = next(self._conn_ids)
+        t = threading.Thread(
+            target=self._serve_conn,
+            args=(sock, peer, conn_id),
+            name=f"{THREAD_PREFIX}-conn-{self.port}-{conn_id}",
+            daemon=True,
+        )
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            self._conns[conn_id] = sock
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    def _serve_conn(self, sock: socket.socket, peer: tuple, conn_id: int) -> None:
+        why = "peer closed the connection"
+        try:
+            set_nodelay(sock)
+            _Connection(self, sock, conn_id).serve()
+        except KVLayoutMismatch as e:
+            why = str(e)
+            logger.warning("KV connection from %s refused: %s", peer, e)
+        except (KVFrameError, OSError) as e:
+            why = f"{type(e).__name__}: {e}"
+            if not self._closed:
+                logger.warning("closing KV connection from %s: %s", peer, why)
+        except Exception as e:  # a bug here must cost one connection, not the receiver
+            why = f"internal error: {type(e).__name__}: {e}"
+            logger.exception("closing KV connection from %s after internal error", peer)
+        finally:
+            with self._lock:
+                self._conns.pop(conn_id, None)
+            sock.close()
+            if not self._closed:
+                self._table.connection_lost(conn_id, why)
+
+
+class _Connection:
+    """Frame loop of one accepted connection (runs on its own thread)."""
+
+    def __init__(self, rx: TcpKVReceiver, sock: socket.socket, conn_id: int) -> None:
+        self.rx = rx
+        self.sock = sock
+        self.conn_id = conn_id
+        self.table = rx._table
+        self.layout = rx.layout
+        self.max_blocks = rx.kv.shape[2]
+        self.staging: torch.Tensor | None = None  # uint8, reused and grown per frame
+
+    def serve(self) -> None:
+        if not self._handshake():
+            return
+        while True:
+            h = self._next_header()
+            if h is None:
+                return
+            if h.frame_type == FrameType.KV:
+                self._on_kv(h)
+            elif h.frame_type == FrameType.DONE:
+                self.table.on_done(h)
+            elif h.frame_type == FrameType.ABORT:
+                self.table.on_abort(h, self._read_small(h.payload_len).decode("utf-8", "replace"))
+            else:
+                raise KVFrameError(f"unexpected {h.frame_type.name} frame after handshake")
+
+    def _next_header(self) -> FrameHeader | None:
+        # Block without a deadline for the first byte (idle connections are normal),
+        # then bound the rest of the frame so a stalled peer cannot pin this thread.
+        self.sock.settimeout(None)
+        return frames.read_header(
+            self.sock,
+            self.layout,
+            self.max_blocks,
+            eof_ok=True,
+            frame_timeout_s=self.rx.io_timeout_s,
+        )
+
+    def _handshake(self) -> bool:
+        """Pair with the peer; False if it hung up before saying anything (a probe)."""
+        self.sock.settimeout(self.rx.io_timeout_s)  # a silent peer must not pin a thread
+        h = frames.read_header(self.sock, self.layout, self.max_blocks, eof_ok=True)
+        if h is None:
+            return False
+        if h.frame_type != FrameType.HANDSHAKE:
+            raise KVFrameError(f"expected HANDSHAKE, got {h.frame_type.name}")
+        peer_layout, peer_epoch, _ = frames.decode_handshake(self._read_small(h.payload_len))
+        error = peer_layout.mismatch(self.layout)
+        payload = frames.encode_handshake(self.layout, self.rx.epoch, error, ack=True)
+        self.sock.sendall(
+            frames.pack_header(FrameType.HANDSHAKE_ACK, epoch=self.rx.epoch, payload_len=len(payload))
+            + payload
+        )
+        if error is not None:
+            raise KVLayoutMismatch(error)
+        logger.debug("KV connection %d paired (prefill epoch %d)", self.conn_id, peer_epoch)
+        return True
+
+    def _read_small(self, n: int) -> bytes:
+        buf = bytearray(n)  # n is bounded by frame validation (handshake / abort limits)
+        frames.recv_exact(self.sock, memoryview(buf))
+        return bytes(buf)
+
+    def _on_kv(self, h: FrameHeader) -> None:
+        res = self.table.admit_kv(h, self.conn_id)
+        nbytes = self.layout.payload_bytes(h.num_layers, h.num_blocks)
+        if res is None:
+            self._discard(h.payload_len)
+            return
+        self.staging = frames.grow_buffer(self.staging, nbytes, self.rx._pinned)
+        body = memoryview(self.staging.numpy())[:nbytes]
+        frames.recv_exact(self.sock, body)
+        if h.has_crc:
+            crc = bytearray(frames.CRC_BYTES)
+            frames.recv_exact(self.sock, memoryview(crc))
+            want, got = int.from_bytes(crc, "little"), zlib.crc32(body)
+            if want != got:
+                self.table.fail(
+                    res,
+                    f"checksum mismatch on layers [{h.layer_start}, {h.layer_end}): "
+                    f"frame says {want:#010x}, payload has {got:#010x}",
+                )
+                return
+        kv = self.rx.kv
+        staged = (
+            self.staging[:nbytes]
+            .view(kv.dtype)
+            .view(h.num_layers, 2, h.num_blocks, *kv.shape[3:])
+        )  # [n_layers, 2, n_blocks, block_size, num_kv_heads, head_dim]
+        self.table.write_layers(res, h, staged.to(kv.device, non_blocking=False))
+
+    def _discard(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, DISCARD_CHUNK_BYTES)))
+        while n > 0:
+            k = min(n, len(scratch))
+            frames.recv_exact(self.sock, scratch[:k])
+            n -= k

@@ -1,0 +1,209 @@
+"""TCP sender (prefill worker P side); the transport is described in ``tcp.py``.
+
+One blocking socket per decode address, opened on first use, handshaken (layout +
+epoch), then reused under a per-connection lock. A KV frame is gathered into one
+contiguous tensor and sent zero-copy from its memory::
+
+    kv[layer_start:layer_end].index_select(2, src_idx)   # [n_layers, 2, n_blocks, block_size, heads, head_dim]
+      -> uint8 memoryview -> sock.sendall   (CUDA: copied to a pinned host buffer first)
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from . import frames
+from .base import KVFrameError, KVLayout, KVLayoutMismatch, KVSender, KVTransferError
+from .frames import FrameType
+
+logger = logging.getLogger(__name__)
+
+
+def set_nodelay(sock: socket.socket) -> None:
+    # Frames are written header-then-payload; Nagle would hold the small header back.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+@dataclass(eq=False)
+class _SendConn:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sock: socket.socket | None = None
+    peer_epoch: int | None = None
+    host_buf: torch.Tensor | None = None  # pinned uint8 staging, CUDA caches only
+
+
+class TcpKVSender(KVSender):
+    """Blocking TCP sender; see the module docstring.
+
+    checksum: append a crc32 to every KV payload (costs one pass over the bytes).
+    epoch: P's own epoch, sent in the handshake for D's logs.
+    connect_timeout_s / io_timeout_s: bound every connect and every send/recv.
+    """
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        layout: KVLayout,
+        *,
+        checksum: bool = False,
+        epoch: int = 0,
+        connect_timeout_s: float = 5.0,
+        io_timeout_s: float = 30.0,
+    ) -> None:
+        super().__init__(kv, layout)
+        self.checksum = checksum
+        self.epoch = epoch
+        self.connect_timeout_s = connect_timeout_s
+        self.io_timeout_s = io_timeout_s
+        self._dtype_code = frames.dtype_code(layout.dtype)
+        self._lock = threading.Lock()  # guards _conns
+        self._conns: dict[tuple[str, int], _SendConn] = {}
+        self._closed = False
+
+    def send_layers(
+        self,
+        addr: tuple[str, int],
+        request_id: str,
+        epoch: int,
+        layer_start: int,
+        layer_end: int,
+        src_block_ids: Sequence[int],
+    ) -> int:
+        if not 0 <= layer_start < layer_end <= self.layout.num_layers:
+            raise ValueError(
+                f"layer range [{layer_start}, {layer_end}) not within "
+                f"[0, {self.layout.num_layers})"
+            )
+        ids = [int(b) for b in src_block_ids]
+        total = self.kv.shape[2]
+        if not ids or not all(0 <= b < total for b in ids):
+            raise ValueError(f"src_block_ids must be non-empty ids in [0, {total}), got {ids}")
+        nbytes = self.layout.payload_bytes(layer_end - layer_start, len(ids))
+        src_idx = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
+        # index_select returns a fresh contiguous tensor, so the bytes below are exactly
+        # the wire payload: [n_layers, 2, n_blocks, block_size, num_kv_heads, head_dim]
+        packed = self.kv[layer_start:layer_end].index_select(2, src_idx)
+        header = frames.pack_header(
+            FrameType.KV,
+            request_id,
+            flags=frames.FLAG_CRC32 if self.checksum else 0,
+            epoch=epoch,
+            layer_start=layer_start,
+            layer_end=layer_end,
+            num_blocks=len(ids),
+            dtype_code=self._dtype_code,
+            payload_len=nbytes + (frames.CRC_BYTES if self.checksum else 0),
+        )
+
+        def send(conn: _SendConn) -> None:
+            if packed.device.type == "cpu":
+                payload = frames.tensor_bytes(packed)
+            else:
+                conn.host_buf = frames.grow_buffer(conn.host_buf, nbytes, pinned=True)
+                conn.host_buf[:nbytes].copy_(packed.reshape(-1).view(torch.uint8))
+                payload = frames.tensor_bytes(conn.host_buf[:nbytes])
+            assert len(payload) == nbytes, (len(payload), nbytes)
+            conn.sock.sendall(header)
+            conn.sock.sendall(payload)
+            if self.checksum:
+                conn.sock.sendall(zlib.crc32(payload).to_bytes(frames.CRC_BYTES, "little"))
+
+        self._with_conn(addr, send)
+        return nbytes
+
+    def send_done(
+        self,
+        addr: tuple[str, int],
+        request_id: str,
+        epoch: int,
+        first_token: int,
+        num_layers_sent: int,
+    ) -> None:
+        header = frames.pack_header(
+            FrameType.DONE,
+            request_id,
+            epoch=epoch,
+            layer_end=num_layers_sent,
+            first_token=first_token,
+        )
+        self._with_conn(addr, lambda conn: conn.sock.sendall(header))
+
+    def send_abort(self, addr: tuple[str, int], request_id: str, epoch: int, reason: str) -> None:
+        # Truncate on a character boundary so the receiver can always decode it.
+        body = reason.encode("utf-8")[: frames.MAX_REASON_BYTES].decode("utf-8", "ignore")
+        payload = body.encode("utf-8")
+        header = frames.pack_header(
+            FrameType.ABORT, request_id, epoch=epoch, payload_len=len(payload)
+        )
+        self._with_conn(addr, lambda conn: conn.sock.sendall(header + payload))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns.values())
+            self._conns.clear()
+        for conn in conns:
+            with conn.lock:
+                self._drop(conn)
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _with_conn(self, addr: tuple[str, int], fn: Callable[[_SendConn], None]) -> None:
+        addr = (addr[0], int(addr[1]))
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("sender is closed")
+            conn = self._conns.setdefault(addr, _SendConn())
+        with conn.lock:
+            try:
+                if conn.sock is None:
+                    self._connect(conn, addr)
+                fn(conn)
+            except KVLayoutMismatch:
+                self._drop(conn)
+                raise
+            except (OSError, KVFrameError) as e:
+                self._drop(conn)
+                raise KVTransferError(f"KV transfer to {addr[0]}:{addr[1]} failed: {e}") from e
+
+    def _connect(self, conn: _SendConn, addr: tuple[str, int]) -> None:
+        sock = socket.create_connection(addr, timeout=self.connect_timeout_s)
+        conn.sock = sock  # set first so _drop closes it if the handshake fails
+        set_nodelay(sock)
+        sock.settimeout(self.io_timeout_s)
+        payload = frames.encode_handshake(self.layout, self.epoch, ack=False)
+        sock.sendall(
+            frames.pack_header(FrameType.HANDSHAKE, epoch=self.epoch, payload_len=len(payload))
+            + payload
+        )
+        h = frames.read_header(sock)
+        if h.frame_type != FrameType.HANDSHAKE_ACK:
+            raise KVFrameError(f"expected HANDSHAKE_ACK, got {h.frame_type.name}")
+        body = bytearray(h.payload_len)
+        frames.recv_exact(sock, memoryview(body))
+        peer_layout, peer_epoch, error = frames.decode_handshake(bytes(body))
+        if error is not None:
+            raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]} refused: {error}")
+        msg = self.layout.mismatch(peer_layout)
+        if msg is not None:
+            raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]}: {msg}")
+        conn.peer_epoch = peer_epoch
+        logger.debug("connected to decode worker %s:%d epoch %d", addr[0], addr[1], peer_epoch)
+
+    @staticmethod
+    def _drop(conn: _SendConn) -> None:
+        if conn.sock is not None:
+            try:
+                conn.sock.close()
+            except OSError as e:  # already broken; nothing left to release
+                logger.debug("closing KV sender socket: %s", e)
+        conn.sock = None
+        conn.peer_epoch = None
+

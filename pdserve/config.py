@@ -1,0 +1,84 @@
+"""Cluster configuration: one frozen dataclass per component, composed in ClusterConfig."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .engine.config import CacheConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Settings of one prefill or decode worker process."""
+
+    model: str = "default"           # HF dir, .gguf file, or "default" (SmolLM2-135M-Instruct)
+    device: str = "cpu"
+    dtype: str = "float32"           # the CPU reference (HF fp32) is what fidelity is checked on
+    num_kv_blocks: int = 1024        # 16-token blocks; SmolLM2 fp32: 0.7 MiB each
+    block_size: int = 16             # tokens per KV block
+    num_threads: int = 1             # torch intra-op threads (pin compute to the cores it owns)
+    transport: str = "tcp"
+    host: str = "127.0.0.1"          # address the KV transport binds and advertises
+    max_batch_size: int = 256        # decode: running requests per step
+    max_num_batched_tokens: int = 2048  # prefill: prompt tokens per batch (varlen)
+    lease_s: float = 60.0            # decode: how long a reservation waits for prefill's KV
+    log_level: str = "WARNING"
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(_DTYPES)}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads={self.num_threads}: need at least 1")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be "
+                             f">= block_size={self.block_size}")
+        if self.lease_s <= 0:
+            raise ValueError(f"lease_s={self.lease_s}: must be > 0 seconds")
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(self.num_kv_blocks, self.block_size, _DTYPES[self.dtype], self.device)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051                # 0 picks a free port (tests)
+    reserve_timeout_s: float = 30.0  # how long a request waits for decode KV space
+    request_timeout_s: float = 600.0  # upper bound when the client sets no gRPC deadline
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    prefill: WorkerConfig = field(default_factory=WorkerConfig)
+    decode: WorkerConfig = field(default_factory=WorkerConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    num_prefill_workers: int = 1
+    num_decode_workers: int = 1
+    ray_address: str | None = None   # None: start a local Ray instance; "auto": join one
+
+    def __post_init__(self):
+        if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
+            raise ValueError("need at least one prefill and one decode worker "
+                             f"(got {self.num_prefill_workers} and {self.num_decode_workers})")
+        if self.prefill.model != self.decode.model:
+            raise ValueError("prefill and decode workers must serve the same model")
+
+    @classmethod
+    def local(cls, model: str = "default", *, prefill_workers: int = 1, decode_workers: int = 1,
+              transport: str = "tcp", host: str = "127.0.0.1", port: int = 50051,
+              prefill_blocks: int = 512, decode_blocks: int = 1024,
+              threads_per_worker: int | None = None, **worker_kw) -> "ClusterConfig":
+        """A one-box cluster: cores split evenly among workers unless told otherwise."""
+        n = prefill_workers + decode_workers
+        threads = threads_per_worker or max(1, (os.cpu_count() or 1) // n)
+        base = WorkerConfig(model=model, transport=transport, host=host, num_threads=threads,
+                            **worker_kw)
+        return cls(prefill=replace(base, num_kv_blocks=prefill_blocks),
+                   decode=replace(base, num_kv_blocks=decode_blocks),
+                   router=RouterConfig(host=host, port=port),
+                   num_prefill_workers=prefill_workers, num_decode_workers=decode_workers)

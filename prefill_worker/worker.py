@@ -1,0 +1,207 @@
+"""Prefill worker: a Ray actor that batches prompts, runs full-attention prefill, and
+streams each layer's KV to the decode worker that reserved blocks for it.
+
+Request lifecycle here (see scheduler.py):
+
+    router ── prefill(request_id, token_ids, params, kv_address, epoch) ──▶ queue
+    step thread:  schedule() → ModelRunner.prefill(batch, on_layer_done)
+                  on_layer_done(i): layer i's blocks of every request → send queue
+                  logits of each prompt's last token → sample() → first token → send queue
+    send thread:  KV frames of layer i (while layer i+1 computes), then the done frame
+                  with the first token; then the request's blocks are released and the
+                  router's call returns the first token (TTFT)
+
+A transfer failure fails that one request (the router sees KVTransferError); the
+worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+
+import ray
+
+from ..config import WorkerConfig
+from ..engine.block_pool import BlockPool
+from ..engine.model_runner import ModelRunner, PrefillSeq
+from ..engine.request import RequestState
+from ..engine.sampler import sample
+from ..engine.sampling_params import SamplingParams
+from ..kv_transfer import KVLayout, KVTransferError, make_sender
+from .scheduler import PrefillRequest, PrefillScheduler
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillAborted(RuntimeError):
+    """The request was aborted before its prefill finished."""
+
+
+@dataclass(frozen=True, slots=True)
+class _SendLayers:
+    req: PrefillRequest
+    layer_start: int
+    layer_end: int
+
+
+@dataclass(frozen=True, slots=True)
+class _SendDone:
+    req: PrefillRequest
+    first_token: int | None          # None: the prefill failed; release only
+
+
+class PrefillWorker:
+    """Ray actor (see cluster.py); methods are called by the router."""
+
+    def __init__(self, worker_id: str, config: WorkerConfig):
+        logging.basicConfig(level=config.log_level)
+        self.worker_id, self.config = worker_id, config
+        self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads)
+        self.num_layers = self.runner.config.num_layers
+        self.pool = BlockPool(self.runner.cache_config.num_blocks)
+        self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
+                                          config.max_num_batched_tokens)
+        layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)
+        self.sender = make_sender(config.transport, self.runner.kv_cache, layout)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sends: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._step_loop, name="prefill-step", daemon=True),
+                         threading.Thread(target=self._send_loop, name="prefill-send", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # --- RPCs -------------------------------------------------------------------------
+
+    async def ready(self) -> dict:
+        self._loop = asyncio.get_running_loop()
+        return {"worker_id": self.worker_id, "num_blocks": self.pool.num_blocks}
+
+    async def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                      kv_address: tuple[str, int], epoch: int) -> int:
+        """Prefill `token_ids` into the decode worker's reserved blocks at `kv_address`.
+
+        Returns the first sampled token once every KV frame and the done frame are sent.
+        Raises:
+            ValueError: the prompt does not fit this worker's block pool.
+            KVTransferError: sending to the decode worker failed.
+            PrefillAborted: abort(request_id) was called first.
+        """
+        self._loop = asyncio.get_running_loop()
+        req = PrefillRequest(request_id, list(token_ids), params, tuple(kv_address), epoch,
+                             future=self._loop.create_future())
+        self.scheduler.add(req)
+        self._wake.set()
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            self._abort(request_id)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        self._abort(request_id)
+
+    async def status(self) -> dict:
+        running, waiting = self.scheduler.counts()
+        return {"worker_id": self.worker_id, "role": "prefill", "pid": os.getpid(),
+                "node_ip": ray.util.get_node_ip_address(), "state": "ready",
+                "kv_blocks_total": self.pool.num_blocks, "kv_blocks_free": self.pool.num_free,
+                "running_requests": running, "waiting_requests": waiting,
+                "queued_tokens": self.scheduler.queued_tokens(), "epoch": 0, "kv_address": ""}
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._sends.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+        self.sender.close()
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _abort(self, request_id: str) -> None:
+        queued = self.scheduler.abort(request_id)
+        if queued is not None:
+            self._resolve(queued, error=PrefillAborted(f"request {request_id} aborted"))
+
+    def _resolve(self, req: PrefillRequest, result: int | None = None,
+                 error: BaseException | None = None) -> None:
+        def set_():
+            if not req.future.done():
+                if error is not None:
+                    req.future.set_exception(error)
+                else:
+                    req.future.set_result(result)
+        self._loop.call_soon_threadsafe(set_)
+
+    # --- threads ------------------------------------------------------------------------
+
+    def _step_loop(self) -> None:
+        while not self._stop.is_set():
+            batch = self.scheduler.schedule()
+            if not batch:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+
+            def on_layer_done(i: int) -> None:
+                for r in batch:
+                    self._sends.put(_SendLayers(r, i, i + 1))
+
+            try:
+                logits = self.runner.prefill(
+                    [PrefillSeq(r.token_ids, r.block_table) for r in batch], on_layer_done)
+                tokens = sample(logits, [r.params for r in batch], [0] * len(batch))
+            except Exception as e:  # a model fault fails this batch, not the worker
+                logger.exception("prefill batch of %d failed", len(batch))
+                for r in batch:
+                    r.error = f"prefill failed: {e}"
+                tokens = [None] * len(batch)
+            for r, tok in zip(batch, tokens):
+                r.state = RequestState.SENDING_KV
+                self._sends.put(_SendDone(r, tok))
+
+    def _send_loop(self) -> None:
+        while (task := self._sends.get()) is not None:
+            req = task.req
+            try:
+                if isinstance(task, _SendLayers):
+                    if not (req.aborted or req.error):
+                        self.sender.send_layers(req.kv_address, req.request_id, req.epoch,
+                                                task.layer_start, task.layer_end, req.block_table)
+                    continue
+                if req.aborted or req.error or task.first_token is None:
+                    if not req.error:
+                        req.error = f"request {req.request_id} aborted"
+                    self._try_send_abort(req)
+                else:
+                    self.sender.send_done(req.kv_address, req.request_id, req.epoch,
+                                          task.first_token, self.num_layers)
+            except KVTransferError as e:
+                req.error = f"KV transfer to {req.kv_address[0]}:{req.kv_address[1]} failed: {e}"
+                logger.warning("%s: %s", req.request_id, req.error)
+                if isinstance(task, _SendLayers):
+                    continue      # the request's _SendDone, still queued, releases it
+            self._finish(req, task.first_token)
+
+    def _try_send_abort(self, req: PrefillRequest) -> None:
+        try:
+            self.sender.send_abort(req.kv_address, req.request_id, req.epoch, req.error)
+        except KVTransferError as e:
+            logger.debug("abort frame for %s not sent: %s", req.request_id, e)
+
+    def _finish(self, req: PrefillRequest, first_token: int | None) -> None:
+        if req.error is None:
+            self.scheduler.release(req, RequestState.FINISHED_STOPPED)
+            self._resolve(req, result=first_token)
+            return
+        self.scheduler.release(req, RequestState.FINISHED_ERROR if not req.aborted
+                               else RequestState.FINISHED_ABORTED)
+        err = PrefillAborted(req.error) if req.aborted else KVTransferError(req.error)
+        self._resolve(req, error=err)

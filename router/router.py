@@ -1,0 +1,255 @@
+"""Router: a Ray actor hosting the gRPC front end and dispatching each request.
+
+Lifecycle of one Generate call (ARCHITECTURE.md, "Request lifecycle"):
+
+    validate + tokenize (chat template for messages)
+    pick decode worker D (fewest active requests, then most free blocks) → reserve
+        (no room anywhere: retry until reserve_timeout_s, then RESOURCE_EXHAUSTED)
+    pick prefill worker P (fewest queued prompt tokens) → prefill into D's blocks
+    P returns the first token → stream it (TTFT)
+    relay D's token events, detokenized; stop strings end the request here
+    finish / cancel / error: abort on P and D, so every block is released
+
+Nothing waits without a deadline: the gRPC deadline (or request_timeout_s) bounds the
+whole call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from ..config import ClusterConfig
+from ..engine.block_pool import blocks_needed
+from ..engine.loader import resolve_model
+from ..engine.request import TokenEvent
+from ..engine.sampling_params import InvalidRequestError
+from ..proto import pdserve_pb2 as pb
+from . import validation
+from .detokenizer import Detokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(Exception):
+    """A request-scoped failure carrying the gRPC status to end the call with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(eq=False)
+class _Worker:
+    handle: object          # Ray actor handle
+    worker_id: str
+    num_blocks: int
+    load: int = 0           # prefill: queued prompt tokens; decode: active requests
+    free_blocks: int = 0    # decode: last known
+
+
+class Router:
+    """Ray actor. `start()` serves gRPC on the actor's event loop until `stop()`."""
+
+    def __init__(self, config: ClusterConfig, prefill: list, decode: list):
+        from transformers import AutoConfig, AutoTokenizer
+
+        from ..engine.config import ModelConfig
+
+        logging.basicConfig(level=config.prefill.log_level)
+        self.config = config
+        model_dir = resolve_model(config.prefill.model)
+        self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model_name = str(config.prefill.model)
+        self._prefill_handles, self._decode_handles = prefill, decode
+        self.prefill: list[_Worker] = []
+        self.decode: list[_Worker] = []
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> int:
+        """Wait for every worker, then serve. Returns the bound gRPC port."""
+        from .service import build_server
+
+        infos = await asyncio.gather(*(h.ready.remote() for h in self._prefill_handles))
+        self.prefill = [_Worker(h, i["worker_id"], i["num_blocks"])
+                        for h, i in zip(self._prefill_handles, infos)]
+        infos = await asyncio.gather(*(h.ready.remote() for h in self._decode_handles))
+        self.decode = [_Worker(h, i["worker_id"], i["num_blocks"], free_blocks=i["num_blocks"])
+                       for h, i in zip(self._decode_handles, infos)]
+        rc = self.config.router
+        self._server, port = build_server(self, f"{rc.host}:{rc.port}")
+        await self._server.start()
+        logger.info("router serving gRPC on %s:%d", rc.host, port)
+        return port
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+
+    # --- Generate -------------------------------------------------------------------
+
+    async def generate(self, req: pb.GenerateRequest, deadline_s: float | None
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        """Serve one request as a stream of GenerateResponse.
+
+        Raises:
+            InvalidRequestError: bad input (→ INVALID_ARGUMENT).
+            RequestError: capacity, worker or transfer failure, with its status.
+        """
+        cfg = self.model_config
+        client_id = validation.request_id(req)
+        ids = validation.prompt_token_ids(req, self.tokenizer, cfg.vocab_size, cfg.max_model_len)
+        params = validation.sampling_params(req, len(ids), cfg.max_model_len)
+        self._check_fits(len(ids), params.max_tokens)
+        rid = client_id or uuid.uuid4().hex
+        internal_id = f"{rid}#{uuid.uuid4().hex[:8]}"   # unique even if clients reuse ids
+        deadline = time.monotonic() + (deadline_s or self.config.router.request_timeout_s)
+
+        d, res = await self._reserve(internal_id, len(ids), params, deadline)
+        p = min(self.prefill, key=lambda w: w.load)
+        p.load += len(ids)
+        d.load += 1
+        finished = False
+        try:
+            events = d.handle.stream.remote(internal_id)
+            try:
+                first = await asyncio.wait_for(
+                    p.handle.prefill.remote(internal_id, ids, params, res["kv_address"], res["epoch"]),
+                    timeout=max(deadline - time.monotonic(), 0.001))
+            finally:
+                p.load -= len(ids)
+            relay = _Relay(rid, Detokenizer(self.tokenizer, ids, params.stop), len(ids))
+            msg = relay.absorb([TokenEvent(internal_id, (first,))])   # TTFT: at once
+            if msg is not None:
+                yield msg
+            if relay.finish_reason is None:
+                async for ref in _with_deadline(events, deadline):
+                    msg = relay.absorb(await ref)
+                    if msg is not None:
+                        yield msg
+                    if relay.finish_reason is not None:
+                        break
+            if relay.finish_reason is not None:
+                finished = not relay.stopped_here   # else D still runs: abort it below
+                if relay.error:
+                    raise RequestError(grpc.StatusCode.INTERNAL, f"decode failed: {relay.error}")
+                return
+            raise RequestError(grpc.StatusCode.INTERNAL, "decode stream ended without finishing")
+        except asyncio.TimeoutError:
+            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded") from None
+        except RequestError:
+            raise
+        except Exception as e:  # Ray surfaces worker-side errors (transfer, abort, death) here
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{type(e).__name__}: {e}") from e
+        finally:
+            d.load -= 1
+            if not finished:  # cancel, deadline, error, stop string: release P and D now
+                p.handle.abort.remote(internal_id)
+                d.handle.abort.remote(internal_id, "cancelled")
+
+    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        bs = self.config.decode.block_size
+        need = blocks_needed(prompt_len + max_tokens, bs)
+        most = max(w.num_blocks for w in self.decode)
+        if need > most:
+            raise InvalidRequestError(
+                "sampling.max_tokens", f"prompt ({prompt_len}) + max_tokens ({max_tokens}) needs "
+                                       f"{need} KV blocks; the largest decode worker has {most}")
+        if blocks_needed(prompt_len, bs) > max(w.num_blocks for w in self.prefill):
+            raise InvalidRequestError("prompt", f"{prompt_len} tokens exceed every prefill "
+                                                "worker's KV pool")
+
+    async def _reserve(self, rid: str, prompt_len: int, params, deadline: float):
+        """Reserve on the best decode worker with room, waiting for room until a limit."""
+        give_up = min(deadline, time.monotonic() + self.config.router.reserve_timeout_s)
+        delay = 0.01
+        while True:
+            for d in sorted(self.decode, key=lambda w: (w.load, -w.free_blocks)):
+                res = await d.handle.reserve.remote(rid, prompt_len, params)
+                if res is not None:
+                    d.free_blocks = res["free_blocks"]
+                    return d, res
+            if time.monotonic() + delay > give_up:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   "no decode worker has free KV blocks for this request; "
+                                   "retry later or lower max_tokens")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    # --- Admin ------------------------------------------------------------------------
+
+    async def cluster_status(self) -> pb.ClusterStatusResponse:
+        workers = self.prefill + self.decode
+
+        async def one(w: _Worker) -> pb.WorkerStatus:
+            try:
+                s = await asyncio.wait_for(w.handle.status.remote(), timeout=5)
+            except Exception as e:  # dead or hung worker: report it, do not fail the call
+                role = "prefill" if w in self.prefill else "decode"
+                return pb.WorkerStatus(worker_id=w.worker_id, role=role, state=f"dead: {e}"[:200],
+                                       kv_blocks_total=w.num_blocks)
+            return pb.WorkerStatus(**{k: v for k, v in s.items() if k in _STATUS_FIELDS})
+
+        return pb.ClusterStatusResponse(model=self.model_name,
+                                        workers=await asyncio.gather(*map(one, workers)))
+
+
+_STATUS_FIELDS = set(pb.WorkerStatus.DESCRIPTOR.fields_by_name)
+
+
+class _Relay:
+    """Turns decode TokenEvents into GenerateResponses: detokenizes, applies stop
+    strings, counts usage; `finish_reason` is set once the request is over."""
+
+    def __init__(self, request_id: str, detok: Detokenizer, prompt_len: int):
+        self.request_id, self.detok, self.prompt_len = request_id, detok, prompt_len
+        self.num_generated = 0
+        self.finish_reason: str | None = None
+        self.stopped_here = False    # a stop string matched on the router: D still runs
+        self.error: str | None = None
+
+    def absorb(self, events: list[TokenEvent]) -> pb.GenerateResponse | None:
+        tokens, text = [], []
+        for ev in events:
+            for t in ev.token_ids:
+                tokens.append(t)
+                delta = self.detok.step(t)
+                text.append(delta.text)
+                if delta.stopped:
+                    self.finish_reason, self.stopped_here = "stop", True
+                    break
+            if self.finish_reason is None and ev.finish_reason is not None:
+                self.finish_reason, self.error = ev.finish_reason, ev.error
+                text.append(self.detok.flush())
+            if self.finish_reason is not None:
+                break
+        self.num_generated += len(tokens)
+        if self.finish_reason == "error":
+            return None
+        if self.finish_reason is not None:
+            return pb.GenerateResponse(
+                request_id=self.request_id, token_ids=tokens, text="".join(text),
+                finish_reason=self.finish_reason,
+                usage=pb.Usage(prompt_tokens=self.prompt_len, completion_tokens=self.num_generated))
+        if not tokens:
+            return None
+        return pb.GenerateResponse(request_id=self.request_id, token_ids=tokens, text="".join(text))
+
+
+async def _with_deadline(gen, deadline: float):
+    """Iterate a Ray ObjectRefGenerator, each wait bounded by the request deadline."""
+    it = gen.__aiter__()
+    while True:
+        try:
+            ref = await asyncio.wait_for(it.__anext__(), timeout=max(deadline - time.monotonic(), 0.001))
+        except StopAsyncIteration:
+            return
+        yield ref

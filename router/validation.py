@@ -1,0 +1,96 @@
+"""GenerateRequest (proto) → prompt token ids + SamplingParams, validated.
+
+Every rejection is an InvalidRequestError naming the field and the limit; the server
+turns it into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequestError, SamplingParams
+
+MAX_PROMPT_CHARS = 1 << 20      # characters of text/messages accepted before tokenizing
+MAX_MESSAGES = 1024
+MAX_REQUEST_ID_CHARS = 128
+
+
+def prompt_token_ids(req, tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
+    """Token ids of the request's prompt (text, token_ids, or chat messages).
+
+    Raises:
+        InvalidRequestError: no prompt, empty prompt, invalid token id, prompt too long.
+    """
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequestError("prompt", "set one of text, token_ids or messages")
+    if kind == "text":
+        if len(req.text) > MAX_PROMPT_CHARS:
+            raise InvalidRequestError("text", f"at most {MAX_PROMPT_CHARS} characters, "
+                                              f"got {len(req.text)}")
+        ids = tokenizer(req.text)["input_ids"]
+    elif kind == "token_ids":
+        ids = list(req.token_ids.ids)
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError("token_ids", f"token id {bad} is out of range: the "
+                                                   f"vocabulary has {vocab_size} tokens")
+    else:
+        msgs = req.messages.messages
+        if not msgs:
+            raise InvalidRequestError("messages", "at least one message is required")
+        if len(msgs) > MAX_MESSAGES:
+            raise InvalidRequestError("messages", f"at most {MAX_MESSAGES} messages, got {len(msgs)}")
+        if sum(len(m.content) for m in msgs) > MAX_PROMPT_CHARS:
+            raise InvalidRequestError("messages", f"at most {MAX_PROMPT_CHARS} characters in all")
+        if tokenizer.chat_template is None:
+            raise InvalidRequestError("messages", "this model has no chat template; send text")
+        conv = [{"role": m.role, "content": m.content} for m in msgs]
+        try:
+            out = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # jinja raises for roles/orders a template rejects
+            raise InvalidRequestError("messages", f"chat template rejected them: {e}") from e
+        ids = list(out["input_ids"] if hasattr(out, "keys") else out)
+    if not ids:
+        raise InvalidRequestError(kind, "prompt is empty (0 tokens)")
+    if len(ids) >= max_model_len:
+        raise InvalidRequestError(kind, f"prompt has {len(ids)} tokens; the model's context is "
+                                        f"{max_model_len} tokens, leaving none to generate")
+    return ids
+
+
+def sampling_params(req, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """SamplingParams from the request's `sampling` message (defaults as in vLLM).
+
+    max_tokens defaults to min(256, room left in the context); an explicit value that does
+    not fit is an error, not a silent cut.
+    Raises:
+        InvalidRequestError: a parameter out of range (message names it and the limit).
+    """
+    s = req.sampling
+    room = max_model_len - prompt_len
+    if s.HasField("max_tokens"):
+        if s.max_tokens > room:
+            raise InvalidRequestError(
+                "sampling.max_tokens", f"{s.max_tokens} + {prompt_len} prompt tokens exceeds the "
+                                       f"model's context of {max_model_len} tokens")
+        max_tokens = s.max_tokens
+    else:
+        max_tokens = min(DEFAULT_MAX_TOKENS, room)
+    temperature = s.temperature if s.HasField("temperature") else 1.0
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    for name, v in (("temperature", temperature), ("top_p", top_p)):
+        if math.isnan(v):
+            raise InvalidRequestError(f"sampling.{name}", "is NaN")
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+
+
+def request_id(req) -> str | None:
+    """The client's request_id, or None to generate one."""
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
+    return req.request_id or None

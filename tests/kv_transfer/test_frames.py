@@ -1,0 +1,157 @@
+"""Wire format and layout descriptor: no sockets except one socketpair."""
+
+import socket
+import struct
+
+import pytest
+import torch
+
+from pdserve.kv_transfer import KVFrameError, KVLayout, make_receiver, make_sender
+from pdserve.kv_transfer import frames
+from pdserve.kv_transfer.frames import FrameType
+
+LAYOUT = KVLayout("cfg-abc", num_layers=4, num_kv_heads=3, head_dim=8, block_size=4, dtype="float32")
+
+
+def _kv_header(**kw):
+    args = dict(
+        epoch=7,
+        layer_start=1,
+        layer_end=3,
+        num_blocks=5,
+        dtype_code=frames.DTYPE_CODES["float32"],
+        payload_len=LAYOUT.payload_bytes(2, 5),
+    )
+    args.update(kw)
+    return frames.pack_header(FrameType.KV, "req-1", **args)
+
+
+@pytest.mark.parametrize(
+    "ftype, kw",
+    [
+        (FrameType.HANDSHAKE, dict(epoch=3, payload_len=100)),
+        (FrameType.HANDSHAKE_ACK, dict(epoch=2**64 - 1, payload_len=1)),
+        (FrameType.KV, dict(epoch=7, layer_start=1, layer_end=3, num_blocks=5,
+                            dtype_code=frames.DTYPE_CODES["float32"],
+                            payload_len=LAYOUT.payload_bytes(2, 5) + 4, flags=frames.FLAG_CRC32)),
+        (FrameType.DONE, dict(epoch=1, layer_end=4, first_token=12345)),
+        (FrameType.ABORT, dict(epoch=1, payload_len=10)),
+    ],
+)
+def test_header_round_trip(ftype, kw):
+    rid = "" if ftype in (FrameType.HANDSHAKE, FrameType.HANDSHAKE_ACK) else "réq-ü"
+    buf = frames.pack_header(ftype, rid, **kw)
+    assert len(buf) == frames.HEADER_SIZE + len(rid.encode())
+    h = frames.unpack_header(buf, LAYOUT, max_blocks=16)
+    assert h.frame_type == ftype and h.request_id == rid
+    for k, v in kw.items():
+        assert getattr(h, k) == v, k
+    if "first_token" not in kw:
+        assert h.first_token is None
+
+
+def _corrupt(buf, offset, value):
+    b = bytearray(buf)
+    b[offset] = value
+    return bytes(b)
+
+
+@pytest.mark.parametrize(
+    "buf, match",
+    [
+        (_corrupt(_kv_header(), 0, ord("X")), "magic"),
+        (_corrupt(_kv_header(), 4, 99), "version"),
+        (_corrupt(_kv_header(), 5, 42), "frame type"),
+        (_corrupt(_kv_header(), 6, 0x80), "flag"),
+        (_kv_header()[:20], "truncated header"),
+        (_kv_header()[:-2], "truncated request_id"),
+        (_kv_header(payload_len=LAYOUT.payload_bytes(2, 5) + 1), "payload_len"),
+        (_kv_header(flags=frames.FLAG_CRC32), "payload_len"),  # crc flag but no crc bytes
+        (_kv_header(layer_end=5, payload_len=LAYOUT.payload_bytes(4, 5)), "num_layers"),
+        (_kv_header(layer_end=1), "empty"),
+        (_kv_header(num_blocks=0), "num_blocks"),
+        (_kv_header(num_blocks=17, payload_len=LAYOUT.payload_bytes(2, 17)), "exceeds"),
+        (_kv_header(dtype_code=frames.DTYPE_CODES["bfloat16"]), "dtype"),
+        (frames.pack_header(FrameType.DONE, "r", layer_end=4), "first_token"),
+        (frames.pack_header(FrameType.DONE, "r", layer_end=4, first_token=1, payload_len=3), "payload_len"),
+        (frames.pack_header(FrameType.KV, "", num_blocks=1, layer_end=1), "request_id"),
+        (frames.pack_header(FrameType.HANDSHAKE, payload_len=10**9), "HANDSHAKE"),
+        (frames.pack_header(FrameType.ABORT, "r", payload_len=10**6), "ABORT"),
+    ],
+)
+def test_bad_headers_raise(buf, match):
+    with pytest.raises(KVFrameError, match=match):
+        frames.unpack_header(buf, LAYOUT, max_blocks=16)
+
+
+def test_oversize_request_id():
+    with pytest.raises(ValueError, match="256"):
+        frames.pack_header(FrameType.DONE, "x" * 257, first_token=1)
+    # Forge the length field directly: receiver must refuse before reading 60k bytes.
+    raw = bytearray(frames.pack_header(FrameType.DONE, "x", first_token=1))
+    struct.pack_into("<H", raw, 44, 60000)
+    with pytest.raises(KVFrameError, match="request_id length"):
+        frames.unpack_header(bytes(raw))
+
+
+def test_recv_exact_eof_mid_frame():
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b"abc")
+        a.close()
+        buf = bytearray(10)
+        with pytest.raises(KVFrameError, match="3 of 10"):
+            frames.recv_exact(b, memoryview(buf))
+    a, b = socket.socketpair()
+    with a, b:
+        a.close()
+        assert frames.recv_exact(b, memoryview(bytearray(4)), eof_ok=True) is False
+
+
+def test_read_header_from_socket():
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(_kv_header())
+        h = frames.read_header(b, LAYOUT)
+        assert (h.request_id, h.layer_start, h.layer_end, h.num_blocks) == ("req-1", 1, 3, 5)
+
+
+def test_handshake_payload_round_trip():
+    p = frames.encode_handshake(LAYOUT, 9, "nope", ack=True)
+    assert frames.decode_handshake(p) == (LAYOUT, 9, "nope")
+    assert frames.decode_handshake(frames.encode_handshake(LAYOUT, 3, ack=False)) == (LAYOUT, 3, None)
+    with pytest.raises(KVFrameError, match="malformed"):
+        frames.decode_handshake(b"{not json")
+
+
+def test_layout_mismatch_names_fields():
+    other = KVLayout("cfg-abc", 4, 3, 8, block_size=32, dtype="bfloat16")
+    msg = LAYOUT.mismatch(other)
+    assert "block_size: prefill has 4, decode has 32" in msg
+    assert "dtype: prefill has 'float32', decode has 'bfloat16'" in msg
+    assert "num_layers" not in msg
+    assert LAYOUT.mismatch(KVLayout.from_json(LAYOUT.to_json())) is None
+
+
+def test_layout_for_cache_and_validation():
+    kv = torch.zeros(4, 2, 10, 4, 3, 8, dtype=torch.bfloat16)
+    lay = KVLayout.for_cache(kv, "m")
+    assert (lay.num_layers, lay.block_size, lay.num_kv_heads, lay.head_dim, lay.dtype) == (
+        4, 4, 3, 8, "bfloat16")
+    assert lay.payload_bytes(2, 3) == 2 * 2 * 3 * 4 * 3 * 8 * 2
+    with pytest.raises(ValueError, match="block_size"):
+        KVLayout("m", 4, 3, 8, block_size=0, dtype="float32")
+    with pytest.raises(ValueError, match="dtype"):
+        KVLayout("m", 4, 3, 8, 4, dtype="float99")
+    with pytest.raises(ValueError, match="unknown fields"):
+        KVLayout.from_json('{"bogus": 1}')
+    with pytest.raises(ValueError):
+        KVLayout.for_cache(torch.zeros(4, 3, 2), "m")
+
+
+def test_registry_unknown_kind():
+    kv = torch.zeros(4, 2, 10, 4, 3, 8)
+    with pytest.raises(ValueError, match="'tcp'"):
+        make_sender("carrier-pigeon", kv, LAYOUT)
+    with pytest.raises(ValueError, match="valid kinds"):
+        make_receiver("nope", kv, LAYOUT, 0, lambda c: None)

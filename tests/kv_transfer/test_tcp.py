@@ -1,0 +1,360 @@
+"""TCP transport end to end over loopback, sender and receiver in one process."""
+
+import logging
+import random
+import socket
+import threading
+import zlib
+
+import pytest
+import torch
+
+from pdserve.kv_transfer import (
+    KVLayout,
+    KVLayoutMismatch,
+    KVTransferError,
+    TransferState,
+    frames,
+    make_receiver,
+    make_sender,
+)
+from pdserve.kv_transfer.frames import FrameType
+from pdserve.kv_transfer.tcp import THREAD_PREFIX, TcpKVReceiver, TcpKVSender
+
+MODEL = "cfg-test"
+NUM_LAYERS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 4, 3, 8
+EPOCH = 5
+TIMEOUT_S = 5.0  # every wait in this module is bounded by this
+SRC_IDS, DST_IDS = [5, 1, 6], [7, 2, 9]  # non-contiguous, different order on each side
+
+
+def make_cache(num_blocks, dtype=torch.float32, seed=0, block_size=BLOCK_SIZE):
+    g = torch.Generator().manual_seed(seed)
+    shape = (NUM_LAYERS, 2, num_blocks, block_size, HEADS, HEAD_DIM)
+    return torch.randn(shape, generator=g).to(dtype)  # [L, 2, N, bs, H, D]
+
+
+class Completions:
+    """on_complete callback that records every call and lets a test wait for one."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.calls = []
+        self.events = {}
+
+    def _event(self, rid):
+        with self.lock:
+            return self.events.setdefault(rid, threading.Event())
+
+    def __call__(self, c):
+        with self.lock:
+            self.calls.append(c)
+        self._event(c.request_id).set()
+
+    def wait(self, rid):
+        assert self._event(rid).wait(TIMEOUT_S), f"no completion for {rid}"
+        with self.lock:
+            got = [c for c in self.calls if c.request_id == rid]
+        assert len(got) == 1, got
+        return got[0]
+
+    def ids(self):
+        with self.lock:
+            return [c.request_id for c in self.calls]
+
+
+@pytest.fixture
+def env():
+    made = []
+
+    class Env:
+        def receiver(self, kv, epoch=EPOCH, **kw):
+            done = Completions()
+            rx = TcpKVReceiver(
+                kv, KVLayout.for_cache(kv, MODEL), epoch, on_complete=done, io_timeout_s=2.0, **kw
+            )
+            made.append(rx)
+            return rx, rx.start(), done
+
+        def sender(self, kv, **kw):
+            tx = TcpKVSender(
+                kv, KVLayout.for_cache(kv, MODEL), connect_timeout_s=2.0, io_timeout_s=2.0, **kw
+            )
+            made.append(tx)
+            return tx
+
+    yield Env()
+    for obj in made:
+        obj.close()
+
+
+def send_request(tx, addr, rid, ranges, src_ids=SRC_IDS, epoch=EPOCH, first_token=42, done=True):
+    sent = 0
+    for start, end in ranges:
+        sent += tx.send_layers(addr, rid, epoch, start, end, src_ids)
+    if done:
+        tx.send_done(addr, rid, epoch, first_token, NUM_LAYERS)
+    return sent
+
+
+def assert_copied(src, dst, before, src_ids=SRC_IDS, dst_ids=DST_IDS):
+    u8 = lambda t: t.contiguous().view(torch.uint8)  # bit equality, any dtype
+    assert torch.equal(u8(dst[:, :, dst_ids]), u8(src[:, :, src_ids]))
+    others = [b for b in range(dst.shape[2]) if b not in dst_ids]
+    assert torch.equal(u8(dst[:, :, others]), u8(before[:, :, others]))
+
+
+PER_LAYER = [(i, i + 1) for i in range(NUM_LAYERS)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ranges", [PER_LAYER, [(0, NUM_LAYERS)], [(0, 1), (1, 4)]])
+def test_round_trip(env, dtype, ranges):
+    src, dst = make_cache(8, dtype, seed=1), make_cache(10, dtype, seed=2)
+    before = dst.clone()
+    rx, addr, done = env.receiver(dst)
+    tx = env.sender(src)
+    rx.expect("r1", DST_IDS)
+    assert rx.state("r1") == TransferState.WAITING
+    sent = send_request(tx, addr, "r1", ranges)
+    c = done.wait("r1")
+    assert (c.ok, c.first_token, c.error) == (True, 42, None)
+    assert sent == KVLayout.for_cache(src, MODEL).payload_bytes(NUM_LAYERS, 3)
+    assert rx.state("r1") == TransferState.DONE
+    assert_copied(src, dst, before)
+
+
+def test_registry_and_checksum_round_trip(env):
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    before = dst.clone()
+    done = Completions()
+    rx = make_receiver("tcp", dst, KVLayout.for_cache(dst, MODEL), EPOCH, done)
+    tx = make_sender("tcp", src, KVLayout.for_cache(src, MODEL), checksum=True)
+    try:
+        addr = rx.start()
+        rx.expect("r1", DST_IDS)
+        send_request(tx, addr, "r1", PER_LAYER)
+        assert done.wait("r1").ok
+        assert_copied(src, dst, before)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_interleaved_requests_one_connection(env):
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    before = dst.clone()
+    rx, addr, done = env.receiver(dst)
+    tx = env.sender(src)
+    rx.expect("a", [7, 2, 9])
+    rx.expect("b", [0, 4])
+    for layer in range(NUM_LAYERS):
+        tx.send_layers(addr, "a", EPOCH, layer, layer + 1, [5, 1, 6])
+        tx.send_layers(addr, "b", EPOCH, layer, layer + 1, [3, 0])
+    tx.send_done(addr, "b", EPOCH, 11, NUM_LAYERS)
+    tx.send_done(addr, "a", EPOCH, 10, NUM_LAYERS)
+    assert done.wait("a").first_token == 10
+    assert done.wait("b").first_token == 11
+    assert_copied(src, dst, before, [5, 1, 6, 3, 0], [7, 2, 9, 0, 4])
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["two-senders", "one-sender-two-threads"])
+def test_parallel_senders(env, shared):
+    srcs = [make_cache(8, seed=s) for s in (1, 3)]
+    if shared:  # both threads go through one sender (one connection) over one cache
+        srcs[1] = srcs[0]
+    dst = make_cache(10, seed=2)
+    before = dst.clone()
+    rx, addr, done = env.receiver(dst)
+    txs = [env.sender(srcs[0])] * 2 if shared else [env.sender(s) for s in srcs]
+    rx.expect("p0", [7, 2, 9])
+    rx.expect("p1", [0, 4, 3])
+    errors = []
+
+    def run(i):
+        try:
+            send_request(txs[i], addr, f"p{i}", PER_LAYER, src_ids=[5, 1, 6], first_token=i)
+        except Exception as e:  # surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+        assert not t.is_alive()
+    assert not errors
+    assert done.wait("p0").ok and done.wait("p1").ok
+    assert torch.equal(dst[:, :, [7, 2, 9]], srcs[0][:, :, [5, 1, 6]])
+    assert torch.equal(dst[:, :, [0, 4, 3]], srcs[1][:, :, [5, 1, 6]])
+    others = [1, 5, 6, 8]
+    assert torch.equal(dst[:, :, others], before[:, :, others])
+
+
+def raw_connect(addr, layout):
+    """A hand-driven client that has done the handshake."""
+    s = socket.create_connection(addr, timeout=TIMEOUT_S)
+    p = frames.encode_handshake(layout, 0, ack=False)
+    s.sendall(frames.pack_header(FrameType.HANDSHAKE, payload_len=len(p)) + p)
+    h = frames.read_header(s)
+    body = bytearray(h.payload_len)
+    frames.recv_exact(s, memoryview(body))
+    assert frames.decode_handshake(bytes(body))[2] is None
+    return s
+
+
+def raw_kv_frame(layout, rid, layer, blocks, crc_delta=0):
+    """KV frame for one layer with a crc32 that is off by ``crc_delta``."""
+    payload = blocks[layer : layer + 1].contiguous().view(torch.uint8).numpy().tobytes()
+    crc = (zlib.crc32(payload) + crc_delta) & 0xFFFFFFFF
+    header = frames.pack_header(
+        FrameType.KV, rid, flags=frames.FLAG_CRC32, epoch=EPOCH, layer_start=layer,
+        layer_end=layer + 1, num_blocks=blocks.shape[2], dtype_code=frames.dtype_code(layout.dtype),
+        payload_len=len(payload) + 4,
+    )
+    return header + payload + crc.to_bytes(4, "little")
+
+
+def test_checksum_corruption_fails_request_and_keeps_serving(env):
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    before = dst.clone()
+    layout = KVLayout.for_cache(dst, MODEL)
+    rx, addr, done = env.receiver(dst)
+    blocks = src[:, :, SRC_IDS]  # [L, 2, 3, bs, H, D]
+    rx.expect("bad", DST_IDS)
+    rx.expect("good", DST_IDS[::-1])
+    with raw_connect(addr, layout) as s:
+        s.sendall(raw_kv_frame(layout, "bad", 0, blocks, crc_delta=1))
+        c = done.wait("bad")
+        assert not c.ok and "checksum" in c.error
+        assert rx.state("bad") == TransferState.FAILED
+        assert torch.equal(dst, before)  # corrupt payload never reached the cache
+        for layer in range(NUM_LAYERS):  # same connection still in sync
+            s.sendall(raw_kv_frame(layout, "good", layer, blocks))
+        s.sendall(frames.pack_header(FrameType.DONE, "good", epoch=EPOCH, layer_end=NUM_LAYERS, first_token=3))
+        assert done.wait("good").ok
+    assert_copied(src, dst, before, SRC_IDS, DST_IDS[::-1])
+
+
+def test_handshake_mismatch_names_field(env):
+    dst = make_cache(10)
+    rx, addr, done = env.receiver(dst)
+    tx = env.sender(make_cache(8, block_size=8))
+    with pytest.raises(KVLayoutMismatch, match="block_size: prefill has 8, decode has 4"):
+        tx.send_layers(addr, "r", EPOCH, 0, 1, [0])
+    # the receiver keeps serving well-matched peers
+    src = make_cache(8, seed=1)
+    before = dst.clone()
+    rx.expect("r2", DST_IDS)
+    send_request(env.sender(src), addr, "r2", PER_LAYER)
+    assert done.wait("r2").ok
+    assert_copied(src, dst, before)
+
+
+def test_unexpected_and_forgotten_frames_are_discarded(env):
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    before = dst.clone()
+    rx, addr, done = env.receiver(dst)
+    tx = env.sender(src)
+    rx.expect("gone", DST_IDS)
+    rx.forget("gone")
+    with pytest.raises(KeyError):
+        rx.state("gone")
+    send_request(tx, addr, "ghost", PER_LAYER)  # never expected
+    send_request(tx, addr, "gone", [(0, NUM_LAYERS)])
+    tx.send_abort(addr, "ghost", EPOCH, "whatever")
+    # a valid request after them on the same connection proves they were read fully
+    rx.expect("real", [0])
+    send_request(tx, addr, "real", PER_LAYER, src_ids=[3])
+    assert done.wait("real").ok
+    assert done.ids() == ["real"]
+    assert torch.equal(dst[:, :, 0], src[:, :, 3])
+    assert torch.equal(dst[:, :, 1:], before[:, :, 1:])
+
+
+def test_stale_epoch_fails(env):
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    before = dst.clone()
+    rx, addr, done = env.receiver(dst)
+    rx.expect("r", DST_IDS)
+    send_request(env.sender(src), addr, "r", PER_LAYER, epoch=EPOCH - 1)
+    c = done.wait("r")
+    assert not c.ok and "stale epoch" in c.error
+    assert torch.equal(dst, before)
+
+
+def test_garbage_connection_is_closed_and_others_unaffected(env, caplog):
+    caplog.set_level(logging.WARNING, logger="pdserve.kv_transfer")
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    before = dst.clone()
+    rx, addr, done = env.receiver(dst)
+    tx = env.sender(src)
+    rx.expect("r", DST_IDS)
+    tx.send_layers(addr, "r", EPOCH, 0, 1, SRC_IDS)  # connection open and mid-request
+    rng = random.Random(0)
+    for junk in (bytes(rng.getrandbits(8) for _ in range(1000)), frames.MAGIC + b"\xff" * 60):
+        with socket.create_connection(addr, timeout=TIMEOUT_S) as g:
+            g.sendall(junk)
+            try:
+                assert g.recv(100) == b""  # receiver hung up on us
+            except ConnectionResetError:
+                pass
+    send_request(tx, addr, "r", [(1, NUM_LAYERS)])
+    assert done.wait("r").ok
+    assert_copied(src, dst, before)
+    assert any("closing KV connection" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "case, ranges, blocks, match",
+    [
+        ("done early", [(0, 1), (1, 2)], SRC_IDS, "2 of 4 layers"),
+        ("block count", [(0, 1)], SRC_IDS[:2], "carries 2 blocks, reservation has 3"),
+        ("duplicate", [(0, 2), (1, 2)], SRC_IDS, "layer 1 received twice"),
+    ],
+)
+def test_inconsistent_frames_fail(env, case, ranges, blocks, match):
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    rx, addr, done = env.receiver(dst)
+    rx.expect("r", DST_IDS)
+    send_request(env.sender(src), addr, "r", ranges, src_ids=blocks)
+    c = done.wait("r")
+    assert not c.ok and match in c.error, c.error
+
+
+def test_abort_and_connection_loss_fail(env):
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    rx, addr, done = env.receiver(dst)
+    tx = env.sender(src)
+    rx.expect("ab", DST_IDS)
+    rx.expect("lost", [0, 1, 3])
+    tx.send_layers(addr, "ab", EPOCH, 0, 1, SRC_IDS)
+    tx.send_abort(addr, "ab", EPOCH, "prefill OOM")
+    c = done.wait("ab")
+    assert not c.ok and "prefill OOM" in c.error
+    tx.send_layers(addr, "lost", EPOCH, 0, 1, SRC_IDS)
+    assert rx.state("lost") == TransferState.TRANSFERRING or done.ids() == ["ab"]
+    tx.close()
+    c = done.wait("lost")
+    assert not c.ok and "connection lost" in c.error
+    with pytest.raises(KVTransferError, match="closed"):
+        tx.send_layers(addr, "lost", EPOCH, 0, 1, SRC_IDS)
+
+
+def test_close_is_idempotent_and_stops_threads(env):
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    rx, addr, done = env.receiver(dst)
+    tx = env.sender(src)
+    rx.expect("pending", DST_IDS)
+    tx.send_layers(addr, "pending", EPOCH, 0, 1, SRC_IDS)
+    ours = lambda: [t.name for t in threading.enumerate() if t.name.startswith(f"{THREAD_PREFIX}-") and t.name.split("-")[2] == str(addr[1])]
+    assert ours()
+    rx.close()
+    rx.close()
+    assert ours() == []
+    c = done.wait("pending")
+    assert not c.ok and "closed" in c.error
+    tx.close()
+    tx.close()
+    with pytest.raises(KVTransferError):  # nothing listens there any more
+        env.sender(src).send_layers(addr, "x", EPOCH, 0, 1, [0])

@@ -59,6 +59,7 @@ class DecodeWorker:
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self.peak_batch_size = 0      # largest decode batch so far (tests prove batching)
         self._thread = threading.Thread(target=self._step_loop, name="decode-step", daemon=True)
         self._thread.start()
 
@@ -119,7 +120,8 @@ class DecodeWorker:
                 "node_ip": ray.util.get_node_ip_address(), "state": "ready",
                 "kv_blocks_total": self.pool.num_blocks, "kv_blocks_free": self.pool.num_free,
                 "running_requests": running, "waiting_requests": waiting,
-                "epoch": self.epoch, "kv_address": f"{host}:{port}"}
+                "epoch": self.epoch, "kv_address": f"{host}:{port}",
+                "peak_batch_size": self.peak_batch_size}
 
     async def shutdown(self) -> None:
         self._stop.set()
@@ -153,6 +155,7 @@ class DecodeWorker:
                 self._wake.clear()
                 continue
             reqs = batch.requests
+            self.peak_batch_size = max(self.peak_batch_size, len(reqs))
             t0 = time.perf_counter()
             logits = runner.decode([
                 DecodeSeq(r.output_ids[-1], r.num_tokens - 1, r.block_table) for r in reqs])

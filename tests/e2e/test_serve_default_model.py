@@ -1,0 +1,185 @@
+"""End to end on the default model (SmolLM2-135M-Instruct): gRPC → router → prefill →
+TCP KV transfer → decode, checked token for token against HF transformers `generate`."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from serving import Served, hf_greedy, start_ray
+
+from pdserve.client import make_request
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.sharegpt import sample_prompts
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def served():
+    start_ray()
+    s = Served()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(served):
+    yield
+    served.assert_all_free()
+
+
+def test_concurrent_real_prompts_match_hf(served):
+    """ShareGPT prompts of different lengths in flight at once: token-identical to HF."""
+    tok = _tokenizer()
+    prompts = sample_prompts(3, max_chars=400) + ["Hi", "The capital of France is",
+                                                  "List three colors:\n1."]
+    n = 24
+    results = served.generate_many(prompts, max_tokens=n, temperature=0)
+    lengths = set()
+    for prompt, (ids, text, reason) in zip(prompts, results):
+        prompt_ids = tok(prompt)["input_ids"]
+        lengths.add(len(prompt_ids))
+        ref = hf_greedy("default", prompt_ids, n)
+        assert ids == ref, f"prompt {prompt[:40]!r}: got {ids}, HF {ref}"
+        assert reason == ("stop" if ref[-1] == 2 and len(ref) < n else "length")
+        assert text == tok.decode(ids, skip_special_tokens=True)
+    assert len(lengths) == len(prompts)          # really different lengths
+    assert max(d["peak_batch_size"] for d in served.decode_status()) > 1  # decode batched them
+
+
+def test_chat_messages_use_chat_template(served):
+    tok = _tokenizer()
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    ids, text, reason = served.generate(messages, max_tokens=16, temperature=0)
+    prompt_ids = list(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                              tokenize=True)["input_ids"])
+    assert ids == hf_greedy("default", prompt_ids, 16)
+    assert text.strip()
+
+
+def test_token_ids_prompt_and_stops(served):
+    tok = _tokenizer()
+    prompt_ids = tok("The capital of France is")["input_ids"]
+    full, _, _ = served.generate(prompt_ids, max_tokens=12, temperature=0, ignore_eos=True)
+    # stop_token_ids: finishes on that token, which is included in token_ids.
+    ids, _, reason = served.generate(prompt_ids, max_tokens=12, temperature=0,
+                                     stop_token_ids=[full[3]])
+    assert ids == full[:full.index(full[3]) + 1] and reason == "stop"
+    # stop string: text ends right before it.
+    text_full = tok.decode(full, skip_special_tokens=True)
+    stop = text_full[8:14]
+    _, text, reason = served.generate(prompt_ids, max_tokens=12, temperature=0, stop=[stop])
+    assert reason == "stop" and text == text_full[:text_full.index(stop)]
+    # max_tokens=1: the prefill worker's token alone.
+    ids, _, reason = served.generate(prompt_ids, max_tokens=1, temperature=0)
+    assert ids == full[:1] and reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(served):
+    kw = dict(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    a = served.generate("Once upon a time", **kw)
+    b = served.generate("Once upon a time", **kw)
+    assert a[0] == b[0]
+
+
+def test_streaming_and_usage(served):
+    msgs = list(served.client.stream(make_request("Tell me a story.", max_tokens=10,
+                                                  temperature=0, ignore_eos=True)))
+    assert len(msgs) >= 2                        # first token streamed on its own (TTFT)
+    assert len(msgs[0].token_ids) == 1
+    assert all(not m.finish_reason for m in msgs[:-1]) and msgs[-1].finish_reason == "length"
+    assert msgs[-1].usage.completion_tokens == 10 == sum(len(m.token_ids) for m in msgs)
+    assert msgs[-1].usage.prompt_tokens == len(_tokenizer()("Tell me a story.")["input_ids"])
+
+
+def test_client_cancel_frees_blocks(served):
+    call = served.client.generator.Generate(
+        make_request("Write a long essay about the sea.", max_tokens=400, temperature=0,
+                     ignore_eos=True), timeout=120)
+    got = [next(call) for _ in range(3)]
+    assert all(m.token_ids for m in got)
+    call.cancel()
+    t0 = time.monotonic()
+    served.assert_all_free(timeout_s=1.0)        # P and D release within 1 s
+    assert time.monotonic() - t0 <= 1.0
+
+
+@pytest.mark.parametrize("request_, field", [
+    (pb.GenerateRequest(), "prompt"),
+    (make_request(""), "text"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids"),
+    (make_request([1, 2, 10**6]), "token_ids"),
+    (make_request("hi " * 9000), "text"),
+    (make_request("hi", max_tokens=9000), "sampling.max_tokens"),
+    (make_request("hi", temperature=-1.0), "sampling.temperature"),
+    (make_request("hi", temperature=float("nan")), "sampling.temperature"),
+    (make_request("hi", top_p=0.0), "sampling.top_p"),
+    (make_request("hi", top_k=-5), "sampling.top_k"),
+    (make_request("hi", max_tokens=0), "sampling.max_tokens"),
+    (make_request("hi", stop=["x"] * 100), "sampling.stop"),
+    (pb.GenerateRequest(messages=pb.ChatMessages()), "messages"),
+])
+def test_bad_requests_get_invalid_argument(served, request_, field):
+    with pytest.raises(grpc.RpcError) as e:
+        served.client.generate(request_)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(field), e.value.details()
+
+
+def test_health_reflection_and_status(served):
+    channel = served.client.channel
+    health = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="pdserve.v1.Generator"), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    resp = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        list_services="")]), timeout=10))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"pdserve.v1.Generator", "pdserve.v1.Admin", "grpc.health.v1.Health"} <= names
+    st = served.client.status()
+    assert {w.role for w in st.workers} == {"prefill", "decode"}
+    assert all(w.state == "ready" and w.pid > 0 for w in st.workers)
+
+
+def test_many_concurrent_clients_with_cancels(served):
+    """Requests joining and leaving the batch, some cancelled mid-stream: no leak, and the
+    survivors still match HF."""
+    tok = _tokenizer()
+    prompts = ["Say something nice.", "Count to ten:", "Why is the sky blue?", "Hello there"]
+    results, errors = {}, []
+
+    def run(i, p):
+        try:
+            call = served.client.generator.Generate(
+                make_request(p, max_tokens=16, temperature=0), timeout=120)
+            ids = []
+            for m in call:
+                ids += m.token_ids
+                if i % 2 and len(ids) >= 4:
+                    call.cancel()
+                    return
+            results[p] = ids
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    for p, ids in results.items():
+        assert ids == hf_greedy("default", tok(p)["input_ids"], 16)
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.loader import resolve_model
+    return AutoTokenizer.from_pretrained(resolve_model("default"))

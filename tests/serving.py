@@ -1,0 +1,85 @@
+"""Test helpers for serving end to end: start a real cluster, call it, check for leaks,
+and compute the HF transformers reference (the correctness oracle)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+import torch
+
+from pdserve.client import Client, make_request
+from pdserve.cluster import Cluster
+from pdserve.config import ClusterConfig
+from pdserve.engine.loader import resolve_model
+
+
+def start_ray() -> None:
+    """One local Ray instance for the test session (clusters reuse it: ~5 s saved each)."""
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, namespace="pdserve-tests",
+                 configure_logging=False, log_to_driver=True)
+
+
+class Served:
+    """A running cluster with a client; `stop()` checks every KV pool is free first."""
+
+    def __init__(self, model: str = "default", **kw):
+        kw.setdefault("prefill_blocks", 256)
+        kw.setdefault("decode_blocks", 256)
+        self.cluster = Cluster(ClusterConfig.local(model, port=0, **kw))
+        self.port = self.cluster.start()
+        self.address = f"127.0.0.1:{self.port}"
+        self.client = Client(self.address, timeout_s=300)
+
+    def generate(self, prompt, **kw):
+        return self.client.generate(make_request(prompt, **kw))
+
+    def generate_many(self, prompts, **kw):
+        """Send all prompts at once (so they share prefill and decode batches)."""
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            return list(ex.map(lambda p: self.generate(p, **kw), prompts))
+
+    def decode_status(self) -> list[dict]:
+        return ray.get([d.status.remote() for d in self.cluster.decode])
+
+    def assert_all_free(self, timeout_s: float = 5.0) -> None:
+        """Every worker's KV blocks are free (polled: frees land asynchronously)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            workers = self.client.status().workers
+            busy = [f"{w.worker_id}: {w.kv_blocks_free}/{w.kv_blocks_total} free, "
+                    f"{w.running_requests} running, {w.waiting_requests} waiting"
+                    for w in workers if w.kv_blocks_free != w.kv_blocks_total
+                    or w.running_requests or w.waiting_requests]
+            if not busy and workers:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError("KV blocks leaked: " + "; ".join(busy))
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        try:
+            self.assert_all_free()
+        finally:
+            self.client.close()
+            self.cluster.stop()
+
+
+@functools.cache
+def _hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model: str, prompt_ids: list[int], max_new_tokens: int,
+              ignore_eos: bool = False) -> list[int]:
+    """HF transformers greedy `generate` on the same weights (fp32, CPU): the oracle."""
+    hf = _hf_model(str(resolve_model(model)))
+    kw = {"min_new_tokens": max_new_tokens} if ignore_eos else {}
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                          do_sample=False, pad_token_id=hf.config.eos_token_id, **kw)
+    return out[0, len(prompt_ids):].tolist()

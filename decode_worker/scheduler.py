@@ -86,6 +86,7 @@ class DecodeScheduler:
         Raises:
             NoFreeBlocksError: the pool cannot hold the request now (nothing taken).
         """
+        assert prompt_len < self.max_model_len, (prompt_len, self.max_model_len)  # router checks
         with self._lock:
             req = self._requests.get(request_id)
             if req is None:

@@ -45,12 +45,22 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         super().__init__()
+        # Tables are computed on CPU even when the module is built under
+        # `torch.device("meta")` (the runner does, to skip random init of the weights).
+        with torch.device("cpu"):
+            cos, sin = self._tables(cfg)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
+
+    @staticmethod
+    def _tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [max_model_len, head_dim] float32 (attention scaling folded in)."""
         hf = cfg.hf_config
         params = getattr(hf, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
         theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
         if rope_type == "default":
-            inv_freq = 1.0 / theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device="cpu") / cfg.head_dim)
+            inv_freq = 1.0 / theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
             scaling = 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -58,12 +68,10 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"rope_type={rope_type!r} is not supported (position-independent "
                                  f"types only: {sorted(set(ROPE_INIT_FUNCTIONS) - {'dynamic'})})")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
-        # Explicit CPU: the module may be built under `torch.device("meta")` (runner).
-        pos = torch.arange(cfg.max_model_len, dtype=torch.float32, device="cpu")
+        pos = torch.arange(cfg.max_model_len, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq.float())                    # (max_len, d/2)
         emb = torch.cat((freqs, freqs), dim=-1)                        # (max_len, d)
-        self.register_buffer("cos", (emb.cos() * scaling).to(device), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scaling).to(device), persistent=False)
+        return emb.cos() * scaling, emb.sin() * scaling
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, h, d], k: [T, h_kv, d], positions: [T] int64 -> rotated q, k."""

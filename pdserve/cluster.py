@@ -57,7 +57,11 @@ class Cluster:
                         .remote(f"prefill-{i}", cfg.prefill) for i in range(cfg.num_prefill_workers)]
         self.router = ray.remote(Router).options(name="router", **opts).remote(
             cfg, self.prefill, self.decode)
-        self.port = ray.get(self.router.start.remote(), timeout=STARTUP_TIMEOUT_S)
+        try:
+            self.port = ray.get(self.router.start.remote(), timeout=STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.stop()         # a worker failed to start: do not leave the others running
+            raise
         return self.port
 
     def stop(self) -> None:

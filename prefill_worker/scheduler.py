@@ -67,10 +67,6 @@ class PrefillScheduler:
         with self._lock:
             while self._waiting:
                 req = self._waiting[0]
-                if req.aborted:
-                    self._waiting.popleft()
-                    self._active.pop(req.request_id, None)
-                    continue
                 n = len(req.token_ids)
                 if batch and tokens + n > self.max_num_batched_tokens:
                     break
@@ -93,6 +89,7 @@ class PrefillScheduler:
             req.aborted = True
             if req.state == RequestState.WAITING:
                 self._active.pop(request_id)
+                self._waiting.remove(req)       # O(queue); keeps counts() exact
                 return req
             return None
 

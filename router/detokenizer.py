@@ -25,7 +25,15 @@ class Detokenizer:
         """`tokenizer`: a transformers fast tokenizer; `prompt_ids` prime the stream so the
         first generated token decodes in context (leading-space handling)."""
         self._tok = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer.backend_tokenizer
-        self._stream = DecodeStream(ids=list(prompt_ids[-8:]), skip_special_tokens=True)
+        # Prime with the prompt's tail so the first token decodes in context, but only up
+        # to a character boundary: a prompt ending mid-character (token_ids continuing a
+        # cut-off generation) would otherwise make the first delta repeat prompt text.
+        window, tail = list(prompt_ids[-8:]), []
+        while window and self._tok.decode(window).endswith("\ufffd"):
+            tail.insert(0, window.pop())
+        self._stream = DecodeStream(ids=window, skip_special_tokens=True)
+        for t in tail:
+            self._stream.step(self._tok, t)   # pending bytes, completed by the output
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._text = ""              # decoded, not yet sent

@@ -1,0 +1,414 @@
+"""decode_worker/scheduler.py: reservation → KV arrival → continuous batch → stops.
+
+No model, no sockets: the tests play the transport (on_kv_complete), the router (abort)
+and the step thread (schedule / update_from_output). Every test ends with the pool free.
+"""
+
+import time
+
+import pytest
+
+from pdserve.decode_worker.scheduler import DecodeBatch, DecodeScheduler
+from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
+from pdserve.engine.request import RequestState, TokenEvent
+from pdserve.engine.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 32
+MAX_MODEL_LEN = 64
+EOS = 2
+EOS_ALT = 3
+LEASE_S = 30.0
+
+
+@pytest.fixture
+def pool():
+    return BlockPool(NUM_BLOCKS)
+
+
+def make_sched(pool, max_model_len=MAX_MODEL_LEN, **kw) -> DecodeScheduler:
+    return DecodeScheduler(pool, BLOCK_SIZE, max_model_len, (EOS, EOS_ALT), **kw)
+
+
+def params(max_tokens=16, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, **kw)
+
+
+def admit(sched, rid, prompt_len=8, first_token=10, **kw):
+    """reserve + KV arrives + schedule; returns the batch."""
+    sched.reserve(rid, prompt_len, params(**kw), LEASE_S)
+    sched.on_kv_complete(rid, True, first_token)
+    return sched.schedule()
+
+
+def ids(batch: DecodeBatch) -> list[str]:
+    return [r.request_id for r in batch.requests]
+
+
+def finish_all(sched):
+    """Abort whatever is left and apply it (the step thread's next schedule)."""
+    for rid in list(sched._requests):
+        sched.abort(rid)
+    sched.schedule()
+    sched.drain_events()
+
+
+# --- reserve ----------------------------------------------------------------------------
+
+def test_reserve_takes_worst_case_and_returns_prompt_blocks(pool):
+    sched = make_sched(pool)
+    prompt_blocks = sched.reserve("a", 10, params(max_tokens=7), LEASE_S)
+    total = blocks_needed(10 + 7, BLOCK_SIZE)            # 5
+    assert len(prompt_blocks) == blocks_needed(10, BLOCK_SIZE) == 3
+    assert pool.num_free == NUM_BLOCKS - total
+    req = sched._requests["a"]
+    assert len(req.block_table) == total
+    assert prompt_blocks == req.block_table[:3]          # in order, a prefix of the table
+    assert req.state == RequestState.WAITING_FOR_REMOTE_KV
+    assert sched.counts() == (0, 1)
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_reserve_is_capped_by_model_context(pool):
+    sched = make_sched(pool, max_model_len=20)
+    sched.reserve("a", 10, params(max_tokens=1000), LEASE_S)
+    assert pool.num_free == NUM_BLOCKS - blocks_needed(20, BLOCK_SIZE)
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_reserve_is_idempotent_per_request_id(pool):
+    sched = make_sched(pool)
+    first = sched.reserve("a", 9, params(max_tokens=4), LEASE_S)
+    free_after_first = pool.num_free
+    again = sched.reserve("a", 9, params(max_tokens=4), LEASE_S)
+    assert again == first
+    assert pool.num_free == free_after_first
+    assert sched.counts() == (0, 1)
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_reserve_when_full_raises_and_takes_nothing(pool):
+    sched = make_sched(pool)
+    sched.reserve("big", 60, params(max_tokens=4), LEASE_S)     # 16 blocks
+    sched.reserve("big2", 50, params(max_tokens=2), LEASE_S)    # 13 blocks
+    assert pool.num_free == 3
+    with pytest.raises(NoFreeBlocksError) as ei:
+        sched.reserve("c", 12, params(max_tokens=4), LEASE_S)   # 4 blocks
+    assert ei.value.requested == 4 and ei.value.free == 3
+    assert pool.num_free == 3
+    assert sched.counts() == (0, 2)
+    assert "c" not in sched._requests
+    # a request the scheduler never took is ignored by later calls
+    sched.on_kv_complete("c", True, 10)
+    sched.abort("c")
+    assert sched.schedule().requests == ()
+    assert sched.drain_events() == []
+    # still fits what is left
+    sched.reserve("d", 4, params(max_tokens=8), LEASE_S)        # 3 blocks
+    assert pool.num_free == 0
+    finish_all(sched)
+    assert pool.all_free()
+
+
+# --- KV arrival and admission --------------------------------------------------------------
+
+def test_kv_complete_then_schedule_runs_request(pool):
+    sched = make_sched(pool)
+    sched.reserve("a", 8, params(), LEASE_S)
+    sched.on_kv_complete("a", True, 11)
+    assert sched.counts() == (0, 1)          # arrived, not admitted until schedule()
+    batch = sched.schedule()
+    assert ids(batch) == ["a"]
+    req = batch.requests[0]
+    assert req.state == RequestState.RUNNING
+    assert req.output_ids == [11] and req.num_tokens == 9
+    assert sched.counts() == (1, 0)
+    assert sched.drain_events() == []
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_schedule_without_arrival_is_empty(pool):
+    sched = make_sched(pool)
+    sched.reserve("a", 8, params(), LEASE_S)
+    assert sched.schedule().requests == ()
+    assert sched.counts() == (0, 1)
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_batch_is_capped_by_max_batch_size(pool):
+    sched = make_sched(pool, max_batch_size=2)
+    for rid in "abc":
+        sched.reserve(rid, 4, params(max_tokens=4), LEASE_S)
+        sched.on_kv_complete(rid, True, 10)
+    batch = sched.schedule()
+    assert ids(batch) == ["a", "b"]
+    assert sched.counts() == (3, 0)
+    sched.update_from_output(batch, [EOS, EOS])
+    assert ids(sched.schedule()) == ["c"]
+    finish_all(sched)
+    assert pool.all_free()
+
+
+# --- update_from_output and stops -------------------------------------------------------------
+
+def test_update_appends_tokens_and_finishes_on_eos(pool):
+    sched = make_sched(pool)
+    batch = admit(sched, "a")
+    events = sched.update_from_output(batch, [20])
+    assert events == [TokenEvent("a", (20,))]
+    batch = sched.schedule()
+    assert batch.requests[0].output_ids == [10, 20]
+    events = sched.update_from_output(batch, [21])
+    assert events == [TokenEvent("a", (21,))]
+    batch = sched.schedule()
+    free_before = pool.num_free
+    events = sched.update_from_output(batch, [EOS])
+    assert events == [TokenEvent("a", (EOS,), "stop")]
+    assert pool.num_free > free_before           # freed at once, on the step thread
+    assert sched.counts() == (0, 0)
+    assert sched.schedule().requests == ()
+    assert pool.all_free()
+
+
+def test_any_of_several_eos_ids_stops(pool):
+    sched = make_sched(pool)
+    batch = admit(sched, "a")
+    assert sched.update_from_output(batch, [EOS_ALT]) == [TokenEvent("a", (EOS_ALT,), "stop")]
+    assert pool.all_free()
+
+
+def test_ignore_eos_keeps_going_until_max_tokens(pool):
+    sched = make_sched(pool)
+    batch = admit(sched, "a", first_token=EOS, max_tokens=3, ignore_eos=True)
+    assert ids(batch) == ["a"]                    # first token EOS did not finish it
+    assert sched.update_from_output(batch, [EOS]) == [TokenEvent("a", (EOS,))]
+    batch = sched.schedule()
+    assert sched.update_from_output(batch, [EOS]) == [TokenEvent("a", (EOS,), "length")]
+    assert pool.all_free()
+
+
+def test_stop_token_ids_stop_even_with_ignore_eos(pool):
+    sched = make_sched(pool)
+    batch = admit(sched, "a", stop_token_ids=(77, 78), ignore_eos=True)
+    assert sched.update_from_output(batch, [5]) == [TokenEvent("a", (5,))]
+    batch = sched.schedule()
+    assert sched.update_from_output(batch, [78]) == [TokenEvent("a", (78,), "stop")]
+    assert pool.all_free()
+
+
+def test_max_tokens_finishes_with_length(pool):
+    sched = make_sched(pool)
+    batch = admit(sched, "a", max_tokens=4)       # first token counts: 3 more
+    got = []
+    for tok in (30, 31, 32):
+        assert ids(batch) == ["a"]
+        got += sched.update_from_output(batch, [tok])
+        batch = sched.schedule()
+    assert got == [TokenEvent("a", (30,)), TokenEvent("a", (31,)),
+                   TokenEvent("a", (32,), "length")]
+    assert batch.requests == ()
+    assert pool.all_free()
+
+
+def test_model_context_limit_finishes_with_length(pool):
+    sched = make_sched(pool, max_model_len=12)
+    batch = admit(sched, "a", prompt_len=9, max_tokens=100)     # room for 3 tokens
+    assert pool.num_free == NUM_BLOCKS - blocks_needed(12, BLOCK_SIZE)
+    assert sched.update_from_output(batch, [40]) == [TokenEvent("a", (40,))]
+    batch = sched.schedule()
+    assert sched.update_from_output(batch, [41]) == [TokenEvent("a", (41,), "length")]
+    assert pool.all_free()
+
+
+@pytest.mark.parametrize("kw, first, reason", [
+    (dict(), EOS, "stop"),
+    (dict(stop_token_ids=(55,)), 55, "stop"),
+    (dict(max_tokens=1), 10, "length"),
+])
+def test_first_token_can_finish_at_admission(pool, kw, first, reason):
+    sched = make_sched(pool)
+    batch = admit(sched, "a", first_token=first, **kw)
+    assert batch.requests == ()
+    assert sched.drain_events() == [TokenEvent("a", (), reason)]
+    assert sched.counts() == (0, 0)
+    assert pool.all_free()
+
+
+def test_events_from_schedule_ride_on_next_update(pool):
+    sched = make_sched(pool)
+    admit(sched, "a")
+    sched.reserve("b", 4, params(), LEASE_S)
+    sched.on_kv_complete("b", True, EOS)
+    batch = sched.schedule()                       # b finishes at admission
+    events = sched.update_from_output(batch, [EOS])
+    assert events == [TokenEvent("b", (), "stop"), TokenEvent("a", (EOS,), "stop")]
+    assert sched.drain_events() == []
+    assert pool.all_free()
+
+
+def test_update_from_output_length_mismatch_raises(pool):
+    sched = make_sched(pool)
+    batch = admit(sched, "a")
+    with pytest.raises(ValueError):
+        sched.update_from_output(batch, [1, 2])
+    finish_all(sched)
+    assert pool.all_free()
+
+
+# --- failures, aborts, leases ------------------------------------------------------------
+
+def test_kv_failure_is_error_event_after_schedule(pool):
+    sched = make_sched(pool)
+    sched.reserve("a", 8, params(), LEASE_S)
+    sched.on_kv_complete("a", False, None, error="peer reset")
+    assert not pool.all_free()                     # only schedule() frees
+    assert sched.drain_events() == []
+    assert sched.schedule().requests == ()
+    assert sched.drain_events() == [TokenEvent("a", (), "error", "peer reset")]
+    assert pool.all_free()
+
+
+def test_kv_failure_without_message_gets_default_error(pool):
+    sched = make_sched(pool)
+    sched.reserve("a", 8, params(), LEASE_S)
+    sched.on_kv_complete("a", False, None)
+    sched.schedule()
+    (ev,) = sched.drain_events()
+    assert ev.finish_reason == "error" and ev.error
+    assert pool.all_free()
+
+
+def test_abort_waiting_request(pool):
+    sched = make_sched(pool)
+    sched.reserve("a", 8, params(), LEASE_S)
+    sched.abort("a")
+    assert not pool.all_free()                     # recorded, applied by schedule()
+    sched.on_kv_complete("a", True, 10)            # KV landing after the abort: not admitted
+    assert sched.schedule().requests == ()
+    assert sched.drain_events() == [TokenEvent("a", (), "cancelled")]
+    assert sched.counts() == (0, 0)
+    assert pool.all_free()
+
+
+def test_abort_running_request(pool):
+    sched = make_sched(pool)
+    batch = admit(sched, "a")
+    sched.update_from_output(batch, [20])
+    sched.abort("a")
+    sched.abort("a", reason="again")               # second abort is a no-op
+    assert not pool.all_free()
+    assert sched.schedule().requests == ()
+    assert sched.drain_events() == [TokenEvent("a", (), "cancelled")]
+    assert pool.all_free()
+
+
+def test_abort_in_flight_frees_blocks_only_at_next_schedule(pool):
+    sched = make_sched(pool)
+    admit(sched, "a")
+    batch = admit(sched, "b")
+    assert ids(batch) == ["a", "b"]
+    free_in_step = pool.num_free
+    sched.abort("a")                               # arrives while the step runs
+    assert pool.num_free == free_in_step
+    events = sched.update_from_output(batch, [20, 21])
+    assert events == [TokenEvent("b", (21,))]      # no token for the aborted row
+    assert batch.requests[0].output_ids == [10]    # and nothing appended to it
+    assert pool.num_free == free_in_step
+    batch = sched.schedule()
+    assert ids(batch) == ["b"]
+    assert pool.num_free > free_in_step
+    assert sched.drain_events() == [TokenEvent("a", (), "cancelled")]
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_abort_of_unknown_request_is_ignored(pool):
+    sched = make_sched(pool)
+    sched.abort("nope")
+    sched.on_kv_complete("nope", True, 1)
+    assert sched.schedule().requests == ()
+    assert sched.drain_events() == []
+    assert pool.all_free()
+
+
+def test_lease_expiry_reclaims_waiting_request(pool):
+    sched = make_sched(pool)
+    t0 = time.monotonic()
+    sched.reserve("a", 8, params(), lease_s=5.0)
+    assert sched.next_lease_deadline() == pytest.approx(t0 + 5.0, abs=1.0)
+    sched.schedule(now=t0 + 1.0)                   # before the deadline: kept
+    assert sched.counts() == (0, 1) and sched.num_reclaimed == 0
+    assert sched.drain_events() == []
+    sched.schedule(now=t0 + 60.0)
+    (ev,) = sched.drain_events()
+    assert ev.request_id == "a" and ev.finish_reason == "error" and "lease" in ev.error
+    assert ev.token_ids == ()
+    assert sched.num_reclaimed == 1
+    assert sched.counts() == (0, 0) and sched.next_lease_deadline() is None
+    # the transport's completion after reclaim is ignored
+    sched.on_kv_complete("a", True, 10)
+    assert sched.schedule().requests == ()
+    assert pool.all_free()
+
+
+def test_lease_does_not_apply_once_running(pool):
+    sched = make_sched(pool)
+    sched.reserve("a", 8, params(), lease_s=1.0)
+    sched.on_kv_complete("a", True, 10)
+    batch = sched.schedule(now=time.monotonic() + 100.0)   # arrived: admitted, not reclaimed
+    assert ids(batch) == ["a"]
+    assert sched.num_reclaimed == 0
+    assert sched.drain_events() == []
+    finish_all(sched)
+    assert pool.all_free()
+
+
+# --- on_release ------------------------------------------------------------------------------
+
+def test_on_release_runs_with_request_id_before_blocks_are_freed(pool):
+    calls = []
+    sched = make_sched(pool, on_release=lambda rid: calls.append((rid, pool.num_free)))
+    sched.reserve("err", 8, params(max_tokens=8), LEASE_S)           # 4 blocks
+    sched.reserve("cancel", 8, params(max_tokens=8), LEASE_S)        # 4 blocks
+    batch = admit(sched, "stop", max_tokens=8)                       # 4 blocks
+    sched.reserve("lease", 8, params(max_tokens=8), lease_s=1.0)     # 4 blocks
+    assert pool.num_free == NUM_BLOCKS - 16
+    sched.on_kv_complete("err", False, None, error="x")
+    sched.abort("cancel")
+
+    sched.schedule(now=time.monotonic() + 10.0)
+    assert [rid for rid, _ in calls] == ["err", "cancel", "lease"]
+    # each call saw the pool before that request's blocks came back
+    assert [free for _, free in calls] == [NUM_BLOCKS - 16, NUM_BLOCKS - 12, NUM_BLOCKS - 8]
+
+    sched.update_from_output(batch, [EOS])
+    assert calls[-1] == ("stop", NUM_BLOCKS - 4)
+    assert len(calls) == 4
+    assert pool.all_free()
+
+
+# --- counts ------------------------------------------------------------------------------------
+
+def test_counts_track_running_and_waiting(pool):
+    sched = make_sched(pool)
+    assert sched.counts() == (0, 0)
+    sched.reserve("w1", 4, params(), LEASE_S)
+    sched.reserve("w2", 4, params(), LEASE_S)
+    admit(sched, "r1")
+    batch = admit(sched, "r2")
+    assert sched.counts() == (2, 2)
+    assert sched.has_work()
+    sched.update_from_output(batch, [EOS, 5])
+    assert sched.counts() == (1, 2)
+    sched.abort("w1")
+    sched.schedule()
+    assert sched.counts() == (1, 1)
+    finish_all(sched)
+    assert sched.counts() == (0, 0)
+    assert not sched.has_work()
+    assert pool.all_free()

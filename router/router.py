@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+import ray
 
 from ..config import ClusterConfig
 from ..engine.block_pool import blocks_needed
@@ -172,11 +173,19 @@ class Router:
         give_up = min(deadline, time.monotonic() + self.config.router.reserve_timeout_s)
         delay = 0.01
         while True:
+            failures = []
             for d in sorted(self.decode, key=lambda w: (w.load, -w.free_blocks)):
-                res = await d.handle.reserve.remote(rid, prompt_len, params)
+                try:
+                    res = await d.handle.reserve.remote(rid, prompt_len, params)
+                except ray.exceptions.RayError as e:   # dead or unreachable: try the next
+                    failures.append(f"{d.worker_id}: {type(e).__name__}")
+                    continue
                 if res is not None:
                     d.free_blocks = res["free_blocks"]
                     return d, res
+            if len(failures) == len(self.decode):
+                raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                   "no decode worker is reachable (" + "; ".join(failures) + ")")
             if time.monotonic() + delay > give_up:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    "no decode worker has free KV blocks for this request; "

@@ -63,9 +63,11 @@ class DecodeBatch:
 class DecodeScheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], max_batch_size: int = 256,
-                 on_release: Callable[[str], None] | None = None):
-        """`on_release(request_id)` runs (under the lock) before a request's blocks
-        return to the pool, so the KV receiver can stop writing into them first."""
+                 on_release: Callable[[str, Callable[[], None]], None] | None = None):
+        """`on_release(request_id, free_blocks)` runs (under the lock) when a request
+        finishes, instead of freeing its blocks here: the KV receiver stops writing into
+        them and calls `free_blocks()` once no write is in flight (KVReceiver.forget),
+        so a block is never reused while prefill's KV still lands in it."""
         self.pool, self.block_size, self.max_model_len = pool, block_size, max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_batch_size = max_batch_size
@@ -177,9 +179,11 @@ class DecodeScheduler:
     def _finish(self, req: DecodeRequest, state: RequestState, emit: bool = True) -> None:
         req.state = state
         del self._requests[req.request_id]
+        blocks = req.block_table
         if self._on_release is not None:
-            self._on_release(req.request_id)
-        self.pool.free(req.block_table)
+            self._on_release(req.request_id, lambda: self.pool.free(blocks))
+        else:
+            self.pool.free(blocks)
         if emit:
             self._events.append(TokenEvent(req.request_id, (), state.finish_reason, req.error))
 

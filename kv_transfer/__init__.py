@@ -37,6 +37,7 @@ __all__ = [
     "RECEIVERS",
     "make_sender",
     "make_receiver",
+    "resolve_transport",
 ]
 
 # name -> "module:Class", module relative to this package. UCX registers here later.
@@ -75,3 +76,26 @@ def make_receiver(
     """Construct (not start) the ``kind`` receiver writing into ``kv``. ValueError for an
     unknown kind."""
     return _load(RECEIVERS, kind, "receiver")(kv, layout, epoch, host, on_complete=on_complete, **kw)
+
+
+def resolve_transport(kind: str) -> str:
+    """Map a `--transport` choice to a registered kind: "auto" picks UCX when ucxx (or
+    ucx-py) is importable, else TCP, and logs one line saying which and why.
+
+    Raises:
+        ValueError: an unknown kind.
+    """
+    if kind != "auto":
+        if kind not in SENDERS:
+            raise ValueError(f"--transport {kind!r}: choose one of {sorted(SENDERS) + ['auto']}")
+        return kind
+    import importlib.util
+    import logging
+
+    found = next((m for m in ("ucxx", "ucp") if importlib.util.find_spec(m) is not None), None)
+    chosen = "ucx" if found and "ucx" in SENDERS else "tcp"
+    logging.getLogger(__name__).warning(
+        "KV transport auto -> %s (%s)", chosen,
+        f"{found} is importable" if chosen == "ucx" else
+        "neither ucxx nor ucx-py is importable; pip install 'pdserve[ucx]' for UCX")
+    return chosen

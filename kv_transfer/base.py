@@ -26,6 +26,7 @@ which is what :class:`KVLayout` describes and the handshake compares.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields
@@ -96,7 +97,7 @@ class KVLayout:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    @property
+    @functools.cached_property
     def kv_bytes_per_block_layer(self) -> int:
         """Bytes of K plus V for one block of one layer."""
         itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
@@ -197,6 +198,12 @@ class KVSender(ABC):
         self.layout = layout
 
     @abstractmethod
+    def connect(self, addr: tuple[str, int]) -> int:
+        """Open (or reuse) the connection to D at ``addr`` and pair: exchange layouts and
+        epochs. Returns D's epoch. Raises KVLayoutMismatch naming every differing field
+        and both values, KVTransferError when D cannot be reached."""
+
+    @abstractmethod
     def send_layers(
         self,
         addr: tuple[str, int],
@@ -265,9 +272,11 @@ class KVReceiver(ABC):
         """Reserve: frames for ``request_id`` are scattered into ``dst_block_ids``."""
 
     @abstractmethod
-    def forget(self, request_id: str) -> None:
-        """Drop a reservation (or a finished record); later frames are discarded and
-        no further write into its blocks happens once this returns."""
+    def forget(self, request_id: str, on_quiescent: Callable[[], None] | None = None) -> None:
+        """Drop a reservation (or a finished record); later frames are discarded.
+        Never blocks: `on_quiescent()` runs once no write into its blocks is in flight
+        (at once, or from the receiving thread when the write in flight ends); only
+        then may D hand those blocks to another request."""
 
     @abstractmethod
     def state(self, request_id: str) -> TransferState:

@@ -17,6 +17,8 @@ so D may hand those blocks to someone else.
 from __future__ import annotations
 
 import logging
+import contextlib
+import functools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from .base import MAX_REQUEST_ID_BYTES, KVCompletion, KVLayout, TransferState
+from . import frames
 from .frames import FrameHeader
 
 logger = logging.getLogger(__name__)
@@ -45,6 +48,16 @@ class Reservation:
     state: TransferState = TransferState.WAITING
     conn_ids: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Two-phase forget: set when forget() found a write in flight; whoever releases
+    # `lock` next runs it (guarded by `meta`), so the blocks go back to D's pool only
+    # once nothing writes into them, and forget() itself never blocks.
+    on_quiescent: Callable[[], None] | None = None
+    meta: threading.Lock = field(default_factory=threading.Lock)
+
+    @functools.cached_property
+    def runs(self) -> list[tuple[int, int]]:
+        """dst blocks as runs of consecutive ids (frames.block_runs)."""
+        return frames.block_runs(self.dst_idx.tolist())
 
     @property
     def num_blocks(self) -> int:
@@ -65,6 +78,7 @@ class ReservationTable:
         self.layout = layout
         self.epoch = epoch
         self._on_complete = on_complete
+        self._host_view = frames.HostCacheView(kv)
         self._lock = threading.Lock()
         self._active: dict[str, Reservation] = {}
         self._finished: OrderedDict[str, TransferState] = OrderedDict()
@@ -102,13 +116,48 @@ class ReservationTable:
                 layers_seen=[False] * self.layout.num_layers,
             )
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, on_quiescent: Callable[[], None] | None = None) -> None:
+        """Stop expecting a request; no later frame writes into its blocks.
+
+        Never blocks. `on_quiescent()` runs once no write into the blocks is in flight:
+        at once when none is, else from the receiving thread when its write ends. D
+        frees the blocks there, so a block is never handed out while still written.
+        """
         with self._lock:
             res = self._active.pop(request_id, None)
             self._finished.pop(request_id, None)
-        if res is not None:
-            with res.lock:  # waits out a scatter in flight into these blocks
-                res.state = TransferState.FAILED
+        if res is None:
+            if on_quiescent is not None:
+                on_quiescent()
+            return
+        with res.meta:
+            res.on_quiescent = on_quiescent
+        if res.lock.acquire(blocking=False):   # no write in flight (or it just ended)
+            res.state = TransferState.FAILED
+            self._release(res)
+        # else: the writer's _release runs on_quiescent
+
+    @contextlib.contextmanager
+    def _hold(self, res: Reservation):
+        """Hold `res.lock` (writes, state changes); on exit run a pending on_quiescent."""
+        res.lock.acquire()
+        try:
+            yield
+        finally:
+            self._release(res)
+
+    @staticmethod
+    def _release(res: Reservation) -> None:
+        forgotten = res.request_id  # for the log line only
+        res.lock.release()
+        with res.meta:
+            cb, res.on_quiescent = res.on_quiescent, None
+        if cb is not None:
+            res.state = TransferState.FAILED
+            try:
+                cb()
+            except Exception:  # a buggy callback must not kill the receiver thread
+                logger.exception("on_quiescent raised for request %s", forgotten)
 
     def state(self, request_id: str) -> TransferState:
         with self._lock:
@@ -143,7 +192,7 @@ class ReservationTable:
                 f"{h.num_blocks} blocks, reservation has {res.num_blocks}",
             )
             return None
-        with res.lock:
+        with self._hold(res):
             res.conn_ids.add(conn_id)
         return res
 
@@ -152,7 +201,7 @@ class ReservationTable:
         (layout dtype, on kv.device) into the reservation's blocks, unless the request
         finished or was forgotten meanwhile, or a layer arrives twice (fails it)."""
         dup = None
-        with res.lock:
+        with self._hold(res):
             if res.state >= TransferState.DONE:
                 logger.debug("request %s finished; dropping KV frame", res.request_id)
                 return
@@ -166,11 +215,39 @@ class ReservationTable:
         if dup is not None:
             self.fail(res, f"layer {dup} received twice")
 
+    def write_layers_direct(self, res: Reservation, h: FrameHeader,
+                            fill: Callable[[list[memoryview]], None]) -> bool | None:
+        """Zero-copy variant of write_layers for a host cache: `fill(regions)` receives
+        the payload straight into the reservation's blocks (regions in wire order, see
+        frames.HostCacheView). Returns True once written; False, without calling
+        `fill`, when the payload must be discarded (request finished or forgotten,
+        duplicate layer); None when the direct path does not apply (CUDA cache, too
+        many block runs): use write_layers with a staged copy. Exceptions from `fill` propagate;
+        the connection's requests then fail through connection_lost()."""
+        regions = self._host_view.regions(h.layer_start, h.layer_end, res.runs)
+        if regions is None:
+            return None
+        dup = None
+        with self._hold(res):
+            if res.state >= TransferState.DONE:
+                logger.debug("request %s finished; dropping KV frame", res.request_id)
+                return False
+            seen = res.layers_seen[h.layer_start : h.layer_end]
+            if any(seen):
+                dup = h.layer_start + seen.index(True)
+            else:
+                fill(regions)
+                res.layers_seen[h.layer_start : h.layer_end] = [True] * h.num_layers
+                res.state = TransferState.TRANSFERRING
+                return True
+        self.fail(res, f"layer {dup} received twice")
+        return False
+
     def on_done(self, h: FrameHeader) -> None:
         res = self._lookup(h.request_id, h.epoch, "DONE")
         if res is None:
             return
-        with res.lock:
+        with self._hold(res):
             missing = [i for i, s in enumerate(res.layers_seen) if not s]
         if missing or h.layer_end != self.layout.num_layers:
             self.fail(
@@ -221,7 +298,7 @@ class ReservationTable:
             self._finished[res.request_id] = new
             while len(self._finished) > MAX_FINISHED_RECORDS:
                 self._finished.popitem(last=False)
-        with res.lock:  # also waits out a scatter in flight before reporting
+        with self._hold(res):  # also waits out a write in flight before reporting
             res.state = new
         if not completion.ok:
             logger.warning("KV transfer of request %s failed: %s", res.request_id, completion.error)

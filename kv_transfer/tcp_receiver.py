@@ -98,8 +98,8 @@ class TcpKVReceiver(KVReceiver):
     def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
         self._table.expect(request_id, dst_block_ids)
 
-    def forget(self, request_id: str) -> None:
-        self._table.forget(request_id)
+    def forget(self, request_id: str, on_quiescent: Callable[[], None] | None = None) -> None:
+        self._table.forget(request_id, on_quiescent)
 
     def state(self, request_id: str) -> TransferState:
         return self._table.state(request_id)
@@ -217,9 +217,9 @@ class _Connection:
                 raise KVFrameError(f"unexpected {h.frame_type.name} frame after handshake")
 
     def _next_header(self) -> FrameHeader | None:
-        # Block without a deadline for the first byte (idle connections are normal),
-        # then bound the rest of the frame so a stalled peer cannot pin this thread.
-        self.sock.settimeout(None)
+        # Wait without a deadline for the first byte (idle connections are normal);
+        # the kernel timeout bounds the rest of the frame, so a stalled peer cannot pin
+        # this thread.
         return frames.read_header(
             self.sock,
             self.layout,
@@ -245,6 +245,7 @@ class _Connection:
         )
         if error is not None:
             raise KVLayoutMismatch(error)
+        frames.set_kernel_timeouts(self.sock, self.rx.io_timeout_s)
         logger.debug("KV connection %d paired (prefill epoch %d)", self.conn_id, peer_epoch)
         return True
 
@@ -259,6 +260,15 @@ class _Connection:
         if res is None:
             self._discard(h.payload_len)
             return
+        if not h.has_crc:
+            # Zero-copy: recv_into the reserved blocks themselves (checksummed frames
+            # are staged, so corrupt bytes never reach the cache).
+            written = self.table.write_layers_direct(
+                res, h, lambda regions: [frames.recv_exact(self.sock, r) for r in regions])
+            if written is False:
+                self._discard(h.payload_len)
+            if written is not None:
+                return
         self.staging = frames.grow_buffer(self.staging, nbytes, self.rx._pinned)
         body = memoryview(self.staging.numpy())[:nbytes]
         frames.recv_exact(self.sock, body)

@@ -66,6 +66,12 @@ class TcpKVSender(KVSender):
         self._lock = threading.Lock()  # guards _conns
         self._conns: dict[tuple[str, int], _SendConn] = {}
         self._closed = False
+        self._host_view = frames.HostCacheView(kv)
+
+    def connect(self, addr: tuple[str, int]) -> int:
+        epoch = []
+        self._with_conn(addr, lambda conn: epoch.append(conn.peer_epoch))
+        return epoch[0]
 
     def send_layers(
         self,
@@ -86,10 +92,15 @@ class TcpKVSender(KVSender):
         if not ids or not all(0 <= b < total for b in ids):
             raise ValueError(f"src_block_ids must be non-empty ids in [0, {total}), got {ids}")
         nbytes = self.layout.payload_bytes(layer_end - layer_start, len(ids))
-        src_idx = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
-        # index_select returns a fresh contiguous tensor, so the bytes below are exactly
-        # the wire payload: [n_layers, 2, n_blocks, block_size, num_kv_heads, head_dim]
-        packed = self.kv[layer_start:layer_end].index_select(2, src_idx)
+        # Zero-copy when the cache is in host memory: each run of consecutive blocks is
+        # one contiguous region per layer and K/V, sent straight from the cache (writev).
+        # Otherwise gather into one fresh contiguous tensor (index_select), which is
+        # exactly the wire payload [n_layers, 2, n_blocks, block_size, heads, head_dim].
+        regions = self._host_view.regions(layer_start, layer_end, frames.block_runs(ids))
+        packed = None
+        if regions is None:
+            src_idx = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
+            packed = self.kv[layer_start:layer_end].index_select(2, src_idx)
         header = frames.pack_header(
             FrameType.KV,
             request_id,
@@ -103,17 +114,22 @@ class TcpKVSender(KVSender):
         )
 
         def send(conn: _SendConn) -> None:
-            if packed.device.type == "cpu":
-                payload = frames.tensor_bytes(packed)
+            if regions is not None:
+                pieces = regions
+            elif packed.device.type == "cpu":
+                pieces = [frames.tensor_bytes(packed)]
             else:
                 conn.host_buf = frames.grow_buffer(conn.host_buf, nbytes, pinned=True)
                 conn.host_buf[:nbytes].copy_(packed.reshape(-1).view(torch.uint8))
-                payload = frames.tensor_bytes(conn.host_buf[:nbytes])
-            assert len(payload) == nbytes, (len(payload), nbytes)
-            conn.sock.sendall(header)
-            conn.sock.sendall(payload)
+                pieces = [frames.tensor_bytes(conn.host_buf[:nbytes])]
+            assert sum(len(p) for p in pieces) == nbytes, (sum(len(p) for p in pieces), nbytes)
+            tail = []
             if self.checksum:
-                conn.sock.sendall(zlib.crc32(payload).to_bytes(frames.CRC_BYTES, "little"))
+                crc = 0
+                for p in pieces:
+                    crc = zlib.crc32(p, crc)
+                tail = [crc.to_bytes(frames.CRC_BYTES, "little")]
+            frames.sendmsg_all(conn.sock, [header, *pieces, *tail])
 
         self._with_conn(addr, send)
         return nbytes
@@ -195,6 +211,7 @@ class TcpKVSender(KVSender):
         if msg is not None:
             raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]}: {msg}")
         conn.peer_epoch = peer_epoch
+        frames.set_kernel_timeouts(sock, self.io_timeout_s)
         logger.debug("connected to decode worker %s:%d epoch %d", addr[0], addr[1], peer_epoch)
 
     @staticmethod

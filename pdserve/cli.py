@@ -10,7 +10,7 @@ import threading
 
 
 def _serve(args) -> int:
-    from .cluster import Cluster
+    from .cluster import Cluster, ClusterStartError
     from .config import ClusterConfig
 
     cfg = ClusterConfig.local(
@@ -26,9 +26,13 @@ def _serve(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     cluster = Cluster(cfg)
     try:
-        port = cluster.start()
+        try:
+            port = cluster.start()
+        except ClusterStartError as e:
+            print(f"pdserve: failed to start: {e}", file=sys.stderr)
+            return 1
         print(f"pdserve ready: gRPC on {args.host}:{port} ({args.prefill_workers} prefill, "
-              f"{args.decode_workers} decode, {args.transport} KV transport)", flush=True)
+              f"{args.decode_workers} decode, {cfg.prefill.transport} KV transport)", flush=True)
         stop.wait()
         print("pdserve: shutting down", flush=True)
     finally:
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=50051)
     s.add_argument("--prefill-workers", type=int, default=1)
     s.add_argument("--decode-workers", type=int, default=1)
-    s.add_argument("--transport", default="tcp", choices=["tcp"])
+    s.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "auto"],
+                   help="KV transport between prefill and decode (auto: UCX when importable)")
     s.add_argument("--address", default=None, help="join this Ray cluster ('auto') instead of "
                                                    "starting a local one")
     s.add_argument("--prefill-kv-blocks", type=int, default=512, help="16-token KV blocks per prefill worker")

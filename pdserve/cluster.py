@@ -20,6 +20,11 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300.0   # first start converts the GGUF (~15 s) and loads weights per worker
 
 
+class ClusterStartError(RuntimeError):
+    """A worker or the router failed to start; the message names the first cause
+    (e.g. a KV layout mismatch between a prefill and a decode worker)."""
+
+
 class Cluster:
     def __init__(self, config: ClusterConfig):
         self.config = config
@@ -59,8 +64,11 @@ class Cluster:
             cfg, self.prefill, self.decode)
         try:
             self.port = ray.get(self.router.start.remote(), timeout=STARTUP_TIMEOUT_S)
-        except BaseException:
+        except BaseException as e:
             self.stop()         # a worker failed to start: do not leave the others running
+            if isinstance(e, ray.exceptions.RayTaskError):
+                cause = e.cause if e.cause is not None else e
+                raise ClusterStartError(f"{type(cause).__name__}: {cause}") from e
             raise
         return self.port
 

@@ -37,6 +37,10 @@ class WorkerConfig:
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be "
                              f">= block_size={self.block_size}")
+        from .kv_transfer import SENDERS
+        if self.transport not in SENDERS:
+            raise ValueError(f"transport={self.transport!r}: choose one of {sorted(SENDERS)} "
+                             "(resolve 'auto' with kv_transfer.resolve_transport first)")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s={self.lease_s}: must be > 0 seconds")
 
@@ -74,6 +78,8 @@ class ClusterConfig:
               prefill_blocks: int = 512, decode_blocks: int = 1024,
               threads_per_worker: int | None = None, **worker_kw) -> "ClusterConfig":
         """A one-box cluster: cores split evenly among workers unless told otherwise."""
+        from .kv_transfer import resolve_transport
+        transport = resolve_transport(transport)
         n = prefill_workers + decode_workers
         threads = threads_per_worker or max(1, (os.cpu_count() or 1) // n)
         base = WorkerConfig(model=model, transport=transport, host=host, num_threads=threads,

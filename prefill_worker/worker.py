@@ -83,6 +83,14 @@ class PrefillWorker:
         self._loop = asyncio.get_running_loop()
         return {"worker_id": self.worker_id, "num_blocks": self.pool.num_blocks}
 
+    async def pair(self, kv_addresses: list[tuple[str, int]]) -> list[int]:
+        """Connect to each decode worker's KV receiver and exchange layouts and epochs.
+
+        Returns the decode workers' epochs. Raises KVLayoutMismatch naming every field
+        that differs (block_size, dtype, model_id, ...) with both values.
+        """
+        return [await asyncio.to_thread(self.sender.connect, tuple(a)) for a in kv_addresses]
+
     async def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
                       kv_address: tuple[str, int], epoch: int) -> int:
         """Prefill `token_ids` into the decode worker's reserved blocks at `kv_address`.

@@ -84,6 +84,10 @@ class Router:
         infos = await asyncio.gather(*(h.ready.remote() for h in self._decode_handles))
         self.decode = [_Worker(h, i["worker_id"], i["num_blocks"], free_blocks=i["num_blocks"])
                        for h, i in zip(self._decode_handles, infos)]
+        # Pair every P with every D now, so a layout mismatch fails `serve` at start
+        # with a message naming the field, not the first request.
+        await asyncio.gather(*(p.handle.pair.remote([i["kv_address"] for i in infos])
+                               for p in self.prefill))
         rc = self.config.router
         self._server, port = build_server(self, f"{rc.host}:{rc.port}")
         await self._server.start()

@@ -358,3 +358,27 @@ def test_close_is_idempotent_and_stops_threads(env):
     tx.close()
     with pytest.raises(KVTransferError):  # nothing listens there any more
         env.sender(src).send_layers(addr, "x", EPOCH, 0, 1, [0])
+
+
+def test_forget_during_a_direct_write_defers_release_until_the_write_ends(env):
+    """A frame half-received straight into the reserved blocks when D forgets the
+    request: forget() returns at once, but the blocks are released (on_quiescent) only
+    after the write ends, so D never hands them to another request mid-write."""
+    dst = torch.zeros(NUM_LAYERS, 2, 12, BLOCK_SIZE, HEADS, HEAD_DIM)
+    layout = KVLayout.for_cache(dst, MODEL)
+    rx, addr, done = env.receiver(dst)
+    rx.expect("r", [3, 4, 5])                        # one run: the zero-copy path
+    s = raw_connect(addr, layout)
+    payload = make_cache(3)[0:1].contiguous().view(torch.uint8).numpy().tobytes()
+    header = frames.pack_header(
+        FrameType.KV, "r", epoch=EPOCH, layer_start=0, layer_end=1, num_blocks=3,
+        dtype_code=frames.dtype_code(layout.dtype), payload_len=len(payload))
+    s.sendall(header + payload[:100])                # the receiver is now mid-write
+    threading.Event().wait(0.3)                      # let it block inside recv_into
+    released = threading.Event()
+    rx.forget("r", released.set)
+    assert not released.is_set()                     # write in flight: not yet
+    s.sendall(payload[100:])
+    assert released.wait(TIMEOUT_S)                  # the write ended: blocks released
+    s.close()
+    assert done.ids() == []                          # forget() never reports a completion

@@ -372,7 +372,12 @@ def test_lease_does_not_apply_once_running(pool):
 
 def test_on_release_runs_with_request_id_before_blocks_are_freed(pool):
     calls = []
-    sched = make_sched(pool, on_release=lambda rid: calls.append((rid, pool.num_free)))
+
+    def on_release(rid, free_blocks):
+        calls.append((rid, pool.num_free))
+        free_blocks()
+
+    sched = make_sched(pool, on_release=on_release)
     sched.reserve("err", 8, params(max_tokens=8), LEASE_S)           # 4 blocks
     sched.reserve("cancel", 8, params(max_tokens=8), LEASE_S)        # 4 blocks
     batch = admit(sched, "stop", max_tokens=8)                       # 4 blocks
@@ -389,6 +394,20 @@ def test_on_release_runs_with_request_id_before_blocks_are_freed(pool):
     sched.update_from_output(batch, [EOS])
     assert calls[-1] == ("stop", NUM_BLOCKS - 4)
     assert len(calls) == 4
+    assert pool.all_free()
+
+
+def test_on_release_defers_freeing_until_the_receiver_is_quiescent(pool):
+    """A KV write still in flight when a request is aborted: its blocks come back only
+    when the receiver says so, never while they may still be written."""
+    deferred = []
+    sched = make_sched(pool, on_release=lambda rid, free_blocks: deferred.append(free_blocks))
+    sched.reserve("r", 8, params(max_tokens=8), LEASE_S)              # 4 blocks
+    sched.abort("r")
+    sched.schedule()
+    assert [e.finish_reason for e in sched.drain_events()] == ["cancelled"]
+    assert pool.num_free == NUM_BLOCKS - 4 and sched.counts() == (0, 0)
+    deferred.pop()()
     assert pool.all_free()
 
 

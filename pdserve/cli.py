@@ -79,6 +79,39 @@ def _status(args) -> int:
     return 0
 
 
+def _bench_transfer(args) -> int:
+    import json
+
+    import torch
+
+    from .bench import transfer
+    torch.set_num_threads(1)   # the receiver process does the same (see bench/transfer.py)
+    kinds = args.transports.split(",")
+    print(f"moving the KV of {args.num_requests} x {args.prompt_tokens}-token prompts "
+          f"(block_size {args.block_size}, {args.repeats} repeats, median) ...", flush=True)
+    results = transfer.run(kinds, args.model, args.num_requests, args.prompt_tokens,
+                           args.block_size, args.repeats)
+    print(transfer.table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(transfer.as_json(results, vars(args) | {"fn": None}), f, indent=2)
+    return 0
+
+
+def _bench_ttft(args) -> int:
+    import json
+
+    from .bench import ttft
+    r = ttft.run(args.prompt_tokens, args.repeats, args.transport, args.model)
+    print(f"prompt {r.prompt_tokens} tokens, {r.transport} KV transport, {r.repeats} repeats "
+          f"(median): prefill alone {r.prefill_s:.3f} s, disaggregated TTFT {r.ttft_s:.3f} s, "
+          f"ratio {r.ratio:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(ttft.as_json(r), f, indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -113,6 +146,25 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="print ClusterStatus as a table")
     st.add_argument("--server", default="127.0.0.1:50051")
     st.set_defaults(fn=_status)
+
+    b = sub.add_parser("bench", help="benchmarks, each against its baseline in the same run")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bt = bsub.add_parser("transfer", help="KV transfer GB/s per transport vs its raw baseline")
+    bt.add_argument("--transports", default="tcp,ucx", help="comma-separated: tcp,ucx")
+    bt.add_argument("--model", default="default", help="geometry source (layers, heads, head_dim)")
+    bt.add_argument("--num-requests", type=int, default=4)
+    bt.add_argument("--prompt-tokens", type=int, default=512)
+    bt.add_argument("--block-size", type=int, default=16)
+    bt.add_argument("--repeats", type=int, default=5)
+    bt.add_argument("--json", default=None, help="write results to this file")
+    bt.set_defaults(fn=_bench_transfer)
+    bf = bsub.add_parser("ttft", help="disaggregated TTFT vs prefill alone on the same worker")
+    bf.add_argument("--prompt-tokens", type=int, default=1024)
+    bf.add_argument("--repeats", type=int, default=5)
+    bf.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "auto"])
+    bf.add_argument("--model", default="default")
+    bf.add_argument("--json", default=None)
+    bf.set_defaults(fn=_bench_ttft)
 
     args = p.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"))

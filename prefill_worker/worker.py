@@ -22,12 +22,14 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import ray
+import torch
 
 from ..config import WorkerConfig
-from ..engine.block_pool import BlockPool
+from ..engine.block_pool import BlockPool, blocks_needed
 from ..engine.model_runner import ModelRunner, PrefillSeq
 from ..engine.request import RequestState
 from ..engine.sampler import sample
@@ -111,6 +113,26 @@ class PrefillWorker:
         except asyncio.CancelledError:
             self._abort(request_id)
             raise
+
+    async def bench_prefill(self, num_tokens: int, seed: int = 0) -> float:
+        """Seconds for one prefill step of `num_tokens` random tokens on this worker
+        (same process, threads and batch path as serving; nothing sent). The baseline
+        of `pdserve bench ttft`.
+
+        Raises:
+            NoFreeBlocksError: the pool cannot hold the prompt now.
+        """
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, self.runner.config.vocab_size, (num_tokens,), generator=g).tolist()
+        blocks = self.pool.allocate(blocks_needed(num_tokens, self.runner.block_size))
+        try:
+            def step() -> float:
+                t0 = time.perf_counter()
+                self.runner.prefill([PrefillSeq(ids, blocks)])
+                return time.perf_counter() - t0
+            return await asyncio.to_thread(step)
+        finally:
+            self.pool.free(blocks)
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)

@@ -1,0 +1,279 @@
+"""`pdserve bench transfer`: KV transfer throughput of each transport against its raw
+baseline, measured in the same run.
+
+For each transport, the KV of `num_requests` prompts of `prompt_tokens` tokens (the
+default model's geometry: layers, KV heads, head_dim, dtype) moves from this process
+(sender) to a spawned receiver process, layer by layer as prefill sends it: pdserve's
+transport (framing, handshake done beforehand, gather from the paged cache, scatter into
+reserved blocks) against the same bytes in the same message sizes through
+- tcp: a raw blocking socket (`sendall` from / `recv_into` into buffers of the full size,
+  so both sides touch as much distinct memory as a real transfer);
+- ucx: raw ucxx `send` / `recv` (pdserve/bench/raw_ucx.py), no framing.
+A run is timed from the first send to the receiver's report that everything arrived
+(every done frame for pdserve; every byte for raw). Repeats are interleaved
+(raw, pdserve, raw, ...) and the median is reported.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import statistics
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..engine.block_pool import blocks_needed
+
+_CTX = mp.get_context("spawn")       # the receiver must not inherit torch/ray state
+_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Geometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    model_id: str
+
+    @classmethod
+    def of_model(cls, model: str, block_size: int, dtype: str = "float32") -> "Geometry":
+        from transformers import AutoConfig
+
+        from ..engine.config import ModelConfig
+        from ..engine.loader import resolve_model
+        c = ModelConfig.from_hf(AutoConfig.from_pretrained(resolve_model(model)))
+        return cls(c.num_layers, c.num_kv_heads, c.head_dim, block_size, dtype, c.model_id)
+
+    def cache(self, num_blocks: int, fill: bool) -> torch.Tensor:
+        """KV cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        dt = getattr(torch, self.dtype)
+        return torch.randn(shape).to(dt) if fill else torch.zeros(shape, dtype=dt)
+
+    def layout(self):
+        from ..kv_transfer import KVLayout
+        return KVLayout(self.model_id, self.num_layers, self.num_kv_heads, self.head_dim,
+                        self.block_size, self.dtype)
+
+    def layer_bytes(self, num_blocks: int) -> int:
+        """Bytes of K and V of one layer for `num_blocks` blocks."""
+        return self.layout().payload_bytes(1, num_blocks)
+
+
+@dataclass(frozen=True)
+class Result:
+    transport: str          # "tcp" | "ucx"
+    bytes: int              # KV payload bytes moved per run
+    seconds: float          # median over repeats
+    gbps: float             # GB/s (1e9 bytes/s)
+    baseline_gbps: float    # raw baseline, same bytes, same run
+    ratio: float            # gbps / baseline_gbps
+    per_request_mib: float
+
+
+# --- receiver process ---------------------------------------------------------------------
+
+def _pdserve_receiver(kind: str, geo: Geometry, num_blocks: int, ctl, out) -> None:
+    import threading
+
+    # One torch thread, like a worker on a shared box: idle OpenMP threads of two
+    # processes spin and starve each other on 2 cores (measured 8x slower).
+    torch.set_num_threads(1)
+
+    from ..kv_transfer import make_receiver
+
+    kv = geo.cache(num_blocks, fill=False)
+    done = {"n": 0, "failed": []}
+    lock, all_done = threading.Lock(), threading.Event()
+    expected = {"n": 0}
+
+    def on_complete(c):
+        with lock:
+            done["n"] += 1
+            if not c.ok:
+                done["failed"].append(c.error)
+            if done["n"] == expected["n"]:
+                all_done.set()
+
+    rx = make_receiver(kind, kv, geo.layout(), epoch=7, on_complete=on_complete)
+    out.put(rx.start())
+    while (cmd := ctl.get()) is not None:
+        rids, tables = cmd
+        with lock:
+            done["n"], done["failed"], expected["n"] = 0, [], len(rids)
+            all_done.clear()
+        for rid, table in zip(rids, tables):
+            rx.expect(rid, table)
+        out.put("ready")
+        ok = all_done.wait(_TIMEOUT_S)
+        out.put(("done", ok, list(done["failed"])))
+        for rid in rids:
+            rx.forget(rid)
+    rx.close()
+
+
+def _raw_socket_receiver(sizes: list[int], out) -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    out.put(srv.getsockname()[:2])
+    conn, _ = srv.accept()
+    # Distinct destination bytes, like a real transfer (one reused small buffer would stay
+    # in CPU cache and flatter the baseline).
+    buf = memoryview(bytearray(sum(sizes)))
+    go = bytearray(1)
+    while conn.recv_into(go, 1) == 1:              # b"g": go; EOF: stop
+        off = 0
+        for n in sizes:
+            view, got = buf[off:off + n], 0
+            off += n
+            while got < n:
+                r = conn.recv_into(view[got:], n - got)
+                if not r:
+                    raise ConnectionError("raw sender closed early")
+                got += r
+        conn.sendall(b"k")                  # delivery acknowledged on the same socket
+    conn.close()
+    srv.close()
+
+
+# --- sender side ----------------------------------------------------------------------------
+
+def _plan(geo: Geometry, num_requests: int, prompt_tokens: int):
+    per_req = blocks_needed(prompt_tokens, geo.block_size)
+    # Requests take consecutive block ranges, as a fresh block pool hands them out.
+    tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(num_requests)]
+    return per_req, tables
+
+
+class _RawTcp:
+    """Raw blocking socket: the same message sizes, no framing, no cache."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes, self.out = sizes, _CTX.Queue()
+        self.proc = _CTX.Process(target=_raw_socket_receiver, args=(sizes, self.out), daemon=True)
+        self.proc.start()
+        self.sock = socket.create_connection(tuple(self.out.get(timeout=_TIMEOUT_S)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.payload = memoryview(torch.randn(sum(sizes) // 4 + 1).numpy()).cast("B")
+
+    def once(self) -> float:
+        self.sock.sendall(b"g")
+        t0 = time.perf_counter()
+        off = 0
+        for n in self.sizes:
+            self.sock.sendall(self.payload[off:off + n])
+            off += n
+        assert self.sock.recv(1) == b"k"
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.join(_TIMEOUT_S)
+
+
+class _RawUcx:
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+
+    def once(self) -> float:
+        from .raw_ucx import raw_ucx_receiver, raw_ucx_sender
+        ports, done = _CTX.Queue(), _CTX.Queue()
+        proc = _CTX.Process(target=raw_ucx_receiver, args=(ports, self.sizes, done), daemon=True)
+        proc.start()
+        try:
+            return raw_ucx_sender("127.0.0.1", ports.get(timeout=_TIMEOUT_S), self.sizes)
+        finally:
+            done.get(timeout=_TIMEOUT_S)
+            proc.join(_TIMEOUT_S)
+
+    def close(self) -> None:
+        pass
+
+
+class _Pdserve:
+    """pdserve's transport: handshake once, then per run every layer of every request
+    (layer-major, as a prefill batch sends) and a done frame each."""
+
+    def __init__(self, kind: str, geo: Geometry, num_requests: int, prompt_tokens: int):
+        from ..kv_transfer import make_sender
+
+        self.kind, self.geo = kind, geo
+        per_req, self.tables = _plan(geo, num_requests, prompt_tokens)
+        num_blocks = per_req * num_requests
+        self.ctl, self.out = _CTX.Queue(), _CTX.Queue()
+        self.proc = _CTX.Process(target=_pdserve_receiver,
+                                 args=(kind, geo, num_blocks, self.ctl, self.out), daemon=True)
+        self.proc.start()
+        self.addr = tuple(self.out.get(timeout=_TIMEOUT_S))
+        self.tx = make_sender(kind, geo.cache(num_blocks, fill=True), geo.layout())
+        self.epoch = self.tx.connect(self.addr)     # pairing handshake: not timed
+
+    def once(self) -> float:
+        rids = [uuid.uuid4().hex for _ in self.tables]
+        self.ctl.put((rids, self.tables))
+        assert self.out.get(timeout=_TIMEOUT_S) == "ready"
+        t0 = time.perf_counter()
+        for layer in range(self.geo.num_layers):
+            for rid, table in zip(rids, self.tables):
+                self.tx.send_layers(self.addr, rid, self.epoch, layer, layer + 1, table)
+        for rid in rids:
+            self.tx.send_done(self.addr, rid, self.epoch, first_token=1,
+                              num_layers_sent=self.geo.num_layers)
+        _, ok, failed = self.out.get(timeout=_TIMEOUT_S)
+        elapsed = time.perf_counter() - t0
+        if not ok or failed:
+            raise RuntimeError(f"{self.kind} transfer failed: {failed or 'timed out'}")
+        return elapsed
+
+    def close(self) -> None:
+        self.ctl.put(None)
+        self.tx.close()
+        self.proc.join(_TIMEOUT_S)
+
+
+def run(transports: list[str], model: str = "default", num_requests: int = 4,
+        prompt_tokens: int = 512, block_size: int = 16, repeats: int = 5,
+        dtype: str = "float32") -> list[Result]:
+    """Measure each transport and its raw baseline; returns one Result per transport.
+
+    Both sides keep one receiver process for all runs and do one untimed warm-up run,
+    then runs alternate raw / pdserve so drift hits both alike; medians are reported.
+    """
+    geo = Geometry.of_model(model, block_size, dtype)
+    per_req, _ = _plan(geo, num_requests, prompt_tokens)
+    sizes = [geo.layer_bytes(per_req)] * (geo.num_layers * num_requests)
+    total = sum(sizes)
+    raw_cls = {"tcp": _RawTcp, "ucx": _RawUcx}
+    results = []
+    for kind in transports:
+        raw, ours = raw_cls[kind](sizes), _Pdserve(kind, geo, num_requests, prompt_tokens)
+        try:
+            raw.once(), ours.once()                      # warm-up, not counted
+            base_t, ours_t = [], []
+            for _ in range(repeats):
+                base_t.append(raw.once())
+                ours_t.append(ours.once())
+        finally:
+            raw.close()
+            ours.close()
+        base, mine = statistics.median(base_t), statistics.median(ours_t)
+        results.append(Result(kind, total, mine, total / mine / 1e9, total / base / 1e9,
+                              base / mine, total / num_requests / 2**20))
+    return results
+
+
+def table(results: list[Result]) -> str:
+    rows = [("transport", "bytes", "seconds", "GB/s", "raw GB/s", "ratio", "MiB/request")]
+    rows += [(r.transport, f"{r.bytes:,}", f"{r.seconds:.4f}", f"{r.gbps:.2f}",
+              f"{r.baseline_gbps:.2f}", f"{r.ratio:.2f}", f"{r.per_request_mib:.1f}")
+             for r in results]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows)
+
+
+def as_json(results: list[Result], config: dict) -> dict:
+    return {"config": config, "results": [asdict(r) for r in results]}

@@ -1,0 +1,38 @@
+"""The benchmark commands run and report what they promise (figures are not asserted:
+speed is judged from the benchmark's own output, never by a timed test)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_transfer_tcp_writes_json(tmp_path):
+    out = tmp_path / "t.json"
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "transfer", "--transports",
+                        "tcp", "--num-requests", "2", "--prompt-tokens", "64", "--repeats", "1",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "ratio" in r.stdout
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["transport"] == "tcp"
+    # 2 requests x 64 tokens x 30 layers x K,V x 3 heads x 64 dims x 4 bytes
+    assert res["bytes"] == 2 * 64 * 30 * 2 * 3 * 64 * 4
+    assert res["gbps"] > 0 and res["baseline_gbps"] > 0
+    assert res["ratio"] == pytest.approx(res["gbps"] / res["baseline_gbps"], rel=1e-6)
+
+
+def test_bench_ttft_reports_ratio(tmp_path):
+    out = tmp_path / "t.json"
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "ttft", "--prompt-tokens",
+                        "64", "--repeats", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["prompt_tokens"] == 64 and res["transport"] == "tcp"
+    assert res["ratio"] == pytest.approx(res["ttft_s"] / res["prefill_s"], rel=1e-6)

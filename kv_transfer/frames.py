@@ -299,14 +299,21 @@ def read_header(
     else:
         # The socket carries kernel timeouts (set_kernel_timeouts): a timeout before the
         # first byte is an idle connection, so keep waiting; after it, the rest of the
-        # frame must arrive within the timeout.
+        # frame must arrive within the timeout. The fixed header comes in one recv.
         while True:
             try:
-                if not recv_exact(sock, mv[:1], eof_ok=eof_ok):
-                    return None
+                got = sock.recv_into(mv[:HEADER_SIZE])
                 break
             except (BlockingIOError, TimeoutError):
                 continue
+        if got == 0:
+            if eof_ok:
+                return None
+            raise KVFrameError("connection closed before a frame header")
+        recv_exact(sock, mv[got:HEADER_SIZE])
+        rid_len = _unpack_fixed(mv[:HEADER_SIZE])[11]
+        recv_exact(sock, mv[HEADER_SIZE : HEADER_SIZE + rid_len])
+        return unpack_header(mv[: HEADER_SIZE + rid_len], layout, max_blocks)
     recv_exact(sock, mv[1:HEADER_SIZE])
     rid_len = _unpack_fixed(mv[:HEADER_SIZE])[11]  # validated before we read that far
     recv_exact(sock, mv[HEADER_SIZE : HEADER_SIZE + rid_len])

@@ -74,6 +74,8 @@ class Result:
     baseline_gbps: float    # raw baseline, same bytes, same run
     ratio: float            # gbps / baseline_gbps
     per_request_mib: float
+    seconds_all: list[float]            # every timed run, in order
+    baseline_seconds_all: list[float]
 
 
 # --- receiver process ---------------------------------------------------------------------
@@ -262,7 +264,7 @@ def run(transports: list[str], model: str = "default", num_requests: int = 4,
             ours.close()
         base, mine = statistics.median(base_t), statistics.median(ours_t)
         results.append(Result(kind, total, mine, total / mine / 1e9, total / base / 1e9,
-                              base / mine, total / num_requests / 2**20))
+                              base / mine, total / num_requests / 2**20, ours_t, base_t))
     return results
 
 

@@ -40,9 +40,10 @@ __all__ = [
     "resolve_transport",
 ]
 
-# name -> "module:Class", module relative to this package. UCX registers here later.
-SENDERS: dict[str, str] = {"tcp": ".tcp:TcpKVSender"}
-RECEIVERS: dict[str, str] = {"tcp": ".tcp:TcpKVReceiver"}
+# name -> "module:Class", module relative to this package. Importing .ucx imports ucxx
+# (or ucx-py), so it happens only when "ucx" is chosen.
+SENDERS: dict[str, str] = {"tcp": ".tcp:TcpKVSender", "ucx": ".ucx:UcxKVSender"}
+RECEIVERS: dict[str, str] = {"tcp": ".tcp:TcpKVReceiver", "ucx": ".ucx:UcxKVReceiver"}
 
 
 def _load(registry: dict[str, str], kind: str, role: str) -> type:

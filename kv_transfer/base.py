@@ -197,6 +197,19 @@ class KVSender(ABC):
         self.kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.layout = layout
 
+    def _check_send(self, layer_start: int, layer_end: int,
+                    src_block_ids: Sequence[int]) -> tuple[list[int], int]:
+        """Validate send_layers arguments; returns (block ids, K/V payload bytes).
+        Raises ValueError naming the bad range or ids."""
+        if not 0 <= layer_start < layer_end <= self.layout.num_layers:
+            raise ValueError(f"layer range [{layer_start}, {layer_end}) not within "
+                             f"[0, {self.layout.num_layers})")
+        ids = [int(b) for b in src_block_ids]
+        total = self.kv.shape[2]
+        if not ids or not all(0 <= b < total for b in ids):
+            raise ValueError(f"src_block_ids must be non-empty ids in [0, {total}), got {ids}")
+        return ids, self.layout.payload_bytes(layer_end - layer_start, len(ids))
+
     @abstractmethod
     def connect(self, addr: tuple[str, int]) -> int:
         """Open (or reuse) the connection to D at ``addr`` and pair: exchange layouts and
@@ -262,25 +275,28 @@ class KVReceiver(ABC):
         self.epoch = epoch
         self.host = host
         self.on_complete = on_complete
+        from .reservations import ReservationTable  # shared state machine of every transport
+        self._table = ReservationTable(kv, layout, epoch, on_complete)
 
     @abstractmethod
     def start(self) -> tuple[str, int]:
         """Start listening; returns the (host, port) senders connect to."""
 
-    @abstractmethod
     def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
-        """Reserve: frames for ``request_id`` are scattered into ``dst_block_ids``."""
+        """Reserve: frames for ``request_id`` are scattered into ``dst_block_ids``.
+        ValueError for bad ids or a re-expect with other blocks."""
+        self._table.expect(request_id, dst_block_ids)
 
-    @abstractmethod
     def forget(self, request_id: str, on_quiescent: Callable[[], None] | None = None) -> None:
         """Drop a reservation (or a finished record); later frames are discarded.
         Never blocks: `on_quiescent()` runs once no write into its blocks is in flight
         (at once, or from the receiving thread when the write in flight ends); only
         then may D hand those blocks to another request."""
+        self._table.forget(request_id, on_quiescent)
 
-    @abstractmethod
     def state(self, request_id: str) -> TransferState:
         """State of an expected request; KeyError if unknown or forgotten."""
+        return self._table.state(request_id)
 
     @abstractmethod
     def close(self) -> None:

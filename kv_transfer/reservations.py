@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from .base import MAX_REQUEST_ID_BYTES, KVCompletion, KVLayout, TransferState
-from . import frames
+from . import frames, host_io
 from .frames import FrameHeader
 
 logger = logging.getLogger(__name__)
@@ -56,8 +56,8 @@ class Reservation:
 
     @functools.cached_property
     def runs(self) -> list[tuple[int, int]]:
-        """dst blocks as runs of consecutive ids (frames.block_runs)."""
-        return frames.block_runs(self.dst_idx.tolist())
+        """dst blocks as runs of consecutive ids (host_io.block_runs)."""
+        return host_io.block_runs(self.dst_idx.tolist())
 
     @property
     def num_blocks(self) -> int:
@@ -78,7 +78,7 @@ class ReservationTable:
         self.layout = layout
         self.epoch = epoch
         self._on_complete = on_complete
-        self._host_view = frames.HostCacheView(kv)
+        self._host_view = host_io.HostCacheView(kv)
         self._lock = threading.Lock()
         self._active: dict[str, Reservation] = {}
         self._finished: OrderedDict[str, TransferState] = OrderedDict()
@@ -219,7 +219,7 @@ class ReservationTable:
                             fill: Callable[[list[memoryview]], None]) -> bool | None:
         """Zero-copy variant of write_layers for a host cache: `fill(regions)` receives
         the payload straight into the reservation's blocks (regions in wire order, see
-        frames.HostCacheView). Returns True once written; False, without calling
+        host_io.HostCacheView). Returns True once written; False, without calling
         `fill`, when the payload must be discarded (request finished or forgotten,
         duplicate layer); None when the direct path does not apply (CUDA cache, too
         many block runs): use write_layers with a staged copy. Exceptions from `fill` propagate;

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import frames
+from . import frames, host_io
 from .base import (
     KVCompletion,
     KVFrameError,
@@ -31,7 +31,6 @@ from .base import (
     TransferState,
 )
 from .frames import FrameHeader, FrameType
-from .reservations import ReservationTable
 from .tcp_sender import set_nodelay
 
 logger = logging.getLogger(__name__)
@@ -61,7 +60,6 @@ class TcpKVReceiver(KVReceiver):
         super().__init__(kv, layout, epoch, host, on_complete=on_complete)
         self.port = port
         self.io_timeout_s = io_timeout_s
-        self._table = ReservationTable(kv, layout, epoch, on_complete)
         self._pinned = kv.device.type == "cuda" and torch.cuda.is_available()
         self._lock = threading.Lock()  # guards the fields below
         self._listen: socket.socket | None = None
@@ -94,15 +92,6 @@ class TcpKVReceiver(KVReceiver):
         t.start()
         logger.info("KV receiver listening on %s:%d (epoch %d)", self.host, self.port, self.epoch)
         return self.host, self.port
-
-    def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
-        self._table.expect(request_id, dst_block_ids)
-
-    def forget(self, request_id: str, on_quiescent: Callable[[], None] | None = None) -> None:
-        self._table.forget(request_id, on_quiescent)
-
-    def state(self, request_id: str) -> TransferState:
-        return self._table.state(request_id)
 
     def close(self, join_timeout_s: float = 5.0) -> None:
         with self._lock:
@@ -245,7 +234,7 @@ class _Connection:
         )
         if error is not None:
             raise KVLayoutMismatch(error)
-        frames.set_kernel_timeouts(self.sock, self.rx.io_timeout_s)
+        host_io.set_kernel_timeouts(self.sock, self.rx.io_timeout_s)
         logger.debug("KV connection %d paired (prefill epoch %d)", self.conn_id, peer_epoch)
         return True
 

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import frames
+from . import frames, host_io
 from .base import KVFrameError, KVLayout, KVLayoutMismatch, KVSender, KVTransferError
 from .frames import FrameType
 
@@ -66,7 +66,7 @@ class TcpKVSender(KVSender):
         self._lock = threading.Lock()  # guards _conns
         self._conns: dict[tuple[str, int], _SendConn] = {}
         self._closed = False
-        self._host_view = frames.HostCacheView(kv)
+        self._host_view = host_io.HostCacheView(kv)
 
     def connect(self, addr: tuple[str, int]) -> int:
         epoch = []
@@ -82,21 +82,12 @@ class TcpKVSender(KVSender):
         layer_end: int,
         src_block_ids: Sequence[int],
     ) -> int:
-        if not 0 <= layer_start < layer_end <= self.layout.num_layers:
-            raise ValueError(
-                f"layer range [{layer_start}, {layer_end}) not within "
-                f"[0, {self.layout.num_layers})"
-            )
-        ids = [int(b) for b in src_block_ids]
-        total = self.kv.shape[2]
-        if not ids or not all(0 <= b < total for b in ids):
-            raise ValueError(f"src_block_ids must be non-empty ids in [0, {total}), got {ids}")
-        nbytes = self.layout.payload_bytes(layer_end - layer_start, len(ids))
+        ids, nbytes = self._check_send(layer_start, layer_end, src_block_ids)
         # Zero-copy when the cache is in host memory: each run of consecutive blocks is
         # one contiguous region per layer and K/V, sent straight from the cache (writev).
         # Otherwise gather into one fresh contiguous tensor (index_select), which is
         # exactly the wire payload [n_layers, 2, n_blocks, block_size, heads, head_dim].
-        regions = self._host_view.regions(layer_start, layer_end, frames.block_runs(ids))
+        regions = self._host_view.regions(layer_start, layer_end, host_io.block_runs(ids))
         packed = None
         if regions is None:
             src_idx = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
@@ -129,7 +120,7 @@ class TcpKVSender(KVSender):
                 for p in pieces:
                     crc = zlib.crc32(p, crc)
                 tail = [crc.to_bytes(frames.CRC_BYTES, "little")]
-            frames.sendmsg_all(conn.sock, [header, *pieces, *tail])
+            host_io.sendmsg_all(conn.sock, [header, *pieces, *tail])
 
         self._with_conn(addr, send)
         return nbytes
@@ -211,7 +202,7 @@ class TcpKVSender(KVSender):
         if msg is not None:
             raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]}: {msg}")
         conn.peer_epoch = peer_epoch
-        frames.set_kernel_timeouts(sock, self.io_timeout_s)
+        host_io.set_kernel_timeouts(sock, self.io_timeout_s)
         logger.debug("connected to decode worker %s:%d epoch %d", addr[0], addr[1], peer_epoch)
 
     @staticmethod

@@ -38,7 +38,6 @@ from .base import (
     TransferState,
 )
 from .frames import FrameHeader, FrameType
-from .reservations import ReservationTable
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +90,6 @@ class UcxKVReceiver(KVReceiver):
         super().__init__(kv, layout, epoch, host, on_complete=on_complete)
         self.port = port
         self.io_timeout_s = io_timeout_s
-        self._table = ReservationTable(kv, layout, epoch, on_complete)
         self._max_blocks = kv.shape[2]
         self._lock = threading.Lock()  # guards the fields below
         self._rt: _ucx.UcxRuntime | None = None
@@ -122,15 +120,6 @@ class UcxKVReceiver(KVReceiver):
             "KV receiver (ucx) listening on %s:%d (epoch %d)", self.host, self.port, self.epoch
         )
         return self.host, self.port
-
-    def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
-        self._table.expect(request_id, dst_block_ids)
-
-    def forget(self, request_id: str, on_quiescent: Callable[[], None] | None = None) -> None:
-        self._table.forget(request_id, on_quiescent)
-
-    def state(self, request_id: str) -> TransferState:
-        return self._table.state(request_id)
 
     def close(self, join_timeout_s: float = 5.0) -> None:
         with self._lock:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Coroutine, Sequence
 import numpy as np
 import torch
 
-from . import frames, ucx as _ucx
+from . import frames, host_io, ucx as _ucx
 from .base import KVFrameError, KVLayout, KVLayoutMismatch, KVSender, KVTransferError
 from .frames import FrameType
 
@@ -104,17 +104,8 @@ class UcxKVSender(KVSender):
         layer_end: int,
         src_block_ids: Sequence[int],
     ) -> int:
-        if not 0 <= layer_start < layer_end <= self.layout.num_layers:
-            raise ValueError(
-                f"layer range [{layer_start}, {layer_end}) not within "
-                f"[0, {self.layout.num_layers})"
-            )
-        ids = [int(b) for b in src_block_ids]
-        total = self.kv.shape[2]
-        if not ids or not all(0 <= b < total for b in ids):
-            raise ValueError(f"src_block_ids must be non-empty ids in [0, {total}), got {ids}")
-        nbytes = self.layout.payload_bytes(layer_end - layer_start, len(ids))
-        runs = frames.block_runs(ids)
+        ids, nbytes = self._check_send(layer_start, layer_end, src_block_ids)
+        runs = host_io.block_runs(ids)
         header = frames.pack_header(
             FrameType.KV,
             request_id,

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from .base import MAX_REQUEST_ID_BYTES, KVCompletion, KVLayout, TransferState
-from . import frames, host_io
+from . import host_io
 from .frames import FrameHeader
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import zlib
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -28,7 +28,6 @@ from .base import (
     KVLayoutMismatch,
     KVReceiver,
     KVTransferError,
-    TransferState,
 )
 from .frames import FrameHeader, FrameType
 from .tcp_sender import set_nodelay

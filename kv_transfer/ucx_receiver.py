@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -35,7 +35,6 @@ from .base import (
     KVLayoutMismatch,
     KVReceiver,
     KVTransferError,
-    TransferState,
 )
 from .frames import FrameHeader, FrameType
 

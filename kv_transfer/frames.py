@@ -365,3 +365,16 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     numpy has no bf16, but a uint8 view of it does)."""
     assert t.device.type == "cpu" and t.is_contiguous(), (t.device, t.is_contiguous())
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def done_header(request_id: str, epoch: int, first_token: int, num_layers_sent: int) -> bytes:
+    """DONE frame (header only): the request's KV is complete; carries P's first token."""
+    return pack_header(FrameType.DONE, request_id, epoch=epoch, layer_end=num_layers_sent,
+                       first_token=first_token)
+
+
+def abort_frame(request_id: str, epoch: int, reason: str) -> tuple[bytes, bytes]:
+    """ABORT frame as (header, UTF-8 reason payload), the reason cut to MAX_REASON_BYTES
+    on a character boundary so the receiver can always decode it."""
+    payload = reason.encode("utf-8")[:MAX_REASON_BYTES].decode("utf-8", "ignore").encode("utf-8")
+    return pack_header(FrameType.ABORT, request_id, epoch=epoch, payload_len=len(payload)), payload

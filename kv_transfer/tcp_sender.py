@@ -133,22 +133,11 @@ class TcpKVSender(KVSender):
         first_token: int,
         num_layers_sent: int,
     ) -> None:
-        header = frames.pack_header(
-            FrameType.DONE,
-            request_id,
-            epoch=epoch,
-            layer_end=num_layers_sent,
-            first_token=first_token,
-        )
+        header = frames.done_header(request_id, epoch, first_token, num_layers_sent)
         self._with_conn(addr, lambda conn: conn.sock.sendall(header))
 
     def send_abort(self, addr: tuple[str, int], request_id: str, epoch: int, reason: str) -> None:
-        # Truncate on a character boundary so the receiver can always decode it.
-        body = reason.encode("utf-8")[: frames.MAX_REASON_BYTES].decode("utf-8", "ignore")
-        payload = body.encode("utf-8")
-        header = frames.pack_header(
-            FrameType.ABORT, request_id, epoch=epoch, payload_len=len(payload)
-        )
+        header, payload = frames.abort_frame(request_id, epoch, reason)
         self._with_conn(addr, lambda conn: conn.sock.sendall(header + payload))
 
     def close(self) -> None:

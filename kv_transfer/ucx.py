@@ -31,39 +31,13 @@ No crc32 over UCX (it would need a device -> host copy): such frames are refused
 
 Why two endpoints: an endpoint created through a listener always has peer error handling
 on (ucxx's listener offers no switch, and both ends must agree), and UCX then leaves out
-every transport without peer-failure support -- sysv, posix and cma among them. Measured
-on a 2-core VM, two processes, 8 x 64 MiB timed from the first send to a 1-byte ack
-(``pdserve/bench/raw_ucx.py``, three runs each, GB/s)::
-
-    settings                                               data lanes        GB/s
-    listener endpoints only (error handling on), any UCX_TLS
-      thread progress + futures                            tcp/lo            0.59-0.72
-      blocking / polling progress                          tcp/lo            0.77-1.07
-      UCX_TLS=sm,self                                      cannot connect (listener needs tcp)
-    worker-address data endpoint (error handling off)
-      thread + futures (the defaults below), UCX_TLS unset sysv, cma         7.08-7.20
-      thread, UCXPY_ENABLE_PYTHON_FUTURE=0                 sysv, cma         4.25-4.65
-      UCXPY_PROGRESS_MODE=blocking                         sysv, cma         7.57-8.38
-      UCXPY_PROGRESS_MODE=polling                          sysv, cma         7.79-8.60
-      UCXPY_PROGRESS_MODE=thread-polling + futures         sysv, cma         5.71-7.29
-      defaults + UCX_TLS=tcp,sm,self                       sysv, cma         6.98-7.93
-      defaults + UCX_TLS=tcp,cma,self                      cma               6.89-7.61
-      defaults + UCX_TLS=tcp,posix,self                    posix             6.47-8.76
-      defaults + UCX_TLS=tcp,sysv,self                     sysv              8.76-9.30
-      defaults + UCX_TLS=tcp,self                          tcp/lo            1.05-1.07
-
-Blocking and polling progress are ~10% faster, but then ucxx awaits every request by
-spinning the event loop: a connected, idle pair costs a whole core (measured 100%, also
-for thread without futures and thread-polling) and contends for the GIL with the worker's
-scheduler; thread progress with Python futures idles at ~1%. Hence the defaults below.
-UCX_TLS is left alone: UCX's own choice already takes shared memory here, and pinning it
-would hide RDMA and cuda_ipc where they exist.
-
-This transport itself, same box: ~3 GB/s with 64 MiB frames (raw 7; the gap is D's copy
-from staging into the blocks and per-message overhead), 0.81 GB/s against raw 1.78 GB/s
-on ``pdserve bench transfer``'s 768 KiB frames (4 requests x 30 layers), where the cost
-is latency -- each message completion crosses ucxx's notifier thread and the event
-loop, ~0.35 ms a hop on this VM -- not bandwidth. TCP does 4.8 GB/s there.
+every transport without peer-failure support -- sysv, posix and cma among them
+(measured on this project's 2-core VM: 0.6-1.1 GB/s over tcp/lo that way, against
+7-9 GB/s over sysv/cma on a worker-address endpoint; the full table of settings, lanes
+and GB/s is in docs/ucx.md). The defaults below are thread progress with Python futures
+(blocking/polling are ~10% faster but an idle pair then burns a whole core); UCX_TLS is
+left alone, since UCX's own choice already takes shared memory here and pinning it would
+hide RDMA and cuda_ipc where they exist.
 
 One event loop per process: with Python futures, ucxx binds its request notifier -- and
 every future it hands out -- to the event loop that created its one process-wide context

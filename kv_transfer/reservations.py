@@ -215,6 +215,41 @@ class ReservationTable:
         if dup is not None:
             self.fail(res, f"layer {dup} received twice")
 
+    def claim_layers(self, res: Reservation, h: FrameHeader) -> bool:
+        """Start a KV frame whose payload arrives in pieces (see write_blocks): marks its
+        layers as arrived now, so a second frame for them fails the request even while
+        this one is still arriving. False when the payload must be discarded: the request
+        finished or was forgotten meanwhile, or a layer arrives twice (fails it)."""
+        with self._hold(res):
+            if res.state >= TransferState.DONE:
+                logger.debug("request %s finished; dropping KV frame", res.request_id)
+                return False
+            seen = res.layers_seen[h.layer_start : h.layer_end]
+            if not any(seen):
+                res.layers_seen[h.layer_start : h.layer_end] = [True] * h.num_layers
+                res.state = TransferState.TRANSFERRING
+                return True
+            dup = h.layer_start + seen.index(True)
+        self.fail(res, f"layer {dup} received twice")
+        return False
+
+    def write_blocks(
+        self, res: Reservation, layer: int, half: int, first: int, data: torch.Tensor
+    ) -> None:
+        """Copy ``data`` [n, block_size, heads, head_dim] (layout dtype, on kv.device) into
+        K (half 0) or V (half 1) of ``layer`` for the reservation's blocks
+        ``first .. first + n - 1`` (indices into its block table), after claim_layers
+        admitted the frame; a no-op once the request finished or was forgotten."""
+        with self._hold(res):
+            if res.state >= TransferState.DONE:
+                return
+            n = data.shape[0]
+            if len(res.runs) == 1:  # one run of blocks: a plain slice of the cache
+                start = res.runs[0][0] + first
+                self.kv[layer, half, start : start + n].copy_(data)
+            else:
+                self.kv[layer, half].index_copy_(0, res.dst_idx[first : first + n], data)
+
     def write_layers_direct(self, res: Reservation, h: FrameHeader,
                             fill: Callable[[list[memoryview]], None]) -> bool | None:
         """Zero-copy variant of write_layers for a host cache: `fill(regions)` receives

@@ -2,8 +2,9 @@
 
 One connection per decode address, opened on first use (control endpoint, handshake,
 data endpoint), then reused under a per-connection lock so a frame's messages stay
-adjacent. A KV payload goes as one message per layer and K/V, handed to UCX from host
-or device memory as it lies (never copied to host here)::
+adjacent. A KV payload goes as messages of whole blocks of one layer's K or V, each at
+most D's slot size (``ucx.payload_chunks``), handed to UCX from host or device memory as
+it lies (never copied to host here)::
 
     one run of blocks:  kv[l, half, first:first + n]                    (zero-copy)
     otherwise:          index_select(kv[layers], 2, src_idx, out=conn.packed)[l, half]
@@ -48,6 +49,7 @@ class _SendConn:
     ctl: Any = None  # ucx Endpoint through D's listener (handshake, liveness)
     data: Any = None  # ucx Endpoint to D's worker address (every frame)
     tag: int = 0  # data_tag D chose: headers under it, payload messages under tag + 1
+    per_chunk: int = 0  # blocks per payload message, from D's slot size
     peer_epoch: int | None = None
     watcher: asyncio.Task | None = None
     broken: str | None = None  # why, once the watcher saw D go away
@@ -88,6 +90,7 @@ class UcxKVSender(KVSender):
         self._lock = threading.Lock()  # guards _conns and _closed
         self._conns: dict[tuple[str, int], _SendConn] = {}
         self._closed = False
+        self._wire = _ucx.wire_view(kv)
         self._rt = _ucx.acquire_runtime()
 
     def connect(self, addr: tuple[str, int]) -> int:
@@ -120,15 +123,15 @@ class UcxKVSender(KVSender):
         def step(conn: _SendConn) -> Coroutine[Any, Any, None]:
             if len(runs) == 1:  # one run of blocks: every piece is a region of the cache
                 first, n = runs[0]
-                src = self.kv[layer_start:layer_end, :, first : first + n]
+                src = self._wire[layer_start:layer_end, :, first : first + n]
             else:
                 self._reap(conn, keep=0)  # conn.packed may still be on its way out
-                src = self._pack(conn, layer_start, layer_end, ids, nbytes)
-            # [n_layers, 2, n_blocks, block_size, num_kv_heads, head_dim]; each [l, kv_half]
-            # is contiguous: one message per layer and K/V, in payload order
-            pieces = [_ucx.ucx_buffer(src[i, half]) for i in range(src.shape[0]) for half in (0, 1)]
-            if src.is_cuda:  # UCX reads device memory on its own streams
-                torch.cuda.current_stream(src.device).synchronize()
+                src = _ucx.wire_view(self._pack(conn, layer_start, layer_end, ids, nbytes))
+            # [n_layers, 2, n_blocks, block bytes]: each [l, half, a:a + n] is contiguous
+            chunks = _ucx.payload_chunks(src.shape[0], src.shape[2], conn.per_chunk)
+            pieces = [src[l, half, a : a + n].reshape(-1) for l, half, a, n in chunks]
+            if self.kv.is_cuda:  # UCX reads device memory on its own streams
+                torch.cuda.current_stream(self.kv.device).synchronize()
             return self._send_frame(conn, conn.generation, header, pieces)
 
         self._with_conn(addr, step, flush=False)
@@ -278,16 +281,15 @@ class UcxKVSender(KVSender):
             raise KVFrameError(f"expected HANDSHAKE_ACK, got {h.frame_type.name}")
         ack = np.zeros(h.payload_len, np.uint8)
         await conn.ctl.recv(ack)
-        peer_layout, peer_epoch, error, address, tag = _ucx.parse_handshake(
-            ack.tobytes(), want_tag=True
-        )
-        if error is not None:
-            raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]} refused: {error}")
-        msg = self.layout.mismatch(peer_layout)
+        hs = _ucx.parse_handshake(ack.tobytes(), ack=True)
+        if hs.error is not None:
+            raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]} refused: {hs.error}")
+        msg = self.layout.mismatch(hs.layout)
         if msg is not None:
             raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]}: {msg}")
-        conn.data = await _ucx.endpoint_to_worker(address)
-        conn.tag, conn.peer_epoch = tag, peer_epoch
+        conn.data = await _ucx.endpoint_to_worker(hs.worker_address)
+        conn.tag, conn.peer_epoch = hs.data_tag, hs.epoch
+        conn.per_chunk = _ucx.chunk_blocks(self.layout, hs.slot_bytes)
 
     async def _send_frame(
         self, conn: _SendConn, generation: int, header: bytes, payload: list[Any]

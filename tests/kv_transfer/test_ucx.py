@@ -87,6 +87,35 @@ def test_round_trip(env, dtype, ranges, src_ids):
     assert done.ids() == ["r1"]
 
 
+@pytest.mark.parametrize("src_ids", [SRC_IDS, [2, 3, 4]], ids=["gathered", "one-run"])
+def test_payload_cut_to_slots(env, src_ids):
+    """Slots of one block and a ring shallower than a frame's messages: every frame's
+    K and V go one block per message, and the slots are reposted while it arrives."""
+    src, dst = make_cache(8, seed=1, block_size=64), make_cache(10, seed=2, block_size=64)
+    before = dst.clone()
+    layout = KVLayout.for_cache(dst, MODEL)
+    assert layout.kv_bytes_per_block_layer // 2 > frames.MAX_REASON_BYTES  # slot = 1 block
+    rx, addr, done = env.receiver(dst, slot_bytes=1, ring_depth=2)
+    assert ucx.chunk_blocks(layout, rx.slot_bytes) == 1
+    tx = env.sender(src)
+    rx.expect("r1", DST_IDS)
+    send_request(tx, addr, "r1", [(0, 2), (2, NUM_LAYERS)], src_ids=src_ids)
+    assert done.wait("r1").ok
+    assert_copied(src, dst, before, src_ids)
+    rx.expect("r2", [0, 1, 3])  # an abort after cut payloads still lines up
+    send_request(tx, addr, "r2", [(0, 1)], src_ids=src_ids, done=False)
+    tx.send_abort(addr, "r2", EPOCH, "x" * frames.MAX_REASON_BYTES)
+    c = done.wait("r2")
+    assert not c.ok and "x" * 100 in c.error
+
+
+def test_payload_chunks_cover_payload_in_wire_order():
+    chunks = list(ucx.payload_chunks(2, 5, 2))
+    assert chunks[:3] == [(0, 0, 0, 2), (0, 0, 2, 2), (0, 0, 4, 1)]
+    assert len(chunks) == 2 * 2 * 3 and chunks[-1] == (1, 1, 4, 1)
+    assert sum(n for *_, n in chunks) == 2 * 2 * 5
+
+
 def test_registry_connect_and_close(env):
     src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
     before = dst.clone()
@@ -267,9 +296,10 @@ class RawClient:
         await self.ctl.recv(hbuf)
         ack = np.zeros(frames.unpack_header(memoryview(hbuf)).payload_len, np.uint8)
         await self.ctl.recv(ack)
-        _, _, error, address, self.tag = ucx.parse_handshake(ack.tobytes(), want_tag=True)
-        assert error is None, error
-        self.data = await ucx.endpoint_to_worker(address)
+        hs = ucx.parse_handshake(ack.tobytes(), ack=True)
+        assert hs.error is None, hs.error
+        self.tag, self.slot_bytes = hs.data_tag, hs.slot_bytes
+        self.data = await ucx.endpoint_to_worker(hs.worker_address)
 
     async def send_kv(self, layout, rid, layer, blocks):
         """One layer of `blocks` [L, 2, n, bs, H, D]: header, then K and V messages."""

@@ -53,11 +53,30 @@ class Reservation:
     # once nothing writes into them, and forget() itself never blocks.
     on_quiescent: Callable[[], None] | None = None
     meta: threading.Lock = field(default_factory=threading.Lock)
+    # Receives posted straight into the blocks and not yet complete (see begin_direct);
+    # on_quiescent waits for them too. Guarded by `lock`.
+    writes_in_flight: int = 0
 
     @functools.cached_property
     def runs(self) -> list[tuple[int, int]]:
         """dst blocks as runs of consecutive ids (host_io.block_runs)."""
         return host_io.block_runs(self.dst_idx.tolist())
+
+    @functools.cached_property
+    def _run_ends(self) -> list[tuple[int, int]]:
+        """For each block-table position: (first block id of the rest of its run, table
+        position where that run ends)."""
+        out, pos = [], 0
+        for first, n in self.runs:
+            out += [(first + i, pos + n) for i in range(n)]
+            pos += n
+        return out
+
+    def consecutive(self, first: int, n: int) -> int | None:
+        """The block id at table position ``first`` if the ``n`` blocks from there are
+        consecutive ids (one region of the cache), else None."""
+        start, end = self._run_ends[first]
+        return start if first + n <= end else None
 
     @property
     def num_blocks(self) -> int:
@@ -149,7 +168,10 @@ class ReservationTable:
     @staticmethod
     def _release(res: Reservation) -> None:
         forgotten = res.request_id  # for the log line only
+        busy = res.writes_in_flight > 0  # then the last end_direct runs on_quiescent
         res.lock.release()
+        if busy:
+            return
         with res.meta:
             cb, res.on_quiescent = res.on_quiescent, None
         if cb is not None:
@@ -249,6 +271,27 @@ class ReservationTable:
                 self.kv[layer, half, start : start + n].copy_(data)
             else:
                 self.kv[layer, half].index_copy_(0, res.dst_idx[first : first + n], data)
+
+    def begin_direct(self, res: Reservation, first: int, n: int) -> int | None:
+        """For a transport that receives asynchronously straight into the blocks: the
+        first block id when the reservation's blocks ``first .. first + n - 1`` are
+        consecutive and the request is still expected, with one write counted in flight;
+        every such call must be paired with end_direct once the receive is complete or
+        cancelled (forget's on_quiescent waits for it). None otherwise: receive into a
+        staging buffer and write_blocks."""
+        start = res.consecutive(first, n)
+        if start is None:
+            return None
+        with self._hold(res):
+            if res.state >= TransferState.DONE:
+                return None
+            res.writes_in_flight += 1
+        return start
+
+    def end_direct(self, res: Reservation) -> None:
+        """A receive counted by begin_direct is complete (or cancelled)."""
+        with self._hold(res):
+            res.writes_in_flight -= 1
 
     def write_layers_direct(self, res: Reservation, h: FrameHeader,
                             fill: Callable[[list[memoryview]], None]) -> bool | None:

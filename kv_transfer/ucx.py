@@ -9,25 +9,30 @@ Two endpoints per P -> D connection::
     P (UcxKVSender)                                 D (UcxKVReceiver)
     ctl = create_endpoint(host, port) -----------> listener (tcp; error handling on)
       HANDSHAKE      {layout, epoch, ucx: {worker_address(P)}}  -->
-                <--  HANDSHAKE_ACK {layout, epoch, error, ucx: {worker_address(D), data_tag}}
+                <--  HANDSHAKE_ACK {layout, epoch, error,
+                                    ucx: {worker_address(D), data_tag, slot_bytes}}
     data = endpoint to worker_address(D)            data = endpoint to worker_address(P)
            (error handling off: shm / cma / cuda_ipc)
-      [header][K l0][V l0][K l1]...  --data_tag-->  recv header, validate, recv the pieces
-      [header] (DONE)                               into staging, scatter into the blocks
+      [header][K l0][V l0][K l1]...  --data_tag-->  headers: receives kept posted;
+      [header] (DONE)                               payload: received straight into the
+                                                    blocks (or a staging slot) without
+                                                    waiting before the next header
       [EOS] on close()                              ctl broken: drain the data endpoint
                                                     (<= DRAIN_S), then fail that
                                                     connection's unfinished requests
 
 Every message after the handshake travels on the data endpoint: headers under the
 connection's ``data_tag`` (even, chosen by D), payload messages under ``data_tag + 1``,
-so D can post the next header's recv before it reads this frame's payload. A header
-message is always ``HEADER_MSG_BYTES`` long (48-byte header, request id, zero padding).
-A KV payload follows as ``2 * n_layers`` messages, one per layer and K/V, each
-``[n_blocks, block_size, heads, head_dim]``: their concatenation is the TCP payload, and
-each is a plain region of the sender's cache when its blocks form one run (no gather).
-An ABORT reason is one message. The control endpoint carries only
-the handshake, and tells each side through UCX's error handling that the peer went away.
-No crc32 over UCX (it would need a device -> host copy): such frames are refused.
+so D can keep header receives posted and still place each payload where it belongs. A
+header message is always ``HEADER_MSG_BYTES`` long (48-byte header, request id, zero
+padding). A KV payload follows as messages of whole blocks of one layer's K or V, at
+most D's ``slot_bytes`` each, in the order ``payload_chunks`` gives: their
+concatenation is the TCP payload, and each is a plain region of the sender's cache when
+its blocks form one run (no gather). An ABORT reason is one message. Senders keep up to
+32 frames in flight and D as many payload receives (``ucx_sender`` and ``ucx_receiver``
+say why). The control endpoint carries only the handshake, and tells each side through
+UCX's error handling that the peer went away. No crc32 over UCX (it would need a device
+-> host copy): such frames are refused.
 
 Why two endpoints: an endpoint created through a listener always has peer error handling
 on (ucxx's listener offers no switch, and both ends must agree), and UCX then leaves out
@@ -127,6 +132,7 @@ class UcxRuntime:
     def __init__(self) -> None:
         self.users = 0
         self._parked: list[Any] = []  # closed listeners, destroyed at shutdown
+        self._populate_futures: Any = None  # bound to the worker: dropped at shutdown
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._run, name=f"{THREAD_PREFIX}-loop", daemon=True
@@ -144,9 +150,21 @@ class UcxRuntime:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    @staticmethod
-    async def _init() -> bytes:
-        return bytes(ucx.get_worker_address())
+    async def _init(self) -> bytes:
+        address = bytes(ucx.get_worker_address())
+        worker = getattr(getattr(ucx.core, "_ctx", None), "worker", None)
+        if getattr(worker, "enable_python_future", False):
+            self._populate_futures = getattr(worker, "populate_python_futures_pool", None)
+        return address
+
+    def refill_futures(self) -> None:
+        """Top up ucxx's pool of Python futures (on the loop, right before posting a
+        request: tag_send / tag_recv do). Each request takes one from a pool of 100 that
+        ucxx's notifier thread tops up only when it wakes; posting dozens of requests in
+        between drains it, and ucxx then refills inline with a warning on stderr. A
+        no-op while the pool holds 50 or more; nothing to do for ucx-py."""
+        if self._populate_futures is not None:
+            self._populate_futures()
 
     def call(self, coro: Awaitable[T], timeout_s: float) -> T:
         """Run ``coro`` on the loop and wait at most ``timeout_s`` for it. KVTransferError
@@ -188,6 +206,7 @@ class UcxRuntime:
 
     def shutdown(self) -> None:
         """Reset UCX and stop the loop thread."""
+        self._populate_futures = None  # holds the worker, which must go before reset()
         worker = getattr(getattr(ucx.core, "_ctx", None), "worker", None)
         stop_notifier = (  # only ucxx with Python futures has a notifier thread
             getattr(worker, "stop_request_notifier_thread", None)
@@ -295,12 +314,19 @@ async def endpoint_to_worker(address: bytes) -> Any:
     )
 
 
+def _refill_futures() -> None:
+    rt = _runtime
+    if rt is not None:
+        rt.refill_futures()
+
+
 async def tag_send(ep: Any, buf: Any, tag: int) -> None:
     """Send ``buf`` under ``tag`` exactly (no per-endpoint tag hashing)."""
     # Checked in the same loop step that submits the send: an endpoint aborted by a
     # watcher since the caller looked would otherwise fail inside ucxx (AttributeError).
     if ep is None or ep.closed:
         raise KVTransferError("UCX endpoint closed")
+    _refill_futures()
     await ep.send(buf, tag=tag, force_tag=True)
 
 
@@ -308,6 +334,7 @@ async def tag_recv(ep: Any, buf: Any, tag: int) -> None:
     """Receive the next message sent under ``tag`` into ``buf``."""
     if ep is None or ep.closed:
         raise KVTransferError("UCX endpoint closed")
+    _refill_futures()
     await ep.recv(buf, tag=tag, force_tag=True)
 
 

@@ -50,11 +50,13 @@ async def _swap_addresses(ctl, my_address: bytes, *, listener: bool) -> bytes:
 
 def raw_ucx_receiver(port_queue, sizes: list[int], done_queue) -> None:
     """Listen, put the port on ``port_queue``, receive one message per entry of ``sizes``
-    (bytes) into a preallocated buffer, ack with one byte, then put "ok" on
+    (bytes) into consecutive regions of one preallocated buffer, ack with one byte, then put "ok" on
     ``done_queue``."""
     rt = _ucx.acquire_runtime()
     try:
-        buf = np.ones(max(sizes), np.uint8)  # touched now, so page faults are not timed
+        # Distinct destination bytes, like a real transfer (one reused buffer would stay
+        # in CPU cache and flatter the baseline); touched now, so page faults are not timed.
+        buf = np.ones(sum(sizes), np.uint8)
         finished: asyncio.Future | None = None
         listener = None
         tasks: set[asyncio.Task] = set()  # the loop holds tasks weakly
@@ -64,8 +66,10 @@ def raw_ucx_receiver(port_queue, sizes: list[int], done_queue) -> None:
             try:
                 peer = await _swap_addresses(ctl, rt.worker_address, listener=True)
                 data = await _ucx.endpoint_to_worker(peer)
+                off = 0
                 for n in sizes:
-                    await data.recv(buf[:n], tag=DATA_TAG, force_tag=True)
+                    await data.recv(buf[off : off + n], tag=DATA_TAG, force_tag=True)
+                    off += n
                 await data.send(np.zeros(1, np.uint8), tag=ACK_TAG, force_tag=True)
                 try:  # the sender hangs up once it has the ack
                     await asyncio.wait_for(ctl.recv(np.zeros(1, np.uint8)), TIMEOUT_S)
@@ -103,10 +107,10 @@ def raw_ucx_receiver(port_queue, sizes: list[int], done_queue) -> None:
 
 def raw_ucx_sender(host: str, port: int, sizes: list[int]) -> float:
     """Connect to a :func:`raw_ucx_receiver`, send one message per entry of ``sizes``
-    back to back and return the seconds from the first send to the receiver's ack."""
+    (consecutive regions of one buffer) back to back and return the seconds from the first send to the receiver's ack."""
     rt = _ucx.acquire_runtime()
     try:
-        buf = np.ones(max(sizes), np.uint8)
+        buf = np.ones(sum(sizes), np.uint8)  # distinct source bytes, as the receiver's
 
         async def run() -> float:
             ctl = data = None
@@ -116,8 +120,10 @@ def raw_ucx_sender(host: str, port: int, sizes: list[int]) -> float:
                 data = await _ucx.endpoint_to_worker(peer)
                 ack = np.zeros(1, np.uint8)
                 t0 = time.perf_counter()
+                off = 0
                 for n in sizes:
-                    await data.send(buf[:n], tag=DATA_TAG, force_tag=True)
+                    await data.send(buf[off : off + n], tag=DATA_TAG, force_tag=True)
+                    off += n
                 await data.recv(ack, tag=ACK_TAG, force_tag=True)
                 return time.perf_counter() - t0
             finally:

@@ -88,21 +88,23 @@ def test_round_trip(env, dtype, ranges, src_ids):
 
 
 @pytest.mark.parametrize("src_ids", [SRC_IDS, [2, 3, 4]], ids=["gathered", "one-run"])
-def test_payload_cut_to_slots(env, src_ids):
-    """Slots of one block and a ring shallower than a frame's messages: every frame's
-    K and V go one block per message, and the slots are reposted while it arrives."""
+@pytest.mark.parametrize("dst_ids", [DST_IDS, [3, 4, 5]], ids=["staged", "direct"])
+def test_payload_cut_to_slots(env, src_ids, dst_ids):
+    """One block per message, one staging slot and two receives in flight: every
+    frame's K and V arrive block by block, straight into consecutive blocks or through
+    the slot, which is reused while the frame arrives."""
     src, dst = make_cache(8, seed=1, block_size=64), make_cache(10, seed=2, block_size=64)
     before = dst.clone()
     layout = KVLayout.for_cache(dst, MODEL)
-    assert layout.kv_bytes_per_block_layer // 2 > frames.MAX_REASON_BYTES  # slot = 1 block
-    rx, addr, done = env.receiver(dst, slot_bytes=1, ring_depth=2)
+    rx, addr, done = env.receiver(dst, slot_bytes=1, max_inflight=2, staging_slots=1)
+    assert rx.slot_bytes == layout.kv_bytes_per_block_layer // 2
     assert ucx.chunk_blocks(layout, rx.slot_bytes) == 1
     tx = env.sender(src)
-    rx.expect("r1", DST_IDS)
+    rx.expect("r1", dst_ids)
     send_request(tx, addr, "r1", [(0, 2), (2, NUM_LAYERS)], src_ids=src_ids)
     assert done.wait("r1").ok
-    assert_copied(src, dst, before, src_ids)
-    rx.expect("r2", [0, 1, 3])  # an abort after cut payloads still lines up
+    assert_copied(src, dst, before, src_ids, dst_ids)
+    rx.expect("r2", [0, 1, 6])  # an abort after cut payloads still lines up
     send_request(tx, addr, "r2", [(0, 1)], src_ids=src_ids, done=False)
     tx.send_abort(addr, "r2", EPOCH, "x" * frames.MAX_REASON_BYTES)
     c = done.wait("r2")

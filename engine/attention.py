@@ -5,6 +5,7 @@ Back ends, chosen per device (ARCHITECTURE.md "Attention back ends"):
 | phase   | CUDA + flash-attn                         | otherwise (CPU, or CUDA without it) |
 |---------|-------------------------------------------|-------------------------------------|
 | prefill | `flash_attn_varlen_func` with cu_seqlens  | SDPA, causal, per sequence          |
+| prefill after a cached prefix | the same, K/V paged via block_table | gather the context by block_table, SDPA with an offset causal mask |
 | decode  | `flash_attn_with_kvcache` + block_table   | gather by block_table, masked SDPA  |
 
 KV cache of one layer (the layout `flash_attn_with_kvcache` takes):
@@ -46,9 +47,14 @@ class AttentionMetadata:
     """Per-step batch description shared by every layer.
 
     Prefill fields (is_prefill=True):
-        cu_seqlens_q: [batch+1] int32, cumulative prompt lengths (tokens), on device.
-        max_seqlen_q: longest prompt in the batch (tokens).
-        seq_lens: the same lengths as a Python list, for the CPU per-sequence loop.
+        cu_seqlens_q: [batch+1] int32, cumulative new-token counts per prompt, on device.
+        max_seqlen_q: most new tokens of one prompt in the batch.
+        seq_lens: the same counts as a Python tuple, for the CPU per-sequence loop.
+        cached_lens: tokens of each prompt already in its blocks (a cached prefix or an
+            earlier chunk), whose K/V the new tokens attend to; () when none has any.
+            With it: block_table ([batch, max_blocks] int32, covering cached + new
+            tokens), cu_seqlens_k ([batch+1] int32, cumulative cached + new) and
+            max_seqlen_k.
     Decode fields (is_prefill=False):
         block_table: [batch, max_blocks_per_seq] int32, padded with 0 (masked by context_lens).
         context_lens: [batch] int32, tokens in each sequence including the new one.
@@ -65,6 +71,9 @@ class AttentionMetadata:
     block_table: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     max_context_len: int = 0
+    cached_lens: tuple[int, ...] = ()
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_k: int = 0
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -80,25 +89,48 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention within each prompt of a varlen batch (no cached prefix).
+                      meta: AttentionMetadata, scale: float,
+                      k_cache: torch.Tensor | None = None,
+                      v_cache: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each prompt's new tokens over its cached prefix (if any) and
+    themselves, for a varlen batch. The new tokens' K/V must already be in the cache
+    when ``meta.cached_lens`` is set (the paged path reads every key from there).
 
-    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    (the new tokens); caches: [num_blocks, block_size, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim].
     """
+    paged = bool(meta.cached_lens) and any(meta.cached_lens)
     if use_flash_attn(q.device):
         from flash_attn import flash_attn_varlen_func
+        if paged:  # keys from the paged cache; causal aligns each query bottom-right
+            return flash_attn_varlen_func(
+                q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+                meta.max_seqlen_k, softmax_scale=scale, causal=True,
+                block_table=meta.block_table)
         return flash_attn_varlen_func(
             q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
             meta.max_seqlen_q, softmax_scale=scale, causal=True)
     out = torch.empty_like(q)
     start = 0
-    for n in meta.seq_lens:
+    for i, n in enumerate(meta.seq_lens):
         sl = slice(start, start + n)
+        cached = meta.cached_lens[i] if paged else 0
+        if cached:
+            total = cached + n
+            block_size = k_cache.shape[1]
+            table = meta.block_table[i, :-(-total // block_size)].long()
+            kk = k_cache[table].flatten(0, 1)[:total]   # (total, h_kv, d)
+            vv = v_cache[table].flatten(0, 1)[:total]
+            # new token j sits at position cached + j: it sees keys 0 .. cached + j
+            mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(cached)
+        else:
+            kk, vv, mask = k[sl], v[sl], None
         # (1, h, n, d): SDPA's batch/head layout; enable_gqa repeats kv heads implicitly.
         o = F.scaled_dot_product_attention(
-            q[sl].transpose(0, 1).unsqueeze(0), k[sl].transpose(0, 1).unsqueeze(0),
-            v[sl].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True)
+            q[sl].transpose(0, 1).unsqueeze(0), kk.transpose(0, 1).unsqueeze(0),
+            vv.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None,
+            scale=scale, enable_gqa=True)
         out[sl] = o.squeeze(0).transpose(0, 1)  # (n, h, d)
         start += n
     return out

@@ -1,9 +1,19 @@
-"""Block pool: ref-counted allocation of paged-KV block ids.
+"""Block pool: ref-counted allocation of paged-KV block ids, with a prefix cache.
 
 A request's KV lives in a block table (list of block ids). Blocks are handed out from a
-free list; `ref_count` lets a block be shared (prefix caching, next issue) and returns
-it to the free list only when the last holder frees it. The pool holds ids only; the
-tensors live in engine/kv_cache.py.
+free list; `ref_count` lets a block be shared, and a block goes back to the pool only
+when its last holder frees it. The pool holds ids only; the tensors live in the
+ModelRunner's KV cache.
+
+Prefix cache (ARCHITECTURE.md, "KV cache layout"; the scheme of vLLM's automatic prefix
+caching): a *full* block whose K/V has been computed can be registered under its
+**block hash**, a digest of its tokens chained with the hash of the block before it
+(``block_hashes``), so equal hashes mean equal token prefixes. A later prompt looks its
+leading block hashes up (``match_prefix``) and shares the blocks found instead of
+computing them again. A cached block whose last holder frees it stays cached but
+*evictable*, in LRU order; ``allocate`` takes never-cached free blocks first, then evicts
+the least recently used cached ones (dropping their hashes). Evictable blocks count as
+free (``num_free``, ``all_free``): they are reclaimable at once.
 
 Thread-safety: workers allocate from their step loop and free from transport and RPC
 threads, so every public method takes the pool's lock.
@@ -11,9 +21,14 @@ threads, so every public method takes the pool's lock.
 
 from __future__ import annotations
 
+import hashlib
 import threading
-from collections import deque
-from typing import Iterable
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+BlockHash = bytes  # 16-byte digest; see block_hashes
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -25,39 +40,100 @@ class NoFreeBlocksError(RuntimeError):
         self.requested, self.free = requested, free
 
 
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """Chained hashes of the *full* blocks of `token_ids` (a trailing partial block has
+    none): ``h[i] = blake2b(h[i-1] || tokens of block i as int64)``, 16 bytes, with
+    ``h[-1]`` empty. Equal lists of leading hashes mean equal token prefixes (up to a
+    2^-128 collision). Deterministic across processes, so workers and the router agree.
+    """
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    out, prev = [], b""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        prev = hashlib.blake2b(prev + tokens[start:start + block_size].tobytes(),
+                               digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
 class BlockPool:
-    """Free list + ref counts over block ids ``0 .. num_blocks-1``."""
+    """Free list + ref counts over block ids ``0 .. num_blocks-1``, plus the prefix cache
+    (see the module docstring)."""
 
     def __init__(self, num_blocks: int):
         assert num_blocks > 0, f"num_blocks={num_blocks}"
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))   # holders 0, not cached
         self._ref_count = [0] * num_blocks
+        self._hash_of: dict[int, BlockHash] = {}              # cached block -> its hash
+        self._block_of: dict[BlockHash, int] = {}             # and back
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, holders 0; LRU first
         self._lock = threading.Lock()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks allocatable now: never-cached free ones plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered in the prefix cache (held or evictable)."""
+        return len(self._hash_of)
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0.0 .. 1.0."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of blocks held by requests, 0.0 .. 1.0 (evictable ones are free)."""
+        return 1.0 - self.num_free / self.num_blocks
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (ref count 1 each), all or none.
+        """Take `n` blocks (ref count 1 each, not cached), all or none: free ones first,
+        then the least recently used evictable cached blocks, whose hashes are dropped.
 
         Raises:
             NoFreeBlocksError: fewer than `n` blocks are free; nothing is taken.
         """
         assert n >= 0, n
         with self._lock:
-            if n > len(self._free):
-                raise NoFreeBlocksError(n, len(self._free), self.num_blocks)
-            ids = [self._free.popleft() for _ in range(n)]
+            if n > self.num_free:
+                raise NoFreeBlocksError(n, self.num_free, self.num_blocks)
+            ids = []
+            for _ in range(n):
+                if self._free:
+                    ids.append(self._free.popleft())
+                else:
+                    block, _ = self._evictable.popitem(last=False)
+                    del self._block_of[self._hash_of.pop(block)]
+                    ids.append(block)
             for i in ids:
                 self._ref_count[i] = 1
             return ids
+
+    def match_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The cached blocks of the longest run of leading `hashes` found, each now held
+        once more by the caller (free them like allocated blocks)."""
+        with self._lock:
+            found = []
+            for h in hashes:
+                block = self._block_of.get(h)
+                if block is None:
+                    break
+                found.append(block)
+            for block in found:
+                if self._ref_count[block] == 0:
+                    del self._evictable[block]
+                self._ref_count[block] += 1
+            return found
+
+    def cache_blocks(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+        """Register held, fully computed blocks under their hashes (pairwise). A hash
+        already cached under another block keeps that one (two prompts computed the same
+        prefix at once); a block already cached keeps its hash."""
+        with self._lock:
+            for block, h in zip(block_ids, hashes):
+                assert self._ref_count[block] > 0, f"cache_blocks of free block {block}"
+                if h in self._block_of or block in self._hash_of:
+                    continue
+                self._block_of[h] = block
+                self._hash_of[block] = h
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add a holder to blocks already in use."""
@@ -67,21 +143,26 @@ class BlockPool:
                 self._ref_count[i] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one holder of each block; blocks whose count reaches 0 become free."""
+        """Drop one holder of each block; a block whose count reaches 0 becomes free, or
+        evictable (most recently used) if it is cached."""
         with self._lock:
             for i in block_ids:
                 assert self._ref_count[i] > 0, f"double free of block {i}"
                 self._ref_count[i] -= 1
                 if self._ref_count[i] == 0:
-                    self._free.append(i)
+                    if i in self._hash_of:
+                        self._evictable[i] = None
+                    else:
+                        self._free.append(i)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_count[block_id]
 
     def all_free(self) -> bool:
-        """True when every block is back in the pool (the leak check after each test)."""
+        """True when no block has a holder (the leak check after each test); cached
+        blocks may remain, evictable."""
         with self._lock:
-            return len(self._free) == self.num_blocks and not any(self._ref_count)
+            return self.num_free == self.num_blocks and not any(self._ref_count)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -112,7 +112,7 @@ class Attention(nn.Module):
         q, k = rope(positions, q, k)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
-            o = prefill_attention(q, k, v, meta, self.scale)
+            o = prefill_attention(q, k, v, meta, self.scale, k_cache, v_cache)
         else:
             o = decode_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))

@@ -26,10 +26,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class PrefillSeq:
-    """One prompt of a prefill batch: all its tokens, and the blocks that hold them."""
+    """One prompt of a prefill batch: all its tokens, and the blocks that hold them.
+
+    The first `num_cached` tokens' K/V are already in the blocks (a prefix-cache hit, or
+    an earlier chunk of a chunked prefill): only the rest are computed, attending to
+    them. 0 <= num_cached < len(token_ids).
+    """
 
     token_ids: Sequence[int]
     block_table: Sequence[int]   # block ids; len >= ceil(len(token_ids) / block_size)
+    num_cached: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,21 +98,47 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seqs: Sequence[PrefillSeq],
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Prefill a varlen batch from position 0; returns logits [len(seqs), vocab] float32
-        of each prompt's last token. K/V of every prompt token land in its blocks."""
+        """Prefill a varlen batch: each prompt's tokens from `num_cached` on; returns
+        logits [len(seqs), vocab] float32 of each prompt's last token. K/V of every
+        computed token land in its blocks; `on_layer_done(i)` runs once layer i's are in.
+
+        Raises:
+            ValueError: a sequence has nothing to compute (num_cached >= its length) or
+                a block table too short for its tokens.
+        """
         assert seqs, "empty prefill batch"
-        lens = [len(s.token_ids) for s in seqs]
+        bs = self.block_size
+        for s in seqs:
+            if not 0 <= s.num_cached < len(s.token_ids):
+                raise ValueError(f"num_cached={s.num_cached} must be in [0, "
+                                 f"{len(s.token_ids)}) (prompt tokens)")
+            if len(s.block_table) * bs < len(s.token_ids):
+                raise ValueError(f"block_table of {len(s.block_table)} blocks cannot hold "
+                                 f"{len(s.token_ids)} tokens (block_size {bs})")
+        lens = [len(s.token_ids) - s.num_cached for s in seqs]
         ids, slots = [], []
         for s in seqs:
-            ids.extend(s.token_ids)
-            slots.extend(self._slots(s.block_table, 0, len(s.token_ids)))
+            ids.extend(s.token_ids[s.num_cached:])
+            slots.extend(self._slots(s.block_table, s.num_cached, len(s.token_ids)))
         dev = self.device
-        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        positions = torch.cat([torch.arange(s.num_cached, len(s.token_ids)) for s in seqs]).to(dev)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lens).cumsum(0)
+        paged = {}
+        if any(s.num_cached for s in seqs):
+            totals = [len(s.token_ids) for s in seqs]
+            width = max(-(-n // bs) for n in totals)
+            table = torch.zeros(len(seqs), width, dtype=torch.int32)
+            for i, s in enumerate(seqs):
+                row = list(s.block_table[:-(-totals[i] // bs)])
+                table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+            cu_k = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+            cu_k[1:] = torch.tensor(totals).cumsum(0)
+            paged = dict(cached_lens=tuple(s.num_cached for s in seqs), block_table=table.to(dev),
+                         cu_seqlens_k=cu_k.to(dev), max_seqlen_k=max(totals))
         meta = AttentionMetadata(
             is_prefill=True, slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            cu_seqlens_q=cu.to(dev), max_seqlen_q=max(lens), seq_lens=tuple(lens))
+            cu_seqlens_q=cu.to(dev), max_seqlen_q=max(lens), seq_lens=tuple(lens), **paged)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), positions, meta,
                             self.kv_cache, on_layer_done)
         last = (cu[1:] - 1).to(dev).long()

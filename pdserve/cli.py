@@ -13,11 +13,17 @@ def _serve(args) -> int:
     from .cluster import Cluster, ClusterStartError
     from .config import ClusterConfig
 
-    cfg = ClusterConfig.local(
-        args.model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-        transport=args.transport, host=args.host, port=args.port,
-        prefill_blocks=args.prefill_kv_blocks, decode_blocks=args.decode_kv_blocks,
-        threads_per_worker=args.threads_per_worker, log_level=args.log_level)
+    try:
+        cfg = ClusterConfig.local(
+            args.model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+            transport=args.transport, host=args.host, port=args.port,
+            prefill_blocks=args.prefill_kv_blocks, decode_blocks=args.decode_kv_blocks,
+            threads_per_worker=args.threads_per_worker, log_level=args.log_level,
+            router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens")
+                       if (v := getattr(args, k)) is not None})   # unset: RouterConfig's default
+    except ValueError as e:   # a setting out of range: the message names it
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 2
     if args.address:
         from dataclasses import replace
         cfg = replace(cfg, ray_address=args.address)
@@ -73,7 +79,8 @@ def _status(args) -> int:
             "running_requests", "waiting_requests", "kv_address")
     rows = [[str(getattr(w, c)) for c in cols] for w in st.workers]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    print(f"model: {st.model}")
+    print(f"model: {st.model}  queued for prefill: {st.queued_requests} requests, "
+          f"{st.queued_tokens} prompt tokens")
     for r in [list(cols), *rows]:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
     return 0
@@ -131,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--decode-kv-blocks", type=int, default=1024, help="16-token KV blocks per decode worker")
     s.add_argument("--threads-per-worker", type=int, default=None,
                    help="torch threads per worker (default: cores / workers)")
+    s.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests queued for prefill at once (default 256); beyond it "
+                        "Generate fails at once with RESOURCE_EXHAUSTED")
+    s.add_argument("--max-queued-tokens", type=int, default=None,
+                   help="prompt tokens queued for prefill at once (default 262144); beyond it "
+                        "Generate fails at once with RESOURCE_EXHAUSTED")
     s.add_argument("--log-level", default="WARNING")
     s.set_defaults(fn=_serve)
 

@@ -27,6 +27,7 @@ class WorkerConfig:
     max_batch_size: int = 256        # decode: running requests per step
     max_num_batched_tokens: int = 2048  # prefill: prompt tokens per batch (varlen)
     lease_s: float = 60.0            # decode: how long a reservation waits for prefill's KV
+    enable_prefix_caching: bool = True  # prefill: share cached prompt-prefix blocks
     log_level: str = "WARNING"
 
     def __post_init__(self):
@@ -50,10 +51,21 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
+    """Settings of the router (gRPC front end). "Queued" requests are admitted ones still
+    waiting for their first token (decode reservation or prefill); beyond either
+    max_queued_* bound, Generate fails at once with RESOURCE_EXHAUSTED (router/admission.py)."""
+
     host: str = "127.0.0.1"
     port: int = 50051                # 0 picks a free port (tests)
     reserve_timeout_s: float = 30.0  # how long a request waits for decode KV space
     request_timeout_s: float = 600.0  # upper bound when the client sets no gRPC deadline
+    max_queued_requests: int = 256   # requests queued at once; more fail fast, not wait unbounded
+    max_queued_tokens: int = 262144  # prompt tokens queued at once: 256 requests x 1024 tokens
+
+    def __post_init__(self):
+        for name in ("max_queued_requests", "max_queued_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -76,8 +88,15 @@ class ClusterConfig:
     def local(cls, model: str = "default", *, prefill_workers: int = 1, decode_workers: int = 1,
               transport: str = "tcp", host: str = "127.0.0.1", port: int = 50051,
               prefill_blocks: int = 512, decode_blocks: int = 1024,
-              threads_per_worker: int | None = None, **worker_kw) -> "ClusterConfig":
-        """A one-box cluster: cores split evenly among workers unless told otherwise."""
+              threads_per_worker: int | None = None, router_kw: dict | None = None,
+              **worker_kw) -> "ClusterConfig":
+        """A one-box cluster: cores split evenly among workers unless told otherwise.
+
+        `router_kw` sets other RouterConfig fields (e.g. max_queued_requests); the rest of
+        the keywords go to both WorkerConfigs.
+        Raises:
+            ValueError: a setting out of range (the message names it).
+        """
         from .kv_transfer import resolve_transport
         transport = resolve_transport(transport)
         n = prefill_workers + decode_workers
@@ -86,5 +105,5 @@ class ClusterConfig:
                             **worker_kw)
         return cls(prefill=replace(base, num_kv_blocks=prefill_blocks),
                    decode=replace(base, num_kv_blocks=decode_blocks),
-                   router=RouterConfig(host=host, port=port),
+                   router=RouterConfig(host=host, port=port, **(router_kw or {})),
                    num_prefill_workers=prefill_workers, num_decode_workers=decode_workers)

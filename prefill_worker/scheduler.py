@@ -3,12 +3,19 @@
 Lifecycle of a request on a prefill worker:
 
     add()        WAITING in the FIFO queue
-    schedule()   PREFILLING: blocks allocated for its prompt; joins a batch while the
-                 batch's prompt tokens fit max_num_batched_tokens (one over-budget prompt
-                 runs alone) and the pool has blocks
-    (worker)     after each layer, the layer's K/V is queued for sending (SENDING_KV)
+    schedule()   PREFILLING: its prompt's leading full blocks are looked up in the
+                 prefix cache (engine/block_pool.py) and shared where found, the rest
+                 allocated; joins a batch while the batch's tokens to compute fit
+                 max_num_batched_tokens (one over-budget prompt runs alone) and the pool
+                 has blocks
+    (worker)     computes the uncached tokens; after each layer, the layer's K/V of all
+                 the request's blocks is queued for sending (SENDING_KV); once computed,
+                 cache_computed() registers its full blocks in the prefix cache
     release()    the done frame went out (or the request failed / was aborted):
-                 blocks return to the pool
+                 blocks return to the pool (cached ones stay cached, evictable)
+
+The block holding a prompt's last token is never taken from the cache, so at least that
+token is computed (its logits give the first token) and shared blocks are only read.
 
 No model and no sockets here: the worker (worker.py) drives it.
 """
@@ -20,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.block_pool import BlockPool, blocks_needed
+from ..engine.block_pool import BlockHash, BlockPool, block_hashes, blocks_needed
 from ..engine.request import RequestState
 from ..engine.sampling_params import SamplingParams
 
@@ -34,15 +41,26 @@ class PrefillRequest:
     epoch: int                           # decode worker's epoch, echoed in every frame
     future: Any = None                   # asyncio.Future on the actor loop: first token
     block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0                  # leading prompt tokens found in the prefix cache
+    block_hashes: list[BlockHash] | None = None  # of its full blocks, computed once
     state: RequestState = RequestState.WAITING
     aborted: bool = False
     error: str | None = None
 
 
 class PrefillScheduler:
-    def __init__(self, pool: BlockPool, block_size: int, max_num_batched_tokens: int):
+    """FIFO prefill batches; see the module docstring. With `enable_prefix_caching`
+    False, nothing is looked up or registered. Counters (tokens unless named blocks):
+    `computed_tokens`, `cached_tokens` (reused from the cache), and
+    `prefix_queries` / `prefix_hits` (blocks looked up / found)."""
+
+    def __init__(self, pool: BlockPool, block_size: int, max_num_batched_tokens: int,
+                 enable_prefix_caching: bool = True):
         self.pool, self.block_size = pool, block_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.computed_tokens = self.cached_tokens = 0
+        self.prefix_queries = self.prefix_hits = 0
         self._lock = threading.Lock()
         self._waiting: deque[PrefillRequest] = deque()
         self._active: dict[str, PrefillRequest] = {}
@@ -62,23 +80,49 @@ class PrefillScheduler:
             self._active[req.request_id] = req
 
     def schedule(self) -> list[PrefillRequest]:
-        """Next batch (possibly empty), FIFO; blocks allocated for each member."""
+        """Next batch (possibly empty), FIFO; blocks taken for each member (cached prefix
+        blocks shared, `num_cached` set, the rest allocated)."""
         batch, tokens = [], 0
+        bs = self.block_size
         with self._lock:
             while self._waiting:
                 req = self._waiting[0]
                 n = len(req.token_ids)
-                if batch and tokens + n > self.max_num_batched_tokens:
+                hit: list[int] = []
+                lookup: list[BlockHash] = []
+                if self.enable_prefix_caching:
+                    if req.block_hashes is None:
+                        req.block_hashes = block_hashes(req.token_ids, bs)
+                    lookup = req.block_hashes[: (n - 1) // bs]  # not the last token's block
+                    hit = self.pool.match_prefix(lookup)
+                new_tokens = n - len(hit) * bs
+                need = blocks_needed(n, bs) - len(hit)
+                if (batch and tokens + new_tokens > self.max_num_batched_tokens) \
+                        or need > self.pool.num_free:
+                    # FIFO: wait (for room or blocks) rather than let later prompts overtake
+                    self.pool.free(hit)
                     break
-                need = blocks_needed(n, self.block_size)
-                if need > self.pool.num_free:
-                    break  # FIFO: wait for blocks rather than let later prompts overtake
-                req.block_table = self.pool.allocate(need)
+                req.block_table = hit + self.pool.allocate(need)
+                req.num_cached = len(hit) * bs
                 req.state = RequestState.PREFILLING
                 self._waiting.popleft()
                 batch.append(req)
-                tokens += n
+                tokens += new_tokens
+                self.computed_tokens += new_tokens
+                self.cached_tokens += req.num_cached
+                self.prefix_queries += len(lookup)
+                self.prefix_hits += len(hit)
         return batch
+
+    def cache_computed(self, req: PrefillRequest) -> None:
+        """Register the request's full blocks in the prefix cache once its K/V is
+        computed (every layer); later prompts with the same prefix share them."""
+        if not self.enable_prefix_caching or not req.block_hashes:
+            return
+        with self._lock:
+            if req.block_table:   # not released meanwhile
+                full = len(req.block_hashes)
+                self.pool.cache_blocks(req.block_table[:full], req.block_hashes)
 
     def abort(self, request_id: str) -> PrefillRequest | None:
         """Mark a request aborted; returns it if it was still queued (never computed)."""

@@ -4,7 +4,8 @@ streams each layer's KV to the decode worker that reserved blocks for it.
 Request lifecycle here (see scheduler.py):
 
     router ── prefill(request_id, token_ids, params, kv_address, epoch) ──▶ queue
-    step thread:  schedule() → ModelRunner.prefill(batch, on_layer_done)
+    step thread:  schedule() (prefix-cache lookup) → ModelRunner.prefill(batch,
+                  on_layer_done), computing only each prompt's uncached tokens
                   on_layer_done(i): layer i's blocks of every request → send queue
                   logits of each prompt's last token → sample() → first token → send queue
     send thread:  KV frames of layer i (while layer i+1 computes), then the done frame
@@ -67,7 +68,8 @@ class PrefillWorker:
         self.num_layers = self.runner.config.num_layers
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
-                                          config.max_num_batched_tokens)
+                                          config.max_num_batched_tokens,
+                                          config.enable_prefix_caching)
         layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)
         self.sender = make_sender(config.transport, self.runner.kv_cache, layout)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -143,7 +145,12 @@ class PrefillWorker:
                 "node_ip": ray.util.get_node_ip_address(), "state": "ready",
                 "kv_blocks_total": self.pool.num_blocks, "kv_blocks_free": self.pool.num_free,
                 "running_requests": running, "waiting_requests": waiting,
-                "queued_tokens": self.scheduler.queued_tokens(), "epoch": 0, "kv_address": ""}
+                "queued_tokens": self.scheduler.queued_tokens(), "epoch": 0, "kv_address": "",
+                "prefill_tokens_computed": self.scheduler.computed_tokens,
+                "prefix_cache_hit_tokens": self.scheduler.cached_tokens,
+                "prefix_cache_queries": self.scheduler.prefix_queries,
+                "prefix_cache_hits": self.scheduler.prefix_hits,
+                "prefix_cache_blocks": self.pool.num_cached}
 
     async def shutdown(self) -> None:
         self._stop.set()
@@ -186,7 +193,10 @@ class PrefillWorker:
 
             try:
                 logits = self.runner.prefill(
-                    [PrefillSeq(r.token_ids, r.block_table) for r in batch], on_layer_done)
+                    [PrefillSeq(r.token_ids, r.block_table, r.num_cached) for r in batch],
+                    on_layer_done)
+                for r in batch:
+                    self.scheduler.cache_computed(r)
                 tokens = sample(logits, [r.params for r in batch], [0] * len(batch))
             except Exception as e:  # a model fault fails this batch, not the worker
                 logger.exception("prefill batch of %d failed", len(batch))

@@ -47,7 +47,8 @@ class GeneratorServicer:
     def Generate(self, request, context):
         """Streams the generated tokens of one request. The last message carries
         finish_reason and usage. Errors: INVALID_ARGUMENT (bad input, message names the
-        field and the limit), RESOURCE_EXHAUSTED, UNAVAILABLE (no worker), DEADLINE_EXCEEDED.
+        field and the limit), RESOURCE_EXHAUSTED (router queue full, or no decode KV space in
+        time; the message names the limit), UNAVAILABLE (no worker), DEADLINE_EXCEEDED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -3,6 +3,7 @@
 Lifecycle of one Generate call (ARCHITECTURE.md, "Request lifecycle"):
 
     validate + tokenize (chat template for messages)
+    admit: queued requests / prompt tokens over max_queued_* → RESOURCE_EXHAUSTED at once
     pick decode worker D (fewest active requests, then most free blocks) → reserve
         (no room anywhere: retry until reserve_timeout_s, then RESOURCE_EXHAUSTED)
     pick prefill worker P (fewest queued prompt tokens) → prefill into D's blocks
@@ -33,17 +34,11 @@ from ..engine.request import TokenEvent
 from ..engine.sampling_params import InvalidRequestError
 from ..proto import pdserve_pb2 as pb
 from . import validation
+from .admission import Admission
 from .detokenizer import Detokenizer
+from .errors import RequestError
 
 logger = logging.getLogger(__name__)
-
-
-class RequestError(Exception):
-    """A request-scoped failure carrying the gRPC status to end the call with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(eq=False)
@@ -73,6 +68,8 @@ class Router:
         self.prefill: list[_Worker] = []
         self.decode: list[_Worker] = []
         self._server: grpc.aio.Server | None = None
+        rc = config.router
+        self.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
 
     async def start(self) -> int:
         """Wait for every worker, then serve. Returns the bound gRPC port."""
@@ -107,7 +104,9 @@ class Router:
 
         Raises:
             InvalidRequestError: bad input (→ INVALID_ARGUMENT).
-            RequestError: capacity, worker or transfer failure, with its status.
+            RequestError: capacity (RESOURCE_EXHAUSTED: the router's queue is full, see
+                admission.py, or no decode KV space within reserve_timeout_s), worker or
+                transfer failure, with its status.
         """
         cfg = self.model_config
         client_id = validation.request_id(req)
@@ -118,47 +117,56 @@ class Router:
         internal_id = f"{rid}#{uuid.uuid4().hex[:8]}"   # unique even if clients reuse ids
         deadline = time.monotonic() + (deadline_s or self.config.router.request_timeout_s)
 
-        d, res = await self._reserve(internal_id, len(ids), params, deadline)
-        p = min(self.prefill, key=lambda w: w.load)
-        p.load += len(ids)
-        d.load += 1
-        finished = False
-        try:
-            events = d.handle.stream.remote(internal_id)
+        # Admitted before any wait (a full queue is refused here, at once). The ticket is
+        # released at the first token below, or by the `with` on any earlier exit: reserve
+        # timeout, error, client cancel, deadline. release() is idempotent.
+        with self.admission.admit(len(ids)) as queued:
+            d, res = await self._reserve(internal_id, len(ids), params, deadline)
+            p = min(self.prefill, key=lambda w: w.load)
+            p.load += len(ids)
+            d.load += 1
+            finished = False
             try:
-                first = await asyncio.wait_for(
-                    p.handle.prefill.remote(internal_id, ids, params, res["kv_address"], res["epoch"]),
-                    timeout=max(deadline - time.monotonic(), 0.001))
+                events = d.handle.stream.remote(internal_id)
+                try:
+                    first = await asyncio.wait_for(
+                        p.handle.prefill.remote(internal_id, ids, params, res["kv_address"],
+                                                res["epoch"]),
+                        timeout=max(deadline - time.monotonic(), 0.001))
+                finally:
+                    p.load -= len(ids)
+                    queued.release()    # first token back (or prefill failed): not queued
+                relay = _Relay(rid, Detokenizer(self.tokenizer, ids, params.stop), len(ids))
+                msg = relay.absorb([TokenEvent(internal_id, (first,))])   # TTFT: at once
+                if msg is not None:
+                    yield msg
+                if relay.finish_reason is None:
+                    async for ref in _with_deadline(events, deadline):
+                        msg = relay.absorb(await ref)
+                        if msg is not None:
+                            yield msg
+                        if relay.finish_reason is not None:
+                            break
+                if relay.finish_reason is not None:
+                    finished = not relay.stopped_here   # else D still runs: abort it below
+                    if relay.error:
+                        raise RequestError(grpc.StatusCode.INTERNAL,
+                                           f"decode failed: {relay.error}")
+                    return
+                raise RequestError(grpc.StatusCode.INTERNAL,
+                                   "decode stream ended without finishing")
+            except asyncio.TimeoutError:
+                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   "request deadline exceeded") from None
+            except RequestError:
+                raise
+            except Exception as e:  # Ray surfaces worker-side errors (transfer, abort, death) here
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{type(e).__name__}: {e}") from e
             finally:
-                p.load -= len(ids)
-            relay = _Relay(rid, Detokenizer(self.tokenizer, ids, params.stop), len(ids))
-            msg = relay.absorb([TokenEvent(internal_id, (first,))])   # TTFT: at once
-            if msg is not None:
-                yield msg
-            if relay.finish_reason is None:
-                async for ref in _with_deadline(events, deadline):
-                    msg = relay.absorb(await ref)
-                    if msg is not None:
-                        yield msg
-                    if relay.finish_reason is not None:
-                        break
-            if relay.finish_reason is not None:
-                finished = not relay.stopped_here   # else D still runs: abort it below
-                if relay.error:
-                    raise RequestError(grpc.StatusCode.INTERNAL, f"decode failed: {relay.error}")
-                return
-            raise RequestError(grpc.StatusCode.INTERNAL, "decode stream ended without finishing")
-        except asyncio.TimeoutError:
-            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded") from None
-        except RequestError:
-            raise
-        except Exception as e:  # Ray surfaces worker-side errors (transfer, abort, death) here
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{type(e).__name__}: {e}") from e
-        finally:
-            d.load -= 1
-            if not finished:  # cancel, deadline, error, stop string: release P and D now
-                p.handle.abort.remote(internal_id)
-                d.handle.abort.remote(internal_id, "cancelled")
+                d.load -= 1
+                if not finished:  # cancel, deadline, error, stop string: release P and D now
+                    p.handle.abort.remote(internal_id)
+                    d.handle.abort.remote(internal_id, "cancelled")
 
     def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
         bs = self.config.decode.block_size
@@ -212,7 +220,9 @@ class Router:
             return pb.WorkerStatus(**{k: v for k, v in s.items() if k in _STATUS_FIELDS})
 
         return pb.ClusterStatusResponse(model=self.model_name,
-                                        workers=await asyncio.gather(*map(one, workers)))
+                                        workers=await asyncio.gather(*map(one, workers)),
+                                        queued_requests=self.admission.queued_requests,
+                                        queued_tokens=self.admission.queued_tokens)
 
 
 _STATUS_FIELDS = set(pb.WorkerStatus.DESCRIPTOR.fields_by_name)

@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from ..engine.sampling_params import InvalidRequestError
 from ..proto import pdserve_pb2 as pb
 from ..proto import pdserve_pb2_grpc as pb_grpc
+from .errors import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +25,6 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self.router = router
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
-        from .router import RequestError
-
         try:
             async for msg in self.router.generate(request, context.time_remaining()):
                 yield msg

@@ -46,18 +46,23 @@ class Served:
         return ray.get([d.status.remote() for d in self.cluster.decode])
 
     def assert_all_free(self, timeout_s: float = 5.0) -> None:
-        """Every worker's KV blocks are free (polled: frees land asynchronously)."""
+        """Every worker's KV blocks are free and the router's admission queue is empty
+        (polled: frees land asynchronously)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            workers = self.client.status().workers
+            st = self.client.status()
+            workers = st.workers
             busy = [f"{w.worker_id}: {w.kv_blocks_free}/{w.kv_blocks_total} free, "
                     f"{w.running_requests} running, {w.waiting_requests} waiting"
                     for w in workers if w.kv_blocks_free != w.kv_blocks_total
                     or w.running_requests or w.waiting_requests]
+            if st.queued_requests or st.queued_tokens:
+                busy.append(f"router: {st.queued_requests} requests, {st.queued_tokens} prompt "
+                            "tokens still queued")
             if not busy and workers:
                 return
             if time.monotonic() > deadline:
-                raise AssertionError("KV blocks leaked: " + "; ".join(busy))
+                raise AssertionError("KV blocks or queue counts leaked: " + "; ".join(busy))
             time.sleep(0.05)
 
     def stop(self) -> None:

@@ -26,7 +26,7 @@ def _free_port() -> int:
 def test_serve_generate_status_and_sigint():
     port = _free_port()
     server = subprocess.Popen([*PDSERVE, "serve", "--port", str(port), "--decode-kv-blocks", "128",
-                               "--prefill-kv-blocks", "128"],
+                               "--prefill-kv-blocks", "128", "--max-queued-requests", "8"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
     try:
@@ -57,6 +57,7 @@ def test_serve_generate_status_and_sigint():
         rows = [line.split() for line in st.stdout.splitlines()[2:]]
         assert {r[1] for r in rows} == {"prefill", "decode"}
         assert all(r[5] == r[6] == "128" for r in rows), st.stdout   # every block free
+        assert "queued for prefill: 0 requests, 0 prompt tokens" in st.stdout.splitlines()[0]
     finally:
         os.killpg(server.pid, signal.SIGINT) if server.poll() is None else None
         try:

@@ -187,6 +187,30 @@ def test_prefill_logits_match_hf_forward(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_after_cached_prefix_matches_hf_forward(family):
+    """Prefix caching and chunked prefill: each prompt's first `cached` tokens are
+    prefilled first (alone, with other prompts), then the rest attends to them through the
+    block table: block_size 4 from a shuffled free list, cut points inside blocks, on
+    block boundaries and one token before the end, all in one varlen batch. The last
+    rows equal HF's forward logits of the whole prompt."""
+    runner = _runner(tiny_model_dir(family), 4, 72)
+    pool = _make_pool(72, shuffle_seed=3)
+    cuts = [1, 8, 9, 28, 39]    # tokens already cached, per prompt in PROMPTS
+    tables = [pool.allocate(blocks_needed(len(p), 4)) for p in PROMPTS]
+    runner.prefill([PrefillSeq(list(p[:c]), tuple(t)) for p, c, t in zip(PROMPTS, cuts, tables)])
+    logits = runner.prefill([PrefillSeq(list(p), tuple(t), num_cached=c)
+                             for p, c, t in zip(PROMPTS, cuts, tables)])
+    for i, (row, (fwd, _, _)) in enumerate(zip(logits, _tiny_reference(family))):
+        torch.testing.assert_close(row, fwd, atol=TINY_ATOL, rtol=0,
+                                   msg=lambda m: f"prompt {i} (cut {cuts[i]}): {m}")
+    with pytest.raises(ValueError, match="num_cached"):
+        runner.prefill([PrefillSeq(list(PROMPTS[0]), tuple(tables[0]), num_cached=3)])
+    for t in tables:
+        pool.free(t)
+    assert pool.all_free()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_hf_generate(family):
     """block_size 16, all prompts prefilled and decoded together for NEW_TOKENS steps."""
     runner = _runner(tiny_model_dir(family), 16, 24)

@@ -238,3 +238,63 @@ def test_counts_after_abort_of_queued_request():
         sched.release(a, RequestState.FINISHED_STOPPED)
         release_all(sched, sched.schedule())
         assert pool.all_free()
+
+
+def _tokens_req(rid: str, tokens: list[int]) -> PrefillRequest:
+    return PrefillRequest(rid, tokens, SamplingParams(), KV_ADDRESS, epoch=1)
+
+
+def test_prefix_cache_shares_computed_blocks_but_never_the_last_tokens_block():
+    pool, sched = make(num_blocks=16, budget=64)
+    first = _tokens_req("a", list(range(1, 11)))            # blocks [1-4][5-8][9,10]
+    sched.add(first)
+    [a] = sched.schedule()
+    assert a.num_cached == 0 and sched.computed_tokens == 10
+    sched.cache_computed(a)                                  # 2 full blocks registered
+    assert pool.num_cached == 2
+    same = _tokens_req("b", list(range(1, 9)))               # 8 tokens: 2 full blocks
+    longer = _tokens_req("c", list(range(1, 10)) + [42, 43])
+    sched.add(same)
+    sched.add(longer)
+    b, c = sched.schedule()
+    # "b": its last token's block is block 2 of the prompt, so only block 1 is shared
+    assert (b.num_cached, b.block_table[0], b.block_table[1] != a.block_table[1]) == \
+        (4, a.block_table[0], True)
+    assert (c.num_cached, c.block_table[:2]) == (8, a.block_table[:2])
+    assert sched.computed_tokens == 10 + 4 + 3 and sched.cached_tokens == 12
+    assert (sched.prefix_queries, sched.prefix_hits) == (2 + 1 + 2, 0 + 1 + 2)
+    assert pool.ref_count(a.block_table[0]) == 3
+    release_all(sched, [a, b, c])
+    assert pool.all_free() and pool.num_cached == 2
+
+
+def test_budget_counts_uncached_tokens_and_back_off_drops_the_match():
+    pool, sched = make(num_blocks=16, budget=8)
+    a = _tokens_req("a", list(range(1, 10)))                 # 9 tokens: over budget alone
+    sched.add(a)
+    [a] = sched.schedule()
+    sched.cache_computed(a)
+    sched.release(a, RequestState.FINISHED_STOPPED)
+    warm = _tokens_req("warm", list(range(1, 9)) + [7, 7, 7])  # 11 tokens, 8 cached
+    cold = _tokens_req("cold", [9] * 6)
+    sched.add(warm)
+    sched.add(cold)
+    batch = sched.schedule()
+    assert rids(batch) == ["warm"]             # 3 + 6 new tokens > budget 8
+    assert batch[0].num_cached == 8
+    assert all(pool.ref_count(b) == 1 for b in batch[0].block_table)  # cold's try undone
+    release_all(sched, batch)
+    release_all(sched, sched.schedule())
+    assert pool.all_free()
+
+
+def test_prefix_caching_off_shares_nothing():
+    pool = BlockPool(16)
+    sched = PrefillScheduler(pool, BLOCK_SIZE, 64, enable_prefix_caching=False)
+    for rid in "ab":
+        sched.add(_tokens_req(rid, list(range(1, 10))))
+        [r] = sched.schedule()
+        sched.cache_computed(r)
+        assert r.num_cached == 0
+        sched.release(r, RequestState.FINISHED_STOPPED)
+    assert pool.num_cached == 0 and pool.all_free()

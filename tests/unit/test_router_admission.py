@@ -1,0 +1,200 @@
+"""router/router.py + admission.py: Router.generate admits before it waits, and releases
+the request's queue share exactly once, at its first token or on any failure.
+
+Fake worker handles stand in for the Ray actors (`handle.method.remote(...)` calls the
+fake's coroutine), and a word-level tokenizer built in memory for the model's: no model,
+no Ray. Every test ends with the router's queue empty.
+"""
+
+import asyncio
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from tokenizers import Tokenizer, models
+
+from pdserve.client import make_request
+from pdserve.config import ClusterConfig, RouterConfig
+from pdserve.engine.request import TokenEvent
+from pdserve.router.admission import Admission
+from pdserve.router.errors import RequestError
+from pdserve.router.router import Router, _Worker
+
+VOCAB = 64
+PROMPT = [1, 2, 3, 4]          # token ids
+FIRST_TOKEN = 10               # what the fake prefill worker samples
+TOKENIZER = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+
+
+def actor(fake) -> SimpleNamespace:
+    """A Ray actor handle's surface: `handle.name.remote(*args)` calls `fake.name(*args)`."""
+    names = [n for n in dir(fake) if not n.startswith("_") and callable(getattr(fake, n))]
+    return SimpleNamespace(**{n: SimpleNamespace(remote=getattr(fake, n)) for n in names})
+
+
+class FakeDecode:
+    """Reserves at once when it has room (else answers None, as a full worker does), then
+    streams `tokens` as one finishing event."""
+
+    def __init__(self, room: bool = True, tokens: tuple[int, ...] = (11, 12)):
+        self.room, self.tokens = room, tokens
+        self.asked = asyncio.Event()
+        self.reserved: list[str] = []
+        self.aborted: list[str] = []
+
+    async def reserve(self, rid, prompt_len, params):
+        self.asked.set()
+        if not self.room:
+            return None
+        self.reserved.append(rid)
+        return {"kv_address": ("127.0.0.1", 1), "epoch": 1, "free_blocks": 60}
+
+    def stream(self, rid):
+        async def value(v):
+            return v
+
+        async def refs():
+            yield value([TokenEvent(rid, self.tokens, finish_reason="length")])
+        return refs()
+
+    def abort(self, rid, reason):
+        self.aborted.append(rid)
+
+
+class FakePrefill:
+    """Prefills once `go` is set: returns FIRST_TOKEN, or raises `error` when set."""
+
+    def __init__(self, error: Exception | None = None):
+        self.started, self.go = asyncio.Event(), asyncio.Event()
+        self.error = error
+        self.aborted: list[str] = []
+
+    async def prefill(self, rid, ids, params, kv_address, epoch):
+        self.started.set()
+        await self.go.wait()
+        if self.error is not None:
+            raise self.error
+        return FIRST_TOKEN
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+
+def make_router(decode: FakeDecode, prefill: FakePrefill, **router_kw) -> Router:
+    """A Router over the fakes. __init__ is skipped (it loads the model's config and
+    tokenizer), so this sets what generate() reads."""
+    r = Router.__new__(Router)
+    r.config = ClusterConfig(router=RouterConfig(port=0, **router_kw))
+    r.model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=256)
+    r.tokenizer = SimpleNamespace(backend_tokenizer=TOKENIZER)
+    r.prefill = [_Worker(actor(prefill), "prefill-0", num_blocks=64)]
+    r.decode = [_Worker(actor(decode), "decode-0", num_blocks=64, free_blocks=64)]
+    rc = r.config.router
+    r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
+    return r
+
+
+def queue(r: Router) -> tuple[int, int]:
+    return r.admission.queued_requests, r.admission.queued_tokens
+
+
+def generate(r: Router, prompt=PROMPT, deadline_s=None):
+    return r.generate(make_request(prompt, max_tokens=3, temperature=0), deadline_s)
+
+
+async def first_message(r: Router, **kw):
+    gen = generate(r, **kw)
+    try:
+        return await gen.__anext__()
+    finally:
+        await gen.aclose()
+
+
+def test_queued_from_admission_until_the_first_token():
+    async def main():
+        d, p = FakeDecode(), FakePrefill()
+        r = make_router(d, p)
+        gen = generate(r)
+        first = asyncio.create_task(gen.__anext__())
+        await p.started.wait()
+        assert queue(r) == (1, len(PROMPT))      # reserved on D, prefilling on P
+        p.go.set()
+        msg = await first
+        assert list(msg.token_ids) == [FIRST_TOKEN]
+        assert queue(r) == (0, 0)                # released at TTFT while D still streams
+        rest = [m async for m in gen]
+        assert [t for m in rest for t in m.token_ids] == [11, 12]
+        assert rest[-1].finish_reason == "length"
+        return r
+
+    assert queue(asyncio.run(main())) == (0, 0)
+
+
+def test_over_max_queued_requests_is_refused_before_reserving():
+    async def main():
+        d, p = FakeDecode(), FakePrefill()
+        r = make_router(d, p, max_queued_requests=1)
+        admitted = asyncio.create_task(first_message(r))
+        await p.started.wait()
+        with pytest.raises(RequestError) as ei:
+            await first_message(r)
+        assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_queued_requests=1" in str(ei.value), str(ei.value)
+        assert len(d.reserved) == 1              # the refused one never asked D
+        p.go.set()
+        assert list((await admitted).token_ids) == [FIRST_TOKEN]
+        assert list((await first_message(r)).token_ids) == [FIRST_TOKEN]   # room again
+        return r
+
+    assert queue(asyncio.run(main())) == (0, 0)
+
+
+def test_prompt_over_max_queued_tokens_is_refused_at_once():
+    async def main():
+        d, p = FakeDecode(), FakePrefill()
+        r = make_router(d, p, max_queued_tokens=len(PROMPT) - 1)
+        with pytest.raises(RequestError) as ei:
+            await first_message(r)
+        assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"exceeds max_queued_tokens={len(PROMPT) - 1}" in str(ei.value), str(ei.value)
+        assert not d.asked.is_set() and not p.started.is_set()
+        return r
+
+    assert queue(asyncio.run(main())) == (0, 0)
+
+
+@pytest.mark.parametrize("case, code", [
+    ("no decode room", grpc.StatusCode.RESOURCE_EXHAUSTED),   # reserve_timeout_s runs out
+    ("prefill error", grpc.StatusCode.UNAVAILABLE),
+    ("deadline in prefill", grpc.StatusCode.DEADLINE_EXCEEDED),
+])
+def test_failure_before_first_token_releases_the_queue(case, code):
+    async def main():
+        d = FakeDecode(room=case != "no decode room")
+        p = FakePrefill(error=RuntimeError("KV transfer failed") if case == "prefill error"
+                        else None)
+        if case == "prefill error":
+            p.go.set()
+        r = make_router(d, p, reserve_timeout_s=0.05)
+        with pytest.raises(RequestError) as ei:
+            await first_message(r, deadline_s=0.05 if case == "deadline in prefill" else None)
+        assert ei.value.code == code, ei.value
+        return r
+
+    assert queue(asyncio.run(main())) == (0, 0)
+
+
+@pytest.mark.parametrize("stage", ["waiting for decode room", "prefill"])
+def test_client_cancel_releases_the_queue(stage):
+    async def main():
+        d, p = FakeDecode(room=stage == "prefill"), FakePrefill()
+        r = make_router(d, p)
+        task = asyncio.create_task(first_message(r))
+        await (p.started if stage == "prefill" else d.asked).wait()
+        assert queue(r) == (1, len(PROMPT))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return r
+
+    assert queue(asyncio.run(main())) == (0, 0)

@@ -1,63 +1,119 @@
-"""Decode-side scheduler: reservations, KV arrival, the continuous batch, stops.
+"""Decode-side scheduler: reservations, KV arrival, the continuous batch, preemption, stops.
 
 Lifecycle of a request on a decode worker (pure state; no model, no sockets):
 
-    reserve()            blocks for prompt + max_tokens taken from the pool, under a
-        │                lease (deadline); state WAITING_FOR_REMOTE_KV
+    reserve()            blocks for the prompt's KV only, under a lease (deadline);
+        │                state WAITING_FOR_REMOTE_KV
         ▼
     on_kv_complete()     every layer arrived and the prefill worker's first token came
         │                with the done frame (ok=False -> FINISHED_ERROR, blocks freed)
         ▼
-    schedule()           admits arrived requests into RUNNING; applies aborts and lease
-        │                expiry; returns the batch for one decode step
+    schedule()           applies aborts and lease expiry; admits arrived requests into
+        │   ▲            RUNNING; grows a block_table by one block when the request's
+        │   │            next position enters a new block; returns the batch for one
+        │   │            decode step
+        │   └── PREEMPTED: blocks freed, tokens kept; resumed (oldest first, before
+        │                  new arrivals) by recomputing the KV of prompt + output[:-1]
         ▼
     update_from_output() appends each sampled token, checks EOS / stop_token_ids /
                          max_tokens / context length, frees finished requests' blocks
 
-Blocks are reserved for the worst case (prompt + max_tokens) up front, so a running
-request never needs a block the pool cannot give: no preemption is needed, at the
-price of admitting fewer requests than an on-demand policy would.
+Blocks are taken on demand (vLLM's policy): the prompt's blocks at reserve(), then one
+block whenever a running request's next token position enters a new block. Priority is
+the order of first admission into RUNNING (kept across preemption). When the pool cannot
+give a running request its next block, the newest running request (perhaps the
+requester itself) is **preempted**: its blocks go back to the pool, and it waits with
+its prompt_token_ids and output_ids until enough blocks are free to hold them again.
+It then rejoins the batch with `recompute` set: the step thread prefills
+`prompt + output_ids[:-1]` into its new block_table and decodes `output_ids[-1]` at its
+position as if never preempted. The sampler's step index is len(output_ids), unchanged
+by preemption, so greedy and seeded outputs are too.
+
+Why this always makes progress: the oldest running request is preempted only when it is
+alone and reservations still waiting for KV hold the rest; a request that could not fit
+the whole pool even alone is refused at reserve(); and reserve() never takes the blocks
+that preempted requests need to resume, so resumed requests go before newly arrived
+ones and a stream of new requests cannot starve them.
 
 Thread-safety: every public method takes the scheduler's lock. Blocks are only ever
-freed inside schedule()/update_from_output(), i.e. on the step thread between model
-steps, so a step never writes into a block that was freed and handed to another
-request mid-step; aborts from other threads are recorded and applied there.
+freed, and only taken for running requests, inside schedule()/update_from_output(), i.e.
+on the step thread between model steps, so a step never writes into a block that was
+freed and handed to another request mid-step; aborts from other threads are recorded
+and applied there. (reserve() takes free blocks from RPC threads: no step touches them.)
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..engine.block_pool import BlockPool, blocks_needed
+from ..engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
 from ..engine.request import RequestState, TokenEvent
 from ..engine.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 
-@dataclass(slots=True)
+
+def _by_admission(req: DecodeRequest) -> int:
+    return req.admitted_seq
+
+
+class RequestTooLargeError(ValueError):
+    """prompt + max_tokens needs more KV blocks than the whole pool has: the request could
+    never run on this worker, even alone (`needed`, `total` are block counts)."""
+
+    def __init__(self, prompt_len: int, max_tokens: int, needed: int, total: int,
+                 block_size: int):
+        super().__init__(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {needed} KV "
+            f"blocks of {block_size} tokens; this decode worker has {total} in all")
+        self.needed, self.total = needed, total
+
+
+@dataclass(slots=True, eq=False)
 class DecodeRequest:
+    """One request on the decode worker. Compared by identity (it is mutable state)."""
+
     request_id: str
-    prompt_len: int                      # tokens whose KV arrives from prefill
+    prompt_token_ids: list[int]          # kept to recompute the KV after preemption
     params: SamplingParams
-    block_table: list[int]
-    lease_deadline: float                # time.monotonic() seconds
+    block_table: list[int]               # block ids; [] while PREEMPTED
+    lease_deadline: float                # time.monotonic() seconds; WAITING_FOR_REMOTE_KV only
     state: RequestState = RequestState.WAITING_FOR_REMOTE_KV
     output_ids: list[int] = field(default_factory=list)
     abort_reason: str | None = None      # set by abort(); applied by schedule()
     error: str | None = None
+    admitted_seq: int = -1               # order of first admission into RUNNING (resume order)
+    recompute: bool = False              # resumed: KV of prompt + output_ids[:-1] to recompute
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + generated tokens; the next decode step writes position num_tokens - 1."""
         return self.prompt_len + len(self.output_ids)
+
+    @property
+    def recompute_token_ids(self) -> list[int]:
+        """Tokens whose KV a resumed request recomputes: all but the newest, which the next
+        decode step feeds (its KV is written by that step, as for any running request)."""
+        return self.prompt_token_ids + self.output_ids[:-1]
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeBatch:
-    """One decode step: feed each request's newest token at position num_tokens - 1."""
+    """One decode step: first prefill the KV of each `recompute` request's
+    recompute_token_ids into its block_table (resumed after preemption; every one is also
+    in `requests`), then feed each request's newest token at position num_tokens - 1."""
 
     requests: tuple[DecodeRequest, ...]
+    recompute: tuple[DecodeRequest, ...] = ()
 
 
 class DecodeScheduler:
@@ -75,29 +131,50 @@ class DecodeScheduler:
         self._lock = threading.Lock()
         self._requests: dict[str, DecodeRequest] = {}
         self._arrived: list[str] = []
+        # Priority is first admission into RUNNING (admitted_seq), kept across preemption:
+        # both lists are sorted by it, oldest first; the newest running one is preempted.
+        self._running: list[DecodeRequest] = []
+        self._preempted: list[DecodeRequest] = []
+        self._next_seq = 0
         self._events: list[TokenEvent] = []      # finishes outside a step (errors, aborts)
         self.num_reclaimed = 0
+        self.num_preemptions = 0                 # since start; a request may count many times
 
     # --- called from RPC / transport threads --------------------------------------
 
     def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
-                lease_s: float) -> list[int]:
-        """Reserve blocks for prompt + max_tokens. Idempotent per request_id.
+                lease_s: float, prompt_token_ids: list[int]) -> list[int]:
+        """Reserve the blocks for the prompt's KV. Idempotent per request_id.
 
-        Returns the prompt's block ids (where prefill's KV goes), in order.
+        `prompt_token_ids` (len == prompt_len) are kept to recompute the KV if the request
+        is preempted. Returns the prompt's block ids (where prefill's KV goes), in order.
         Raises:
-            NoFreeBlocksError: the pool cannot hold the request now (nothing taken).
+            ValueError: len(prompt_token_ids) != prompt_len.
+            RequestTooLargeError: prompt + max_tokens (capped by the model's context)
+                needs more blocks than the whole pool has (nothing taken).
+            NoFreeBlocksError: the pool cannot hold the prompt now, counting the blocks
+                that preempted requests need to resume as taken (nothing taken).
         """
+        if len(prompt_token_ids) != prompt_len:
+            raise ValueError(f"prompt_len={prompt_len} but {len(prompt_token_ids)} "
+                             "prompt_token_ids were given")
         assert prompt_len < self.max_model_len, (prompt_len, self.max_model_len)  # router checks
+        bs = self.block_size
         with self._lock:
             req = self._requests.get(request_id)
             if req is None:
-                total = min(prompt_len + params.max_tokens, self.max_model_len)
-                blocks = self.pool.allocate(blocks_needed(total, self.block_size))
-                req = DecodeRequest(request_id, prompt_len, params, blocks,
-                                    time.monotonic() + lease_s)
+                total = blocks_needed(min(prompt_len + params.max_tokens, self.max_model_len), bs)
+                if total > self.pool.num_blocks:
+                    raise RequestTooLargeError(prompt_len, params.max_tokens, total,
+                                               self.pool.num_blocks, bs)
+                need = blocks_needed(prompt_len, bs)
+                free = self.pool.num_free - self._resume_blocks()
+                if need > free:
+                    raise NoFreeBlocksError(need, max(free, 0), self.pool.num_blocks)
+                req = DecodeRequest(request_id, list(prompt_token_ids), params,
+                                    self.pool.allocate(need), time.monotonic() + lease_s)
                 self._requests[request_id] = req
-            return req.block_table[:blocks_needed(prompt_len, self.block_size)]
+            return req.block_table[:blocks_needed(req.prompt_len, bs)]
 
     def on_kv_complete(self, request_id: str, ok: bool, first_token: int | None,
                        error: str | None = None) -> None:
@@ -122,13 +199,19 @@ class DecodeScheduler:
     # --- called from the step thread ----------------------------------------------
 
     def schedule(self, now: float | None = None) -> DecodeBatch:
-        """Admit arrived requests, apply aborts and expired leases; the next batch."""
+        """Admit arrived requests; apply aborts and expired leases; give each request of
+        the batch the block its next position needs, preempting the newest running
+        requests while the pool is short; then resume preempted requests that fit
+        again (oldest first). Returns the next batch."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            for rid in self._arrived:
+            for rid in self._arrived:           # first: an arrived request has no lease
                 req = self._requests.get(rid)
-                if req is not None and req.abort_reason is None:
+                if (req is not None and req.abort_reason is None
+                        and req.state == RequestState.WAITING_FOR_REMOTE_KV):
                     req.state = RequestState.RUNNING
+                    req.admitted_seq, self._next_seq = self._next_seq, self._next_seq + 1
+                    self._running.append(req)   # newest: _running stays in admitted_seq order
                     self._check_stop(req)       # the first token may already finish it
             self._arrived.clear()
             for req in list(self._requests.values()):
@@ -139,8 +222,10 @@ class DecodeScheduler:
                     self.num_reclaimed += 1
                     req.error = "KV reservation lease expired before prefill's KV arrived"
                     self._finish(req, RequestState.FINISHED_ERROR)
-            running = [r for r in self._requests.values() if r.state == RequestState.RUNNING]
-            return DecodeBatch(tuple(running[:self.max_batch_size]))
+            self._grow_batch()
+            self._resume()
+            batch = tuple(self._running[:self.max_batch_size])
+            return DecodeBatch(batch, tuple(r for r in batch if r.recompute))
 
     def update_from_output(self, batch: DecodeBatch, token_ids: list[int]) -> list[TokenEvent]:
         """Append one sampled token per batch row; returns the step's events (and any
@@ -151,6 +236,7 @@ class DecodeScheduler:
             for req, tok in zip(batch.requests, token_ids, strict=True):
                 if req.state != RequestState.RUNNING or req.abort_reason is not None:
                     continue  # aborted mid-step: schedule() finishes it
+                req.recompute = False           # the step recomputed its KV
                 req.output_ids.append(tok)
                 if self._check_stop(req, emit=False):
                     events.append(TokenEvent(req.request_id, (tok,), req.state.finish_reason))
@@ -165,6 +251,54 @@ class DecodeScheduler:
 
     # --- helpers (lock held) ------------------------------------------------------
 
+    def _grow_batch(self) -> None:
+        """Give each request of the next batch, oldest first, the blocks its next position
+        needs; while the pool is short, preempt the newest running request (the
+        requester itself when it is the newest; perhaps one beyond the batch)."""
+        for req in self._running[:self.max_batch_size]:
+            if req.state != RequestState.RUNNING:
+                break                           # preempted below: so is every newer one
+            need = blocks_needed(req.num_tokens, self.block_size) - len(req.block_table)
+            while need > self.pool.num_free:
+                victim = self._running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.state == RequestState.RUNNING and need > 0:
+                req.block_table.extend(self.pool.allocate(need))
+
+    def _preempt(self, req: DecodeRequest) -> None:
+        """Free a running request's blocks and queue it to resume by recompute. Its KV
+        transfer is DONE, so the receiver no longer writes into these blocks: they go
+        straight back to the pool (no on_release)."""
+        self._running.remove(req)
+        self.pool.free(req.block_table)
+        logger.debug("preempted request %s at %d tokens (%d blocks freed)",
+                     req.request_id, req.num_tokens, len(req.block_table))
+        req.block_table = []
+        req.state, req.recompute = RequestState.PREEMPTED, False
+        bisect.insort(self._preempted, req, key=_by_admission)
+        self.num_preemptions += 1
+
+    def _resume(self) -> None:
+        """Resume preempted requests, oldest first, while the head fits (blocks for every
+        token so far, the next position included) and the batch has room; a head that
+        does not fit blocks the rest, so smaller ones cannot starve it. A resumed request
+        regains its place by admitted_seq, so it goes before newer arrivals."""
+        while self._preempted and len(self._running) < self.max_batch_size:
+            req = self._preempted[0]
+            need = blocks_needed(req.num_tokens, self.block_size)
+            if need > self.pool.num_free:
+                return
+            self._preempted.pop(0)
+            req.block_table = self.pool.allocate(need)
+            req.state, req.recompute = RequestState.RUNNING, True
+            bisect.insort(self._running, req, key=_by_admission)
+
+    def _resume_blocks(self) -> int:
+        """Blocks the preempted requests need to resume, all together."""
+        return sum(blocks_needed(r.num_tokens, self.block_size) for r in self._preempted)
+
     def _check_stop(self, req: DecodeRequest, emit: bool = True) -> bool:
         tok, p = req.output_ids[-1], req.params
         if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
@@ -177,6 +311,10 @@ class DecodeScheduler:
         return True
 
     def _finish(self, req: DecodeRequest, state: RequestState, emit: bool = True) -> None:
+        if req.state == RequestState.RUNNING:
+            self._running.remove(req)
+        elif req.state == RequestState.PREEMPTED:
+            self._preempted.remove(req)         # holds no blocks: nothing to free twice
         req.state = state
         del self._requests[req.request_id]
         blocks = req.block_table
@@ -190,15 +328,19 @@ class DecodeScheduler:
     # --- introspection --------------------------------------------------------------
 
     def counts(self) -> tuple[int, int]:
-        """(running, waiting_for_remote_kv) request counts."""
+        """(running, waiting) request counts; waiting = for prefill's KV or preempted."""
         with self._lock:
-            running = sum(r.state == RequestState.RUNNING for r in self._requests.values())
-            return running, len(self._requests) - running
+            return len(self._running), len(self._requests) - len(self._running)
+
+    def num_waiting_to_resume(self) -> int:
+        """Preempted requests now waiting for blocks to resume."""
+        with self._lock:
+            return len(self._preempted)
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._arrived or self._events or any(
-                r.state == RequestState.RUNNING or r.abort_reason for r in self._requests.values()))
+            return bool(self._arrived or self._events or self._running or self._preempted
+                        or any(r.abort_reason for r in self._requests.values()))
 
     def next_lease_deadline(self) -> float | None:
         with self._lock:

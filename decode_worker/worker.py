@@ -3,9 +3,11 @@ the continuous-batching decode loop.
 
 Request lifecycle here (see scheduler.py for the state machine):
 
-    router ── reserve(request_id, prompt_len, params) ──▶ blocks + KV address + epoch
+    router ── reserve(request_id, prompt_len, params, prompt_token_ids)
+          ──▶ the prompt's blocks + KV address + epoch
     prefill ══ KV frames, layer by layer, then done(first token) ══▶ KV receiver
-    step thread: schedule() → ModelRunner.decode() → sample() → update_from_output()
+    step thread: schedule() → [ModelRunner.prefill() of resumed requests' KV, recompute
+                 after preemption] → ModelRunner.decode() → sample() → update_from_output()
     router ◀── stream(request_id): TokenEvents until finish_reason is set
 
 The step thread owns the model; the actor's event loop serves RPCs; the KV receiver
@@ -25,13 +27,13 @@ import uuid
 import ray
 
 from ..engine.block_pool import BlockPool, NoFreeBlocksError
-from ..engine.model_runner import DecodeSeq, ModelRunner
+from ..engine.model_runner import DecodeSeq, ModelRunner, PrefillSeq
 from ..engine.request import TokenEvent
 from ..engine.sampler import sample
 from ..engine.sampling_params import SamplingParams
 from ..kv_transfer import KVCompletion, KVLayout, make_receiver
 from ..config import WorkerConfig
-from .scheduler import DecodeScheduler
+from .scheduler import DecodeScheduler, RequestTooLargeError
 
 logger = logging.getLogger(__name__)
 
@@ -70,21 +72,31 @@ class DecodeWorker:
         return {"worker_id": self.worker_id, "kv_address": self.kv_address, "epoch": self.epoch,
                 "num_blocks": self.pool.num_blocks, "block_size": self.runner.block_size}
 
-    async def reserve(self, request_id: str, prompt_len: int, params: SamplingParams) -> dict | None:
-        """Reserve blocks for a request's KV; None when the pool cannot hold it now.
+    async def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
+                      prompt_token_ids: list[int]) -> dict | None:
+        """Reserve blocks for a request's prompt KV; None when the pool cannot hold it
+        now, or ever (prompt + max_tokens beyond the whole pool; the router refuses
+        those against the largest decode worker first). `prompt_token_ids` (prompt_len
+        of them) are kept to recompute the KV should the request be preempted.
 
         Returns {"kv_address": (host, port), "epoch", "num_blocks": prompt blocks,
         "free_blocks"} for the prefill worker to send to.
+        Raises:
+            ValueError: len(prompt_token_ids) != prompt_len.
         """
         self._loop = self._loop or asyncio.get_running_loop()
         if request_id not in self._queues:
             self._queues[request_id] = asyncio.Queue()
         try:
             block_ids = self.scheduler.reserve(request_id, prompt_len, params,
-                                               self.config.lease_s)
-        except NoFreeBlocksError:
+                                               self.config.lease_s, prompt_token_ids)
+        except (NoFreeBlocksError, RequestTooLargeError) as e:
+            logger.debug("reserve %s refused: %s", request_id, e)
             self._queues.pop(request_id, None)
             return None
+        except ValueError:   # prompt_token_ids do not match prompt_len: the caller's bug
+            self._queues.pop(request_id, None)
+            raise
         self.receiver.expect(request_id, block_ids)
         return {"kv_address": self.kv_address, "epoch": self.epoch,
                 "num_blocks": len(block_ids), "free_blocks": self.pool.num_free}
@@ -121,7 +133,9 @@ class DecodeWorker:
                 "kv_blocks_total": self.pool.num_blocks, "kv_blocks_free": self.pool.num_free,
                 "running_requests": running, "waiting_requests": waiting,
                 "epoch": self.epoch, "kv_address": f"{host}:{port}",
-                "peak_batch_size": self.peak_batch_size}
+                "peak_batch_size": self.peak_batch_size,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "preempted_requests": self.scheduler.num_waiting_to_resume()}
 
     async def shutdown(self) -> None:
         self._stop.set()
@@ -157,8 +171,16 @@ class DecodeWorker:
             reqs = batch.requests
             self.peak_batch_size = max(self.peak_batch_size, len(reqs))
             t0 = time.perf_counter()
+            if batch.recompute:
+                # Resumed after preemption: rebuild the KV of all but the newest token in
+                # the new block_table. The logits are not needed: the token to feed next
+                # is known (output_ids[-1]), and the decode below writes its KV.
+                runner.prefill([PrefillSeq(r.recompute_token_ids, r.block_table)
+                                for r in batch.recompute])
             logits = runner.decode([
                 DecodeSeq(r.output_ids[-1], r.num_tokens - 1, r.block_table) for r in reqs])
+            # step = tokens generated so far, unchanged by preemption: seeded draws repeat
             tokens = sample(logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs])
             self._publish(sched.update_from_output(batch, tokens))
-            logger.debug("decode step: batch %d, %.1f ms", len(reqs), 1e3 * (time.perf_counter() - t0))
+            logger.debug("decode step: batch %d (%d recomputed), %.1f ms", len(reqs),
+                         len(batch.recompute), 1e3 * (time.perf_counter() - t0))

@@ -15,6 +15,10 @@ computing them again. A cached block whose last holder frees it stays cached but
 the least recently used cached ones (dropping their hashes). Evictable blocks count as
 free (``num_free``, ``all_free``): they are reclaimable at once.
 
+Cache events: every hash registered or evicted is logged with a sequence number, so a
+router can mirror which prefixes a worker holds by polling ``cache_events(since)`` now
+and then, instead of asking every worker on every request (KV-aware routing).
+
 Thread-safety: workers allocate from their step loop and free from transport and RPC
 threads, so every public method takes the pool's lock.
 """
@@ -68,6 +72,10 @@ class BlockPool:
         self._block_of: dict[BlockHash, int] = {}             # and back
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, holders 0; LRU first
         self._lock = threading.Lock()
+        # (stored?, hash) per change to the cache, the newest `_event_seq`; bounded: a
+        # reader further behind gets a snapshot instead (cache_events)
+        self._events: deque[tuple[bool, BlockHash]] = deque(maxlen=4 * num_blocks)
+        self._event_seq = 0
 
     @property
     def num_free(self) -> int:
@@ -101,7 +109,9 @@ class BlockPool:
                     ids.append(self._free.popleft())
                 else:
                     block, _ = self._evictable.popitem(last=False)
-                    del self._block_of[self._hash_of.pop(block)]
+                    h = self._hash_of.pop(block)
+                    del self._block_of[h]
+                    self._log(False, h)
                     ids.append(block)
             for i in ids:
                 self._ref_count[i] = 1
@@ -134,6 +144,26 @@ class BlockPool:
                     continue
                 self._block_of[h] = block
                 self._hash_of[block] = h
+                self._log(True, h)
+
+    def _log(self, stored: bool, h: BlockHash) -> None:
+        self._events.append((stored, h))
+        self._event_seq += 1
+
+    def cache_events(self, since: int) -> tuple[int, list[tuple[bool, BlockHash]] | None,
+                                                 list[BlockHash] | None]:
+        """What changed in the prefix cache after event number `since` (0: from the
+        start): ``(seq, events, None)`` with events ``(stored, hash)`` oldest first
+        (stored False: evicted), or ``(seq, None, snapshot)`` with every cached hash when
+        the reader is too far behind for the bounded log (or ahead of it: a restarted
+        pool). Pass the returned `seq` as the next `since`."""
+        with self._lock:
+            seq = self._event_seq
+            behind = seq - since
+            if 0 <= behind <= len(self._events):
+                events = list(self._events)[len(self._events) - behind:] if behind else []
+                return seq, events, None
+            return seq, None, list(self._block_of)
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add a holder to blocks already in use."""

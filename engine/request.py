@@ -14,10 +14,11 @@ class RequestState(enum.IntEnum):
     PREFILLING = 2              # prefill: in the batch being computed
     SENDING_KV = 3              # prefill: computed, KV frames still in flight
     RUNNING = 4                 # decode: in the continuous batch
-    FINISHED_STOPPED = 5        # EOS or a stop token
-    FINISHED_LENGTH = 6         # max_tokens or the model's context
-    FINISHED_ABORTED = 7        # client cancel / router abort
-    FINISHED_ERROR = 8          # transfer failure, lease expiry, worker fault
+    PREEMPTED = 5               # decode: blocks freed for older requests; resumes by recompute
+    FINISHED_STOPPED = 6        # EOS or a stop token
+    FINISHED_LENGTH = 7         # max_tokens or the model's context
+    FINISHED_ABORTED = 8        # client cancel / router abort
+    FINISHED_ERROR = 9          # transfer failure, lease expiry, worker fault
 
     @property
     def finished(self) -> bool:

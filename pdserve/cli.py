@@ -19,7 +19,8 @@ def _serve(args) -> int:
             transport=args.transport, host=args.host, port=args.port,
             prefill_blocks=args.prefill_kv_blocks, decode_blocks=args.decode_kv_blocks,
             threads_per_worker=args.threads_per_worker, log_level=args.log_level,
-            router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens")
+            router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
+                                      "routing_policy")
                        if (v := getattr(args, k)) is not None})   # unset: RouterConfig's default
     except ValueError as e:   # a setting out of range: the message names it
         print(f"pdserve: {e}", file=sys.stderr)
@@ -144,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-queued-tokens", type=int, default=None,
                    help="prompt tokens queued for prefill at once (default 262144); beyond it "
                         "Generate fails at once with RESOURCE_EXHAUSTED")
+    s.add_argument("--routing-policy", choices=["round_robin", "least_loaded", "kv_aware"],
+                   default=None, help="how the router picks a prefill worker (default kv_aware: "
+                                      "cached prefix blocks vs queued tokens)")
     s.add_argument("--log-level", default="WARNING")
     s.set_defaults(fn=_serve)
 

@@ -28,6 +28,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048  # prefill: prompt tokens per batch (varlen)
     lease_s: float = 60.0            # decode: how long a reservation waits for prefill's KV
     enable_prefix_caching: bool = True  # prefill: share cached prompt-prefix blocks
+    prefill_chunk_size: int | None = 512  # prefill: most tokens of one prompt per step
     log_level: str = "WARNING"
 
     def __post_init__(self):
@@ -42,6 +43,12 @@ class WorkerConfig:
         if self.transport not in SENDERS:
             raise ValueError(f"transport={self.transport!r}: choose one of {sorted(SENDERS)} "
                              "(resolve 'auto' with kv_transfer.resolve_transport first)")
+        if self.prefill_chunk_size is not None and (
+                self.prefill_chunk_size % self.block_size
+                or not self.block_size <= self.prefill_chunk_size <= self.max_num_batched_tokens):
+            raise ValueError(f"prefill_chunk_size={self.prefill_chunk_size} must be a multiple "
+                             f"of block_size={self.block_size} in [block_size, "
+                             f"max_num_batched_tokens={self.max_num_batched_tokens}] (or None)")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s={self.lease_s}: must be > 0 seconds")
 
@@ -61,11 +68,22 @@ class RouterConfig:
     request_timeout_s: float = 600.0  # upper bound when the client sets no gRPC deadline
     max_queued_requests: int = 256   # requests queued at once; more fail fast, not wait unbounded
     max_queued_tokens: int = 262144  # prompt tokens queued at once: 256 requests x 1024 tokens
+    routing_policy: str = "kv_aware"  # prefill worker choice: round_robin | least_loaded | kv_aware
+    kv_load_weight: float = 1.0      # kv_aware: cost = uncached tokens + weight * queued tokens
+    cache_sync_interval_s: float = 0.1  # kv_aware: how often prefill caches are mirrored
 
     def __post_init__(self):
         for name in ("max_queued_requests", "max_queued_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        from .router.routing import POLICIES
+        if self.routing_policy not in POLICIES:
+            raise ValueError(f"routing_policy={self.routing_policy!r}: choose one of "
+                             f"{list(POLICIES)}")
+        if self.kv_load_weight < 0:
+            raise ValueError(f"kv_load_weight={self.kv_load_weight}: must be >= 0")
+        if self.cache_sync_interval_s <= 0:
+            raise ValueError(f"cache_sync_interval_s={self.cache_sync_interval_s}: must be > 0")
 
 
 @dataclass(frozen=True)

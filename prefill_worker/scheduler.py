@@ -42,6 +42,8 @@ class PrefillRequest:
     future: Any = None                   # asyncio.Future on the actor loop: first token
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0                  # leading prompt tokens found in the prefix cache
+    num_computed: int = 0                # tokens whose K/V is in the blocks (cached included)
+    chunk_end: int = 0                   # this step computes tokens [num_computed, chunk_end)
     block_hashes: list[BlockHash] | None = None  # of its full blocks, computed once
     state: RequestState = RequestState.WAITING
     aborted: bool = False
@@ -55,10 +57,19 @@ class PrefillScheduler:
     `prefix_queries` / `prefix_hits` (blocks looked up / found)."""
 
     def __init__(self, pool: BlockPool, block_size: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, prefill_chunk_size: int | None = None):
+        if prefill_chunk_size is not None and (
+                prefill_chunk_size < block_size or prefill_chunk_size % block_size
+                or prefill_chunk_size > max_num_batched_tokens):
+            raise ValueError(f"prefill_chunk_size={prefill_chunk_size} must be a multiple of "
+                             f"block_size={block_size} and <= max_num_batched_tokens="
+                             f"{max_num_batched_tokens}")
         self.pool, self.block_size = pool, block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
+        self.prefill_chunk_size = prefill_chunk_size
+        self._partial: deque[PrefillRequest] = deque()   # between chunks, oldest first
+        self._dropped: list[PrefillRequest] = []          # aborted between chunks
         self.computed_tokens = self.cached_tokens = 0
         self.prefix_queries = self.prefix_hits = 0
         self._lock = threading.Lock()
@@ -80,12 +91,29 @@ class PrefillScheduler:
             self._active[req.request_id] = req
 
     def schedule(self) -> list[PrefillRequest]:
-        """Next batch (possibly empty), FIFO; blocks taken for each member (cached prefix
-        blocks shared, `num_cached` set, the rest allocated)."""
-        batch, tokens = [], 0
+        """Next batch (possibly empty); each member computes tokens
+        ``[num_computed, chunk_end)`` this step. Partly prefilled prompts continue first
+        (oldest first), then waiting ones join in FIFO order, each taking blocks for its
+        whole prompt (cached prefix blocks shared, `num_cached` set) when it first runs.
+        With prefill_chunk_size, a prompt computes at most that many tokens a step, so
+        short prompts behind a long one share the next steps instead of waiting for all
+        of it; chunks end on block boundaries (the last one at the prompt's end)."""
+        batch, budget = [], self.max_num_batched_tokens
         bs = self.block_size
         with self._lock:
-            while self._waiting:
+            for req in list(self._partial):
+                self._partial.remove(req)
+                if req.aborted:
+                    self._dropped.append(req)
+                    continue
+                take = self._chunk(req, budget, alone=not batch)
+                if take == 0:
+                    self._partial.appendleft(req)  # keeps its turn for the next step
+                    break
+                budget -= take
+                self.computed_tokens += take
+                batch.append(req)
+            while self._waiting and budget > 0:
                 req = self._waiting[0]
                 n = len(req.token_ids)
                 hit: list[int] = []
@@ -95,24 +123,63 @@ class PrefillScheduler:
                         req.block_hashes = block_hashes(req.token_ids, bs)
                     lookup = req.block_hashes[: (n - 1) // bs]  # not the last token's block
                     hit = self.pool.match_prefix(lookup)
-                new_tokens = n - len(hit) * bs
+                req.num_computed = len(hit) * bs
+                take = self._chunk(req, budget, alone=not batch)
                 need = blocks_needed(n, bs) - len(hit)
-                if (batch and tokens + new_tokens > self.max_num_batched_tokens) \
-                        or need > self.pool.num_free:
+                if take == 0 or need > self.pool.num_free:
                     # FIFO: wait (for room or blocks) rather than let later prompts overtake
                     self.pool.free(hit)
+                    req.num_computed = 0
                     break
                 req.block_table = hit + self.pool.allocate(need)
-                req.num_cached = len(hit) * bs
+                req.num_cached = req.num_computed
                 req.state = RequestState.PREFILLING
                 self._waiting.popleft()
                 batch.append(req)
-                tokens += new_tokens
-                self.computed_tokens += new_tokens
+                budget -= take
+                self.computed_tokens += take
                 self.cached_tokens += req.num_cached
                 self.prefix_queries += len(lookup)
                 self.prefix_hits += len(hit)
         return batch
+
+    def _chunk(self, req: PrefillRequest, budget: int, alone: bool) -> int:
+        """Tokens `req` computes this step within `budget` (0: none fit); sets chunk_end.
+        Without chunking, a prompt over the budget runs whole, alone."""
+        remaining = len(req.token_ids) - req.num_computed
+        take = min(remaining, self.prefill_chunk_size or remaining)
+        if take > budget:
+            if self.prefill_chunk_size is None:
+                take = remaining if alone else 0    # whole prompts only
+            else:
+                take = budget
+        end = req.num_computed + take
+        if end < len(req.token_ids):
+            end -= end % self.block_size          # later chunks start on a block boundary
+        take = max(end - req.num_computed, 0)
+        req.chunk_end = req.num_computed + take
+        return take
+
+    def advance(self, batch: list[PrefillRequest], ok: bool = True) -> list[PrefillRequest]:
+        """After a step: each member's computed tokens now reach chunk_end. Returns the
+        members whose prompt is complete (sample their first token); the rest wait for
+        their next chunk (with ok False, a failed step: none of them does)."""
+        done = []
+        with self._lock:
+            for req in batch:
+                req.num_computed = req.chunk_end
+                if req.num_computed == len(req.token_ids):
+                    done.append(req)
+                elif ok:
+                    self._partial.append(req)
+        return done
+
+    def take_aborted(self) -> list[PrefillRequest]:
+        """Requests aborted between chunks (their blocks still held): the worker ends
+        them like failed ones."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        return dropped
 
     def cache_computed(self, req: PrefillRequest) -> None:
         """Register the request's full blocks in the prefix cache once its K/V is

@@ -69,7 +69,8 @@ class PrefillWorker:
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
                                           config.max_num_batched_tokens,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching,
+                                          config.prefill_chunk_size)
         layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)
         self.sender = make_sender(config.transport, self.runner.kv_cache, layout)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -139,6 +140,15 @@ class PrefillWorker:
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
 
+    async def cache_events(self, since: int) -> dict:
+        """Prefix-cache changes after event `since` (engine/block_pool.py): ``{"seq": n,
+        "events": [(stored, block_hash), ...]}`` or, when `since` is too old,
+        ``{"seq": n, "snapshot": [block_hash, ...]}``. The router polls it (KV-aware
+        routing); block hashes are 16-byte digests of `block_size`-token blocks."""
+        seq, events, snapshot = self.pool.cache_events(since)
+        return {"seq": seq, "events": events} if snapshot is None else \
+            {"seq": seq, "snapshot": snapshot}
+
     async def status(self) -> dict:
         running, waiting = self.scheduler.counts()
         return {"worker_id": self.worker_id, "role": "prefill", "pid": os.getpid(),
@@ -181,29 +191,38 @@ class PrefillWorker:
 
     def _step_loop(self) -> None:
         while not self._stop.is_set():
+            for r in self.scheduler.take_aborted():   # between chunks: abort frame, release
+                self._sends.put(_SendDone(r, None))
             batch = self.scheduler.schedule()
             if not batch:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            # Prompts finishing this step stream every layer's K/V of all their blocks
+            # (earlier chunks' included) while the next layer computes.
+            last = [r for r in batch if r.chunk_end == len(r.token_ids)]
 
             def on_layer_done(i: int) -> None:
-                for r in batch:
+                for r in last:
                     self._sends.put(_SendLayers(r, i, i + 1))
 
             try:
                 logits = self.runner.prefill(
-                    [PrefillSeq(r.token_ids, r.block_table, r.num_cached) for r in batch],
-                    on_layer_done)
-                for r in batch:
+                    [PrefillSeq(r.token_ids[:r.chunk_end], r.block_table, r.num_computed)
+                     for r in batch], on_layer_done)
+                done = self.scheduler.advance(batch)
+                for r in done:
                     self.scheduler.cache_computed(r)
-                tokens = sample(logits, [r.params for r in batch], [0] * len(batch))
+                rows = [i for i, r in enumerate(batch) if r in done]
+                tokens = (sample(logits[rows], [r.params for r in done], [0] * len(done))
+                          if done else [])
             except Exception as e:  # a model fault fails this batch, not the worker
                 logger.exception("prefill batch of %d failed", len(batch))
+                self.scheduler.advance(batch, ok=False)
                 for r in batch:
                     r.error = f"prefill failed: {e}"
-                tokens = [None] * len(batch)
-            for r, tok in zip(batch, tokens):
+                done, tokens = batch, [None] * len(batch)
+            for r, tok in zip(done, tokens):
                 r.state = RequestState.SENDING_KV
                 self._sends.put(_SendDone(r, tok))
 

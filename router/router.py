@@ -6,7 +6,8 @@ Lifecycle of one Generate call (ARCHITECTURE.md, "Request lifecycle"):
     admit: queued requests / prompt tokens over max_queued_* → RESOURCE_EXHAUSTED at once
     pick decode worker D (fewest active requests, then most free blocks) → reserve
         (no room anywhere: retry until reserve_timeout_s, then RESOURCE_EXHAUSTED)
-    pick prefill worker P (fewest queued prompt tokens) → prefill into D's blocks
+    pick prefill worker P (routing.py: kv_aware by default, cached prefix vs queue)
+        → prefill into D's blocks
     P returns the first token → stream it (TTFT)
     relay D's token events, detokenized; stop strings end the request here
     finish / cancel / error: abort on P and D, so every block is released
@@ -37,6 +38,7 @@ from . import validation
 from .admission import Admission
 from .detokenizer import Detokenizer
 from .errors import RequestError
+from .routing import PrefillRouter
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,9 @@ class Router:
         self._server: grpc.aio.Server | None = None
         rc = config.router
         self.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
+        self.prefill_router = PrefillRouter(rc.routing_policy, config.prefill.block_size,
+                                            rc.kv_load_weight)
+        self._cache_sync: asyncio.Task | None = None
 
     async def start(self) -> int:
         """Wait for every worker, then serve. Returns the bound gRPC port."""
@@ -86,12 +91,17 @@ class Router:
         await asyncio.gather(*(p.handle.pair.remote([i["kv_address"] for i in infos])
                                for p in self.prefill))
         rc = self.config.router
+        if rc.routing_policy == "kv_aware":
+            self._cache_sync = asyncio.get_running_loop().create_task(self._sync_prefix_caches())
         self._server, port = build_server(self, f"{rc.host}:{rc.port}")
         await self._server.start()
         logger.info("router serving gRPC on %s:%d", rc.host, port)
         return port
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self._cache_sync is not None:
+            self._cache_sync.cancel()
+            self._cache_sync = None
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
@@ -121,8 +131,8 @@ class Router:
         # released at the first token below, or by the `with` on any earlier exit: reserve
         # timeout, error, client cancel, deadline. release() is idempotent.
         with self.admission.admit(len(ids)) as queued:
-            d, res = await self._reserve(internal_id, len(ids), params, deadline)
-            p = min(self.prefill, key=lambda w: w.load)
+            d, res = await self._reserve(internal_id, len(ids), params, deadline, ids)
+            p, _ = self.prefill_router.pick(self.prefill, ids)
             p.load += len(ids)
             d.load += 1
             finished = False
@@ -168,6 +178,23 @@ class Router:
                     p.handle.abort.remote(internal_id)
                     d.handle.abort.remote(internal_id, "cancelled")
 
+    async def _sync_prefix_caches(self) -> None:
+        """Mirror every prefill worker's prefix cache (routing.PrefixIndex) by polling its
+        cache events every cache_sync_interval_s; a worker that does not answer in time
+        is skipped this round (its mirror just goes stale)."""
+        interval = self.config.router.cache_sync_interval_s
+        index = self.prefill_router.index
+        while True:
+            for w in self.prefill:
+                try:
+                    reply = await asyncio.wait_for(
+                        w.handle.cache_events.remote(index.since(w.worker_id)), timeout=5)
+                except Exception as e:  # dead, restarting or slow: try again next round
+                    logger.debug("prefix cache of %s not synced: %r", w.worker_id, e)
+                    continue
+                index.apply(w.worker_id, reply)
+            await asyncio.sleep(interval)
+
     def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
         bs = self.config.decode.block_size
         need = blocks_needed(prompt_len + max_tokens, bs)
@@ -180,7 +207,8 @@ class Router:
             raise InvalidRequestError("prompt", f"{prompt_len} tokens exceed every prefill "
                                                 "worker's KV pool")
 
-    async def _reserve(self, rid: str, prompt_len: int, params, deadline: float):
+    async def _reserve(self, rid: str, prompt_len: int, params, deadline: float,
+                       ids: list[int]):
         """Reserve on the best decode worker with room, waiting for room until a limit."""
         give_up = min(deadline, time.monotonic() + self.config.router.reserve_timeout_s)
         delay = 0.01
@@ -188,7 +216,7 @@ class Router:
             failures = []
             for d in sorted(self.decode, key=lambda w: (w.load, -w.free_blocks)):
                 try:
-                    res = await d.handle.reserve.remote(rid, prompt_len, params)
+                    res = await d.handle.reserve.remote(rid, prompt_len, params, ids)
                 except ray.exceptions.RayError as e:   # dead or unreachable: try the next
                     failures.append(f"{d.worker_id}: {type(e).__name__}")
                     continue

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pdserve.decode_worker.scheduler import DecodeBatch, DecodeScheduler
+from pdserve.decode_worker.scheduler import DecodeBatch, DecodeScheduler, RequestTooLargeError
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
 from pdserve.engine.request import RequestState, TokenEvent
 from pdserve.engine.sampling_params import SamplingParams
@@ -34,9 +34,14 @@ def params(max_tokens=16, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, **kw)
 
 
+def prompt(n: int) -> list[int]:
+    """n prompt token ids (none of them EOS)."""
+    return list(range(100, 100 + n))
+
+
 def admit(sched, rid, prompt_len=8, first_token=10, **kw):
     """reserve + KV arrives + schedule; returns the batch."""
-    sched.reserve(rid, prompt_len, params(**kw), LEASE_S)
+    sched.reserve(rid, prompt_len, params(**kw), LEASE_S, prompt_token_ids=prompt(prompt_len))
     sched.on_kv_complete(rid, True, first_token)
     return sched.schedule()
 
@@ -55,34 +60,55 @@ def finish_all(sched):
 
 # --- reserve ----------------------------------------------------------------------------
 
-def test_reserve_takes_worst_case_and_returns_prompt_blocks(pool):
+def test_reserve_takes_only_the_prompt_blocks(pool):
     sched = make_sched(pool)
-    prompt_blocks = sched.reserve("a", 10, params(max_tokens=7), LEASE_S)
-    total = blocks_needed(10 + 7, BLOCK_SIZE)            # 5
+    prompt_blocks = sched.reserve("a", 10, params(max_tokens=7), LEASE_S,
+                                  prompt_token_ids=prompt(10))
     assert len(prompt_blocks) == blocks_needed(10, BLOCK_SIZE) == 3
-    assert pool.num_free == NUM_BLOCKS - total
+    assert pool.num_free == NUM_BLOCKS - 3               # not prompt + max_tokens (5)
     req = sched._requests["a"]
-    assert len(req.block_table) == total
-    assert prompt_blocks == req.block_table[:3]          # in order, a prefix of the table
+    assert req.block_table == prompt_blocks
+    assert req.prompt_token_ids == prompt(10) and req.prompt_len == 10
     assert req.state == RequestState.WAITING_FOR_REMOTE_KV
     assert sched.counts() == (0, 1)
     finish_all(sched)
     assert pool.all_free()
 
 
-def test_reserve_is_capped_by_model_context(pool):
-    sched = make_sched(pool, max_model_len=20)
-    sched.reserve("a", 10, params(max_tokens=1000), LEASE_S)
-    assert pool.num_free == NUM_BLOCKS - blocks_needed(20, BLOCK_SIZE)
+def test_reserve_refuses_a_request_the_whole_pool_could_not_hold(pool):
+    sched = make_sched(pool, max_model_len=1000)
+    with pytest.raises(RequestTooLargeError) as ei:          # 130 tokens: 33 blocks > 32
+        sched.reserve("a", 10, params(max_tokens=120), LEASE_S, prompt_token_ids=prompt(10))
+    assert (ei.value.needed, ei.value.total) == (33, NUM_BLOCKS)
+    assert "max_tokens (120)" in str(ei.value) and f"has {NUM_BLOCKS} in all" in str(ei.value)
+    assert pool.all_free() and sched.counts() == (0, 0)
+    sched.reserve("b", 10, params(max_tokens=118), LEASE_S,   # 128 tokens: fits alone
+                  prompt_token_ids=prompt(10))
     finish_all(sched)
     assert pool.all_free()
 
 
+def test_reserve_limit_is_capped_by_model_context(pool):
+    sched = make_sched(pool, max_model_len=20)
+    sched.reserve("a", 10, params(max_tokens=1000), LEASE_S,  # the context caps it: 20 tokens
+                  prompt_token_ids=prompt(10))
+    assert pool.num_free == NUM_BLOCKS - blocks_needed(10, BLOCK_SIZE)
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_reserve_prompt_token_ids_must_match_prompt_len(pool):
+    sched = make_sched(pool)
+    with pytest.raises(ValueError, match="prompt_len=9 but 8 prompt_token_ids"):
+        sched.reserve("a", 9, params(), LEASE_S, prompt_token_ids=prompt(8))
+    assert pool.all_free() and sched.counts() == (0, 0)
+
+
 def test_reserve_is_idempotent_per_request_id(pool):
     sched = make_sched(pool)
-    first = sched.reserve("a", 9, params(max_tokens=4), LEASE_S)
+    first = sched.reserve("a", 9, params(max_tokens=4), LEASE_S, prompt_token_ids=prompt(9))
     free_after_first = pool.num_free
-    again = sched.reserve("a", 9, params(max_tokens=4), LEASE_S)
+    again = sched.reserve("a", 9, params(max_tokens=4), LEASE_S, prompt_token_ids=prompt(9))
     assert again == first
     assert pool.num_free == free_after_first
     assert sched.counts() == (0, 1)
@@ -92,11 +118,11 @@ def test_reserve_is_idempotent_per_request_id(pool):
 
 def test_reserve_when_full_raises_and_takes_nothing(pool):
     sched = make_sched(pool)
-    sched.reserve("big", 60, params(max_tokens=4), LEASE_S)     # 16 blocks
-    sched.reserve("big2", 50, params(max_tokens=2), LEASE_S)    # 13 blocks
+    sched.reserve("big", 60, params(max_tokens=4), LEASE_S, prompt_token_ids=prompt(60))   # 15
+    sched.reserve("big2", 56, params(max_tokens=2), LEASE_S, prompt_token_ids=prompt(56))  # 14
     assert pool.num_free == 3
     with pytest.raises(NoFreeBlocksError) as ei:
-        sched.reserve("c", 12, params(max_tokens=4), LEASE_S)   # 4 blocks
+        sched.reserve("c", 13, params(max_tokens=4), LEASE_S, prompt_token_ids=prompt(13))  # 4
     assert ei.value.requested == 4 and ei.value.free == 3
     assert pool.num_free == 3
     assert sched.counts() == (0, 2)
@@ -107,7 +133,7 @@ def test_reserve_when_full_raises_and_takes_nothing(pool):
     assert sched.schedule().requests == ()
     assert sched.drain_events() == []
     # still fits what is left
-    sched.reserve("d", 4, params(max_tokens=8), LEASE_S)        # 3 blocks
+    sched.reserve("d", 12, params(max_tokens=8), LEASE_S, prompt_token_ids=prompt(12))    # 3
     assert pool.num_free == 0
     finish_all(sched)
     assert pool.all_free()
@@ -117,7 +143,7 @@ def test_reserve_when_full_raises_and_takes_nothing(pool):
 
 def test_kv_complete_then_schedule_runs_request(pool):
     sched = make_sched(pool)
-    sched.reserve("a", 8, params(), LEASE_S)
+    sched.reserve("a", 8, params(), LEASE_S, prompt_token_ids=prompt(8))
     sched.on_kv_complete("a", True, 11)
     assert sched.counts() == (0, 1)          # arrived, not admitted until schedule()
     batch = sched.schedule()
@@ -133,7 +159,7 @@ def test_kv_complete_then_schedule_runs_request(pool):
 
 def test_schedule_without_arrival_is_empty(pool):
     sched = make_sched(pool)
-    sched.reserve("a", 8, params(), LEASE_S)
+    sched.reserve("a", 8, params(), LEASE_S, prompt_token_ids=prompt(8))
     assert sched.schedule().requests == ()
     assert sched.counts() == (0, 1)
     finish_all(sched)
@@ -143,7 +169,7 @@ def test_schedule_without_arrival_is_empty(pool):
 def test_batch_is_capped_by_max_batch_size(pool):
     sched = make_sched(pool, max_batch_size=2)
     for rid in "abc":
-        sched.reserve(rid, 4, params(max_tokens=4), LEASE_S)
+        sched.reserve(rid, 4, params(max_tokens=4), LEASE_S, prompt_token_ids=prompt(4))
         sched.on_kv_complete(rid, True, 10)
     batch = sched.schedule()
     assert ids(batch) == ["a", "b"]
@@ -218,7 +244,7 @@ def test_max_tokens_finishes_with_length(pool):
 def test_model_context_limit_finishes_with_length(pool):
     sched = make_sched(pool, max_model_len=12)
     batch = admit(sched, "a", prompt_len=9, max_tokens=100)     # room for 3 tokens
-    assert pool.num_free == NUM_BLOCKS - blocks_needed(12, BLOCK_SIZE)
+    assert pool.num_free == NUM_BLOCKS - blocks_needed(9 + 1, BLOCK_SIZE)   # next position: 9
     assert sched.update_from_output(batch, [40]) == [TokenEvent("a", (40,))]
     batch = sched.schedule()
     assert sched.update_from_output(batch, [41]) == [TokenEvent("a", (41,), "length")]
@@ -242,7 +268,7 @@ def test_first_token_can_finish_at_admission(pool, kw, first, reason):
 def test_events_from_schedule_ride_on_next_update(pool):
     sched = make_sched(pool)
     admit(sched, "a")
-    sched.reserve("b", 4, params(), LEASE_S)
+    sched.reserve("b", 4, params(), LEASE_S, prompt_token_ids=prompt(4))
     sched.on_kv_complete("b", True, EOS)
     batch = sched.schedule()                       # b finishes at admission
     events = sched.update_from_output(batch, [EOS])
@@ -264,7 +290,7 @@ def test_update_from_output_length_mismatch_raises(pool):
 
 def test_kv_failure_is_error_event_after_schedule(pool):
     sched = make_sched(pool)
-    sched.reserve("a", 8, params(), LEASE_S)
+    sched.reserve("a", 8, params(), LEASE_S, prompt_token_ids=prompt(8))
     sched.on_kv_complete("a", False, None, error="peer reset")
     assert not pool.all_free()                     # only schedule() frees
     assert sched.drain_events() == []
@@ -275,7 +301,7 @@ def test_kv_failure_is_error_event_after_schedule(pool):
 
 def test_kv_failure_without_message_gets_default_error(pool):
     sched = make_sched(pool)
-    sched.reserve("a", 8, params(), LEASE_S)
+    sched.reserve("a", 8, params(), LEASE_S, prompt_token_ids=prompt(8))
     sched.on_kv_complete("a", False, None)
     sched.schedule()
     (ev,) = sched.drain_events()
@@ -285,7 +311,7 @@ def test_kv_failure_without_message_gets_default_error(pool):
 
 def test_abort_waiting_request(pool):
     sched = make_sched(pool)
-    sched.reserve("a", 8, params(), LEASE_S)
+    sched.reserve("a", 8, params(), LEASE_S, prompt_token_ids=prompt(8))
     sched.abort("a")
     assert not pool.all_free()                     # recorded, applied by schedule()
     sched.on_kv_complete("a", True, 10)            # KV landing after the abort: not admitted
@@ -339,7 +365,7 @@ def test_abort_of_unknown_request_is_ignored(pool):
 def test_lease_expiry_reclaims_waiting_request(pool):
     sched = make_sched(pool)
     t0 = time.monotonic()
-    sched.reserve("a", 8, params(), lease_s=5.0)
+    sched.reserve("a", 8, params(), lease_s=5.0, prompt_token_ids=prompt(8))
     assert sched.next_lease_deadline() == pytest.approx(t0 + 5.0, abs=1.0)
     sched.schedule(now=t0 + 1.0)                   # before the deadline: kept
     assert sched.counts() == (0, 1) and sched.num_reclaimed == 0
@@ -358,7 +384,7 @@ def test_lease_expiry_reclaims_waiting_request(pool):
 
 def test_lease_does_not_apply_once_running(pool):
     sched = make_sched(pool)
-    sched.reserve("a", 8, params(), lease_s=1.0)
+    sched.reserve("a", 8, params(), lease_s=1.0, prompt_token_ids=prompt(8))
     sched.on_kv_complete("a", True, 10)
     batch = sched.schedule(now=time.monotonic() + 100.0)   # arrived: admitted, not reclaimed
     assert ids(batch) == ["a"]
@@ -378,21 +404,22 @@ def test_on_release_runs_with_request_id_before_blocks_are_freed(pool):
         free_blocks()
 
     sched = make_sched(pool, on_release=on_release)
-    sched.reserve("err", 8, params(max_tokens=8), LEASE_S)           # 4 blocks
-    sched.reserve("cancel", 8, params(max_tokens=8), LEASE_S)        # 4 blocks
-    batch = admit(sched, "stop", max_tokens=8)                       # 4 blocks
-    sched.reserve("lease", 8, params(max_tokens=8), lease_s=1.0)     # 4 blocks
-    assert pool.num_free == NUM_BLOCKS - 16
+    # 7-token prompts: 2 blocks each, enough for the first decode position (7) too
+    sched.reserve("err", 7, params(max_tokens=8), LEASE_S, prompt_token_ids=prompt(7))
+    sched.reserve("cancel", 7, params(max_tokens=8), LEASE_S, prompt_token_ids=prompt(7))
+    batch = admit(sched, "stop", prompt_len=7, max_tokens=8)
+    sched.reserve("lease", 7, params(max_tokens=8), lease_s=1.0, prompt_token_ids=prompt(7))
+    assert pool.num_free == NUM_BLOCKS - 8
     sched.on_kv_complete("err", False, None, error="x")
     sched.abort("cancel")
 
     sched.schedule(now=time.monotonic() + 10.0)
     assert [rid for rid, _ in calls] == ["err", "cancel", "lease"]
     # each call saw the pool before that request's blocks came back
-    assert [free for _, free in calls] == [NUM_BLOCKS - 16, NUM_BLOCKS - 12, NUM_BLOCKS - 8]
+    assert [free for _, free in calls] == [NUM_BLOCKS - 8, NUM_BLOCKS - 6, NUM_BLOCKS - 4]
 
     sched.update_from_output(batch, [EOS])
-    assert calls[-1] == ("stop", NUM_BLOCKS - 4)
+    assert calls[-1] == ("stop", NUM_BLOCKS - 2)
     assert len(calls) == 4
     assert pool.all_free()
 
@@ -402,11 +429,11 @@ def test_on_release_defers_freeing_until_the_receiver_is_quiescent(pool):
     when the receiver says so, never while they may still be written."""
     deferred = []
     sched = make_sched(pool, on_release=lambda rid, free_blocks: deferred.append(free_blocks))
-    sched.reserve("r", 8, params(max_tokens=8), LEASE_S)              # 4 blocks
+    sched.reserve("r", 8, params(max_tokens=8), LEASE_S, prompt_token_ids=prompt(8))   # 2 blocks
     sched.abort("r")
     sched.schedule()
     assert [e.finish_reason for e in sched.drain_events()] == ["cancelled"]
-    assert pool.num_free == NUM_BLOCKS - 4 and sched.counts() == (0, 0)
+    assert pool.num_free == NUM_BLOCKS - 2 and sched.counts() == (0, 0)
     deferred.pop()()
     assert pool.all_free()
 
@@ -416,8 +443,8 @@ def test_on_release_defers_freeing_until_the_receiver_is_quiescent(pool):
 def test_counts_track_running_and_waiting(pool):
     sched = make_sched(pool)
     assert sched.counts() == (0, 0)
-    sched.reserve("w1", 4, params(), LEASE_S)
-    sched.reserve("w2", 4, params(), LEASE_S)
+    sched.reserve("w1", 4, params(), LEASE_S, prompt_token_ids=prompt(4))
+    sched.reserve("w2", 4, params(), LEASE_S, prompt_token_ids=prompt(4))
     admit(sched, "r1")
     batch = admit(sched, "r2")
     assert sched.counts() == (2, 2)

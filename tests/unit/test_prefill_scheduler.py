@@ -298,3 +298,83 @@ def test_prefix_caching_off_shares_nothing():
         assert r.num_cached == 0
         sched.release(r, RequestState.FINISHED_STOPPED)
     assert pool.num_cached == 0 and pool.all_free()
+
+
+def chunked(num_blocks=256, budget=16, chunk=8):
+    pool = BlockPool(num_blocks)
+    return pool, PrefillScheduler(pool, BLOCK_SIZE, budget, prefill_chunk_size=chunk)
+
+
+def test_chunked_prefill_lets_short_prompts_in_between_chunks():
+    pool, sched = chunked(budget=16, chunk=8)
+    long = _tokens_req("long", list(range(1, 31)))        # 30 tokens: chunks of 8
+    sched.add(long)
+    steps = []
+
+    def step():
+        batch = sched.schedule()
+        steps.append([(r.request_id, r.num_computed, r.chunk_end) for r in batch])
+        return batch, sched.advance(batch)
+
+    _, done = step()
+    assert steps[-1] == [("long", 0, 8)] and done == []
+    short = _tokens_req("short", [5, 6, 7])
+    sched.add(short)
+    _, done = step()
+    assert steps[-1] == [("long", 8, 16), ("short", 0, 3)]   # the long one keeps its turn
+    assert [r.request_id for r in done] == ["short"]          # first token after 2 steps
+    release_all(sched, done)
+    _, done = step()
+    _, done = step()
+    assert steps[-2:] == [[("long", 16, 24)], [("long", 24, 30)]]
+    assert done == [long] and long.num_computed == 30
+    assert sched.computed_tokens == 33
+    release_all(sched, done)
+    assert pool.all_free() and sched.schedule() == []
+
+
+def test_chunks_end_on_block_boundaries_within_the_budget():
+    pool, sched = chunked(budget=16, chunk=16)
+    a, b = _tokens_req("a", list(range(1, 11))), _tokens_req("b", list(range(50, 80)))
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    # a: 10 tokens; b gets the 6 left, cut to a block boundary: 4
+    assert [(r.request_id, r.num_computed, r.chunk_end) for r in batch] == \
+        [("a", 0, 10), ("b", 0, 4)]
+    assert sched.advance(batch) == [a]
+    sched.release(a, RequestState.FINISHED_STOPPED)
+    batch = sched.schedule()
+    assert [(r.num_computed, r.chunk_end) for r in batch] == [(4, 20)]
+    sched.advance(batch)
+    assert [(r.num_computed, r.chunk_end) for r in sched.schedule()] == [(20, 30)]
+    release_all(sched, [b])
+    assert pool.all_free()
+
+
+def test_abort_between_chunks_hands_the_request_back_once():
+    pool, sched = chunked(budget=8, chunk=8)
+    r = _tokens_req("r", list(range(1, 21)))
+    sched.add(r)
+    sched.advance(sched.schedule())
+    assert sched.abort("r") is None          # computing: the worker ends it
+    assert sched.schedule() == []
+    assert sched.take_aborted() == [r] and sched.take_aborted() == []
+    sched.release(r, RequestState.FINISHED_ABORTED)
+    assert pool.all_free()
+
+
+def test_failed_step_requeues_nothing():
+    pool, sched = chunked(budget=8, chunk=8)
+    r = _tokens_req("r", list(range(1, 21)))
+    sched.add(r)
+    assert sched.advance(sched.schedule(), ok=False) == []
+    assert sched.schedule() == []
+    sched.release(r, RequestState.FINISHED_ERROR)
+    assert pool.all_free()
+
+
+def test_chunk_size_must_be_block_aligned_and_within_budget():
+    for bad in (6, 2, 32):
+        with pytest.raises(ValueError, match="prefill_chunk_size"):
+            PrefillScheduler(BlockPool(4), BLOCK_SIZE, 16, prefill_chunk_size=bad)

@@ -112,3 +112,38 @@ def test_random_workload_keeps_invariants():
     for t in held:
         pool.free(t)
     assert pool.all_free()
+
+
+def test_cache_events_mirror_the_cache():
+    """A reader polling cache_events rebuilds exactly the set of cached hashes, from
+    events while it keeps up and from a snapshot when it fell behind the bounded log."""
+    rng = random.Random(1)
+    pool, bs = BlockPool(6), 2          # log keeps 24 events
+    mirror, seq = set(), 0
+    held = []
+
+    def sync():
+        nonlocal seq, mirror
+        seq, events, snapshot = pool.cache_events(seq)
+        if snapshot is not None:
+            mirror = set(snapshot)
+        for stored, h in events or ():
+            (mirror.add if stored else mirror.discard)(h)
+
+    for step in range(400):
+        if held and (rng.random() < 0.5 or pool.num_free < 3):
+            pool.free(held.pop())
+        else:
+            prompt = [rng.randrange(4) for _ in range(6)]
+            hashes = block_hashes(prompt, bs)
+            hit = pool.match_prefix(hashes)
+            table = hit + pool.allocate(3 - len(hit))
+            pool.cache_blocks(table, hashes)
+            held.append(table)
+        if step % (1 if step < 200 else 37) == 0:    # later: far behind the log
+            sync()
+            assert mirror == set(pool._block_of), step
+    sync()
+    assert pool.cache_events(seq) == (seq, [], None)              # caught up: nothing new
+    seq2, events, snapshot = pool.cache_events(10**9)    # ahead (restarted pool): snapshot
+    assert events is None and set(snapshot) == set(pool._block_of)

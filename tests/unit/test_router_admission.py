@@ -19,6 +19,7 @@ from pdserve.engine.request import TokenEvent
 from pdserve.router.admission import Admission
 from pdserve.router.errors import RequestError
 from pdserve.router.router import Router, _Worker
+from pdserve.router.routing import PrefillRouter
 
 VOCAB = 64
 PROMPT = [1, 2, 3, 4]          # token ids
@@ -42,7 +43,8 @@ class FakeDecode:
         self.reserved: list[str] = []
         self.aborted: list[str] = []
 
-    async def reserve(self, rid, prompt_len, params):
+    async def reserve(self, rid, prompt_len, params, prompt_token_ids):
+        assert list(prompt_token_ids) == PROMPT and prompt_len == len(PROMPT)  # kept for recompute
         self.asked.set()
         if not self.room:
             return None
@@ -91,6 +93,8 @@ def make_router(decode: FakeDecode, prefill: FakePrefill, **router_kw) -> Router
     r.decode = [_Worker(actor(decode), "decode-0", num_blocks=64, free_blocks=64)]
     rc = r.config.router
     r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
+    r.prefill_router = PrefillRouter(rc.routing_policy, r.config.prefill.block_size,
+                                     rc.kv_load_weight)
     return r
 
 
@@ -116,7 +120,7 @@ def test_queued_from_admission_until_the_first_token():
         r = make_router(d, p)
         gen = generate(r)
         first = asyncio.create_task(gen.__anext__())
-        await p.started.wait()
+        await asyncio.wait_for(p.started.wait(), 10)
         assert queue(r) == (1, len(PROMPT))      # reserved on D, prefilling on P
         p.go.set()
         msg = await first
@@ -135,7 +139,7 @@ def test_over_max_queued_requests_is_refused_before_reserving():
         d, p = FakeDecode(), FakePrefill()
         r = make_router(d, p, max_queued_requests=1)
         admitted = asyncio.create_task(first_message(r))
-        await p.started.wait()
+        await asyncio.wait_for(p.started.wait(), 10)
         with pytest.raises(RequestError) as ei:
             await first_message(r)
         assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -1,0 +1,46 @@
+"""Chunked prefill through the real server: a short prompt sent while a 4k-token prompt
+is being prefilled gets its first token before the long one does, with HF's tokens."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+from serving import Served, hf_greedy, start_ray
+
+from pdserve.client import make_request
+
+pytestmark = pytest.mark.slow
+
+
+def test_short_prompt_is_not_stuck_behind_a_long_one():
+    start_ray()
+    served = Served(prefill_blocks=320, decode_blocks=320)
+    try:
+        long = [1000 + (i * 37) % 20000 for i in range(4096)]
+        short = [17 + i for i in range(40)]
+        first_token_at = {}
+
+        def run(name, prompt):
+            for msg in served.client.stream(make_request(prompt, max_tokens=4, temperature=0)):
+                if msg.token_ids and name not in first_token_at:
+                    first_token_at[name] = time.monotonic()
+
+        t = threading.Thread(target=run, args=("long", long))
+        t.start()
+        time.sleep(1.0)                     # the long prompt's first chunks are running
+        got = served.generate(short, max_tokens=6, temperature=0)
+        short_done = time.monotonic()
+        t.join(120)
+        assert "long" in first_token_at, "long request did not finish"
+        assert short_done < first_token_at["long"], (
+            f"short finished {short_done - first_token_at['long']:+.1f}s after the long "
+            "one's first token")
+        assert got[0] == hf_greedy("default", short, 6)
+        [p] = served.cluster.prefill
+        s = ray.get(p.status.remote())
+        assert s["prefill_tokens_computed"] == len(long) + len(short)
+    finally:
+        served.stop()

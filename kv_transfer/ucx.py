@@ -24,9 +24,9 @@ Two endpoints per P -> D connection::
 Every message after the handshake travels on the data endpoint: headers under the
 connection's ``data_tag`` (even, chosen by D), payload messages under ``data_tag + 1``,
 so D can keep header receives posted and still place each payload where it belongs. A
-header message is always ``HEADER_MSG_BYTES`` long (48-byte header, request id, zero
+header message is always ``ucx_wire.HEADER_MSG_BYTES`` long (48-byte header, request id, zero
 padding). A KV payload follows as messages of whole blocks of one layer's K or V, at
-most D's ``slot_bytes`` each, in the order ``payload_chunks`` gives: their
+most D's ``slot_bytes`` each, in the order ``ucx_wire.payload_chunks`` gives: their
 concatenation is the TCP payload, and each is a plain region of the sender's cache when
 its blocks form one run (no gather). An ABORT reason is one message. Senders keep up to
 32 frames in flight and D as many payload receives (``ucx_sender`` and ``ucx_receiver``
@@ -57,19 +57,14 @@ ucxx must not have been initialised in this process on another loop before.
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
-import json
 import logging
 import os
 import threading
 import traceback
-from typing import Any, Awaitable, Iterator, NamedTuple, TypeVar
+from typing import Any, Awaitable, TypeVar
 
-import torch
-
-from . import frames
-from .base import MAX_REQUEST_ID_BYTES, KVFrameError, KVTransferError
+from .base import KVTransferError
 
 
 def ucx_env_defaults() -> dict[str, str]:
@@ -112,10 +107,6 @@ UCX_TRUNCATED = ucx.exceptions.UCXMsgTruncated  # both libraries spell it so
 # would stall the loop on a peer that died); ucx-py's abort() takes no arguments.
 _ABORT_KW = {"period": 10**9} if ucx.__name__ == "ucxx" else {}
 THREAD_PREFIX = "kvucx"  # the runtime's loop thread: kvucx-loop
-# Header messages are padded to the longest header + request id, so a receiver can post
-# one fixed-size recv before it knows the request id's length.
-HEADER_MSG_BYTES = frames.HEADER_SIZE + MAX_REQUEST_ID_BYTES
-EOS = b"PDKV-EOS"  # first bytes of the header-sized message a sender ends a stream with
 # After the control endpoint breaks, how long a receiver keeps reading frames that were
 # already delivered on the data endpoint (a sender's last frames race its hang-up).
 DRAIN_S = 1.0
@@ -348,95 +339,6 @@ def abort_endpoint(ep: Any) -> None:
             logger.debug("aborting UCX endpoint: %s", e)
 
 
-def chunk_blocks(layout: Any, slot_bytes: int) -> int:
-    """Blocks per payload message: as many whole blocks of one layer's K (or V) as fit in
-    the receiver's ``slot_bytes`` (at least one; the receiver sizes its slots so)."""
-    per_block = layout.kv_bytes_per_block_layer // 2
-    return max(1, slot_bytes // per_block)
-
-
-def payload_chunks(
-    num_layers: int, num_blocks: int, per_chunk: int
-) -> Iterator[tuple[int, int, int, int]]:
-    """A KV payload's messages in wire order, as ``(layer offset, half, first block,
-    n_blocks)``: for each layer, K (half 0) then V (half 1), each cut into runs of at most
-    ``per_chunk`` blocks. Sender and receiver both walk it, so they agree on every
-    message's size and destination."""
-    for layer in range(num_layers):
-        for half in (0, 1):
-            for first in range(0, num_blocks, per_chunk):
-                yield layer, half, first, min(per_chunk, num_blocks - first)
-
-
-def header_message(header: bytes) -> bytearray:
-    """``header`` (fixed header + request id) zero-padded to HEADER_MSG_BYTES."""
-    assert len(header) <= HEADER_MSG_BYTES, len(header)
-    return bytearray(header) + bytes(HEADER_MSG_BYTES - len(header))
-
-
-def ucx_buffer(t: torch.Tensor) -> Any:
-    """Zero-copy uint8 view of contiguous ``t`` that UCX reads from / writes into: a numpy
-    array for host memory, the CUDA tensor itself (``__cuda_array_interface__``; a uint8
-    view, since bf16 has no typestr there) for device memory."""
-    assert t.is_contiguous(), "UCX buffers must be contiguous"
-    flat = t.reshape(-1).view(torch.uint8)
-    return flat.numpy() if flat.device.type == "cpu" else flat
-
-
-def wire_view(kv: torch.Tensor) -> Any:
-    """``kv`` [n_layers, 2, n_blocks, block_size, heads, head_dim] (contiguous) as uint8
-    [n_layers, 2, n_blocks, block bytes of K or V]: a numpy array for host memory, a
-    torch tensor for device memory. ``wire_view(kv)[l, half, a:b].reshape(-1)`` is then
-    a message for UCX at the cost of a slice (torch views cost ~10x more per message)."""
-    flat = kv.view(*kv.shape[:3], -1).view(torch.uint8)
-    return flat.numpy() if flat.device.type == "cpu" else flat
-
-
-def handshake_payload(
-    layout: Any, epoch: int, *, ack: bool, error: str | None = None, **ucx_fields: Any
-) -> bytes:
-    """The frames.py handshake JSON plus a ``"ucx"`` object (worker address; in D's ack
-    also data_tag and slot_bytes)."""
-    body = json.loads(frames.encode_handshake(layout, epoch, error, ack=ack))
-    fields = dict(ucx_fields)
-    fields["worker_address"] = base64.b64encode(fields["worker_address"]).decode("ascii")
-    body["ucx"] = fields
-    return json.dumps(body, sort_keys=True).encode("utf-8")
-
-
-class Handshake(NamedTuple):
-    """A parsed handshake (HANDSHAKE from P or HANDSHAKE_ACK from D)."""
-
-    layout: Any  # KVLayout
-    epoch: int
-    error: str | None  # D's refusal, naming the mismatched field
-    worker_address: bytes  # the peer's UCX worker address (empty in a refusal)
-    data_tag: int  # D's ack only: headers under it, payload messages under data_tag + 1
-    slot_bytes: int  # D's ack only: the most bytes D takes in one payload message
-
-
-def parse_handshake(payload: bytes, *, ack: bool) -> Handshake:
-    """Parse a handshake body; ``ack``: D's HANDSHAKE_ACK, which must also carry the data
-    tag and slot size. KVFrameError if malformed or the UCX fields are missing (a TCP
-    peer, say). A refusal (error set) needs no UCX fields."""
-    layout, epoch, error = frames.decode_handshake(payload)
-    if error is not None:
-        return Handshake(layout, epoch, error, b"", 0, 0)
-    try:
-        fields = json.loads(payload)["ucx"]
-        address = base64.b64decode(fields["worker_address"], validate=True)
-        tag = int(fields["data_tag"]) if ack else 0
-        slot_bytes = int(fields["slot_bytes"]) if ack else 0
-        ok = bool(address) and (
-            not ack or (0 < tag < 2**64 - 1 and tag % 2 == 0 and slot_bytes > 0)
-        )
-    except (ValueError, KeyError, TypeError) as e:
-        raise KVFrameError(f"handshake lacks valid UCX fields: {e}") from None
-    if not ok:
-        raise KVFrameError("handshake has an empty worker address, a bad data_tag or slot_bytes")
-    return Handshake(layout, epoch, error, address, tag, slot_bytes)
-
-
 def __getattr__(name: str) -> Any:
     # The transport classes live in their own modules, which import this one; resolving
     # them lazily keeps either import order free of cycles.
@@ -452,8 +354,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "EOS",
-    "HEADER_MSG_BYTES",
     "THREAD_PREFIX",
     "UcxKVReceiver",
     "UcxKVSender",

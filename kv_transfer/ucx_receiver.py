@@ -5,7 +5,7 @@ control endpoint, then a frame loop on the data endpoint. The loop keeps
 ``max_inflight`` receives posted for headers (UCX matches the receives of one tag in
 the order they were posted), so a header is usually there before Python asks for it.
 Each header is validated against the layout; then the frame's payload messages (whole
-blocks of one layer's K or V, see ``ucx.payload_chunks``) are received asynchronously:
+blocks of one layer's K or V, see ``ucx_wire.payload_chunks``) are received asynchronously:
 
 - blocks with consecutive ids: straight into that region of the cache (zero-copy, like
   TCP), counted as a write in flight on the reservation, so forget() frees the blocks
@@ -37,7 +37,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from . import frames, ucx as _ucx
+from . import frames, ucx as _ucx, ucx_wire as wire
 from .base import (
     KVCompletion,
     KVFrameError,
@@ -169,8 +169,8 @@ class UcxKVReceiver(KVReceiver):
         self.slot_bytes = max(slot_bytes, layout.kv_bytes_per_block_layer // 2)
         self.max_inflight = max_inflight
         self.staging_slots = staging_slots
-        self._per_chunk = _ucx.chunk_blocks(layout, self.slot_bytes)
-        self._wire = _ucx.wire_view(kv)  # what receives go straight into
+        self._per_chunk = wire.chunk_blocks(layout, self.slot_bytes)
+        self._wire = wire.wire_view(kv)  # what receives go straight into
         self._max_blocks = kv.shape[2]
         self._lock = threading.Lock()  # guards the fields below
         self._rt: _ucx.UcxRuntime | None = None
@@ -308,14 +308,14 @@ class UcxKVReceiver(KVReceiver):
             logger.debug("KV control endpoint ended: %s", e)
 
     async def _handshake(self, conn: _RecvConn) -> None:
-        hbuf = np.zeros(_ucx.HEADER_MSG_BYTES, np.uint8)
+        hbuf = np.zeros(wire.HEADER_MSG_BYTES, np.uint8)
         await conn.ctl.recv(hbuf)
         h = frames.unpack_header(memoryview(hbuf), self.layout, self._max_blocks)
         if h.frame_type != FrameType.HANDSHAKE:
             raise KVFrameError(f"expected HANDSHAKE, got {h.frame_type.name}")
         body = np.zeros(h.payload_len, np.uint8)
         await conn.ctl.recv(body)
-        hs = _ucx.parse_handshake(body.tobytes(), ack=False)
+        hs = wire.parse_handshake(body.tobytes(), ack=False)
         error = hs.layout.mismatch(self.layout)
         if error is None:
             conn.data = await _ucx.endpoint_to_worker(hs.worker_address)
@@ -323,12 +323,12 @@ class UcxKVReceiver(KVReceiver):
             tags = {c.tag for c in self._conns.values()}
             while conn.tag == 0 or conn.tag in tags:
                 conn.tag = int.from_bytes(os.urandom(8), "little") & ~1
-        ack = _ucx.handshake_payload(
+        ack = wire.handshake_payload(
             self.layout, self.epoch, ack=True, error=error,
             worker_address=self._worker_address, data_tag=conn.tag, slot_bytes=self.slot_bytes,
         )
         header = frames.pack_header(FrameType.HANDSHAKE_ACK, epoch=self.epoch, payload_len=len(ack))
-        await conn.ctl.send(np.frombuffer(_ucx.header_message(header), np.uint8))
+        await conn.ctl.send(np.frombuffer(wire.header_message(header), np.uint8))
         await conn.ctl.send(np.frombuffer(ack, np.uint8))
         if error is not None:
             # Let P read the refusal before the endpoint goes: it hangs up after reading.
@@ -340,13 +340,13 @@ class UcxKVReceiver(KVReceiver):
         logger.debug("KV connection %d paired (prefill epoch %d)", conn.conn_id, hs.epoch)
 
     async def _frame_loop(self, conn: _RecvConn) -> None:
-        headers = [np.zeros(_ucx.HEADER_MSG_BYTES, np.uint8) for _ in range(self.max_inflight)]
+        headers = [np.zeros(wire.HEADER_MSG_BYTES, np.uint8) for _ in range(self.max_inflight)]
         conn.headers = _PostedRing(conn.data, conn.tag, headers)
         while True:
             # No deadline for the next header (idle connections are normal).
             hbuf = await conn.headers.take("frame header", None)
             try:
-                eos = hbuf[: len(_ucx.EOS)].tobytes() == _ucx.EOS
+                eos = hbuf[: len(wire.EOS)].tobytes() == wire.EOS
                 if not eos:
                     h = frames.unpack_header(memoryview(hbuf), self.layout, self._max_blocks)
             finally:
@@ -382,7 +382,7 @@ class UcxKVReceiver(KVReceiver):
         keep = res is not None and self._table.claim_layers(res, h)
         loop = asyncio.get_running_loop()
         payload_tag = conn.tag + 1
-        for layer, half, first, n in _ucx.payload_chunks(
+        for layer, half, first, n in wire.payload_chunks(
             h.num_layers, h.num_blocks, self._per_chunk
         ):
             if not keep:
@@ -442,7 +442,7 @@ class UcxKVReceiver(KVReceiver):
                 n = self._per_chunk * self.layout.kv_bytes_per_block_layer // 2
                 # [per_chunk, block_size, num_kv_heads, head_dim]
                 blocks = raw[:n].view(kv.dtype).view(self._per_chunk, *kv.shape[3:])
-                return raw, blocks, _ucx.ucx_buffer(raw)
+                return raw, blocks, wire.ucx_buffer(raw)
             await self._reap(conn, keep=len(conn.pending) - 1)
         return conn.free_slots.pop()
 

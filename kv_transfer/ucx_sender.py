@@ -3,7 +3,7 @@
 One connection per decode address, opened on first use (control endpoint, handshake,
 data endpoint), then reused under a per-connection lock so a frame's messages stay
 adjacent. A KV payload goes as messages of whole blocks of one layer's K or V, each at
-most D's slot size (``ucx.payload_chunks``), handed to UCX from host or device memory as
+most D's slot size (``ucx_wire.payload_chunks``), handed to UCX from host or device memory as
 it lies (never copied to host here)::
 
     one run of blocks:  kv[l, half, first:first + n]                    (zero-copy)
@@ -30,7 +30,7 @@ from typing import Any, Callable, Coroutine, Sequence
 import numpy as np
 import torch
 
-from . import frames, host_io, ucx as _ucx
+from . import frames, host_io, ucx as _ucx, ucx_wire as wire
 from .base import KVFrameError, KVLayout, KVLayoutMismatch, KVSender, KVTransferError
 from .frames import FrameType
 
@@ -91,7 +91,7 @@ class UcxKVSender(KVSender):
         self._lock = threading.Lock()  # guards _conns and _closed
         self._conns: dict[tuple[str, int], _SendConn] = {}
         self._closed = False
-        self._wire = _ucx.wire_view(kv)
+        self._wire = wire.wire_view(kv)
         self._rt = _ucx.acquire_runtime()
 
     def connect(self, addr: tuple[str, int]) -> int:
@@ -127,9 +127,9 @@ class UcxKVSender(KVSender):
                 src = self._wire[layer_start:layer_end, :, first : first + n]
             else:
                 self._reap(conn, keep=0)  # conn.packed may still be on its way out
-                src = _ucx.wire_view(self._pack(conn, layer_start, layer_end, ids, nbytes))
+                src = wire.wire_view(self._pack(conn, layer_start, layer_end, ids, nbytes))
             # [n_layers, 2, n_blocks, block bytes]: each [l, half, a:a + n] is contiguous
-            chunks = _ucx.payload_chunks(src.shape[0], src.shape[2], conn.per_chunk)
+            chunks = wire.payload_chunks(src.shape[0], src.shape[2], conn.per_chunk)
             pieces = [src[l, half, a : a + n].reshape(-1) for l, half, a, n in chunks]
             if self.kv.is_cuda:  # UCX reads device memory on its own streams
                 torch.cuda.current_stream(self.kv.device).synchronize()
@@ -269,20 +269,20 @@ class UcxKVSender(KVSender):
         logger.debug("connected to decode worker %s:%d epoch %d", *addr, conn.peer_epoch)
 
     async def _handshake(self, conn: _SendConn, addr: tuple[str, int]) -> None:
-        body = _ucx.handshake_payload(
+        body = wire.handshake_payload(
             self.layout, self.epoch, ack=False, worker_address=self._rt.worker_address
         )
         hs = frames.pack_header(FrameType.HANDSHAKE, epoch=self.epoch, payload_len=len(body))
-        await conn.ctl.send(np.frombuffer(_ucx.header_message(hs), np.uint8))
+        await conn.ctl.send(np.frombuffer(wire.header_message(hs), np.uint8))
         await conn.ctl.send(np.frombuffer(body, np.uint8))
-        hbuf = np.zeros(_ucx.HEADER_MSG_BYTES, np.uint8)
+        hbuf = np.zeros(wire.HEADER_MSG_BYTES, np.uint8)
         await conn.ctl.recv(hbuf)
         h = frames.unpack_header(memoryview(hbuf))
         if h.frame_type != FrameType.HANDSHAKE_ACK:
             raise KVFrameError(f"expected HANDSHAKE_ACK, got {h.frame_type.name}")
         ack = np.zeros(h.payload_len, np.uint8)
         await conn.ctl.recv(ack)
-        hs = _ucx.parse_handshake(ack.tobytes(), ack=True)
+        hs = wire.parse_handshake(ack.tobytes(), ack=True)
         if hs.error is not None:
             raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]} refused: {hs.error}")
         msg = self.layout.mismatch(hs.layout)
@@ -290,7 +290,7 @@ class UcxKVSender(KVSender):
             raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]}: {msg}")
         conn.data = await _ucx.endpoint_to_worker(hs.worker_address)
         conn.tag, conn.peer_epoch = hs.data_tag, hs.epoch
-        conn.per_chunk = _ucx.chunk_blocks(self.layout, hs.slot_bytes)
+        conn.per_chunk = wire.chunk_blocks(self.layout, hs.slot_bytes)
 
     async def _send_frame(
         self, conn: _SendConn, generation: int, header: bytes, payload: list[Any]
@@ -301,7 +301,7 @@ class UcxKVSender(KVSender):
         async def send() -> None:
             # All posted at once (UCX keeps their order: one endpoint, one tag), awaited
             # together: the receiver's copy-out of one piece overlaps the next transfer.
-            hdr = np.frombuffer(_ucx.header_message(header), np.uint8)
+            hdr = np.frombuffer(wire.header_message(header), np.uint8)
             await asyncio.gather(
                 _ucx.tag_send(conn.data, hdr, conn.tag),
                 *(_ucx.tag_send(conn.data, b, conn.tag + 1) for b in payload),
@@ -334,7 +334,7 @@ class UcxKVSender(KVSender):
         """End the connection: EOS on the data endpoint (so D reads every frame before
         it sees the hang-up), then close both endpoints. Idempotent."""
         if eos and conn.open:
-            eos_msg = np.frombuffer(_ucx.header_message(_ucx.EOS), np.uint8)
+            eos_msg = np.frombuffer(wire.header_message(wire.EOS), np.uint8)
             try:
                 await _ucx.guarded(_ucx.tag_send(conn.data, eos_msg, conn.tag), "EOS", 1.0)
             except KVTransferError as e:

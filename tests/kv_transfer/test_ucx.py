@@ -2,7 +2,6 @@
 process's one UCX runtime: one loop thread, one worker; see kv_transfer/ucx.py).
 Mirrors test_tcp.py; host caches only (the CUDA path needs a GPU)."""
 
-import asyncio
 import logging
 import threading
 import time
@@ -22,9 +21,9 @@ from pdserve.kv_transfer import (  # noqa: E402
     make_receiver,
     make_sender,
 )
-from pdserve.kv_transfer import ucx  # noqa: E402
-from pdserve.kv_transfer.frames import FrameType  # noqa: E402
+from pdserve.kv_transfer import ucx, ucx_wire  # noqa: E402
 from pdserve.kv_transfer.ucx import UcxKVReceiver, UcxKVSender  # noqa: E402
+from ucx_client import RawClient  # noqa: E402
 from kvtest import (  # noqa: E402  (shared with the other transport's tests)
     DST_IDS, EPOCH, MODEL, NUM_LAYERS, PER_LAYER, SRC_IDS,
     TIMEOUT_S, Completions, assert_copied, make_cache, send_request,
@@ -98,7 +97,7 @@ def test_payload_cut_to_slots(env, src_ids, dst_ids):
     layout = KVLayout.for_cache(dst, MODEL)
     rx, addr, done = env.receiver(dst, slot_bytes=1, max_inflight=2, staging_slots=1)
     assert rx.slot_bytes == layout.kv_bytes_per_block_layer // 2
-    assert ucx.chunk_blocks(layout, rx.slot_bytes) == 1
+    assert ucx_wire.chunk_blocks(layout, rx.slot_bytes) == 1
     tx = env.sender(src)
     rx.expect("r1", dst_ids)
     send_request(tx, addr, "r1", [(0, 2), (2, NUM_LAYERS)], src_ids=src_ids)
@@ -112,7 +111,7 @@ def test_payload_cut_to_slots(env, src_ids, dst_ids):
 
 
 def test_payload_chunks_cover_payload_in_wire_order():
-    chunks = list(ucx.payload_chunks(2, 5, 2))
+    chunks = list(ucx_wire.payload_chunks(2, 5, 2))
     assert chunks[:3] == [(0, 0, 0, 2), (0, 0, 2, 2), (0, 0, 4, 1)]
     assert len(chunks) == 2 * 2 * 3 and chunks[-1] == (1, 1, 4, 1)
     assert sum(n for *_, n in chunks) == 2 * 2 * 5
@@ -271,64 +270,6 @@ def test_abort_and_sender_close_fail(env):
     assert not c.ok and "connection lost" in c.error
     with pytest.raises(KVTransferError, match="closed"):
         tx.send_layers(addr, "lost", EPOCH, 0, 1, SRC_IDS)
-
-
-class RawClient:
-    """A hand-driven P on the shared runtime: junk or a handshake, then raw frames."""
-
-    def __init__(self, addr):
-        self.rt = ucx.acquire_runtime()
-        self.addr, self.ctl, self.data, self.tag = addr, None, None, 0
-
-    def run(self, coro):
-        return self.rt.call(coro, TIMEOUT_S)
-
-    async def connect(self):
-        self.ctl = await ucx.ucx.create_endpoint(*self.addr)
-
-    async def send_ctl(self, payload: bytes):
-        await self.ctl.send(np.frombuffer(payload, np.uint8))
-
-    async def handshake(self, layout):
-        body = ucx.handshake_payload(layout, 0, ack=False, worker_address=self.rt.worker_address)
-        hs = frames.pack_header(FrameType.HANDSHAKE, payload_len=len(body))
-        await self.send_ctl(bytes(ucx.header_message(hs)))
-        await self.send_ctl(body)
-        hbuf = np.zeros(ucx.HEADER_MSG_BYTES, np.uint8)
-        await self.ctl.recv(hbuf)
-        ack = np.zeros(frames.unpack_header(memoryview(hbuf)).payload_len, np.uint8)
-        await self.ctl.recv(ack)
-        hs = ucx.parse_handshake(ack.tobytes(), ack=True)
-        assert hs.error is None, hs.error
-        self.tag, self.slot_bytes = hs.data_tag, hs.slot_bytes
-        self.data = await ucx.endpoint_to_worker(hs.worker_address)
-
-    async def send_kv(self, layout, rid, layer, blocks):
-        """One layer of `blocks` [L, 2, n, bs, H, D]: header, then K and V messages."""
-        k, v = (ucx.ucx_buffer(blocks[layer, half].contiguous()) for half in (0, 1))
-        header = frames.pack_header(
-            FrameType.KV, rid, epoch=EPOCH, layer_start=layer, layer_end=layer + 1,
-            num_blocks=blocks.shape[2], dtype_code=frames.dtype_code(layout.dtype),
-            payload_len=k.nbytes + v.nbytes,
-        )
-        hdr = np.frombuffer(ucx.header_message(header), np.uint8)
-        await ucx.tag_send(self.data, hdr, self.tag)  # payload pieces go under tag + 1
-        for piece in (k, v):
-            await ucx.tag_send(self.data, piece, self.tag + 1)
-
-    async def wait_hung_up(self):
-        """Until D closes the control endpoint (it never sends on it otherwise)."""
-        with pytest.raises(ucx.UCX_ERRORS):
-            await asyncio.wait_for(self.ctl.recv(np.zeros(1, np.uint8)), TIMEOUT_S)
-
-    def close(self):
-        async def abort():  # no EOS: looks like a P that died
-            ucx.abort_endpoint(self.data)
-            ucx.abort_endpoint(self.ctl)
-            self.data = self.ctl = None
-
-        self.run(abort())
-        ucx.release_runtime(self.rt)
 
 
 def test_garbage_connection_is_closed_and_others_unaffected(env, caplog):

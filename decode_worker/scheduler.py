@@ -2,11 +2,17 @@
 
 Lifecycle of a request on a decode worker (pure state; no model, no sockets):
 
-    reserve()            blocks for the prompt's KV only, under a lease (deadline);
-        │                state WAITING_FOR_REMOTE_KV
+    reserve()            blocks for the prompt's KV only: its leading full blocks shared
+        │                from D's own prefix cache where found, the rest allocated
+        │                under a lease (deadline); state WAITING_FOR_REMOTE_KV, the
+        │                prefill worker fills only the allocated blocks. Or, when the
+        │                uncached part is at most local_prefill_max_tokens, WAITING for
+        │                a *local prefill* on D (no transfer, see below)
         ▼
-    on_kv_complete()     every layer arrived and the prefill worker's first token came
-        │                with the done frame (ok=False -> FINISHED_ERROR, blocks freed)
+    on_kv_complete()     every block of every layer arrived and the prefill worker's
+        │                first token came with the done frame (ok=False ->
+        │                FINISHED_ERROR, blocks freed); the prompt's full blocks enter
+        │                the prefix cache
         ▼
     schedule()           applies aborts and lease expiry; admits arrived requests into
         │   ▲            RUNNING; grows a block_table by one block when the request's
@@ -28,6 +34,14 @@ It then rejoins the batch with `recompute` set: the step thread prefills
 `prompt + output_ids[:-1]` into its new block_table and decodes `output_ids[-1]` at its
 position as if never preempted. The sampler's step index is len(output_ids), unchanged
 by preemption, so greedy and seeded outputs are too.
+
+Local prefill reuses that path: a request with no output yet (a local prefill, or one
+preempted before its first token) is a batch row of `prefill` instead: the step thread
+prefills `prompt[num_cached:]` (after the blocks found in D's prefix cache) and samples
+the first token from the last prompt token's logits (step index 0, exactly as a prefill
+worker does). Short uncached prompts thus skip the round trip to a prefill worker and
+the KV transfer (Dynamo's conditional disaggregation); the threshold bounds how long
+one such step can stall the running batch.
 
 Why this always makes progress: the oldest running request is preempted only when it is
 alone and reservations still waiting for KV hold the rest; a request that could not fit
@@ -51,7 +65,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
+from ..engine.block_pool import BlockHash, BlockPool, NoFreeBlocksError, block_hashes, blocks_needed
 from ..engine.request import RequestState, TokenEvent
 from ..engine.sampling_params import SamplingParams
 
@@ -88,7 +102,9 @@ class DecodeRequest:
     abort_reason: str | None = None      # set by abort(); applied by schedule()
     error: str | None = None
     admitted_seq: int = -1               # order of first admission into RUNNING (resume order)
-    recompute: bool = False              # resumed: KV of prompt + output_ids[:-1] to recompute
+    recompute: bool = False              # KV to compute before its next token (see DecodeBatch)
+    num_cached: int = 0                  # leading tokens whose KV is in block_table already
+    block_hashes: list[BlockHash] = field(default_factory=list)  # prompt's full blocks
 
     @property
     def prompt_len(self) -> int:
@@ -101,30 +117,58 @@ class DecodeRequest:
 
     @property
     def recompute_token_ids(self) -> list[int]:
-        """Tokens whose KV a resumed request recomputes: all but the newest, which the next
-        decode step feeds (its KV is written by that step, as for any running request)."""
+        """Tokens whose KV a request resumed after preemption recomputes: all but the
+        newest, which the next decode step feeds (its KV is written by that step, as for
+        any running request)."""
         return self.prompt_token_ids + self.output_ids[:-1]
 
 
 @dataclass(frozen=True, slots=True)
+class Reserved:
+    """Outcome of DecodeScheduler.reserve.
+
+    block_ids: where the prefill worker's KV goes, in prompt order: the prompt's blocks
+        after the first `cached_blocks` (which D already holds); [] for a local prefill.
+    cached_blocks: leading full prompt blocks found in D's prefix cache (not sent).
+    local_prefill: D computes the prompt itself; no prefill worker is involved.
+    """
+
+    block_ids: list[int]
+    cached_blocks: int
+    local_prefill: bool
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeBatch:
-    """One decode step: first prefill the KV of each `recompute` request's
-    recompute_token_ids into its block_table (resumed after preemption; every one is also
-    in `requests`), then feed each request's newest token at position num_tokens - 1."""
+    """One step; one sampled token per row of `requests`, in order. Rows in `prefill`
+    have no output yet (local prefill, or preempted before their first token): prefill
+    prompt_token_ids[num_cached:] into the block_table and sample from the last prompt
+    token's logits. Every other row decodes: rows in `recompute` (resumed after
+    preemption) first prefill recompute_token_ids into the new block_table; then each
+    feeds output_ids[-1] at position num_tokens - 1. `prefill` and `recompute` are
+    subsets of `requests`."""
 
     requests: tuple[DecodeRequest, ...]
     recompute: tuple[DecodeRequest, ...] = ()
+    prefill: tuple[DecodeRequest, ...] = ()
 
 
 class DecodeScheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], max_batch_size: int = 256,
-                 on_release: Callable[[str, Callable[[], None]], None] | None = None):
+                 on_release: Callable[[str, Callable[[], None]], None] | None = None,
+                 enable_prefix_caching: bool = False, local_prefill_max_tokens: int = 0):
         """`on_release(request_id, free_blocks)` runs (under the lock) when a request
         finishes, instead of freeing its blocks here: the KV receiver stops writing into
         them and calls `free_blocks()` once no write is in flight (KVReceiver.forget),
-        so a block is never reused while prefill's KV still lands in it."""
+        so a block is never reused while prefill's KV still lands in it.
+
+        enable_prefix_caching: share the prompt's leading full blocks from D's prefix
+        cache (they are then not transferred). local_prefill_max_tokens: a request whose
+        uncached prompt tokens are at most this many is prefilled on D (0: never)."""
         self.pool, self.block_size, self.max_model_len = pool, block_size, max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_batch_size = max_batch_size
         self._on_release = on_release
@@ -139,15 +183,22 @@ class DecodeScheduler:
         self._events: list[TokenEvent] = []      # finishes outside a step (errors, aborts)
         self.num_reclaimed = 0
         self.num_preemptions = 0                 # since start; a request may count many times
+        self.num_local_prefills = 0              # requests prefilled on D (no transfer)
+        self.cached_tokens = 0                   # prompt tokens found in D's prefix cache
 
     # --- called from RPC / transport threads --------------------------------------
 
     def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
-                lease_s: float, prompt_token_ids: list[int]) -> list[int]:
+                lease_s: float, prompt_token_ids: list[int]) -> Reserved:
         """Reserve the blocks for the prompt's KV. Idempotent per request_id.
 
-        `prompt_token_ids` (len == prompt_len) are kept to recompute the KV if the request
-        is preempted. Returns the prompt's block ids (where prefill's KV goes), in order.
+        With prefix caching, the prompt's leading full blocks found in D's cache are
+        shared (never the block of the last token, so at least one block is always
+        prefilled); the rest are allocated. When the prompt's uncached tokens are at most
+        local_prefill_max_tokens, D prefills them itself at its next step. The prompt
+        (`prompt_token_ids`, len == prompt_len) is kept to recompute the KV if the
+        request is preempted.
+
         Raises:
             ValueError: len(prompt_token_ids) != prompt_len.
             RequestTooLargeError: prompt + max_tokens (capped by the model's context)
@@ -163,18 +214,39 @@ class DecodeScheduler:
         with self._lock:
             req = self._requests.get(request_id)
             if req is None:
-                total = blocks_needed(min(prompt_len + params.max_tokens, self.max_model_len), bs)
-                if total > self.pool.num_blocks:
-                    raise RequestTooLargeError(prompt_len, params.max_tokens, total,
-                                               self.pool.num_blocks, bs)
-                need = blocks_needed(prompt_len, bs)
-                free = self.pool.num_free - self._resume_blocks()
-                if need > free:
-                    raise NoFreeBlocksError(need, max(free, 0), self.pool.num_blocks)
-                req = DecodeRequest(request_id, list(prompt_token_ids), params,
-                                    self.pool.allocate(need), time.monotonic() + lease_s)
-                self._requests[request_id] = req
-            return req.block_table[:blocks_needed(req.prompt_len, bs)]
+                req = self._new_request(request_id, list(prompt_token_ids), params, lease_s)
+            cached = req.num_cached // bs
+            if req.state == RequestState.WAITING:
+                return Reserved([], cached, True)
+            return Reserved(req.block_table[cached:blocks_needed(req.prompt_len, bs)], cached,
+                            False)
+
+    def _new_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                     lease_s: float) -> DecodeRequest:
+        """reserve() of a request not seen before (lock held)."""
+        bs, n = self.block_size, len(prompt)
+        total = blocks_needed(min(n + params.max_tokens, self.max_model_len), bs)
+        if total > self.pool.num_blocks:
+            raise RequestTooLargeError(n, params.max_tokens, total, self.pool.num_blocks, bs)
+        hashes, hit = [], []
+        if self.enable_prefix_caching:
+            hashes = block_hashes(prompt, bs)
+            hit = self.pool.match_prefix(hashes[:(n - 1) // bs])  # not the last token's block
+        need = blocks_needed(n, bs) - len(hit)
+        free = self.pool.num_free - self._resume_blocks()
+        if need > free:
+            self.pool.free(hit)
+            raise NoFreeBlocksError(need, max(free, 0), self.pool.num_blocks)
+        req = DecodeRequest(request_id, prompt, params, hit + self.pool.allocate(need),
+                            time.monotonic() + lease_s, num_cached=len(hit) * bs,
+                            block_hashes=hashes)
+        self.cached_tokens += req.num_cached
+        if n - req.num_cached <= self.local_prefill_max_tokens:
+            req.state, req.recompute = RequestState.WAITING, True
+            self._arrived.append(request_id)
+            self.num_local_prefills += 1
+        self._requests[request_id] = req
+        return req
 
     def on_kv_complete(self, request_id: str, ok: bool, first_token: int | None,
                        error: str | None = None) -> None:
@@ -186,6 +258,7 @@ class DecodeScheduler:
             if ok:
                 req.output_ids.append(first_token)
                 self._arrived.append(request_id)
+                self._cache_prompt(req)
             else:
                 req.abort_reason = error or "KV transfer failed"
                 req.error = req.abort_reason
@@ -207,12 +280,13 @@ class DecodeScheduler:
         with self._lock:
             for rid in self._arrived:           # first: an arrived request has no lease
                 req = self._requests.get(rid)
-                if (req is not None and req.abort_reason is None
-                        and req.state == RequestState.WAITING_FOR_REMOTE_KV):
+                if (req is not None and req.abort_reason is None and req.state in
+                        (RequestState.WAITING_FOR_REMOTE_KV, RequestState.WAITING)):
                     req.state = RequestState.RUNNING
                     req.admitted_seq, self._next_seq = self._next_seq, self._next_seq + 1
                     self._running.append(req)   # newest: _running stays in admitted_seq order
-                    self._check_stop(req)       # the first token may already finish it
+                    if req.output_ids:          # P's first token may already finish it
+                        self._check_stop(req)
             self._arrived.clear()
             for req in list(self._requests.values()):
                 if req.abort_reason is not None:
@@ -225,7 +299,8 @@ class DecodeScheduler:
             self._grow_batch()
             self._resume()
             batch = tuple(self._running[:self.max_batch_size])
-            return DecodeBatch(batch, tuple(r for r in batch if r.recompute))
+            return DecodeBatch(batch, tuple(r for r in batch if r.recompute and r.output_ids),
+                               tuple(r for r in batch if not r.output_ids))
 
     def update_from_output(self, batch: DecodeBatch, token_ids: list[int]) -> list[TokenEvent]:
         """Append one sampled token per batch row; returns the step's events (and any
@@ -236,7 +311,9 @@ class DecodeScheduler:
             for req, tok in zip(batch.requests, token_ids, strict=True):
                 if req.state != RequestState.RUNNING or req.abort_reason is not None:
                     continue  # aborted mid-step: schedule() finishes it
-                req.recompute = False           # the step recomputed its KV
+                if req.recompute:               # the step computed its KV
+                    req.recompute, req.num_cached = False, 0
+                    self._cache_prompt(req)
                 req.output_ids.append(tok)
                 if self._check_stop(req, emit=False):
                     events.append(TokenEvent(req.request_id, (tok,), req.state.finish_reason))
@@ -276,7 +353,7 @@ class DecodeScheduler:
         logger.debug("preempted request %s at %d tokens (%d blocks freed)",
                      req.request_id, req.num_tokens, len(req.block_table))
         req.block_table = []
-        req.state, req.recompute = RequestState.PREEMPTED, False
+        req.state, req.recompute, req.num_cached = RequestState.PREEMPTED, False, 0
         bisect.insort(self._preempted, req, key=_by_admission)
         self.num_preemptions += 1
 
@@ -294,6 +371,12 @@ class DecodeScheduler:
             req.block_table = self.pool.allocate(need)
             req.state, req.recompute = RequestState.RUNNING, True
             bisect.insort(self._running, req, key=_by_admission)
+
+    def _cache_prompt(self, req: DecodeRequest) -> None:
+        """Register the prompt's full blocks in the prefix cache once their KV is in
+        place (transferred or computed here); decode never writes into them."""
+        if req.block_hashes:
+            self.pool.cache_blocks(req.block_table[:len(req.block_hashes)], req.block_hashes)
 
     def _resume_blocks(self) -> int:
         """Blocks the preempted requests need to resume, all together."""

@@ -4,10 +4,13 @@ the continuous-batching decode loop.
 Request lifecycle here (see scheduler.py for the state machine):
 
     router ── reserve(request_id, prompt_len, params, prompt_token_ids)
-          ──▶ the prompt's blocks + KV address + epoch
-    prefill ══ KV frames, layer by layer, then done(first token) ══▶ KV receiver
-    step thread: schedule() → [ModelRunner.prefill() of resumed requests' KV, recompute
-                 after preemption] → ModelRunner.decode() → sample() → update_from_output()
+          ──▶ KV address + epoch + how many leading prompt blocks D holds already
+              (its prefix cache), or "local_prefill": D computes the prompt itself
+    prefill ══ KV frames of the blocks D lacks, per chunk and layer, then
+               done(first token) ══▶ KV receiver
+    step thread: schedule() → [ModelRunner.prefill() of local prefills and of resumed
+                 requests' KV (recompute after preemption)] → ModelRunner.decode() →
+                 sample() → update_from_output()
     router ◀── stream(request_id): TokenEvents until finish_reason is set
 
 The step thread owns the model; the actor's event loop serves RPCs; the KV receiver
@@ -56,7 +59,9 @@ class DecodeWorker:
         self.scheduler = DecodeScheduler(
             self.pool, self.runner.block_size, self.runner.config.max_model_len,
             self.runner.config.eos_token_ids, config.max_batch_size,
-            on_release=self.receiver.forget)
+            on_release=self.receiver.forget,
+            enable_prefix_caching=config.enable_prefix_caching,
+            local_prefill_max_tokens=config.local_prefill_max_tokens)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake = threading.Event()
@@ -79,8 +84,11 @@ class DecodeWorker:
         those against the largest decode worker first). `prompt_token_ids` (prompt_len
         of them) are kept to recompute the KV should the request be preempted.
 
-        Returns {"kv_address": (host, port), "epoch", "num_blocks": prompt blocks,
-        "free_blocks"} for the prefill worker to send to.
+        Returns {"kv_address": (host, port), "epoch", "num_blocks": blocks the prefill
+        worker fills, "cached_blocks": leading prompt blocks D holds already (the
+        prefill worker skips them), "local_prefill": True when D prefills the prompt
+        itself (then no prefill worker is called: the first token comes on the stream),
+        "free_blocks"}.
         Raises:
             ValueError: len(prompt_token_ids) != prompt_len.
         """
@@ -88,8 +96,8 @@ class DecodeWorker:
         if request_id not in self._queues:
             self._queues[request_id] = asyncio.Queue()
         try:
-            block_ids = self.scheduler.reserve(request_id, prompt_len, params,
-                                               self.config.lease_s, prompt_token_ids)
+            r = self.scheduler.reserve(request_id, prompt_len, params,
+                                       self.config.lease_s, prompt_token_ids)
         except (NoFreeBlocksError, RequestTooLargeError) as e:
             logger.debug("reserve %s refused: %s", request_id, e)
             self._queues.pop(request_id, None)
@@ -97,9 +105,13 @@ class DecodeWorker:
         except ValueError:   # prompt_token_ids do not match prompt_len: the caller's bug
             self._queues.pop(request_id, None)
             raise
-        self.receiver.expect(request_id, block_ids)
+        if r.local_prefill:
+            self._wake.set()
+        else:
+            self.receiver.expect(request_id, r.block_ids)
         return {"kv_address": self.kv_address, "epoch": self.epoch,
-                "num_blocks": len(block_ids), "free_blocks": self.pool.num_free}
+                "num_blocks": len(r.block_ids), "cached_blocks": r.cached_blocks,
+                "local_prefill": r.local_prefill, "free_blocks": self.pool.num_free}
 
     async def stream(self, request_id: str):
         """Yield lists of TokenEvents for the request until one carries finish_reason.
@@ -135,7 +147,10 @@ class DecodeWorker:
                 "epoch": self.epoch, "kv_address": f"{host}:{port}",
                 "peak_batch_size": self.peak_batch_size,
                 "num_preemptions": self.scheduler.num_preemptions,
-                "preempted_requests": self.scheduler.num_waiting_to_resume()}
+                "preempted_requests": self.scheduler.num_waiting_to_resume(),
+                "local_prefills": self.scheduler.num_local_prefills,
+                "prefix_cache_hit_tokens": self.scheduler.cached_tokens,
+                "prefix_cache_blocks": self.pool.num_cached}
 
     async def shutdown(self) -> None:
         self._stop.set()
@@ -171,16 +186,31 @@ class DecodeWorker:
             reqs = batch.requests
             self.peak_batch_size = max(self.peak_batch_size, len(reqs))
             t0 = time.perf_counter()
-            if batch.recompute:
-                # Resumed after preemption: rebuild the KV of all but the newest token in
-                # the new block_table. The logits are not needed: the token to feed next
-                # is known (output_ids[-1]), and the decode below writes its KV.
-                runner.prefill([PrefillSeq(r.recompute_token_ids, r.block_table)
-                                for r in batch.recompute])
-            logits = runner.decode([
-                DecodeSeq(r.output_ids[-1], r.num_tokens - 1, r.block_table) for r in reqs])
-            # step = tokens generated so far, unchanged by preemption: seeded draws repeat
-            tokens = sample(logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs])
+            firsts = iter(self._prefill(batch.prefill, batch.recompute))
+            rows = [r for r in reqs if r.output_ids]       # the rest decode
+            decoded = iter(())
+            if rows:
+                logits = runner.decode([
+                    DecodeSeq(r.output_ids[-1], r.num_tokens - 1, r.block_table) for r in rows])
+                # step = tokens generated so far, unchanged by preemption: seeded draws repeat
+                decoded = iter(sample(logits, [r.params for r in rows],
+                                      [len(r.output_ids) for r in rows]))
+            tokens = [next(decoded) if r.output_ids else next(firsts) for r in reqs]
             self._publish(sched.update_from_output(batch, tokens))
-            logger.debug("decode step: batch %d (%d recomputed), %.1f ms", len(reqs),
-                         len(batch.recompute), 1e3 * (time.perf_counter() - t0))
+            logger.debug("decode step: batch %d (%d prefilled, %d recomputed), %.1f ms",
+                         len(reqs), len(batch.prefill), len(batch.recompute),
+                         1e3 * (time.perf_counter() - t0))
+
+    def _prefill(self, first: tuple, resumed: tuple) -> list[int]:
+        """One prefill pass for a step's `first` rows (no output yet: their prompt after
+        its cached blocks) and `resumed` rows (recompute the KV of all but their newest
+        token). Returns the first rows' first tokens, sampled at step 0 from the last
+        prompt token's logits, as a prefill worker does."""
+        seqs = [PrefillSeq(r.prompt_token_ids, r.block_table, r.num_cached) for r in first]
+        seqs += [PrefillSeq(r.recompute_token_ids, r.block_table) for r in resumed]
+        if not seqs:
+            return []
+        logits = self.runner.prefill(seqs)
+        if not first:
+            return []
+        return sample(logits[:len(first)], [r.params for r in first], [0] * len(first))

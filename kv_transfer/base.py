@@ -13,7 +13,13 @@ Lifecycle of one request's KV, seen from both ends::
                            <-- DONE frame --   send_done(addr, rid, epoch, first_token, L)
       state DONE, on_complete(ok=True)
     (or FAILED, on_complete(ok=False, error) on abort, stale epoch, lost connection,
-     a short/duplicate layer set, a block-count or checksum mismatch)
+     a (layer, block) missing or sent twice, blocks beyond the reservation, a checksum
+     mismatch)
+
+A frame may also carry only part of the block table: ``send_layers(..., src,
+block_start=b)`` fills D's reserved positions ``b .. b + len(src) - 1``, so a request
+chunked at prefill can go out chunk by chunk (each chunk's layers as they are computed);
+DONE counts only once every (layer, block) of the reservation arrived.
 
 The cache both ends share the layout of is one contiguous tensor::
 
@@ -35,7 +41,7 @@ from typing import Callable, Sequence
 import torch
 
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: KV frames carry block_start (frames.py)
 
 # Longest request id (UTF-8 bytes) a frame may carry; bounds what a receiver reads
 # before it has validated anything else.
@@ -58,9 +64,9 @@ class TransferState(enum.IntEnum):
     """State of one expected request on the receiver. Finished states are last, so
     ``state >= TransferState.DONE`` means "finished"."""
 
-    WAITING = 0  # reserved, no layer arrived yet
-    TRANSFERRING = 1  # at least one layer arrived, DONE frame not yet
-    DONE = 2  # every layer arrived, then the DONE frame
+    WAITING = 0  # reserved, no KV frame arrived yet
+    TRANSFERRING = 1  # at least one KV frame arrived, DONE frame not yet
+    DONE = 2  # every (layer, block) arrived, then the DONE frame
     FAILED = 3  # aborted, stale epoch, connection lost, inconsistent frames
 
 
@@ -197,10 +203,12 @@ class KVSender(ABC):
         self.kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.layout = layout
 
-    def _check_send(self, layer_start: int, layer_end: int,
-                    src_block_ids: Sequence[int]) -> tuple[list[int], int]:
+    def _check_send(self, layer_start: int, layer_end: int, src_block_ids: Sequence[int],
+                    block_start: int) -> tuple[list[int], int]:
         """Validate send_layers arguments; returns (block ids, K/V payload bytes).
-        Raises ValueError naming the bad range or ids."""
+        Raises ValueError naming the bad range, ids or block_start."""
+        if block_start < 0:  # a non-int fails in frames.pack_header, also ValueError
+            raise ValueError(f"block_start must be >= 0, got {block_start}")
         if not 0 <= layer_start < layer_end <= self.layout.num_layers:
             raise ValueError(f"layer range [{layer_start}, {layer_end}) not within "
                              f"[0, {self.layout.num_layers})")
@@ -225,11 +233,16 @@ class KVSender(ABC):
         layer_start: int,
         layer_end: int,
         src_block_ids: Sequence[int],
+        block_start: int = 0,
     ) -> int:
-        """Send K and V of layers ``[layer_start, layer_end)`` of blocks ``src_block_ids``
-        (they land in D's reserved blocks in the same order). Returns the K/V payload
-        bytes sent. Raises ValueError on bad arguments, KVLayoutMismatch if D refuses
-        the pairing, KVTransferError on socket failure."""
+        """Send K and V of layers ``[layer_start, layer_end)`` of P's blocks
+        ``src_block_ids``; they land, in the same order, in D's reserved blocks at
+        block-table positions ``block_start .. block_start + len(src_block_ids) - 1``
+        (the order D gave to expect()). Each (layer, position) must be sent exactly once
+        before send_done; frames may come in any order. Returns the K/V payload bytes
+        sent. Raises ValueError on bad arguments (block_start < 0 included),
+        KVLayoutMismatch if D refuses the pairing, KVTransferError on socket failure; a
+        range beyond D's reservation fails the request on D."""
 
     @abstractmethod
     def send_done(

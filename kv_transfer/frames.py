@@ -1,27 +1,36 @@
 """Wire format shared by every stream transport (TCP now, UCX streams later).
 
-Every frame is a fixed 48-byte little-endian header, the UTF-8 request id, then the
-payload::
+Every frame is a fixed 56-byte little-endian header, the UTF-8 request id, then the
+payload (the 8-byte fields sit on 8-byte offsets)::
 
      0       4   5   6   7   8                              16
     +-------+---+---+---+---+-------------------------------+
     | magic |ver|typ|flg|dty|          epoch (u64)          |
     |"PDKV" |u8 |u8 |u8 |u8 |                               |
     +-------+---+---+---+---+-------------------------------+
-    16             20             24             28
-    +--------------+--------------+--------------+
-    | layer_start  |  layer_end   |  num_blocks  |
-    |    (u32)     |    (u32)     |    (u32)     |
-    +--------------+--------------+--------------+
-    28                             36                             44     46     48
-    +------------------------------+------------------------------+------+------+
-    |     first_token (i64, -1     |      payload_len (u64)       |rid_ln| zero |
-    |       = no token)            |   (incl. trailing crc32)     | u16  |  pad |
-    +------------------------------+------------------------------+------+------+
-    48                 48 + rid_len                               + payload_len
+    16             20             24             28             32
+    +--------------+--------------+--------------+--------------+
+    | layer_start  |  layer_end   | block_start  |  num_blocks  |
+    |    (u32)     |    (u32)     |    (u32)     |    (u32)     |
+    +--------------+--------------+--------------+--------------+
+    32                             40                             48     50        56
+    +------------------------------+------------------------------+------+---------+
+    |     first_token (i64, -1     |      payload_len (u64)       |rid_ln|  zero   |
+    |       = no token)            |   (incl. trailing crc32)     | u16  |   pad   |
+    +------------------------------+------------------------------+------+---------+
+    56                 56 + rid_len                               + payload_len
     +------------------+------------------------------------------+
     | request_id UTF-8 | payload                                  |
     +------------------+------------------------------------------+
+
+A KV frame carries layers [layer_start, layer_end) of the blocks at positions
+[block_start, block_start + num_blocks) of the receiver's reservation (its block table,
+in the order D gave to expect()), so one request's KV may arrive as several frames per
+layer (one per prefill chunk, say), in any order; each (layer, block) exactly once::
+
+    reservation | b0 | b1 | b2 | b3 | b4 | b5 | b6 |
+                |<------------>|                     frame A: block_start 0, num_blocks 3
+                               |<----------------->| frame B: block_start 3, num_blocks 4
 
 Payload by frame type:
 
@@ -51,9 +60,10 @@ import torch
 from .base import MAX_REQUEST_ID_BYTES, PROTOCOL_VERSION, KVFrameError, KVLayout
 
 MAGIC = b"PDKV"
-HEADER = struct.Struct("<4sBBBBQIIIqQH2x")
+HEADER = struct.Struct("<4sBBBBQIIIIqQH6x")
 HEADER_SIZE = HEADER.size
-assert HEADER_SIZE == 48, HEADER_SIZE
+assert HEADER_SIZE == 56, HEADER_SIZE
+_RID_LEN = 12  # index of the request id's length in HEADER's fields
 
 FLAG_CRC32 = 1 << 0  # payload carries a trailing little-endian zlib.crc32
 KNOWN_FLAGS = FLAG_CRC32
@@ -93,6 +103,7 @@ class FrameHeader:
     epoch: int = 0
     layer_start: int = 0
     layer_end: int = 0
+    block_start: int = 0  # KV: first reservation block-table position this frame fills
     num_blocks: int = 0
     dtype_code: int = 0
     first_token: int | None = None
@@ -125,6 +136,7 @@ def pack_header(
     epoch: int = 0,
     layer_start: int = 0,
     layer_end: int = 0,
+    block_start: int = 0,
     num_blocks: int = 0,
     dtype_code: int = 0,
     first_token: int | None = None,
@@ -147,6 +159,7 @@ def pack_header(
             epoch,
             layer_start,
             layer_end,
+            block_start,
             num_blocks,
             -1 if first_token is None else first_token,
             payload_len,
@@ -171,8 +184,10 @@ def _unpack_fixed(buf: bytes | memoryview) -> tuple:
         raise KVFrameError(f"unknown frame type {ftype}")
     if flags & ~KNOWN_FLAGS:
         raise KVFrameError(f"unknown flag bits {flags & ~KNOWN_FLAGS:#x}")
-    if raw[11] > MAX_REQUEST_ID_BYTES:
-        raise KVFrameError(f"request_id length {raw[11]} exceeds {MAX_REQUEST_ID_BYTES} bytes")
+    if raw[_RID_LEN] > MAX_REQUEST_ID_BYTES:
+        raise KVFrameError(
+            f"request_id length {raw[_RID_LEN]} exceeds {MAX_REQUEST_ID_BYTES} bytes"
+        )
     return raw
 
 
@@ -182,10 +197,11 @@ def unpack_header(
     """Decode ``HEADER_SIZE + request_id_len`` bytes of ``buf`` and validate them.
 
     With ``layout``, a KV frame's dtype, layer range and payload_len are checked against
-    it; with ``max_blocks``, its block count too. Raises KVFrameError on any violation.
+    it; with ``max_blocks``, its block range [block_start, block_start + num_blocks) too.
+    Raises KVFrameError on any violation.
     """
     raw = _unpack_fixed(buf)
-    (_, _, ftype, flags, dcode, epoch, lstart, lend, nblocks, tok, plen, rid_len) = raw
+    (_, _, ftype, flags, dcode, epoch, lstart, lend, bstart, nblocks, tok, plen, rid_len) = raw
     if len(buf) < HEADER_SIZE + rid_len:
         raise KVFrameError(
             f"truncated request_id: {len(buf) - HEADER_SIZE} of {rid_len} bytes"
@@ -203,6 +219,7 @@ def unpack_header(
         epoch=epoch,
         layer_start=lstart,
         layer_end=lend,
+        block_start=bstart,
         num_blocks=nblocks,
         dtype_code=dcode,
         first_token=None if tok == -1 else tok,
@@ -240,8 +257,11 @@ def _validate(h: FrameHeader, layout: KVLayout | None, max_blocks: int | None) -
 def _validate_kv(h: FrameHeader, layout: KVLayout | None, max_blocks: int | None) -> None:
     if h.num_blocks == 0:
         raise KVFrameError("KV frame with num_blocks 0")
-    if max_blocks is not None and h.num_blocks > max_blocks:
-        raise KVFrameError(f"KV frame num_blocks {h.num_blocks} exceeds {max_blocks}")
+    if max_blocks is not None and h.block_start + h.num_blocks > max_blocks:
+        raise KVFrameError(
+            f"KV frame block range [{h.block_start}, {h.block_start + h.num_blocks}) "
+            f"exceeds {max_blocks} blocks"
+        )
     if h.layer_start >= h.layer_end:
         raise KVFrameError(f"KV frame layer range [{h.layer_start}, {h.layer_end}) is empty")
     if layout is None:
@@ -311,11 +331,11 @@ def read_header(
                 return None
             raise KVFrameError("connection closed before a frame header")
         recv_exact(sock, mv[got:HEADER_SIZE])
-        rid_len = _unpack_fixed(mv[:HEADER_SIZE])[11]
+        rid_len = _unpack_fixed(mv[:HEADER_SIZE])[_RID_LEN]
         recv_exact(sock, mv[HEADER_SIZE : HEADER_SIZE + rid_len])
         return unpack_header(mv[: HEADER_SIZE + rid_len], layout, max_blocks)
     recv_exact(sock, mv[1:HEADER_SIZE])
-    rid_len = _unpack_fixed(mv[:HEADER_SIZE])[11]  # validated before we read that far
+    rid_len = _unpack_fixed(mv[:HEADER_SIZE])[_RID_LEN]  # validated before we read that far
     recv_exact(sock, mv[HEADER_SIZE : HEADER_SIZE + rid_len])
     return unpack_header(mv[: HEADER_SIZE + rid_len], layout, max_blocks)
 

@@ -1,9 +1,10 @@
 """Receiver-side state machine, shared by every transport: which requests D expects,
-into which blocks, which layers have arrived, and when to call ``on_complete``.
+into which blocks, which (layer, block) pairs have arrived, and when to call
+``on_complete``.
 
 Per expected request::
 
-    expect() -> WAITING --first KV frame--> TRANSFERRING --DONE, all layers--> DONE
+    expect() -> WAITING --first KV frame--> TRANSFERRING --DONE, all arrived--> DONE
                    |                             |
                    +-----------------------------+--abort / stale epoch / lost
                                                      connection / bad frame--> FAILED
@@ -12,6 +13,16 @@ Every transition into DONE or FAILED calls ``on_complete`` exactly once, outside
 table's locks. ``forget`` removes a request without a callback; once it returns, no
 frame writes into that request's blocks any more (it waits out a scatter in flight),
 so D may hand those blocks to someone else.
+
+A KV frame fills a rectangle of the reservation: layers [layer_start, layer_end) x
+block-table positions [block_start, block_start + num_blocks) (frames.py). Arrival is
+one byte per (layer, position); a frame whose rectangle overlaps one that arrived fails
+the request, and DONE counts only when every byte is set::
+
+                  position 0  1  2  3  4
+    arrived  layer 0      [1  1  1  0  0]     frame (layers [0, 2), blocks [0, 3))
+             layer 1      [1  1  1  0  0]     is in; blocks [3, 5) of both layers
+             ...                              are still to come
 """
 
 from __future__ import annotations
@@ -43,8 +54,10 @@ class Reservation:
     module boundary except as an opaque handle to the transport)."""
 
     request_id: str
-    dst_idx: torch.Tensor  # [num_blocks] int64, on kv.device
-    layers_seen: list[bool]  # [num_layers]
+    block_ids: list[int]  # [num_blocks] D's blocks, in block-table order (expect())
+    dst_idx: torch.Tensor  # [num_blocks] int64, on kv.device: block_ids as a tensor
+    # [num_layers * num_blocks] 1 once (layer, block-table position) arrived, by layer
+    arrived: bytearray
     state: TransferState = TransferState.WAITING
     conn_ids: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -60,7 +73,22 @@ class Reservation:
     @functools.cached_property
     def runs(self) -> list[tuple[int, int]]:
         """dst blocks as runs of consecutive ids (host_io.block_runs)."""
-        return host_io.block_runs(self.dst_idx.tolist())
+        return host_io.block_runs(self.block_ids)
+
+    def runs_in(self, first: int, n: int) -> list[tuple[int, int]]:
+        """Runs of the blocks at table positions ``first .. first + n - 1``: equal to
+        ``host_io.block_runs(block_ids[first:first + n])``, cut from the cached runs."""
+        if first == 0 and n == self.num_blocks:
+            return self.runs
+        out, pos, end = [], 0, first + n
+        for start, count in self.runs:
+            lo, hi = max(pos, first), min(pos + count, end)
+            if lo < hi:
+                out.append((start + lo - pos, hi - lo))
+            pos += count
+            if pos >= end:
+                break
+        return out
 
     @functools.cached_property
     def _run_ends(self) -> list[tuple[int, int]]:
@@ -80,7 +108,34 @@ class Reservation:
 
     @property
     def num_blocks(self) -> int:
-        return self.dst_idx.numel()
+        return len(self.block_ids)
+
+    def claim(self, h: FrameHeader) -> str | None:
+        """Mark the frame's (layer, position) rectangle arrived; if part of it arrived
+        before, mark nothing and say which pair. Caller holds ``lock``; admit_kv checked
+        that the rectangle lies inside the reservation."""
+        nb, a, b = self.num_blocks, h.block_start, h.block_start + h.num_blocks
+        rows = range(h.layer_start * nb, h.layer_end * nb, nb)  # where each layer starts
+        for row in rows:
+            i = self.arrived.find(1, row + a, row + b)
+            if i >= 0:
+                return f"layer {i // nb} block {i % nb} received twice"
+        ones = b"\x01" * h.num_blocks
+        for row in rows:
+            self.arrived[row + a : row + b] = ones
+        return None
+
+    def missing(self) -> str | None:
+        """None once every (layer, position) arrived, else how many did and the first
+        that did not. Caller holds ``lock``."""
+        first = self.arrived.find(0)
+        if first < 0:
+            return None
+        total, nb = len(self.arrived), self.num_blocks
+        return (
+            f"{total - self.arrived.count(0)} of {total} (layer, block) pairs received; "
+            f"first missing: layer {first // nb} block {first % nb}"
+        )
 
 
 class ReservationTable:
@@ -123,7 +178,7 @@ class ReservationTable:
         with self._lock:
             old = self._active.get(request_id)
             if old is not None:
-                if old.dst_idx.tolist() != ids:
+                if old.block_ids != ids:
                     raise ValueError(
                         f"request {request_id} already expected with other blocks"
                     )
@@ -131,8 +186,9 @@ class ReservationTable:
             self._finished.pop(request_id, None)
             self._active[request_id] = Reservation(
                 request_id=request_id,
+                block_ids=ids,
                 dst_idx=torch.tensor(ids, dtype=torch.long, device=self.kv.device),
-                layers_seen=[False] * self.layout.num_layers,
+                arrived=bytearray(self.layout.num_layers * len(ids)),
             )
 
     def forget(self, request_id: str, on_quiescent: Callable[[], None] | None = None) -> None:
@@ -202,66 +258,67 @@ class ReservationTable:
 
     def admit_kv(self, h: FrameHeader, conn_id: int) -> Reservation | None:
         """Reservation a KV frame's payload should be written into, or None if the
-        payload must be read and discarded (unknown request, stale epoch, block-count
-        mismatch; the latter two fail the request)."""
+        payload must be read and discarded (unknown request, stale epoch, blocks beyond
+        the reservation; the latter two fail the request)."""
         res = self._lookup(h.request_id, h.epoch, "KV")
         if res is None:
             return None
-        if h.num_blocks != res.num_blocks:
+        if h.block_start + h.num_blocks > res.num_blocks:
             self.fail(
                 res,
-                f"KV frame for layers [{h.layer_start}, {h.layer_end}) carries "
-                f"{h.num_blocks} blocks, reservation has {res.num_blocks}",
+                f"KV frame for layers [{h.layer_start}, {h.layer_end}) carries blocks "
+                f"[{h.block_start}, {h.block_start + h.num_blocks}), reservation has "
+                f"{res.num_blocks}",
             )
             return None
         with self._hold(res):
             res.conn_ids.add(conn_id)
         return res
 
-    def write_layers(self, res: Reservation, h: FrameHeader, staged: torch.Tensor) -> None:
-        """Scatter ``staged`` [n_layers, 2, num_blocks, block_size, heads, head_dim]
-        (layout dtype, on kv.device) into the reservation's blocks, unless the request
-        finished or was forgotten meanwhile, or a layer arrives twice (fails it)."""
-        dup = None
-        with self._hold(res):
-            if res.state >= TransferState.DONE:
-                logger.debug("request %s finished; dropping KV frame", res.request_id)
-                return
-            seen = res.layers_seen[h.layer_start : h.layer_end]
-            if any(seen):
-                dup = h.layer_start + seen.index(True)
-            else:
-                self.kv[h.layer_start : h.layer_end].index_copy_(2, res.dst_idx, staged)
-                res.layers_seen[h.layer_start : h.layer_end] = [True] * h.num_layers
-                res.state = TransferState.TRANSFERRING
-        if dup is not None:
-            self.fail(res, f"layer {dup} received twice")
-
-    def claim_layers(self, res: Reservation, h: FrameHeader) -> bool:
-        """Start a KV frame whose payload arrives in pieces (see write_blocks): marks its
-        layers as arrived now, so a second frame for them fails the request even while
-        this one is still arriving. False when the payload must be discarded: the request
-        finished or was forgotten meanwhile, or a layer arrives twice (fails it)."""
+    def _claim_and_write(self, res: Reservation, h: FrameHeader,
+                         write: Callable[[], None] | None) -> bool:
+        """Claim the frame's (layer, block) pairs and run ``write`` (if any) under the
+        reservation's lock. False when the payload must be discarded: the request
+        finished or was forgotten meanwhile, or a pair arrives twice (fails it)."""
         with self._hold(res):
             if res.state >= TransferState.DONE:
                 logger.debug("request %s finished; dropping KV frame", res.request_id)
                 return False
-            seen = res.layers_seen[h.layer_start : h.layer_end]
-            if not any(seen):
-                res.layers_seen[h.layer_start : h.layer_end] = [True] * h.num_layers
+            dup = res.claim(h)
+            if dup is None:
+                if write is not None:
+                    write()
                 res.state = TransferState.TRANSFERRING
                 return True
-            dup = h.layer_start + seen.index(True)
-        self.fail(res, f"layer {dup} received twice")
+        self.fail(res, dup)
         return False
+
+    def write_layers(self, res: Reservation, h: FrameHeader, staged: torch.Tensor) -> None:
+        """Scatter ``staged`` [n_layers, 2, h.num_blocks, block_size, heads, head_dim]
+        (layout dtype, on kv.device) into the reservation's blocks at table positions
+        ``h.block_start ..``, unless the request finished or was forgotten meanwhile, or
+        a (layer, block) arrives twice (fails it)."""
+        dst = res.dst_idx[h.block_start : h.block_start + h.num_blocks]  # [h.num_blocks]
+        self._claim_and_write(
+            res, h, lambda: self.kv[h.layer_start : h.layer_end].index_copy_(2, dst, staged)
+        )
+
+    def claim_blocks(self, res: Reservation, h: FrameHeader) -> bool:
+        """Start a KV frame whose payload arrives in pieces (see write_blocks): marks its
+        (layer, block) pairs as arrived now, so a second frame for any of them fails the
+        request even while this one is still arriving. False when the payload must be
+        discarded: the request finished or was forgotten meanwhile, or a pair arrives
+        twice (fails it)."""
+        return self._claim_and_write(res, h, None)
 
     def write_blocks(
         self, res: Reservation, layer: int, half: int, first: int, data: torch.Tensor
     ) -> None:
         """Copy ``data`` [n, block_size, heads, head_dim] (layout dtype, on kv.device) into
         K (half 0) or V (half 1) of ``layer`` for the reservation's blocks
-        ``first .. first + n - 1`` (indices into its block table), after claim_layers
-        admitted the frame; a no-op once the request finished or was forgotten."""
+        ``first .. first + n - 1`` (positions in its block table, not relative to a
+        frame's block_start), after claim_blocks admitted the frame; a no-op once the
+        request finished or was forgotten."""
         with self._hold(res):
             if res.state >= TransferState.DONE:
                 return
@@ -274,11 +331,11 @@ class ReservationTable:
 
     def begin_direct(self, res: Reservation, first: int, n: int) -> int | None:
         """For a transport that receives asynchronously straight into the blocks: the
-        first block id when the reservation's blocks ``first .. first + n - 1`` are
-        consecutive and the request is still expected, with one write counted in flight;
-        every such call must be paired with end_direct once the receive is complete or
-        cancelled (forget's on_quiescent waits for it). None otherwise: receive into a
-        staging buffer and write_blocks."""
+        first block id when the reservation's blocks ``first .. first + n - 1`` (table
+        positions) are consecutive and the request is still expected, with one write
+        counted in flight; every such call must be paired with end_direct once the
+        receive is complete or cancelled (forget's on_quiescent waits for it). None
+        otherwise: receive into a staging buffer and write_blocks."""
         start = res.consecutive(first, n)
         if start is None:
             return None
@@ -296,44 +353,32 @@ class ReservationTable:
     def write_layers_direct(self, res: Reservation, h: FrameHeader,
                             fill: Callable[[list[memoryview]], None]) -> bool | None:
         """Zero-copy variant of write_layers for a host cache: `fill(regions)` receives
-        the payload straight into the reservation's blocks (regions in wire order, see
-        host_io.HostCacheView). Returns True once written; False, without calling
-        `fill`, when the payload must be discarded (request finished or forgotten,
-        duplicate layer); None when the direct path does not apply (CUDA cache, too
-        many block runs): use write_layers with a staged copy. Exceptions from `fill` propagate;
-        the connection's requests then fail through connection_lost()."""
-        regions = self._host_view.regions(h.layer_start, h.layer_end, res.runs)
+        the payload straight into the reservation's blocks at table positions
+        ``h.block_start ..`` (regions in wire order, see host_io.HostCacheView). Returns
+        True once written; False, without calling `fill`, when the payload must be
+        discarded (request finished or forgotten, duplicate (layer, block)); None when
+        the direct path does not apply (CUDA cache, too many block runs): use
+        write_layers with a staged copy. Exceptions from `fill` propagate; the
+        connection's requests then fail through connection_lost()."""
+        runs = res.runs_in(h.block_start, h.num_blocks)
+        regions = self._host_view.regions(h.layer_start, h.layer_end, runs)
         if regions is None:
             return None
-        dup = None
-        with self._hold(res):
-            if res.state >= TransferState.DONE:
-                logger.debug("request %s finished; dropping KV frame", res.request_id)
-                return False
-            seen = res.layers_seen[h.layer_start : h.layer_end]
-            if any(seen):
-                dup = h.layer_start + seen.index(True)
-            else:
-                fill(regions)
-                res.layers_seen[h.layer_start : h.layer_end] = [True] * h.num_layers
-                res.state = TransferState.TRANSFERRING
-                return True
-        self.fail(res, f"layer {dup} received twice")
-        return False
+        return self._claim_and_write(res, h, lambda: fill(regions))
 
     def on_done(self, h: FrameHeader) -> None:
         res = self._lookup(h.request_id, h.epoch, "DONE")
         if res is None:
             return
         with self._hold(res):
-            missing = [i for i, s in enumerate(res.layers_seen) if not s]
-        if missing or h.layer_end != self.layout.num_layers:
-            self.fail(
-                res,
-                f"DONE after {self.layout.num_layers - len(missing)} of "
-                f"{self.layout.num_layers} layers (sender claims {h.layer_end}); "
-                f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}",
-            )
+            missing = res.missing()
+        num_layers = self.layout.num_layers
+        if missing is not None:
+            self.fail(res, f"DONE with {missing} (sender claims {h.layer_end} of "
+                           f"{num_layers} layers sent)")
+            return
+        if h.layer_end != num_layers:
+            self.fail(res, f"DONE claims {h.layer_end} layers sent, layout has {num_layers}")
             return
         self._finish(res, KVCompletion(h.request_id, True, h.first_token, None))
 

@@ -8,7 +8,7 @@ transport; blocking sockets with TCP_NODELAY, zero-copy sends from tensor memory
          -> header + request_id + payload (+ crc32) ---------------------------+
                                                                                |
     D: recv_into staging (uint8) -> view(dtype, shape) -> check crc <----------+
-         -> kv[layers, :, dst_idx] = staged
+         -> kv[layers, :, dst_idx[block_start : block_start + n_blocks]] = staged
 
 The two roles live in ``tcp_sender.py`` and ``tcp_receiver.py``; this module is the
 name the transport registry points at.

@@ -81,8 +81,9 @@ class TcpKVSender(KVSender):
         layer_start: int,
         layer_end: int,
         src_block_ids: Sequence[int],
+        block_start: int = 0,
     ) -> int:
-        ids, nbytes = self._check_send(layer_start, layer_end, src_block_ids)
+        ids, nbytes = self._check_send(layer_start, layer_end, src_block_ids, block_start)
         # Zero-copy when the cache is in host memory: each run of consecutive blocks is
         # one contiguous region per layer and K/V, sent straight from the cache (writev).
         # Otherwise gather into one fresh contiguous tensor (index_select), which is
@@ -99,6 +100,7 @@ class TcpKVSender(KVSender):
             epoch=epoch,
             layer_start=layer_start,
             layer_end=layer_end,
+            block_start=block_start,
             num_blocks=len(ids),
             dtype_code=self._dtype_code,
             payload_len=nbytes + (frames.CRC_BYTES if self.checksum else 0),

@@ -24,8 +24,8 @@ Two endpoints per P -> D connection::
 Every message after the handshake travels on the data endpoint: headers under the
 connection's ``data_tag`` (even, chosen by D), payload messages under ``data_tag + 1``,
 so D can keep header receives posted and still place each payload where it belongs. A
-header message is always ``ucx_wire.HEADER_MSG_BYTES`` long (48-byte header, request id, zero
-padding). A KV payload follows as messages of whole blocks of one layer's K or V, at
+header message is always ``ucx_wire.HEADER_MSG_BYTES`` long (56-byte header, request id,
+zero padding). A KV payload follows as messages of whole blocks of one layer's K or V, at
 most D's ``slot_bytes`` each, in the order ``ucx_wire.payload_chunks`` gives: their
 concatenation is the TCP payload, and each is a plain region of the sender's cache when
 its blocks form one run (no gather). An ABORT reason is one message. Senders keep up to

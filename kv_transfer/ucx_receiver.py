@@ -128,7 +128,7 @@ class _PendingRecv:
     slot: tuple[torch.Tensor, torch.Tensor, Any] | None  # (raw, blocks view, UCX buffer)
     layer: int
     half: int
-    first: int
+    first: int  # reservation block-table position of the message's first block
     n: int
 
 
@@ -379,7 +379,7 @@ class UcxKVReceiver(KVReceiver):
         if h.has_crc:  # host-side crc32 would mean a device -> host copy; not offered
             raise KVFrameError("crc32-flagged KV frames are not supported over ucx")
         res = self._table.admit_kv(h, conn.conn_id)
-        keep = res is not None and self._table.claim_layers(res, h)
+        keep = res is not None and self._table.claim_blocks(res, h)
         loop = asyncio.get_running_loop()
         payload_tag = conn.tag + 1
         for layer, half, first, n in wire.payload_chunks(
@@ -389,6 +389,7 @@ class UcxKVReceiver(KVReceiver):
                 await _ucx.guarded(self._discard(conn), "discarded KV payload", self.io_timeout_s)
                 continue
             layer += h.layer_start
+            first += h.block_start  # from here on, a position in the reservation's table
             slot = None
             start = self._table.begin_direct(res, first, n)
             if start is not None:

@@ -107,8 +107,9 @@ class UcxKVSender(KVSender):
         layer_start: int,
         layer_end: int,
         src_block_ids: Sequence[int],
+        block_start: int = 0,
     ) -> int:
-        ids, nbytes = self._check_send(layer_start, layer_end, src_block_ids)
+        ids, nbytes = self._check_send(layer_start, layer_end, src_block_ids, block_start)
         runs = host_io.block_runs(ids)
         header = frames.pack_header(
             FrameType.KV,
@@ -116,6 +117,7 @@ class UcxKVSender(KVSender):
             epoch=epoch,
             layer_start=layer_start,
             layer_end=layer_end,
+            block_start=block_start,
             num_blocks=len(ids),
             dtype_code=self._dtype_code,
             payload_len=nbytes,

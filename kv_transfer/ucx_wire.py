@@ -33,9 +33,10 @@ def payload_chunks(
     num_layers: int, num_blocks: int, per_chunk: int
 ) -> Iterator[tuple[int, int, int, int]]:
     """A KV payload's messages in wire order, as ``(layer offset, half, first block,
-    n_blocks)``: for each layer, K (half 0) then V (half 1), each cut into runs of at most
-    ``per_chunk`` blocks. Sender and receiver both walk it, so they agree on every
-    message's size and destination."""
+    n_blocks)``, offsets relative to the frame's layer_start and block_start: for each
+    layer, K (half 0) then V (half 1), each cut into runs of at most ``per_chunk``
+    blocks. Sender and receiver both walk it, so they agree on every message's size and
+    destination."""
     for layer in range(num_layers):
         for half in (0, 1):
             for first in range(0, num_blocks, per_chunk):

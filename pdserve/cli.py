@@ -19,6 +19,8 @@ def _serve(args) -> int:
             transport=args.transport, host=args.host, port=args.port,
             prefill_blocks=args.prefill_kv_blocks, decode_blocks=args.decode_kv_blocks,
             threads_per_worker=args.threads_per_worker, log_level=args.log_level,
+            **{k: v for k in ("local_prefill_max_tokens",)
+               if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
             router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
                                       "routing_policy")
                        if (v := getattr(args, k)) is not None})   # unset: RouterConfig's default
@@ -120,6 +122,24 @@ def _bench_ttft(args) -> int:
     return 0
 
 
+def _bench_local_prefill(args) -> int:
+    import json
+
+    from .bench import local_prefill
+    lengths = [int(x) for x in args.lengths.split(",")]
+    print(f"sweeping uncached prompt lengths {lengths}: remote vs local prefill, "
+          f"{args.repeats} repeats each, {args.background} background streams ...", flush=True)
+    points = local_prefill.run(lengths, args.repeats, args.background, args.model,
+                               args.transport)
+    threshold = local_prefill.pick_threshold(points, args.itl_tolerance)
+    print(local_prefill.table(points, threshold))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(local_prefill.as_json(points, threshold, vars(args) | {"fn": None}), f,
+                      indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -148,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--routing-policy", choices=["round_robin", "least_loaded", "kv_aware"],
                    default=None, help="how the router picks a prefill worker (default kv_aware: "
                                       "cached prefix blocks vs queued tokens)")
+    s.add_argument("--local-prefill-max-tokens", type=int, default=None,
+                   help="a decode worker prefills a prompt itself, with no transfer, when "
+                        "its tokens not in that worker's prefix cache are at most this many "
+                        "(default 0: always use a prefill worker, what the README's sweep "
+                        "picked on one box; `pdserve bench local-prefill` picks yours)")
     s.add_argument("--log-level", default="WARNING")
     s.set_defaults(fn=_serve)
 
@@ -182,6 +207,20 @@ def main(argv: list[str] | None = None) -> int:
     bf.add_argument("--model", default="default")
     bf.add_argument("--json", default=None)
     bf.set_defaults(fn=_bench_ttft)
+    bl = bsub.add_parser("local-prefill", help="TTFT and running-stream ITL of prefilling on "
+                                               "the decode worker vs a prefill worker, per "
+                                               "uncached prompt length (picks the threshold)")
+    bl.add_argument("--lengths", default="16,32,64,128,256,512",
+                    help="comma-separated uncached prompt lengths (tokens)")
+    bl.add_argument("--repeats", type=int, default=5)
+    bl.add_argument("--background", type=int, default=4,
+                    help="long streams decoding on the decode worker throughout")
+    bl.add_argument("--itl-tolerance", type=float, default=1.5,
+                    help="largest allowed ratio of background p90 ITL, local / remote")
+    bl.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "auto"])
+    bl.add_argument("--model", default="default")
+    bl.add_argument("--json", default=None)
+    bl.set_defaults(fn=_bench_local_prefill)
 
     args = p.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"))

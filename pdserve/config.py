@@ -27,7 +27,9 @@ class WorkerConfig:
     max_batch_size: int = 256        # decode: running requests per step
     max_num_batched_tokens: int = 2048  # prefill: prompt tokens per batch (varlen)
     lease_s: float = 60.0            # decode: how long a reservation waits for prefill's KV
-    enable_prefix_caching: bool = True  # prefill: share cached prompt-prefix blocks
+    enable_prefix_caching: bool = True  # share cached prompt-prefix blocks (P and D)
+    local_prefill_max_tokens: int = 0   # decode: prefill on D when the uncached prompt is <= this
+                                        # (0 = off: what `pdserve bench local-prefill` picks here)
     prefill_chunk_size: int | None = 512  # prefill: most tokens of one prompt per step
     log_level: str = "WARNING"
 
@@ -49,6 +51,9 @@ class WorkerConfig:
             raise ValueError(f"prefill_chunk_size={self.prefill_chunk_size} must be a multiple "
                              f"of block_size={self.block_size} in [block_size, "
                              f"max_num_batched_tokens={self.max_num_batched_tokens}] (or None)")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens={self.local_prefill_max_tokens}: "
+                             "must be >= 0 tokens (0 disables local prefill)")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s={self.lease_s}: must be > 0 seconds")
 

@@ -8,9 +8,11 @@ Lifecycle of a request on a prefill worker:
                  allocated; joins a batch while the batch's tokens to compute fit
                  max_num_batched_tokens (one over-budget prompt runs alone) and the pool
                  has blocks
-    (worker)     computes the uncached tokens; after each layer, the layer's K/V of all
-                 the request's blocks is queued for sending (SENDING_KV); once computed,
-                 cache_computed() registers its full blocks in the prefix cache
+    (worker)     computes the uncached tokens, a chunk per step; after each layer, the
+                 layer's K/V of the blocks this chunk completed (and, with the first
+                 chunk, of cached blocks D lacks) is queued for sending (kv_send_range);
+                 once every chunk is computed (SENDING_KV), cache_computed() registers
+                 its full blocks in the prefix cache
     release()    the done frame went out (or the request failed / was aborted):
                  blocks return to the pool (cached ones stay cached, evictable)
 
@@ -40,6 +42,8 @@ class PrefillRequest:
     kv_address: tuple[str, int]          # decode worker's KV receiver
     epoch: int                           # decode worker's epoch, echoed in every frame
     future: Any = None                   # asyncio.Future on the actor loop: first token
+    kv_skip_blocks: int = 0              # leading prompt blocks D holds already: not sent
+    kv_sent_blocks: int = 0              # block-table positions before this are queued to send
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0                  # leading prompt tokens found in the prefix cache
     num_computed: int = 0                # tokens whose K/V is in the blocks (cached included)
@@ -173,6 +177,16 @@ class PrefillScheduler:
                 elif ok:
                     self._partial.append(req)
         return done
+
+    def kv_send_range(self, req: PrefillRequest) -> tuple[int, int]:
+        """Block-table positions ``[lo, hi)`` whose K/V this step's chunk makes final and
+        D still lacks: from where earlier chunks stopped (at first, after D's
+        kv_skip_blocks; P's own cached blocks included) to the chunk's last block; then
+        marks them sent. Call once per scheduled step; ``lo == hi`` when D holds them all."""
+        lo = max(req.kv_skip_blocks, req.kv_sent_blocks)
+        hi = max(lo, blocks_needed(req.chunk_end, self.block_size))
+        req.kv_sent_blocks = hi
+        return lo, hi
 
     def take_aborted(self) -> list[PrefillRequest]:
         """Requests aborted between chunks (their blocks still held): the worker ends

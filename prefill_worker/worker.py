@@ -4,12 +4,15 @@ streams each layer's KV to the decode worker that reserved blocks for it.
 Request lifecycle here (see scheduler.py):
 
     router ── prefill(request_id, token_ids, params, kv_address, epoch) ──▶ queue
-    step thread:  schedule() (prefix-cache lookup) → ModelRunner.prefill(batch,
-                  on_layer_done), computing only each prompt's uncached tokens
-                  on_layer_done(i): layer i's blocks of every request → send queue
-                  logits of each prompt's last token → sample() → first token → send queue
-    send thread:  KV frames of layer i (while layer i+1 computes), then the done frame
-                  with the first token; then the request's blocks are released and the
+    step thread:  schedule() (prefix-cache lookup, chunking) → ModelRunner.prefill(
+                  batch, on_layer_done), computing each prompt's next uncached chunk
+                  on_layer_done(i): layer i of the blocks each chunk completed (that D
+                  lacks: D's cached prefix is skipped) → send queue
+                  logits of each finished prompt's last token → sample() → first token
+                  → send queue
+    send thread:  KV frames (block_start = position in D's reserved blocks) of layer i,
+                  while layer i+1 or the next chunk computes; then the done frame with
+                  the first token; then the request's blocks are released and the
                   router's call returns the first token (TTFT)
 
 A transfer failure fails that one request (the router sees KVTransferError); the
@@ -50,6 +53,8 @@ class _SendLayers:
     req: PrefillRequest
     layer_start: int
     layer_end: int
+    block_lo: int                    # block-table positions [block_lo, block_hi)
+    block_hi: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +79,7 @@ class PrefillWorker:
         layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)
         self.sender = make_sender(config.transport, self.runner.kv_cache, layout)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.kv_bytes_sent = 0          # K/V payload bytes sent to decode workers (send thread)
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -97,18 +103,25 @@ class PrefillWorker:
         return [await asyncio.to_thread(self.sender.connect, tuple(a)) for a in kv_addresses]
 
     async def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      kv_address: tuple[str, int], epoch: int) -> int:
-        """Prefill `token_ids` into the decode worker's reserved blocks at `kv_address`.
+                      kv_address: tuple[str, int], epoch: int, kv_skip_blocks: int = 0) -> int:
+        """Prefill `token_ids` into the decode worker's reserved blocks at `kv_address`;
+        the first `kv_skip_blocks` prompt blocks are not sent (D has them cached: its
+        reserved blocks start after them).
 
         Returns the first sampled token once every KV frame and the done frame are sent.
         Raises:
-            ValueError: the prompt does not fit this worker's block pool.
+            ValueError: the prompt does not fit this worker's block pool, or
+                kv_skip_blocks is not below the prompt's block count.
             KVTransferError: sending to the decode worker failed.
             PrefillAborted: abort(request_id) was called first.
         """
+        num_blocks = blocks_needed(len(token_ids), self.runner.block_size)
+        if not 0 <= kv_skip_blocks < num_blocks:
+            raise ValueError(f"kv_skip_blocks={kv_skip_blocks} must be in [0, {num_blocks}) "
+                             f"for a prompt of {len(token_ids)} tokens")
         self._loop = asyncio.get_running_loop()
         req = PrefillRequest(request_id, list(token_ids), params, tuple(kv_address), epoch,
-                             future=self._loop.create_future())
+                             future=self._loop.create_future(), kv_skip_blocks=kv_skip_blocks)
         self.scheduler.add(req)
         self._wake.set()
         try:
@@ -160,7 +173,8 @@ class PrefillWorker:
                 "prefix_cache_hit_tokens": self.scheduler.cached_tokens,
                 "prefix_cache_queries": self.scheduler.prefix_queries,
                 "prefix_cache_hits": self.scheduler.prefix_hits,
-                "prefix_cache_blocks": self.pool.num_cached}
+                "prefix_cache_blocks": self.pool.num_cached,
+                "kv_bytes_sent": self.kv_bytes_sent}
 
     async def shutdown(self) -> None:
         self._stop.set()
@@ -198,13 +212,15 @@ class PrefillWorker:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            # Prompts finishing this step stream every layer's K/V of all their blocks
-            # (earlier chunks' included) while the next layer computes.
-            last = [r for r in batch if r.chunk_end == len(r.token_ids)]
+            # Each chunk streams every layer's K/V of the blocks it completed (and, with
+            # a prompt's first chunk, of P's cached blocks D lacks) while the next layer
+            # computes; D's cached prefix is never sent.
+            ranges = [(r, *rng) for r in batch
+                      if (rng := self.scheduler.kv_send_range(r))[0] < rng[1]]
 
             def on_layer_done(i: int) -> None:
-                for r in last:
-                    self._sends.put(_SendLayers(r, i, i + 1))
+                for r, lo, hi in ranges:
+                    self._sends.put(_SendLayers(r, i, i + 1, lo, hi))
 
             try:
                 logits = self.runner.prefill(
@@ -232,8 +248,11 @@ class PrefillWorker:
             try:
                 if isinstance(task, _SendLayers):
                     if not (req.aborted or req.error):
-                        self.sender.send_layers(req.kv_address, req.request_id, req.epoch,
-                                                task.layer_start, task.layer_end, req.block_table)
+                        lo, hi = task.block_lo, task.block_hi
+                        self.kv_bytes_sent += self.sender.send_layers(req.kv_address, req.request_id, req.epoch,
+                                                task.layer_start, task.layer_end,
+                                                req.block_table[lo:hi],
+                                                block_start=lo - req.kv_skip_blocks)
                     continue
                 if req.aborted or req.error or task.first_token is None:
                     if not req.error:

@@ -5,10 +5,13 @@ Lifecycle of one Generate call (ARCHITECTURE.md, "Request lifecycle"):
     validate + tokenize (chat template for messages)
     admit: queued requests / prompt tokens over max_queued_* → RESOURCE_EXHAUSTED at once
     pick decode worker D (fewest active requests, then most free blocks) → reserve
-        (no room anywhere: retry until reserve_timeout_s, then RESOURCE_EXHAUSTED)
-    pick prefill worker P (routing.py: kv_aware by default, cached prefix vs queue)
-        → prefill into D's blocks
-    P returns the first token → stream it (TTFT)
+        (no room anywhere: retry until reserve_timeout_s, then RESOURCE_EXHAUSTED);
+        D says how many leading prompt blocks its own prefix cache holds
+    if D prefills locally (its uncached part is short, see local_prefill_max_tokens):
+        the first token comes on D's stream; no prefill worker is involved
+    else pick prefill worker P (routing.py: kv_aware by default, cached prefix vs
+        queue) → prefill into D's blocks, skipping the blocks D holds;
+        P returns the first token → stream it (TTFT)
     relay D's token events, detokenized; stop strings end the request here
     finish / cancel / error: abort on P and D, so every block is released
 
@@ -132,26 +135,29 @@ class Router:
         # timeout, error, client cancel, deadline. release() is idempotent.
         with self.admission.admit(len(ids)) as queued:
             d, res = await self._reserve(internal_id, len(ids), params, deadline, ids)
-            p, _ = self.prefill_router.pick(self.prefill, ids)
-            p.load += len(ids)
+            p = None if res["local_prefill"] else self.prefill_router.pick(self.prefill, ids)[0]
             d.load += 1
             finished = False
             try:
                 events = d.handle.stream.remote(internal_id)
-                try:
-                    first = await asyncio.wait_for(
-                        p.handle.prefill.remote(internal_id, ids, params, res["kv_address"],
-                                                res["epoch"]),
-                        timeout=max(deadline - time.monotonic(), 0.001))
-                finally:
-                    p.load -= len(ids)
-                    queued.release()    # first token back (or prefill failed): not queued
                 relay = _Relay(rid, Detokenizer(self.tokenizer, ids, params.stop), len(ids))
-                msg = relay.absorb([TokenEvent(internal_id, (first,))])   # TTFT: at once
-                if msg is not None:
-                    yield msg
+                if p is not None:
+                    p.load += len(ids)
+                    try:
+                        first = await asyncio.wait_for(
+                            p.handle.prefill.remote(internal_id, ids, params,
+                                                    res["kv_address"], res["epoch"],
+                                                    res["cached_blocks"]),
+                            timeout=max(deadline - time.monotonic(), 0.001))
+                    finally:
+                        p.load -= len(ids)
+                        queued.release()  # first token back (or prefill failed): not queued
+                    msg = relay.absorb([TokenEvent(internal_id, (first,))])   # TTFT: at once
+                    if msg is not None:
+                        yield msg
                 if relay.finish_reason is None:
                     async for ref in _with_deadline(events, deadline):
+                        queued.release()  # local prefill: its first token came from D
                         msg = relay.absorb(await ref)
                         if msg is not None:
                             yield msg
@@ -175,7 +181,8 @@ class Router:
             finally:
                 d.load -= 1
                 if not finished:  # cancel, deadline, error, stop string: release P and D now
-                    p.handle.abort.remote(internal_id)
+                    if p is not None:
+                        p.handle.abort.remote(internal_id)
                     d.handle.abort.remote(internal_id, "cancelled")
 
     async def _sync_prefix_caches(self) -> None:

@@ -36,3 +36,18 @@ def test_bench_ttft_reports_ratio(tmp_path):
     res = json.loads(out.read_text())
     assert res["prompt_tokens"] == 64 and res["transport"] == "tcp"
     assert res["ratio"] == pytest.approx(res["ttft_s"] / res["prefill_s"], rel=1e-6)
+
+
+def test_bench_local_prefill_sweeps_both_policies(tmp_path):
+    out = tmp_path / "l.json"
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "local-prefill",
+                        "--lengths", "16,48", "--repeats", "1", "--background", "1",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "picked local_prefill_max_tokens" in r.stdout
+    res = json.loads(out.read_text())
+    assert [p["prompt_tokens"] for p in res["points"]] == [16, 48]
+    for p in res["points"]:
+        assert p["remote_ttft_s"] > 0 and p["local_ttft_s"] > 0
+        assert p["ttft_ratio"] == pytest.approx(p["local_ttft_s"] / p["remote_ttft_s"])
+    assert res["local_prefill_max_tokens"] in (0, 16, 48)

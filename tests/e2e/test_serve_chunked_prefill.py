@@ -1,5 +1,6 @@
 """Chunked prefill through the real server: a short prompt sent while a 4k-token prompt
-is being prefilled gets its first token before the long one does, with HF's tokens."""
+is being prefilled gets its first token before the long one does; both get HF's tokens
+(the long one's KV reached D chunk by chunk)."""
 
 from __future__ import annotations
 
@@ -17,16 +18,18 @@ pytestmark = pytest.mark.slow
 
 def test_short_prompt_is_not_stuck_behind_a_long_one():
     start_ray()
-    served = Served(prefill_blocks=320, decode_blocks=320)
+    # no local prefill on D: the short prompt must go through the prefill worker too
+    served = Served(prefill_blocks=320, decode_blocks=320, local_prefill_max_tokens=0)
     try:
         long = [1000 + (i * 37) % 20000 for i in range(4096)]
         short = [17 + i for i in range(40)]
-        first_token_at = {}
+        first_token_at, long_got = {}, []
 
         def run(name, prompt):
             for msg in served.client.stream(make_request(prompt, max_tokens=4, temperature=0)):
                 if msg.token_ids and name not in first_token_at:
                     first_token_at[name] = time.monotonic()
+                long_got.extend(msg.token_ids)
 
         t = threading.Thread(target=run, args=("long", long))
         t.start()
@@ -39,6 +42,7 @@ def test_short_prompt_is_not_stuck_behind_a_long_one():
             f"short finished {short_done - first_token_at['long']:+.1f}s after the long "
             "one's first token")
         assert got[0] == hf_greedy("default", short, 6)
+        assert long_got == hf_greedy("default", long, 4)
         [p] = served.cluster.prefill
         s = ray.get(p.status.remote())
         assert s["prefill_tokens_computed"] == len(long) + len(short)

@@ -28,7 +28,9 @@ def _hits(served: Served) -> dict[str, int]:
 
 def test_repeat_goes_to_the_prefill_worker_holding_its_prefix():
     start_ray()
-    served = Served(prefill_workers=2, router_kw={"routing_policy": "kv_aware"})
+    # no local prefill on D: every repeat must reach a prefill worker
+    served = Served(prefill_workers=2, local_prefill_max_tokens=0,
+                    router_kw={"routing_policy": "kv_aware"})
     try:
         a = _prompt("trains", 480, "first?")
         b = _prompt("boats", 480, "second?")

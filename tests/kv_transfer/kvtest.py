@@ -1,7 +1,10 @@
 """Helpers shared by the transport tests (TCP and UCX run the same scenarios)."""
 
+import itertools
+import random
 import threading
 
+import pytest
 import torch
 
 MODEL = "cfg-test"
@@ -48,12 +51,86 @@ class Completions:
 
 
 def send_request(tx, addr, rid, ranges, src_ids=SRC_IDS, epoch=EPOCH, first_token=42, done=True):
+    """One frame per range: ``(layer_start, layer_end)`` sends every block of src_ids;
+    ``(layer_start, layer_end, a, b)`` sends src_ids[a:b] to block-table positions a..b-1."""
     sent = 0
-    for start, end in ranges:
-        sent += tx.send_layers(addr, rid, epoch, start, end, src_ids)
+    for start, end, *blocks in ranges:
+        if blocks:
+            a, b = blocks
+            sent += tx.send_layers(addr, rid, epoch, start, end, src_ids[a:b], block_start=a)
+        else:
+            sent += tx.send_layers(addr, rid, epoch, start, end, src_ids)
     if done:
         tx.send_done(addr, rid, epoch, first_token, NUM_LAYERS)
     return sent
+
+
+def chunked(num_blocks, cuts, seed=0):
+    """Frames ``(layer, layer + 1, a, b)`` covering every layer of blocks [0, num_blocks)
+    cut into chunks at ``cuts`` (as chunked prefill sends them), shuffled: chunks and
+    layers interleaved, later chunks before earlier ones."""
+    edges = [0, *cuts, num_blocks]
+    out = [(l, l + 1, a, b) for l in range(NUM_LAYERS) for a, b in itertools.pairwise(edges)]
+    random.Random(seed).shuffle(out)
+    return out
+
+
+# A 7-block request sent in 3 chunks: P's blocks (gathered, then one run in the last
+# chunk) into D's blocks, non-consecutive, consecutive (direct receive), or runs that
+# the chunk edges cut through.
+CHUNK_SRC_IDS = [6, 1, 7, 0, 2, 3, 4]
+CHUNK_CUTS = [2, 5]
+CHUNK_CASES = [  # "dst_ids, seed": D's blocks, and the seed of the frames' order
+    pytest.param([10, 3, 7, 0, 5, 11, 1], 0, id="scattered"),
+    pytest.param([2, 3, 4, 5, 6, 7, 8], 1, id="consecutive"),
+    pytest.param([4, 5, 6, 0, 9, 10, 11], 2, id="runs"),
+]
+
+
+def check_chunked_round_trip(env, dst_ids, seed, rx_kw=None, tx_kw=None):
+    """A request's KV as several frames per layer (one per chunk of blocks, shuffled)
+    lands byte-identical in D's blocks; a negative block_start is refused on P."""
+    src, dst = make_cache(8, seed=1), make_cache(12, seed=2)
+    before = dst.clone()
+    rx, addr, done = env.receiver(dst, **(rx_kw or {}))
+    tx = env.sender(src, **(tx_kw or {}))
+    with pytest.raises(ValueError, match="block_start"):
+        tx.send_layers(addr, "r", EPOCH, 0, 1, [0], block_start=-1)
+    rx.expect("r", dst_ids)
+    frames = chunked(len(dst_ids), CHUNK_CUTS, seed)
+    sent = send_request(tx, addr, "r", frames, src_ids=CHUNK_SRC_IDS)
+    c = done.wait("r")
+    assert (c.ok, c.first_token, c.error) == (True, 42, None)
+    assert sent == rx.layout.payload_bytes(NUM_LAYERS, len(dst_ids))
+    assert_copied(src, dst, before, CHUNK_SRC_IDS, dst_ids)
+
+
+# "ranges, src_ids, match": frames as send_request takes them, and what the failure
+# says; the reservation is DST_IDS (3 blocks, so 12 (layer, block) pairs).
+INCONSISTENT_CASES = [
+    pytest.param([(0, 1), (1, 2)], SRC_IDS,
+                 "DONE with 6 of 12 (layer, block) pairs received; first missing: layer 2 block 0",
+                 id="done-early"),
+    pytest.param([(0, NUM_LAYERS, 0, 2)], SRC_IDS,
+                 "DONE with 8 of 12 (layer, block) pairs received; first missing: layer 0 block 2",
+                 id="blocks-omitted"),
+    pytest.param([(0, 1, 2, 4)], SRC_IDS + [0],
+                 "KV frame for layers [0, 1) carries blocks [2, 4), reservation has 3",
+                 id="beyond-reservation"),
+    pytest.param([(0, 2), (1, 2)], SRC_IDS, "layer 1 block 0 received twice", id="duplicate-layer"),
+    pytest.param([(0, NUM_LAYERS, 0, 2), (1, 2, 1, 3)], SRC_IDS, "layer 1 block 1 received twice",
+                 id="overlapping-chunk"),
+]
+
+
+def check_inconsistent_frames_fail(env, ranges, src_ids, match):
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    rx, addr, done = env.receiver(dst)
+    rx.expect("r", DST_IDS)
+    send_request(env.sender(src), addr, "r", ranges, src_ids=src_ids)
+    c = done.wait("r")
+    assert not c.ok and match in c.error, c.error
+    assert done.ids() == ["r"]  # exactly once, though later frames kept coming
 
 
 def assert_copied(src, dst, before, src_ids=SRC_IDS, dst_ids=DST_IDS):

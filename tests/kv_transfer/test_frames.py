@@ -34,6 +34,9 @@ def _kv_header(**kw):
         (FrameType.KV, dict(epoch=7, layer_start=1, layer_end=3, num_blocks=5,
                             dtype_code=frames.DTYPE_CODES["float32"],
                             payload_len=LAYOUT.payload_bytes(2, 5) + 4, flags=frames.FLAG_CRC32)),
+        (FrameType.KV, dict(epoch=7, layer_start=0, layer_end=4, block_start=11, num_blocks=5,
+                            dtype_code=frames.DTYPE_CODES["float32"],
+                            payload_len=LAYOUT.payload_bytes(4, 5))),
         (FrameType.DONE, dict(epoch=1, layer_end=4, first_token=12345)),
         (FrameType.ABORT, dict(epoch=1, payload_len=10)),
     ],
@@ -48,6 +51,22 @@ def test_header_round_trip(ftype, kw):
         assert getattr(h, k) == v, k
     if "first_token" not in kw:
         assert h.first_token is None
+    if "block_start" not in kw:
+        assert h.block_start == 0
+
+
+def test_header_layout_is_56_bytes_little_endian():
+    assert frames.HEADER_SIZE == 56
+    buf = frames.pack_header(
+        FrameType.KV, "r", epoch=2**40 + 1, layer_start=1, layer_end=2, block_start=0x01020304,
+        num_blocks=6, dtype_code=1, first_token=9, payload_len=123, flags=frames.FLAG_CRC32,
+    )
+    assert len(buf) == 56 + 1 and buf[:4] == b"PDKV" and buf[4] == 2  # protocol version
+    assert struct.unpack_from("<QIIIIqQH", buf, 8) == (
+        2**40 + 1, 1, 2, 0x01020304, 6, 9, 123, 1)
+    assert buf[50:56] == bytes(6) and buf[56:] == b"r"
+    with pytest.raises(ValueError, match="out of range"):
+        frames.pack_header(FrameType.KV, "r", block_start=2**32, num_blocks=1)
 
 
 def _corrupt(buf, offset, value):
@@ -71,6 +90,7 @@ def _corrupt(buf, offset, value):
         (_kv_header(layer_end=1), "empty"),
         (_kv_header(num_blocks=0), "num_blocks"),
         (_kv_header(num_blocks=17, payload_len=LAYOUT.payload_bytes(2, 17)), "exceeds"),
+        (_kv_header(block_start=12), r"block range \[12, 17\) exceeds 16 blocks"),
         (_kv_header(dtype_code=frames.DTYPE_CODES["bfloat16"]), "dtype"),
         (frames.pack_header(FrameType.DONE, "r", layer_end=4), "first_token"),
         (frames.pack_header(FrameType.DONE, "r", layer_end=4, first_token=1, payload_len=3), "payload_len"),
@@ -89,7 +109,7 @@ def test_oversize_request_id():
         frames.pack_header(FrameType.DONE, "x" * 257, first_token=1)
     # Forge the length field directly: receiver must refuse before reading 60k bytes.
     raw = bytearray(frames.pack_header(FrameType.DONE, "x", first_token=1))
-    struct.pack_into("<H", raw, 44, 60000)
+    struct.pack_into("<H", raw, 48, 60000)
     with pytest.raises(KVFrameError, match="request_id length"):
         frames.unpack_header(bytes(raw))
 
@@ -113,7 +133,8 @@ def test_read_header_from_socket():
     with a, b:
         a.sendall(_kv_header())
         h = frames.read_header(b, LAYOUT)
-        assert (h.request_id, h.layer_start, h.layer_end, h.num_blocks) == ("req-1", 1, 3, 5)
+        assert (h.request_id, h.layer_start, h.layer_end, h.block_start, h.num_blocks) == (
+            "req-1", 1, 3, 0, 5)
 
 
 def test_handshake_payload_round_trip():

@@ -1,11 +1,15 @@
-"""ReservationTable's bookkeeping for transports that receive asynchronously straight
-into the reserved blocks (UCX): writes in flight hold back forget's release."""
+"""ReservationTable's bookkeeping: which (layer, block) pairs arrived, frames that
+carry part of the block table (block_start), and for transports that receive
+asynchronously straight into the reserved blocks (UCX), writes in flight holding back
+forget's release."""
 
+import itertools
 import threading
 
 import pytest
+import torch
 
-from pdserve.kv_transfer import KVLayout, frames
+from pdserve.kv_transfer import KVLayout, TransferState, frames, host_io
 from pdserve.kv_transfer.frames import FrameType
 from pdserve.kv_transfer.reservations import ReservationTable
 
@@ -18,16 +22,26 @@ def table():
     return ReservationTable(kv, KVLayout.for_cache(kv, MODEL), EPOCH, Completions())
 
 
-def admit(table, rid, num_blocks, layers=(0, NUM_LAYERS)):
+def kv_header(table, rid, num_blocks, layers=(0, NUM_LAYERS), block_start=0):
     header = frames.pack_header(
         FrameType.KV, rid, epoch=EPOCH, layer_start=layers[0], layer_end=layers[1],
-        num_blocks=num_blocks, dtype_code=frames.dtype_code(table.layout.dtype),
+        block_start=block_start, num_blocks=num_blocks,
+        dtype_code=frames.dtype_code(table.layout.dtype),
         payload_len=table.layout.payload_bytes(layers[1] - layers[0], num_blocks),
     )
-    h = frames.unpack_header(memoryview(header), table.layout, table.kv.shape[2])
+    return frames.unpack_header(memoryview(header), table.layout, table.kv.shape[2])
+
+
+def admit(table, rid, num_blocks, layers=(0, NUM_LAYERS), block_start=0):
+    h = kv_header(table, rid, num_blocks, layers, block_start)
     res = table.admit_kv(h, conn_id=0)
     assert res is not None
     return res, h
+
+
+def done_header(rid, layers_sent=NUM_LAYERS):
+    buf = frames.done_header(rid, EPOCH, first_token=7, num_layers_sent=layers_sent)
+    return frames.unpack_header(memoryview(buf))
 
 
 def test_consecutive_blocks_by_table_position(table):
@@ -41,7 +55,7 @@ def test_consecutive_blocks_by_table_position(table):
 def test_forget_waits_for_direct_receives_in_flight(table):
     table.expect("r", [4, 5, 6])
     res, h = admit(table, "r", 3)
-    assert table.claim_layers(res, h)
+    assert table.claim_blocks(res, h)
     assert table.begin_direct(res, 0, 3) == 4
     assert table.begin_direct(res, 1, 2) == 5
     released = threading.Event()
@@ -57,7 +71,7 @@ def test_forget_waits_for_direct_receives_in_flight(table):
 def test_forget_without_receives_in_flight_releases_at_once(table):
     table.expect("r", [4, 5, 6])
     res, h = admit(table, "r", 3)
-    assert table.claim_layers(res, h)
+    assert table.claim_blocks(res, h)
     assert table.begin_direct(res, 0, 2) is not None
     table.end_direct(res)
     released = threading.Event()
@@ -65,12 +79,114 @@ def test_forget_without_receives_in_flight_releases_at_once(table):
     assert released.is_set()
 
 
-def test_claimed_layers_refuse_a_second_frame(table):
+def test_claimed_blocks_refuse_a_second_frame(table):
     done = table._on_complete
     table.expect("r", [4, 5, 6])
     res, h = admit(table, "r", 3, layers=(0, 2))
-    assert table.claim_layers(res, h)
+    assert table.claim_blocks(res, h)
     res2, h2 = admit(table, "r", 3, layers=(1, 3))
-    assert not table.claim_layers(res2, h2)
+    assert not table.claim_blocks(res2, h2)
     c = done.wait("r")
-    assert not c.ok and "layer 1 received twice" in c.error
+    assert not c.ok and "layer 1 block 0 received twice" in c.error
+
+
+def test_runs_of_a_block_table_range_match_block_runs(table):
+    ids = [4, 5, 6, 2, 3, 9, 0, 1]
+    table.expect("r", ids)
+    res, _ = admit(table, "r", len(ids))
+    for first, end in itertools.combinations(range(len(ids) + 1), 2):
+        assert res.runs_in(first, end - first) == host_io.block_runs(ids[first:end])
+
+
+def test_chunks_fill_the_table_and_done_counts_every_pair(table):
+    """Three chunks of blocks, layers interleaved: each claims its rectangle only; DONE
+    before the last one names what is missing."""
+    done = table._on_complete
+    table.expect("r", [4, 5, 6, 2, 3])
+    res, h = admit(table, "r", 2, layers=(0, 2), block_start=3)
+    assert table.claim_blocks(res, h)
+    assert res.arrived == bytearray([0, 0, 0, 1, 1] * 2 + [0] * 5 * (NUM_LAYERS - 2))
+    assert table.state("r") == TransferState.TRANSFERRING
+    for layers, block_start, n in [((2, NUM_LAYERS), 3, 2), ((0, NUM_LAYERS), 0, 1)]:
+        res, h = admit(table, "r", n, layers, block_start)
+        assert table.claim_blocks(res, h)
+    res, h = admit(table, "r", 2, layers=(1, NUM_LAYERS), block_start=1)
+    assert table.claim_blocks(res, h)
+    assert res.missing() == (
+        f"{5 * NUM_LAYERS - 2} of {5 * NUM_LAYERS} (layer, block) pairs received; "
+        "first missing: layer 0 block 1"
+    )
+    res, h = admit(table, "r", 2, layers=(0, 1), block_start=1)
+    assert table.claim_blocks(res, h)
+    assert res.missing() is None
+    table.on_done(done_header("r"))
+    c = done.wait("r")
+    assert (c.ok, c.first_token) == (True, 7)
+
+
+def test_done_before_every_pair_arrived_fails(table):
+    done = table._on_complete
+    table.expect("r", [4, 5, 6])
+    res, h = admit(table, "r", 2)  # blocks 0, 1 of every layer; block 2 never comes
+    assert table.claim_blocks(res, h)
+    table.on_done(done_header("r"))
+    c = done.wait("r")
+    assert not c.ok and (
+        f"DONE with {2 * NUM_LAYERS} of {3 * NUM_LAYERS} (layer, block) pairs received; "
+        "first missing: layer 0 block 2" in c.error
+    ), c.error
+
+
+def test_done_claiming_fewer_layers_fails_even_when_all_arrived(table):
+    done = table._on_complete
+    table.expect("r", [4, 5])
+    res, h = admit(table, "r", 2)
+    assert table.claim_blocks(res, h)
+    table.on_done(done_header("r", layers_sent=NUM_LAYERS - 1))
+    c = done.wait("r")
+    assert not c.ok and f"DONE claims {NUM_LAYERS - 1} layers sent" in c.error, c.error
+
+
+def test_frame_beyond_the_reservation_fails_and_is_discarded(table):
+    done = table._on_complete
+    table.expect("r", [4, 5, 6])
+    assert table.admit_kv(kv_header(table, "r", 3, (0, 1), block_start=2), conn_id=0) is None
+    c = done.wait("r")
+    assert not c.ok and "carries blocks [2, 5), reservation has 3" in c.error, c.error
+
+
+def test_write_layers_scatters_into_the_chunk_positions(table):
+    kv = table.kv
+    before = kv.clone()
+    table.expect("r", [4, 8, 6, 2])
+    res, h = admit(table, "r", 2, layers=(1, 3), block_start=1)
+    staged = torch.randn(2, 2, 2, *kv.shape[3:])  # [n_layers, 2, n_blocks, bs, H, D]
+    table.write_layers(res, h, staged)
+    assert torch.equal(kv[1:3, :, [8, 6]], staged)
+    touched = torch.zeros_like(kv, dtype=torch.bool)
+    touched[1:3, :, [8, 6]] = True
+    assert torch.equal(kv[~touched], before[~touched])
+    table.write_layers(res, kv_header(table, "r", 1, (2, 3), block_start=2), staged[:1, :, :1])
+    c = table._on_complete.wait("r")
+    assert not c.ok and "layer 2 block 2 received twice" in c.error
+    assert torch.equal(kv[1:3, :, [8, 6]], staged)  # the duplicate was not written
+
+
+def test_direct_write_fills_the_chunk_runs(table):
+    """A host cache: the zero-copy path receives a chunk straight into its runs."""
+    kv = table.kv
+    table.expect("r", [4, 5, 6, 2, 3, 9])
+    res, h = admit(table, "r", 3, layers=(0, 1), block_start=2)  # blocks 6 | 2, 3
+    payload = torch.randn(1, 2, 3, *kv.shape[3:])  # [1 layer, 2, 3 blocks, bs, H, D]
+    wire = frames.tensor_bytes(payload)
+
+    def fill(regions):
+        assert len(regions) == 2 * 2  # (K, V) x runs [6], [2, 3]
+        offset = 0
+        for r in regions:
+            r[:] = wire[offset : offset + len(r)]
+            offset += len(r)
+
+    assert table.write_layers_direct(res, h, fill) is True
+    assert torch.equal(kv[0, :, [6, 2, 3]], payload[0])
+    assert table.write_layers_direct(res, h, fill) is False  # a duplicate: not filled

@@ -23,6 +23,7 @@ from pdserve.kv_transfer.tcp import THREAD_PREFIX, TcpKVReceiver, TcpKVSender
 from kvtest import (  # noqa: E402  (shared with the other transport's tests)
     BLOCK_SIZE, DST_IDS, EPOCH, HEAD_DIM, HEADS, MODEL, NUM_LAYERS, PER_LAYER, SRC_IDS,
     TIMEOUT_S, Completions, assert_copied, make_cache, send_request,
+    CHUNK_CASES, INCONSISTENT_CASES, check_chunked_round_trip, check_inconsistent_frames_fail,
 )
 
 
@@ -66,6 +67,14 @@ def test_round_trip(env, dtype, ranges):
     assert sent == KVLayout.for_cache(src, MODEL).payload_bytes(NUM_LAYERS, 3)
     assert rx.state("r1") == TransferState.DONE
     assert_copied(src, dst, before)
+
+
+@pytest.mark.parametrize("checksum", [False, True], ids=["direct", "staged-crc"])
+@pytest.mark.parametrize("dst_ids, seed", CHUNK_CASES)
+def test_chunked_round_trip(env, dst_ids, seed, checksum):
+    """Several frames per layer (block_start), shuffled: received straight into each
+    chunk's runs of blocks, or through the staging tensor when checksummed."""
+    check_chunked_round_trip(env, dst_ids, seed, tx_kw={"checksum": checksum})
 
 
 def test_registry_and_checksum_round_trip(env):
@@ -249,21 +258,9 @@ def test_garbage_connection_is_closed_and_others_unaffected(env, caplog):
     assert any("closing KV connection" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize(
-    "case, ranges, blocks, match",
-    [
-        ("done early", [(0, 1), (1, 2)], SRC_IDS, "2 of 4 layers"),
-        ("block count", [(0, 1)], SRC_IDS[:2], "carries 2 blocks, reservation has 3"),
-        ("duplicate", [(0, 2), (1, 2)], SRC_IDS, "layer 1 received twice"),
-    ],
-)
-def test_inconsistent_frames_fail(env, case, ranges, blocks, match):
-    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
-    rx, addr, done = env.receiver(dst)
-    rx.expect("r", DST_IDS)
-    send_request(env.sender(src), addr, "r", ranges, src_ids=blocks)
-    c = done.wait("r")
-    assert not c.ok and match in c.error, c.error
+@pytest.mark.parametrize("ranges, src_ids, match", INCONSISTENT_CASES)
+def test_inconsistent_frames_fail(env, ranges, src_ids, match):
+    check_inconsistent_frames_fail(env, ranges, src_ids, match)
 
 
 def test_abort_and_connection_loss_fail(env):

@@ -27,6 +27,7 @@ from ucx_client import RawClient  # noqa: E402
 from kvtest import (  # noqa: E402  (shared with the other transport's tests)
     DST_IDS, EPOCH, MODEL, NUM_LAYERS, PER_LAYER, SRC_IDS,
     TIMEOUT_S, Completions, assert_copied, make_cache, send_request,
+    CHUNK_CASES, INCONSISTENT_CASES, check_chunked_round_trip, check_inconsistent_frames_fail,
 )
 
 UCX_THREADS = (f"{ucx.THREAD_PREFIX}-", "UCX-Py Async Notifier Thread")
@@ -108,6 +109,16 @@ def test_payload_cut_to_slots(env, src_ids, dst_ids):
     tx.send_abort(addr, "r2", EPOCH, "x" * frames.MAX_REASON_BYTES)
     c = done.wait("r2")
     assert not c.ok and "x" * 100 in c.error
+
+
+@pytest.mark.parametrize("slots", ["whole", "one-block"])
+@pytest.mark.parametrize("dst_ids, seed", CHUNK_CASES)
+def test_chunked_round_trip(env, dst_ids, seed, slots):
+    """Several frames per layer (block_start), shuffled: each payload message lands at
+    its frame's block_start, straight into consecutive blocks or through a slot, in one
+    message per K/V or one per block."""
+    rx_kw = {"slot_bytes": 1, "max_inflight": 2, "staging_slots": 1} if slots == "one-block" else {}
+    check_chunked_round_trip(env, dst_ids, seed, rx_kw=rx_kw)
 
 
 def test_payload_chunks_cover_payload_in_wire_order():
@@ -237,21 +248,9 @@ def test_stale_epoch_fails(env):
     assert torch.equal(dst, before)
 
 
-@pytest.mark.parametrize(
-    "case, ranges, blocks, match",
-    [
-        ("done early", [(0, 1), (1, 2)], SRC_IDS, "2 of 4 layers"),
-        ("block count", [(0, 1)], SRC_IDS[:2], "carries 2 blocks, reservation has 3"),
-        ("duplicate", [(0, 2), (1, 2)], SRC_IDS, "layer 1 received twice"),
-    ],
-)
-def test_inconsistent_frames_fail(env, case, ranges, blocks, match):
-    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
-    rx, addr, done = env.receiver(dst)
-    rx.expect("r", DST_IDS)
-    send_request(env.sender(src), addr, "r", ranges, src_ids=blocks)
-    c = done.wait("r")
-    assert not c.ok and match in c.error, c.error
+@pytest.mark.parametrize("ranges, src_ids, match", INCONSISTENT_CASES)
+def test_inconsistent_frames_fail(env, ranges, src_ids, match):
+    check_inconsistent_frames_fail(env, ranges, src_ids, match)
 
 
 def test_abort_and_sender_close_fail(env):

@@ -378,3 +378,30 @@ def test_chunk_size_must_be_block_aligned_and_within_budget():
     for bad in (6, 2, 32):
         with pytest.raises(ValueError, match="prefill_chunk_size"):
             PrefillScheduler(BlockPool(4), BLOCK_SIZE, 16, prefill_chunk_size=bad)
+
+
+def test_kv_is_sent_per_chunk_and_never_the_blocks_d_holds():
+    pool, sched = chunked(budget=16, chunk=8)
+    warm = _tokens_req("warm", list(range(1, 13)))         # 12 tokens: 2 full blocks cached
+    sched.add(warm)
+    [w] = sched.schedule()
+    sched.advance([w])
+    sched.advance(sched.schedule())
+    sched.cache_computed(w)
+    sched.release(w, RequestState.FINISHED_STOPPED)
+    # 30 tokens = 8 blocks; P has blocks 0-1 cached, D holds blocks 0 (kv_skip_blocks=1)
+    r = _tokens_req("r", list(range(1, 9)) + list(range(100, 122)))
+    r.kv_skip_blocks = 1
+    sched.add(r)
+    sent = []
+    while True:
+        batch = sched.schedule()
+        sent.append(sched.kv_send_range(r))
+        if sched.advance(batch):
+            break
+    # first chunk computes tokens 8..15 (blocks 2-3) and sends P's cached block 1 too;
+    # block 0 is D's; the last chunk ends mid-block 7
+    assert sent == [(1, 4), (4, 6), (6, 8)]
+    assert r.num_cached == 8 and r.num_computed == 30
+    sched.release(r, RequestState.FINISHED_STOPPED)
+    assert pool.all_free()

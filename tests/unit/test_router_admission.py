@@ -37,8 +37,9 @@ class FakeDecode:
     """Reserves at once when it has room (else answers None, as a full worker does), then
     streams `tokens` as one finishing event."""
 
-    def __init__(self, room: bool = True, tokens: tuple[int, ...] = (11, 12)):
-        self.room, self.tokens = room, tokens
+    def __init__(self, room: bool = True, tokens: tuple[int, ...] = (11, 12),
+                 local: bool = False):
+        self.room, self.tokens, self.local = room, tokens, local
         self.asked = asyncio.Event()
         self.reserved: list[str] = []
         self.aborted: list[str] = []
@@ -49,7 +50,8 @@ class FakeDecode:
         if not self.room:
             return None
         self.reserved.append(rid)
-        return {"kv_address": ("127.0.0.1", 1), "epoch": 1, "free_blocks": 60}
+        return {"kv_address": ("127.0.0.1", 1), "epoch": 1, "free_blocks": 60,
+                "cached_blocks": 0, "local_prefill": self.local}
 
     def stream(self, rid):
         async def value(v):
@@ -71,7 +73,8 @@ class FakePrefill:
         self.error = error
         self.aborted: list[str] = []
 
-    async def prefill(self, rid, ids, params, kv_address, epoch):
+    async def prefill(self, rid, ids, params, kv_address, epoch, kv_skip_blocks):
+        assert kv_skip_blocks == 0
         self.started.set()
         await self.go.wait()
         if self.error is not None:
@@ -129,6 +132,20 @@ def test_queued_from_admission_until_the_first_token():
         rest = [m async for m in gen]
         assert [t for m in rest for t in m.token_ids] == [11, 12]
         assert rest[-1].finish_reason == "length"
+        return r
+
+    assert queue(asyncio.run(main())) == (0, 0)
+
+
+def test_local_prefill_on_decode_skips_the_prefill_worker():
+    async def main():
+        d, p = FakeDecode(local=True), FakePrefill()
+        r = make_router(d, p)
+        msgs = [m async for m in generate(r)]
+        # D's stream carries the first token; P is never asked, never aborted
+        assert [t for m in msgs for t in m.token_ids] == [11, 12]
+        assert msgs[-1].finish_reason == "length"
+        assert not p.started.is_set() and not p.aborted and not d.aborted
         return r
 
     assert queue(asyncio.run(main())) == (0, 0)

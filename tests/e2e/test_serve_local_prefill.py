@@ -1,0 +1,60 @@
+"""Decode-side prefix cache and conditional local prefill through the real server:
+short uncached prompts are prefilled on the decode worker (no prefill worker, no
+transfer); longer ones go to the prefill worker, which sends only the blocks D lacks.
+Every answer equals HF transformers' greedy tokens; every pool ends free."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from serving import Served, hf_greedy, start_ray
+
+pytestmark = pytest.mark.slow
+
+LOCAL_MAX = 64
+MAX_TOKENS = 8
+BLOCK_SIZE = 16
+
+
+def _counters(served: Served) -> tuple[dict, dict]:
+    [p] = ray.get([w.status.remote() for w in served.cluster.prefill])
+    [d] = ray.get([w.status.remote() for w in served.cluster.decode])
+    return p, d
+
+
+def test_local_prefill_and_only_missing_blocks_sent():
+    start_ray()
+    served = Served(local_prefill_max_tokens=LOCAL_MAX)
+    try:
+        short = [300 + 7 * i for i in range(20)]
+        long = [1000 + (i * 37) % 20000 for i in range(300)]             # 18 full blocks + 12
+        longer = long + [50 + i for i in range(100)]                        # +100: 112 uncached
+        follow = long + [70 + i for i in range(30)]                         # +30: 42 uncached
+        steps = []   # (name, prompt, P counters after, D counters after)
+        for name, prompt in (("short", short), ("long", long), ("longer", longer),
+                             ("follow", follow)):
+            got, _, _ = served.generate(prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                        ignore_eos=True)
+            assert got == hf_greedy("default", prompt, MAX_TOKENS, ignore_eos=True), name
+            steps.append((name, *_counters(served)))
+        (_, p0, d0), (_, p1, d1), (_, p2, d2), (_, p3, d3) = steps
+
+        # short: prefilled on D, the prefill worker never saw it
+        assert d0["local_prefills"] == 1
+        assert p0["prefill_tokens_computed"] == 0 and p0["kv_bytes_sent"] == 0
+        # long: remote, every block sent; D caches its 18 full prompt blocks
+        assert d1["local_prefills"] == 1
+        assert p1["prefill_tokens_computed"] == len(long)
+        per_block = p1["kv_bytes_sent"] / 19
+        assert per_block > 0 and d1["prefix_cache_blocks"] >= 18
+        # longer: 112 uncached > 64, remote; D holds 18 blocks, so only 7 of 25 are sent
+        assert d2["prefix_cache_hit_tokens"] - d1["prefix_cache_hit_tokens"] == 18 * BLOCK_SIZE
+        assert p2["kv_bytes_sent"] - p1["kv_bytes_sent"] == 7 * per_block
+        assert d2["local_prefills"] == 1
+        # follow: 42 uncached after D's 18 cached blocks: prefilled on D
+        assert d3["local_prefills"] == 2
+        assert d3["prefix_cache_hit_tokens"] - d2["prefix_cache_hit_tokens"] == 18 * BLOCK_SIZE
+        assert (p3["prefill_tokens_computed"], p3["kv_bytes_sent"]) == \
+            (p2["prefill_tokens_computed"], p2["kv_bytes_sent"])
+    finally:
+        served.stop()

@@ -1,0 +1,173 @@
+"""decode_worker/scheduler.py: D's prefix cache (only the blocks D lacks are filled by
+prefill) and local prefill on D (short uncached prompts skip the prefill worker).
+
+No model: the tests play the transport and the step thread, as in test_decode_scheduler.
+Every test ends with no block held.
+"""
+
+import pytest
+
+from pdserve.decode_worker.scheduler import DecodeScheduler
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.request import RequestState, TokenEvent
+from pdserve.engine.sampling_params import SamplingParams
+
+BS = 4
+NUM_BLOCKS = 32
+EOS = 2
+
+
+@pytest.fixture
+def pool():
+    return BlockPool(NUM_BLOCKS)
+
+
+def make_sched(pool, local=0, caching=True) -> DecodeScheduler:
+    return DecodeScheduler(pool, BS, 128, (EOS,), enable_prefix_caching=caching,
+                           local_prefill_max_tokens=local)
+
+
+def reserve(sched, rid, ids, max_tokens=4):
+    return sched.reserve(rid, len(ids), SamplingParams(max_tokens=max_tokens), 30.0, ids)
+
+
+def finish_all(sched):
+    for rid in list(sched._requests):
+        sched.abort(rid)
+    sched.schedule()
+    sched.drain_events()
+
+
+def serve_remote(sched, rid, ids, first=10):
+    """reserve, KV arrives, run to max_tokens=1 (finishes at once); returns the reservation."""
+    r = reserve(sched, rid, ids, max_tokens=1)
+    sched.on_kv_complete(rid, True, first)
+    sched.schedule()
+    sched.drain_events()
+    return r
+
+
+PROMPT = list(range(100, 130))           # 30 tokens: 7 full blocks + 2 tokens
+
+
+def test_second_request_fills_only_the_blocks_d_lacks(pool):
+    sched = make_sched(pool)
+    first = serve_remote(sched, "a", PROMPT)
+    assert first.cached_blocks == 0 and len(first.block_ids) == 8
+    assert pool.num_cached == 7 and pool.all_free()       # full prompt blocks, evictable
+
+    shared = PROMPT[:22] + [7, 7, 7, 7, 7]                # 5 full blocks in common
+    r = reserve(sched, "b", shared)
+    assert r.cached_blocks == 5 and not r.local_prefill
+    req = sched._requests["b"]
+    assert req.block_table[:5] == first.block_ids[:5]     # shared, read only
+    assert r.block_ids == req.block_table[5:] and len(r.block_ids) == 2
+    assert all(pool.ref_count(b) == 1 for b in req.block_table)
+    assert sched.cached_tokens == 5 * BS
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_the_last_tokens_block_is_never_taken_from_the_cache(pool):
+    sched = make_sched(pool)
+    ids = PROMPT[:16]                                     # exactly 4 full blocks
+    serve_remote(sched, "a", ids)
+    r = reserve(sched, "b", ids)
+    assert r.cached_blocks == 3 and len(r.block_ids) == 1
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_without_prefix_caching_nothing_is_shared(pool):
+    sched = make_sched(pool, caching=False)
+    serve_remote(sched, "a", PROMPT)
+    r = reserve(sched, "b", PROMPT)
+    assert r.cached_blocks == 0 and len(r.block_ids) == 8 and pool.num_cached == 0
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_a_failed_transfer_caches_nothing(pool):
+    sched = make_sched(pool)
+    reserve(sched, "a", PROMPT)
+    sched.on_kv_complete("a", False, None, "connection lost")
+    sched.schedule()
+    sched.drain_events()
+    assert pool.num_cached == 0 and pool.all_free()
+
+
+def test_local_prefill_computes_the_prompt_and_samples_the_first_token(pool):
+    sched = make_sched(pool, local=8)
+    ids = PROMPT[:6]
+    r = reserve(sched, "a", ids, max_tokens=3)
+    assert r.local_prefill and r.block_ids == [] and r.cached_blocks == 0
+    assert sched.num_local_prefills == 1
+    batch = sched.schedule()
+    (req,) = batch.requests
+    # the step prefills the prompt and samples its first token: a prefill row, no decode
+    assert batch.prefill == (req,) and batch.recompute == ()
+    assert req.num_cached == 0 and req.output_ids == []
+    events = sched.update_from_output(batch, [11])
+    assert events == [TokenEvent("a", (11,))]             # the first token, on D's stream
+    batch = sched.schedule()
+    assert batch.prefill == batch.recompute == () and batch.requests[0].output_ids == [11]
+    assert pool.num_cached == 1                           # its one full prompt block
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_local_prefill_after_a_prefix_cache_hit(pool):
+    sched = make_sched(pool, local=8)
+    serve_remote(sched, "a", PROMPT)                      # 30 tokens: remote (> 8)
+    ids = PROMPT[:28] + [5, 6, 7]                         # 7 blocks cached, 3 tokens new
+    r = reserve(sched, "b", ids)
+    assert r.local_prefill and r.cached_blocks == 7
+    (req,) = sched.schedule().prefill
+    assert req.num_cached == 28 and req.prompt_token_ids[28:] == [5, 6, 7]
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_uncached_prompt_over_the_threshold_goes_to_the_prefill_worker(pool):
+    sched = make_sched(pool, local=8)
+    r = reserve(sched, "a", PROMPT[:9])
+    assert not r.local_prefill and len(r.block_ids) == 3
+    assert sched._requests["a"].state == RequestState.WAITING_FOR_REMOTE_KV
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_local_prefill_aborted_before_its_step_frees_its_blocks(pool):
+    sched = make_sched(pool, local=8)
+    reserve(sched, "a", PROMPT[:6])
+    sched.abort("a")
+    batch = sched.schedule()
+    assert batch.requests == ()
+    assert [e.finish_reason for e in sched.drain_events()] == ["cancelled"]
+    assert pool.all_free()
+
+
+def test_local_prefill_preempted_before_its_first_token_prefills_again(pool):
+    sched = DecodeScheduler(pool, BS, 128, (EOS,), enable_prefix_caching=True,
+                            local_prefill_max_tokens=8)
+    serve_remote(sched, "warm", PROMPT)                   # D caches 7 blocks
+    reserve(sched, "a", PROMPT[:28] + [5, 6, 7])          # local, 28 tokens cached
+    sched.schedule()                                      # admitted: RUNNING, no output
+    req = sched._requests["a"]
+    with sched._lock:
+        sched._preempt(req)                               # as if the pool ran short
+    assert req.num_cached == 0 and req.block_table == []
+    batch = sched.schedule()                              # resumes: prefill row again
+    assert batch.prefill == (req,) and req.num_cached == 0 and len(req.block_table) == 8
+    sched.update_from_output(batch, [9])
+    assert req.output_ids == [9]
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_reserve_of_a_local_prefill_is_idempotent(pool):
+    sched = make_sched(pool, local=8)
+    assert reserve(sched, "a", PROMPT[:6]) == reserve(sched, "a", PROMPT[:6])
+    assert sched.num_local_prefills == 1 and sched.counts() == (0, 1)
+    finish_all(sched)
+    assert pool.all_free()

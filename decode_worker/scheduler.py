@@ -185,6 +185,7 @@ class DecodeScheduler:
         self.num_preemptions = 0                 # since start; a request may count many times
         self.num_local_prefills = 0              # requests prefilled on D (no transfer)
         self.cached_tokens = 0                   # prompt tokens found in D's prefix cache
+        self.prefix_queries = self.prefix_hits = 0  # blocks looked up / found there
 
     # --- called from RPC / transport threads --------------------------------------
 
@@ -228,10 +229,11 @@ class DecodeScheduler:
         total = blocks_needed(min(n + params.max_tokens, self.max_model_len), bs)
         if total > self.pool.num_blocks:
             raise RequestTooLargeError(n, params.max_tokens, total, self.pool.num_blocks, bs)
-        hashes, hit = [], []
+        hashes, lookup, hit = [], [], []
         if self.enable_prefix_caching:
             hashes = block_hashes(prompt, bs)
-            hit = self.pool.match_prefix(hashes[:(n - 1) // bs])  # not the last token's block
+            lookup = hashes[:(n - 1) // bs]                      # not the last token's block
+            hit = self.pool.match_prefix(lookup)
         need = blocks_needed(n, bs) - len(hit)
         free = self.pool.num_free - self._resume_blocks()
         if need > free:
@@ -241,6 +243,8 @@ class DecodeScheduler:
                             time.monotonic() + lease_s, num_cached=len(hit) * bs,
                             block_hashes=hashes)
         self.cached_tokens += req.num_cached
+        self.prefix_queries += len(lookup)
+        self.prefix_hits += len(hit)
         if n - req.num_cached <= self.local_prefill_max_tokens:
             req.state, req.recompute = RequestState.WAITING, True
             self._arrived.append(request_id)
@@ -419,6 +423,12 @@ class DecodeScheduler:
         """Preempted requests now waiting for blocks to resume."""
         with self._lock:
             return len(self._preempted)
+
+    def num_reservations_active(self) -> int:
+        """Reservations waiting for prefill's KV."""
+        with self._lock:
+            return sum(r.state == RequestState.WAITING_FOR_REMOTE_KV
+                       for r in self._requests.values())
 
     def has_work(self) -> bool:
         with self._lock:

@@ -35,6 +35,7 @@ from ..engine.request import TokenEvent
 from ..engine.sampler import sample
 from ..engine.sampling_params import SamplingParams
 from ..kv_transfer import KVCompletion, KVLayout, make_receiver
+from ..metrics import WorkerMetrics, serve as serve_metrics
 from ..config import WorkerConfig
 from .scheduler import DecodeScheduler, RequestTooLargeError
 
@@ -67,6 +68,10 @@ class DecodeWorker:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.peak_batch_size = 0      # largest decode batch so far (tests prove batching)
+        self.kv_failures = 0          # transfers that failed to arrive (receiver thread)
+        self.metrics = WorkerMetrics("decode", self._metric_values)
+        self.metrics_address = "%s:%d" % serve_metrics(self.metrics.registry, config.host,
+                                                       config.metrics_port)
         self._thread = threading.Thread(target=self._step_loop, name="decode-step", daemon=True)
         self._thread.start()
 
@@ -150,7 +155,21 @@ class DecodeWorker:
                 "preempted_requests": self.scheduler.num_waiting_to_resume(),
                 "local_prefills": self.scheduler.num_local_prefills,
                 "prefix_cache_hit_tokens": self.scheduler.cached_tokens,
-                "prefix_cache_blocks": self.pool.num_cached}
+                "prefix_cache_blocks": self.pool.num_cached,
+                "metrics_address": self.metrics_address}
+
+    def _metric_values(self) -> dict[str, float]:
+        """Current gauges and counters for /metrics (pdserve/metrics.py), at scrape time."""
+        sched = self.scheduler
+        running, waiting = sched.counts()
+        return {"num_requests_running": running, "num_requests_waiting": waiting,
+                "kv_cache_usage_ratio": self.pool.usage,
+                "kv_reservations_active": sched.num_reservations_active(),
+                "kv_reservations_reclaimed": sched.num_reclaimed,
+                "num_preemptions": sched.num_preemptions,
+                "prefix_cache_queries": sched.prefix_queries,
+                "prefix_cache_hits": sched.prefix_hits,
+                "kv_transfer_failures": self.kv_failures}
 
     async def shutdown(self) -> None:
         self._stop.set()
@@ -161,6 +180,7 @@ class DecodeWorker:
     # --- threads ------------------------------------------------------------------------
 
     def _on_kv_complete(self, c: KVCompletion) -> None:
+        self.kv_failures += not c.ok
         self.scheduler.on_kv_complete(c.request_id, c.ok, c.first_token, c.error)
         self._wake.set()
 
@@ -185,6 +205,7 @@ class DecodeWorker:
                 continue
             reqs = batch.requests
             self.peak_batch_size = max(self.peak_batch_size, len(reqs))
+            self.metrics.batch_size.labels(phase="decode").observe(len(reqs))
             t0 = time.perf_counter()
             firsts = iter(self._prefill(batch.prefill, batch.recompute))
             rows = [r for r in reqs if r.output_ids]       # the rest decode

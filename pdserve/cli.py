@@ -22,7 +22,8 @@ def _serve(args) -> int:
             **{k: v for k in ("local_prefill_max_tokens",)
                if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
             router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
-                                      "routing_policy")
+                                      "routing_policy", "metrics_port", "slo_ttft_ms",
+                                      "slo_tpot_ms")
                        if (v := getattr(args, k)) is not None})   # unset: RouterConfig's default
     except ValueError as e:   # a setting out of range: the message names it
         print(f"pdserve: {e}", file=sys.stderr)
@@ -79,11 +80,11 @@ def _status(args) -> int:
     with Client(args.server) as client:
         st = client.status()
     cols = ("worker_id", "role", "pid", "node_ip", "state", "kv_blocks_free", "kv_blocks_total",
-            "running_requests", "waiting_requests", "kv_address")
+            "running_requests", "waiting_requests", "kv_address", "metrics_address")
     rows = [[str(getattr(w, c)) for c in cols] for w in st.workers]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     print(f"model: {st.model}  queued for prefill: {st.queued_requests} requests, "
-          f"{st.queued_tokens} prompt tokens")
+          f"{st.queued_tokens} prompt tokens  router metrics: http://{st.metrics_address}/metrics")
     for r in [list(cols), *rows]:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
     return 0
@@ -168,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--routing-policy", choices=["round_robin", "least_loaded", "kv_aware"],
                    default=None, help="how the router picks a prefill worker (default kv_aware: "
                                       "cached prefix blocks vs queued tokens)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="router's Prometheus /metrics port (default 9464; workers pick free "
+                        "ports, listed by `pdserve status`)")
+    s.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="goodput SLO: time to first token (pdserve_goodput_requests_total)")
+    s.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="goodput SLO: time per output token after the first")
     s.add_argument("--local-prefill-max-tokens", type=int, default=None,
                    help="a decode worker prefills a prompt itself, with no transfer, when "
                         "its tokens not in that worker's prefix cache are at most this many "

@@ -31,6 +31,7 @@ class WorkerConfig:
     local_prefill_max_tokens: int = 0   # decode: prefill on D when the uncached prompt is <= this
                                         # (0 = off: what `pdserve bench local-prefill` picks here)
     prefill_chunk_size: int | None = 512  # prefill: most tokens of one prompt per step
+    metrics_port: int = 0            # Prometheus /metrics on `host`; 0: a free port (in status)
     log_level: str = "WARNING"
 
     def __post_init__(self):
@@ -76,6 +77,9 @@ class RouterConfig:
     routing_policy: str = "kv_aware"  # prefill worker choice: round_robin | least_loaded | kv_aware
     kv_load_weight: float = 1.0      # kv_aware: cost = uncached tokens + weight * queued tokens
     cache_sync_interval_s: float = 0.1  # kv_aware: how often prefill caches are mirrored
+    metrics_port: int = 9464         # Prometheus /metrics on `host`; 0: a free port
+    slo_ttft_ms: float | None = None  # goodput: TTFT bound (None: unconstrained)
+    slo_tpot_ms: float | None = None  # goodput: TPOT bound (None: unconstrained)
 
     def __post_init__(self):
         for name in ("max_queued_requests", "max_queued_tokens"):
@@ -87,6 +91,12 @@ class RouterConfig:
                              f"{list(POLICIES)}")
         if self.kv_load_weight < 0:
             raise ValueError(f"kv_load_weight={self.kv_load_weight}: must be >= 0")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name}={v}: must be > 0 milliseconds (or unset)")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port={self.metrics_port}: must be in [0, 65535]")
         if self.cache_sync_interval_s <= 0:
             raise ValueError(f"cache_sync_interval_s={self.cache_sync_interval_s}: must be > 0")
 
@@ -116,7 +126,8 @@ class ClusterConfig:
         """A one-box cluster: cores split evenly among workers unless told otherwise.
 
         `router_kw` sets other RouterConfig fields (e.g. max_queued_requests); the rest of
-        the keywords go to both WorkerConfigs.
+        the keywords go to both WorkerConfigs. `port=0` (tests) picks free ports for the
+        router's metrics too, unless router_kw names one.
         Raises:
             ValueError: a setting out of range (the message names it).
         """
@@ -128,5 +139,6 @@ class ClusterConfig:
                             **worker_kw)
         return cls(prefill=replace(base, num_kv_blocks=prefill_blocks),
                    decode=replace(base, num_kv_blocks=decode_blocks),
-                   router=RouterConfig(host=host, port=port, **(router_kw or {})),
+                   router=RouterConfig(host=host, port=port, **({"metrics_port": 0} if port == 0
+                                                                 else {}) | (router_kw or {})),
                    num_prefill_workers=prefill_workers, num_decode_workers=decode_workers)

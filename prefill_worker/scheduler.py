@@ -44,6 +44,7 @@ class PrefillRequest:
     future: Any = None                   # asyncio.Future on the actor loop: first token
     kv_skip_blocks: int = 0              # leading prompt blocks D holds already: not sent
     kv_sent_blocks: int = 0              # block-table positions before this are queued to send
+    kv_send_started: float | None = None  # perf_counter() of its first KV frame (metrics)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0                  # leading prompt tokens found in the prefix cache
     num_computed: int = 0                # tokens whose K/V is in the blocks (cached included)

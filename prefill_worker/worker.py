@@ -39,6 +39,7 @@ from ..engine.request import RequestState
 from ..engine.sampler import sample
 from ..engine.sampling_params import SamplingParams
 from ..kv_transfer import KVLayout, KVTransferError, make_sender
+from ..metrics import WorkerMetrics, serve as serve_metrics
 from .scheduler import PrefillRequest, PrefillScheduler
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,10 @@ class PrefillWorker:
         self.sender = make_sender(config.transport, self.runner.kv_cache, layout)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.kv_bytes_sent = 0          # K/V payload bytes sent to decode workers (send thread)
+        self.kv_send_failures = 0       # requests whose KV could not be sent (send thread)
+        self.metrics = WorkerMetrics("prefill", self._metric_values)
+        self.metrics_address = "%s:%d" % serve_metrics(self.metrics.registry, config.host,
+                                                       config.metrics_port)
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -174,7 +179,17 @@ class PrefillWorker:
                 "prefix_cache_queries": self.scheduler.prefix_queries,
                 "prefix_cache_hits": self.scheduler.prefix_hits,
                 "prefix_cache_blocks": self.pool.num_cached,
-                "kv_bytes_sent": self.kv_bytes_sent}
+                "kv_bytes_sent": self.kv_bytes_sent, "metrics_address": self.metrics_address}
+
+    def _metric_values(self) -> dict[str, float]:
+        """Current gauges and counters for /metrics (pdserve/metrics.py), at scrape time."""
+        running, waiting = self.scheduler.counts()
+        return {"num_requests_running": running, "num_requests_waiting": waiting,
+                "kv_cache_usage_ratio": self.pool.usage,
+                "prefix_cache_queries": self.scheduler.prefix_queries,
+                "prefix_cache_hits": self.scheduler.prefix_hits,
+                "kv_transfer_bytes": self.kv_bytes_sent,
+                "kv_transfer_failures": self.kv_send_failures}
 
     async def shutdown(self) -> None:
         self._stop.set()
@@ -212,6 +227,7 @@ class PrefillWorker:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            self.metrics.batch_size.labels(phase="prefill").observe(len(batch))
             # Each chunk streams every layer's K/V of the blocks it completed (and, with
             # a prompt's first chunk, of P's cached blocks D lacks) while the next layer
             # computes; D's cached prefix is never sent.
@@ -248,6 +264,8 @@ class PrefillWorker:
             try:
                 if isinstance(task, _SendLayers):
                     if not (req.aborted or req.error):
+                        if req.kv_send_started is None:
+                            req.kv_send_started = time.perf_counter()
                         lo, hi = task.block_lo, task.block_hi
                         self.kv_bytes_sent += self.sender.send_layers(req.kv_address, req.request_id, req.epoch,
                                                 task.layer_start, task.layer_end,
@@ -261,7 +279,12 @@ class PrefillWorker:
                 else:
                     self.sender.send_done(req.kv_address, req.request_id, req.epoch,
                                           task.first_token, self.num_layers)
+                    if req.kv_send_started is not None:
+                        self.metrics.kv_transfer_seconds.observe(
+                            time.perf_counter() - req.kv_send_started)
             except KVTransferError as e:
+                if req.error is None:
+                    self.kv_send_failures += 1
                 req.error = f"KV transfer to {req.kv_address[0]}:{req.kv_address[1]} failed: {e}"
                 logger.warning("%s: %s", req.request_id, req.error)
                 if isinstance(task, _SendLayers):

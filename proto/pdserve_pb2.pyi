@@ -87,7 +87,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "pid", "node_ip", "state", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests", "epoch", "kv_address")
+    __slots__ = ("worker_id", "role", "pid", "node_ip", "state", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests", "epoch", "kv_address", "metrics_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class WorkerStatus(_message.Message):
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     pid: int
@@ -110,16 +111,19 @@ class WorkerStatus(_message.Message):
     waiting_requests: int
     epoch: int
     kv_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., pid: _Optional[int] = ..., node_ip: _Optional[str] = ..., state: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., pid: _Optional[int] = ..., node_ip: _Optional[str] = ..., state: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("model", "workers", "queued_requests", "queued_tokens")
+    __slots__ = ("model", "workers", "queued_requests", "queued_tokens", "metrics_address")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     queued_requests: int
     queued_tokens: int
-    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...

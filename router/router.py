@@ -36,6 +36,7 @@ from ..engine.block_pool import blocks_needed
 from ..engine.loader import resolve_model
 from ..engine.request import TokenEvent
 from ..engine.sampling_params import InvalidRequestError
+from ..metrics import RouterMetrics, serve as serve_metrics
 from ..proto import pdserve_pb2 as pb
 from . import validation
 from .admission import Admission
@@ -78,6 +79,9 @@ class Router:
         self.prefill_router = PrefillRouter(rc.routing_policy, config.prefill.block_size,
                                             rc.kv_load_weight)
         self._cache_sync: asyncio.Task | None = None
+        self.metrics = RouterMetrics(lambda: self.admission.queued_requests,
+                                     rc.slo_ttft_ms, rc.slo_tpot_ms)
+        self.metrics_address = ""
 
     async def start(self) -> int:
         """Wait for every worker, then serve. Returns the bound gRPC port."""
@@ -98,7 +102,10 @@ class Router:
             self._cache_sync = asyncio.get_running_loop().create_task(self._sync_prefix_caches())
         self._server, port = build_server(self, f"{rc.host}:{rc.port}")
         await self._server.start()
-        logger.info("router serving gRPC on %s:%d", rc.host, port)
+        self.metrics_address = "%s:%d" % serve_metrics(self.metrics.registry, rc.host,
+                                                       rc.metrics_port)
+        logger.info("router serving gRPC on %s:%d, metrics on http://%s/metrics", rc.host, port,
+                    self.metrics_address)
         return port
 
     async def stop(self, grace_s: float = 2.0) -> None:
@@ -257,7 +264,8 @@ class Router:
         return pb.ClusterStatusResponse(model=self.model_name,
                                         workers=await asyncio.gather(*map(one, workers)),
                                         queued_requests=self.admission.queued_requests,
-                                        queued_tokens=self.admission.queued_tokens)
+                                        queued_tokens=self.admission.queued_tokens,
+                                        metrics_address=self.metrics_address)
 
 
 _STATUS_FIELDS = set(pb.WorkerStatus.DESCRIPTOR.fields_by_name)

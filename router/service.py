@@ -25,16 +25,30 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self.router = router
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
+        # Metrics (pdserve/metrics.py): status is the finish_reason, or the error's gRPC
+        # status code in lower case; a stream that ends otherwise was cancelled.
+        timer = self.router.metrics.request()
+        status, prompt_tokens = "cancelled", 0
         try:
             async for msg in self.router.generate(request, context.time_remaining()):
+                timer.tokens(len(msg.token_ids))
+                if msg.finish_reason:
+                    status, prompt_tokens = msg.finish_reason, msg.usage.prompt_tokens
                 yield msg
         except InvalidRequestError as e:
+            status = grpc.StatusCode.INVALID_ARGUMENT.name.lower()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestError as e:
+            status = e.code.name.lower()
             await context.abort(e.code, str(e))
         except asyncio.CancelledError:
             logger.debug("client cancelled %s", request.request_id or "<no id>")
             raise
+        except Exception:
+            status = "internal"
+            raise
+        finally:
+            timer.finish(status, prompt_tokens)
 
 
 class AdminService(pb_grpc.AdminServicer):

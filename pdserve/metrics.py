@@ -1,0 +1,212 @@
+"""Prometheus metrics (prometheus-client) of every component, each served on its own
+`/metrics` HTTP endpoint (ARCHITECTURE.md, "Observability").
+
+Names carry the `pdserve_` prefix and follow vLLM's and the Prometheus conventions
+(units in the name, `_total` counters, base units: seconds, bytes, tokens):
+
+router (`RouterMetrics`, observed per request by the gRPC Generate handler)
+    pdserve_time_to_first_token_seconds           histogram: arrival to first token
+    pdserve_inter_token_latency_seconds           histogram: gap between tokens (ITL)
+    pdserve_time_per_output_token_seconds         histogram: per request, (E2E - TTFT)
+                                                  / (tokens - 1) (TPOT)
+    pdserve_request_duration_seconds              histogram: arrival to last message
+    pdserve_requests_total{status}                counter: stop | length | cancelled |
+                                                  error | a gRPC status code, lower case
+    pdserve_prompt_tokens_total, pdserve_generation_tokens_total    counters
+    pdserve_goodput_requests_total{slo}           counter: finished requests within the
+                                                  TTFT and TPOT SLOs (DistServe's goodput)
+    pdserve_num_requests_running / _waiting       gauges: streaming / queued for the
+                                                  first token (admission queue)
+workers (`WorkerMetrics`; values read from the worker at scrape time, plus histograms)
+    pdserve_num_requests_running / _waiting       gauges
+    pdserve_batch_size{phase}                     histogram: requests per prefill/decode step
+    pdserve_kv_cache_usage_ratio                  gauge: held blocks / all blocks
+    pdserve_prefix_cache_queries_total / _hits_total   counters, in blocks
+    pdserve_kv_transfer_bytes_total               counter (prefill: K/V payload sent)
+    pdserve_kv_transfer_seconds                   histogram (prefill: first KV frame of a
+                                                  request handed to the transport to its
+                                                  done frame sent)
+    pdserve_kv_transfer_failures_total            counter (prefill: sends that failed;
+                                                  decode: transfers that failed to arrive)
+    pdserve_kv_reservations_active                gauge (decode: waiting for prefill's KV)
+    pdserve_kv_reservations_reclaimed_total       counter (decode: lease expired)
+    pdserve_num_preemptions_total                 counter (decode)
+
+Histogram buckets span CPU and GPU speeds: a GPU's TTFT is ~10 ms, a 2-core CPU's
+several seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# seconds
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+               0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0,
+               600.0)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def serve(registry: CollectorRegistry, host: str, port: int) -> tuple[str, int]:
+    """Serve `registry` at http://host:port/metrics from a daemon thread; port 0 picks a
+    free one. Returns the bound (host, port). Raises OSError when it cannot bind."""
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return host, server.server_port
+
+
+def slo_label(ttft_ms: float | None, tpot_ms: float | None) -> str:
+    """The `slo` label value, e.g. "ttft<=2000ms,tpot<=100ms" ("none": no SLO set)."""
+    parts = [f"{name}<={v:g}ms" for name, v in (("ttft", ttft_ms), ("tpot", tpot_ms))
+             if v is not None]
+    return ",".join(parts) or "none"
+
+
+class RouterMetrics:
+    """The router's request metrics in their own registry (see the module docstring).
+
+    `waiting` is read at scrape time; requests count as running from their first token
+    to their finish. `slo_ttft_ms` / `slo_tpot_ms` (None: unconstrained) define goodput."""
+
+    def __init__(self, waiting: Callable[[], int], slo_ttft_ms: float | None = None,
+                 slo_tpot_ms: float | None = None):
+        r = self.registry = CollectorRegistry()
+        self.running = 0
+        p = "pdserve_"
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds",
+                             "Time between consecutive output tokens of a request.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.tpot = Histogram(p + "time_per_output_token_seconds",
+                              "Per request: (E2E - TTFT) / (output tokens - 1).",
+                              buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "request_duration_seconds",
+                             "Request arrival to its last message.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.requests = Counter(p + "requests", "Requests by final status.", ["status"],
+                                registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of served requests.",
+                                     registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.",
+                                         registry=r)
+        self.slo = slo_label(slo_ttft_ms, slo_tpot_ms)
+        self.slo_ttft_s = None if slo_ttft_ms is None else slo_ttft_ms / 1e3
+        self.slo_tpot_s = None if slo_tpot_ms is None else slo_tpot_ms / 1e3
+        self.goodput = Counter(p + "goodput_requests",
+                               "Finished requests that met the TTFT and TPOT SLOs.", ["slo"],
+                               registry=r)
+        self.goodput.labels(slo=self.slo)   # exported at 0 from the start
+        Gauge(p + "num_requests_running", "Requests streaming tokens.",
+              registry=r).set_function(lambda: self.running)
+        Gauge(p + "num_requests_waiting", "Requests admitted, waiting for the first token.",
+              registry=r).set_function(waiting)
+
+    def request(self) -> "RequestTimer":
+        return RequestTimer(self)
+
+    def meets_slo(self, ttft_s: float, tpot_s: float | None) -> bool:
+        """TTFT within its SLO and, with more than one output token, TPOT within its."""
+        return ((self.slo_ttft_s is None or ttft_s <= self.slo_ttft_s)
+                and (self.slo_tpot_s is None or tpot_s is None or tpot_s <= self.slo_tpot_s))
+
+
+class RequestTimer:
+    """One request's timing; call `tokens(n)` per message with n new tokens, then
+    `finish(status, prompt_tokens)` once (later calls do nothing)."""
+
+    def __init__(self, m: RouterMetrics):
+        self.m = m
+        self.t0 = self.last = time.perf_counter()
+        self.first: float | None = None
+        self.num_tokens = 0
+        self.done = False
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        self.num_tokens += n
+        if self.first is None:
+            self.first = self.last = now
+            self.m.ttft.observe(now - self.t0)
+            self.m.running += 1
+            n -= 1                       # the first token has a TTFT, not an ITL
+        for _ in range(n):               # tokens coalesced in one message share its gap
+            self.m.itl.observe((now - self.last) / n)
+        self.last = now
+
+    def finish(self, status: str, prompt_tokens: int = 0) -> None:
+        if self.done:
+            return
+        self.done = True
+        now = time.perf_counter()
+        m = self.m
+        m.requests.labels(status=status).inc()
+        m.e2e.observe(now - self.t0)
+        m.prompt_tokens.inc(prompt_tokens)
+        m.generation_tokens.inc(self.num_tokens)
+        if self.first is None:
+            return
+        m.running -= 1
+        ttft = self.first - self.t0
+        tpot = (self.last - self.first) / (self.num_tokens - 1) if self.num_tokens > 1 else None
+        if tpot is not None:
+            m.tpot.observe(tpot)
+        if status in ("stop", "length") and m.meets_slo(ttft, tpot):
+            m.goodput.labels(slo=m.slo).inc()
+
+
+class WorkerMetrics:
+    """A worker's metrics: `values()` (called at scrape time) returns the current
+    gauges and counters by short name (see `GAUGES`, `COUNTERS`; missing ones are not
+    exported), and the worker observes `batch_size` and `kv_transfer_seconds`."""
+
+    GAUGES = {
+        "num_requests_running": "Requests computing (prefill) or in the batch (decode).",
+        "num_requests_waiting": "Requests queued (prefill) or waiting for KV (decode).",
+        "kv_cache_usage_ratio": "Fraction of KV blocks held by requests.",
+        "kv_reservations_active": "Reservations waiting for prefill's KV.",
+    }
+    COUNTERS = {
+        "prefix_cache_queries": "Prompt blocks looked up in the prefix cache.",
+        "prefix_cache_hits": "Prompt blocks found in the prefix cache.",
+        "kv_transfer_bytes": "K/V payload bytes sent to decode workers.",
+        "kv_transfer_failures": "KV transfers that failed.",
+        "kv_reservations_reclaimed": "Reservations reclaimed after their lease expired.",
+        "num_preemptions": "Running requests preempted for lack of KV blocks.",
+    }
+
+    def __init__(self, role: str, values: Callable[[], dict[str, float]]):
+        r = self.registry = CollectorRegistry()
+        self.batch_size = Histogram("pdserve_batch_size", "Requests per model step.",
+                                    ["phase"], buckets=BATCH_BUCKETS, registry=r)
+        self.kv_transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Per request: first KV frame handed to the transport to its done frame sent.",
+            buckets=TRANSFER_BUCKETS, registry=r)
+        r.register(_ValuesCollector(role, values))
+
+
+class _ValuesCollector(Collector):
+    def __init__(self, role: str, values: Callable[[], dict[str, float]]):
+        self.role, self.values = role, values
+
+    def collect(self):
+        v = self.values()
+        for name, doc in WorkerMetrics.GAUGES.items():
+            if name in v and not math.isnan(v[name]):
+                yield GaugeMetricFamily("pdserve_" + name, doc, value=v[name])
+        for name, doc in WorkerMetrics.COUNTERS.items():
+            if name in v:
+                yield CounterMetricFamily("pdserve_" + name, doc, value=v[name])

@@ -63,94 +63,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from ..engine.block_pool import BlockHash, BlockPool, NoFreeBlocksError, block_hashes, blocks_needed
+from ..engine.block_pool import (
+    BlockPool,
+    NoFreeBlocksError,
+    block_hashes,
+    blocks_needed,
+)
 from ..engine.request import RequestState, TokenEvent
 from ..engine.sampling_params import SamplingParams
+from .requests import DecodeBatch, DecodeRequest, RequestTooLargeError, Reserved
 
 logger = logging.getLogger(__name__)
 
 
 def _by_admission(req: DecodeRequest) -> int:
     return req.admitted_seq
-
-
-class RequestTooLargeError(ValueError):
-    """prompt + max_tokens needs more KV blocks than the whole pool has: the request could
-    never run on this worker, even alone (`needed`, `total` are block counts)."""
-
-    def __init__(self, prompt_len: int, max_tokens: int, needed: int, total: int,
-                 block_size: int):
-        super().__init__(
-            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {needed} KV "
-            f"blocks of {block_size} tokens; this decode worker has {total} in all")
-        self.needed, self.total = needed, total
-
-
-@dataclass(slots=True, eq=False)
-class DecodeRequest:
-    """One request on the decode worker. Compared by identity (it is mutable state)."""
-
-    request_id: str
-    prompt_token_ids: list[int]          # kept to recompute the KV after preemption
-    params: SamplingParams
-    block_table: list[int]               # block ids; [] while PREEMPTED
-    lease_deadline: float                # time.monotonic() seconds; WAITING_FOR_REMOTE_KV only
-    state: RequestState = RequestState.WAITING_FOR_REMOTE_KV
-    output_ids: list[int] = field(default_factory=list)
-    abort_reason: str | None = None      # set by abort(); applied by schedule()
-    error: str | None = None
-    admitted_seq: int = -1               # order of first admission into RUNNING (resume order)
-    recompute: bool = False              # KV to compute before its next token (see DecodeBatch)
-    num_cached: int = 0                  # leading tokens whose KV is in block_table already
-    block_hashes: list[BlockHash] = field(default_factory=list)  # prompt's full blocks
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt + generated tokens; the next decode step writes position num_tokens - 1."""
-        return self.prompt_len + len(self.output_ids)
-
-    @property
-    def recompute_token_ids(self) -> list[int]:
-        """Tokens whose KV a request resumed after preemption recomputes: all but the
-        newest, which the next decode step feeds (its KV is written by that step, as for
-        any running request)."""
-        return self.prompt_token_ids + self.output_ids[:-1]
-
-
-@dataclass(frozen=True, slots=True)
-class Reserved:
-    """Outcome of DecodeScheduler.reserve.
-
-    block_ids: where the prefill worker's KV goes, in prompt order: the prompt's blocks
-        after the first `cached_blocks` (which D already holds); [] for a local prefill.
-    cached_blocks: leading full prompt blocks found in D's prefix cache (not sent).
-    local_prefill: D computes the prompt itself; no prefill worker is involved.
-    """
-
-    block_ids: list[int]
-    cached_blocks: int
-    local_prefill: bool
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeBatch:
-    """One step; one sampled token per row of `requests`, in order. Rows in `prefill`
-    have no output yet (local prefill, or preempted before their first token): prefill
-    prompt_token_ids[num_cached:] into the block_table and sample from the last prompt
-    token's logits. Every other row decodes: rows in `recompute` (resumed after
-    preemption) first prefill recompute_token_ids into the new block_table; then each
-    feeds output_ids[-1] at position num_tokens - 1. `prefill` and `recompute` are
-    subsets of `requests`."""
-
-    requests: tuple[DecodeRequest, ...]
-    recompute: tuple[DecodeRequest, ...] = ()
-    prefill: tuple[DecodeRequest, ...] = ()
 
 
 class DecodeScheduler:

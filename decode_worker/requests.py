@@ -81,8 +81,14 @@ class DecodeBatch:
     token's logits. Every other row decodes: rows in `recompute` (resumed after
     preemption) first prefill recompute_token_ids into the new block_table; then each
     feeds output_ids[-1] at position num_tokens - 1. `prefill` and `recompute` are
-    subsets of `requests`."""
+    subsets of `requests`.
+
+    Chunked prefill: a `prefill` row computes only prompt tokens [num_cached, its
+    `prefill_ends` entry) this step (vLLM's chunked prefill, so one long prompt cannot
+    stall the running rows for its whole length); a row whose end is short of its prompt
+    samples nothing (the worker passes None for it to update_from_output)."""
 
     requests: tuple[DecodeRequest, ...]
     recompute: tuple[DecodeRequest, ...] = ()
     prefill: tuple[DecodeRequest, ...] = ()
+    prefill_ends: tuple[int, ...] = ()   # per `prefill` row: prompt tokens computed after the step

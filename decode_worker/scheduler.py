@@ -40,8 +40,10 @@ preempted before its first token) is a batch row of `prefill` instead: the step 
 prefills `prompt[num_cached:]` (after the blocks found in D's prefix cache) and samples
 the first token from the last prompt token's logits (step index 0, exactly as a prefill
 worker does). Short uncached prompts thus skip the round trip to a prefill worker and
-the KV transfer (Dynamo's conditional disaggregation); the threshold bounds how long
-one such step can stall the running batch.
+the KV transfer (Dynamo's conditional disaggregation). With prefill_chunk_size set, a
+step computes at most that many prompt tokens (decode rows counted first), so a long
+local prompt is prefilled over several steps while the running rows keep decoding
+(vLLM's chunked prefill; this is how `pdserve bench serve` runs its colocated mode).
 
 Why this always makes progress: the oldest running request is preempted only when it is
 alone and reservations still waiting for KV hold the rest; a request that could not fit
@@ -85,7 +87,8 @@ class DecodeScheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], max_batch_size: int = 256,
                  on_release: Callable[[str, Callable[[], None]], None] | None = None,
-                 enable_prefix_caching: bool = False, local_prefill_max_tokens: int = 0):
+                 enable_prefix_caching: bool = False, local_prefill_max_tokens: int = 0,
+                 prefill_chunk_size: int | None = None):
         """`on_release(request_id, free_blocks)` runs (under the lock) when a request
         finishes, instead of freeing its blocks here: the KV receiver stops writing into
         them and calls `free_blocks()` once no write is in flight (KVReceiver.forget),
@@ -93,10 +96,14 @@ class DecodeScheduler:
 
         enable_prefix_caching: share the prompt's leading full blocks from D's prefix
         cache (they are then not transferred). local_prefill_max_tokens: a request whose
-        uncached prompt tokens are at most this many is prefilled on D (0: never)."""
+        uncached prompt tokens are at most this many is prefilled on D (0: never).
+        prefill_chunk_size: most prompt tokens D prefills in one step, all prefill rows
+        together, less one per decode row of the step (decode first, as vLLM's chunked
+        prefill budgets a step) but at least block_size; None: whole prompts."""
         self.pool, self.block_size, self.max_model_len = pool, block_size, max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.prefill_chunk_size = prefill_chunk_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_batch_size = max_batch_size
         self._on_release = on_release
@@ -230,19 +237,28 @@ class DecodeScheduler:
                     self._finish(req, RequestState.FINISHED_ERROR)
             self._grow_batch()
             self._resume()
-            batch = tuple(self._running[:self.max_batch_size])
+            batch = self._running[:self.max_batch_size]
+            prefill, ends = self._chunk_prefills(batch)
+            batch = tuple(r for r in batch if r.output_ids or r in prefill)
             return DecodeBatch(batch, tuple(r for r in batch if r.recompute and r.output_ids),
-                               tuple(r for r in batch if not r.output_ids))
+                               prefill, ends)
 
-    def update_from_output(self, batch: DecodeBatch, token_ids: list[int]) -> list[TokenEvent]:
-        """Append one sampled token per batch row; returns the step's events (and any
-        finishes recorded since the last call)."""
+    def update_from_output(self, batch: DecodeBatch,
+                           token_ids: list[int | None]) -> list[TokenEvent]:
+        """Append one sampled token per batch row (None for a prefill row whose chunk
+        ended short of its prompt: it advances num_cached to its end instead); returns
+        the step's events (and any finishes recorded since the last call)."""
         with self._lock:
             events = self._events
             self._events = []
             for req, tok in zip(batch.requests, token_ids, strict=True):
                 if req.state != RequestState.RUNNING or req.abort_reason is not None:
                     continue  # aborted mid-step: schedule() finishes it
+                if tok is None:                 # a chunk of its prompt, not the last
+                    end = batch.prefill_ends[batch.prefill.index(req)]
+                    assert not req.output_ids and end < req.prompt_len, (req.request_id, end)
+                    req.num_cached = end
+                    continue
                 if req.recompute:               # the step computed its KV
                     req.recompute, req.num_cached = False, 0
                     self._cache_prompt(req)
@@ -275,6 +291,25 @@ class DecodeScheduler:
                     break
             if req.state == RequestState.RUNNING and need > 0:
                 req.block_table.extend(self.pool.allocate(need))
+
+    def _chunk_prefills(self, batch: list[DecodeRequest]
+                        ) -> tuple[tuple[DecodeRequest, ...], tuple[int, ...]]:
+        """The step's prefill rows (no output yet), oldest first, and the prompt position
+        each computes up to under prefill_chunk_size; rows left without budget sit this
+        step out (they keep their blocks and their place)."""
+        rows = [r for r in batch if not r.output_ids]
+        if self.prefill_chunk_size is None:
+            return tuple(rows), tuple(r.prompt_len for r in rows)
+        budget = max(self.prefill_chunk_size - (len(batch) - len(rows)), self.block_size)
+        out, ends = [], []
+        for r in rows:
+            if budget <= 0:
+                break
+            end = min(r.prompt_len, r.num_cached + budget)
+            budget -= end - r.num_cached
+            out.append(r)
+            ends.append(end)
+        return tuple(out), tuple(ends)
 
     def _preempt(self, req: DecodeRequest) -> None:
         """Free a running request's blocks and queue it to resume by recompute. Its KV

@@ -51,7 +51,8 @@ class DecodeWorker:
         logging.basicConfig(level=config.log_level)
         self.worker_id, self.config = worker_id, config
         self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation of the process
-        self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads)
+        self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
+                                  config.cpus)
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
         layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)
         self.receiver = make_receiver(config.transport, self.runner.kv_cache, layout, self.epoch,
@@ -62,7 +63,8 @@ class DecodeWorker:
             self.runner.config.eos_token_ids, config.max_batch_size,
             on_release=self.receiver.forget,
             enable_prefix_caching=config.enable_prefix_caching,
-            local_prefill_max_tokens=config.local_prefill_max_tokens)
+            local_prefill_max_tokens=config.local_prefill_max_tokens,
+            prefill_chunk_size=config.prefill_chunk_size)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake = threading.Event()
@@ -207,7 +209,7 @@ class DecodeWorker:
             self.peak_batch_size = max(self.peak_batch_size, len(reqs))
             self.metrics.batch_size.labels(phase="decode").observe(len(reqs))
             t0 = time.perf_counter()
-            firsts = iter(self._prefill(batch.prefill, batch.recompute))
+            firsts = iter(self._prefill(batch.prefill, batch.prefill_ends, batch.recompute))
             rows = [r for r in reqs if r.output_ids]       # the rest decode
             decoded = iter(())
             if rows:
@@ -222,16 +224,22 @@ class DecodeWorker:
                          len(reqs), len(batch.prefill), len(batch.recompute),
                          1e3 * (time.perf_counter() - t0))
 
-    def _prefill(self, first: tuple, resumed: tuple) -> list[int]:
-        """One prefill pass for a step's `first` rows (no output yet: their prompt after
-        its cached blocks) and `resumed` rows (recompute the KV of all but their newest
-        token). Returns the first rows' first tokens, sampled at step 0 from the last
-        prompt token's logits, as a prefill worker does."""
-        seqs = [PrefillSeq(r.prompt_token_ids, r.block_table, r.num_cached) for r in first]
+    def _prefill(self, first: tuple, ends: tuple[int, ...], resumed: tuple) -> list[int | None]:
+        """One prefill pass for a step's `first` rows (no output yet: prompt tokens
+        [num_cached, end), a chunk) and `resumed` rows (recompute the KV of all but their
+        newest token). Returns per first row its first token, sampled at step 0 from the
+        last prompt token's logits as a prefill worker does, or None when its chunk ended
+        short of the prompt."""
+        seqs = [PrefillSeq(r.prompt_token_ids[:end], r.block_table, r.num_cached)
+                for r, end in zip(first, ends, strict=True)]
         seqs += [PrefillSeq(r.recompute_token_ids, r.block_table) for r in resumed]
         if not seqs:
             return []
         logits = self.runner.prefill(seqs)
-        if not first:
-            return []
-        return sample(logits[:len(first)], [r.params for r in first], [0] * len(first))
+        done = [i for i, (r, end) in enumerate(zip(first, ends)) if end == r.prompt_len]
+        out: list[int | None] = [None] * len(first)
+        if done:
+            toks = sample(logits[done], [first[i].params for i in done], [0] * len(done))
+            for i, t in zip(done, toks):
+                out[i] = t
+        return out

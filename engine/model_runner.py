@@ -9,6 +9,7 @@ prefill, the new token in decode): only those rows reach the LM head.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +77,20 @@ def load_model(model: str | Path | None, dtype: torch.dtype = torch.float32,
 class ModelRunner:
     """Weights + KV cache `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`."""
 
-    def __init__(self, model: str | Path | None, cache: CacheConfig, num_threads: int | None = None):
+    def __init__(self, model: str | Path | None, cache: CacheConfig, num_threads: int | None = None,
+                 cpus: Sequence[int] | None = None):
+        """num_threads: torch intra-op threads of this process; cpus: CPU ids to pin this
+        process to (os.sched_setaffinity), so co-located workers do not share cores.
+
+        Raises:
+            ValueError: a CPU id this process may not run on.
+        """
+        if cpus is not None:
+            try:
+                os.sched_setaffinity(0, cpus)
+            except OSError as e:
+                raise ValueError(f"cpus={tuple(cpus)}: cannot pin to them ({e}); this "
+                                 f"process may run on {sorted(os.sched_getaffinity(0))}") from e
         if num_threads:
             torch.set_num_threads(num_threads)
         self.cache_config = cache
@@ -159,7 +173,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             is_prefill=False, slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_table=table.to(dev), context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
-            max_context_len=max(ctx))
+            max_context_len=max(ctx), context_lens_host=tuple(ctx))
         hidden = self.model(torch.tensor([s.token_id for s in seqs], dtype=torch.long, device=dev),
                             torch.tensor([s.position for s in seqs], dtype=torch.long, device=dev),
                             meta, self.kv_cache)

@@ -141,6 +141,68 @@ def _bench_local_prefill(args) -> int:
     return 0
 
 
+def _bench_serve(args) -> int:
+    import json
+    import math
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .bench import serve, workload
+    from .engine.loader import resolve_model
+
+    try:
+        rates = tuple(float(r) for r in args.request_rate.split(","))
+        cfg = serve.ServeBenchConfig(
+            model=args.model, modes=tuple(args.modes.split(",")), request_rates=rates,
+            seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+            transport=args.transport, prefill_chunk_size=args.prefill_chunk_size,
+            decode_blocks=args.decode_kv_blocks, hf_batch_size=args.hf_batch_size)
+    except ValueError as e:
+        print(f"pdserve bench serve: {e}", file=sys.stderr)
+        return 2
+    model_dir = resolve_model(args.model)
+    if args.dataset == "sharegpt":
+        reqs = workload.sharegpt_workload(
+            AutoTokenizer.from_pretrained(model_dir), args.num_prompts, args.seed,
+            getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", 8192))
+    else:
+        lens = [tuple(int(x) for x in v.split(",")) for v in (args.random_prompt_len,
+                                                               args.random_output_len)]
+        reqs = workload.random_workload(args.num_prompts,
+                                        AutoConfig.from_pretrained(model_dir).vocab_size,
+                                        lens[0], lens[1], args.seed)
+    if args.max_output_tokens:
+        from dataclasses import replace
+        reqs = [replace(r, max_tokens=min(r.max_tokens, args.max_output_tokens)) for r in reqs]
+    wl = {"dataset": args.dataset, "num_prompts": len(reqs),
+          "max_output_tokens": args.max_output_tokens,
+          "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs),
+          "output_tokens": sum(r.max_tokens for r in reqs)}
+    print(f"{wl['num_prompts']} {args.dataset} prompts ({wl['prompt_tokens']} prompt, "
+          f"{wl['output_tokens']} output tokens); modes {', '.join(cfg.modes)}; rates "
+          f"{', '.join(f'{r:g}' for r in rates)} req/s; SLO TTFT {args.slo_ttft_ms} ms, "
+          f"TPOT {args.slo_tpot_ms} ms; CPUs {list(cfg.cpus)}", flush=True)
+    runs = serve.run(cfg, reqs)
+    summaries = [r.summary(cfg) for r in runs]
+    print(serve.table(summaries))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(serve.as_json(cfg, runs, wl) | {"command": " ".join(sys.argv)}, f,
+                      indent=2)
+    if args.plot:
+        from .bench import plots
+        out = Path(args.plot)
+        out.mkdir(parents=True, exist_ok=True)
+        for rate in rates:
+            plots.plot_cdfs([(f"{r.mode} @ {rate:g} req/s", r.results) for r in runs
+                             if r.request_rate == rate], out,
+                            tag="" if len(rates) == 1 else f"_rate{rate:g}")
+        plots.plot_vs_rate([s for s in summaries if math.isfinite(s["request_rate"])], out,
+                           args.slo_ttft_ms, args.slo_tpot_ms)
+    return 1 if any(s["failed"] or s["kv_blocks_leaked"] for s in summaries) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -229,6 +291,36 @@ def main(argv: list[str] | None = None) -> int:
     bl.add_argument("--model", default="default")
     bl.add_argument("--json", default=None)
     bl.set_defaults(fn=_bench_local_prefill)
+
+    bs = bsub.add_parser("serve", help="TTFT, TPOT, ITL, throughput and goodput of a "
+                                       "workload served disaggregated, colocated and by HF "
+                                       "generate, side by side, per request rate")
+    bs.add_argument("--model", default="default")
+    bs.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random"],
+                    help="ShareGPT V3 first turns (filtered as vLLM's benchmark) or random ids")
+    bs.add_argument("--num-prompts", type=int, default=64)
+    bs.add_argument("--request-rate", default="inf",
+                    help="requests/s of a Poisson process, or inf (all at once); a "
+                         "comma-separated list sweeps them")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--modes", default="disagg,colocated,hf",
+                    help="comma-separated, of disagg,colocated,hf")
+    bs.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO: TTFT bound")
+    bs.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO: TPOT bound")
+    bs.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "auto"])
+    bs.add_argument("--prefill-chunk-size", type=int, default=512,
+                    help="prompt tokens per prefill step, both engines (tokens)")
+    bs.add_argument("--decode-kv-blocks", type=int, default=4096)
+    bs.add_argument("--hf-batch-size", type=int, default=8,
+                    help="static batch size of the hf mode")
+    bs.add_argument("--random-prompt-len", default="64,512", help="random dataset: lo,hi tokens")
+    bs.add_argument("--random-output-len", default="16,256", help="random dataset: lo,hi tokens")
+    bs.add_argument("--max-output-tokens", type=int, default=None,
+                    help="cap each request's max_tokens (ShareGPT: its reply's length) at "
+                         "this many tokens (as vLLM's --sharegpt-output-len fixes it)")
+    bs.add_argument("--json", default=None, help="write the figures to this file")
+    bs.add_argument("--plot", default=None, help="write PNG plots into this directory")
+    bs.set_defaults(fn=_bench_serve)
 
     args = p.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"))

@@ -22,6 +22,8 @@ class WorkerConfig:
     num_kv_blocks: int = 1024        # 16-token blocks; SmolLM2 fp32: 0.7 MiB each
     block_size: int = 16             # tokens per KV block
     num_threads: int = 1             # torch intra-op threads (pin compute to the cores it owns)
+    cpus: tuple[int, ...] | None = None  # CPU ids the worker process is pinned to (Linux
+                                         # sched_setaffinity); None: wherever the OS runs it
     transport: str = "tcp"
     host: str = "127.0.0.1"          # address the KV transport binds and advertises
     max_batch_size: int = 256        # decode: running requests per step
@@ -39,6 +41,8 @@ class WorkerConfig:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(_DTYPES)}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads}: need at least 1")
+        if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
+            raise ValueError(f"cpus={self.cpus}: give CPU ids >= 0 (or None: not pinned)")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be "
                              f">= block_size={self.block_size}")

@@ -70,7 +70,8 @@ class PrefillWorker:
     def __init__(self, worker_id: str, config: WorkerConfig):
         logging.basicConfig(level=config.log_level)
         self.worker_id, self.config = worker_id, config
-        self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads)
+        self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
+                                  config.cpus)
         self.num_layers = self.runner.config.num_layers
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,

@@ -58,3 +58,22 @@ def test_local_prefill_and_only_missing_blocks_sent():
             (p2["prefill_tokens_computed"], p2["kv_bytes_sent"])
     finally:
         served.stop()
+
+
+def test_chunked_local_prefill_beside_running_requests_matches_hf():
+    """The colocated setup of `pdserve bench serve`: every prompt prefilled on D, in
+    32-token chunks, while the other requests decode in the same steps."""
+    start_ray()
+    served = Served(local_prefill_max_tokens=1 << 30, prefill_chunk_size=32)
+    try:
+        prompts = [[200 + (i * 13 + j * 7) % 5000 for j in range(n)]
+                   for i, n in enumerate((150, 90, 40, 230))]
+        got = served.generate_many(prompts, max_tokens=MAX_TOKENS, temperature=0,
+                                   ignore_eos=True)
+        for prompt, (ids, _, _) in zip(prompts, got):
+            assert ids == hf_greedy("default", prompt, MAX_TOKENS, ignore_eos=True)
+        p, d = _counters(served)
+        assert d["local_prefills"] == len(prompts) and p["prefill_tokens_computed"] == 0
+        assert d["peak_batch_size"] >= 2          # chunks ran beside other rows
+    finally:
+        served.stop()

@@ -171,3 +171,66 @@ def test_reserve_of_a_local_prefill_is_idempotent(pool):
     assert sched.num_local_prefills == 1 and sched.counts() == (0, 1)
     finish_all(sched)
     assert pool.all_free()
+
+
+def test_chunked_local_prefill_spreads_a_prompt_over_steps_beside_decode(pool):
+    sched = DecodeScheduler(pool, BS, 128, (EOS,), local_prefill_max_tokens=64,
+                            prefill_chunk_size=12)
+    reserve(sched, "run", PROMPT[:5], max_tokens=10)
+    batch = sched.schedule()
+    sched.update_from_output(batch, [11])                 # 5 tokens: one chunk, first token
+    reserve(sched, "long", PROMPT[:25], max_tokens=2)
+    batch = sched.schedule()
+    run, long = sched._requests["run"], sched._requests["long"]
+    # the decode row counts first: 12 - 1 = 11 prompt tokens this step
+    assert batch.requests == (run, long) and batch.prefill == (long,)
+    assert batch.prefill_ends == (11,)
+    events = sched.update_from_output(batch, [12, None])  # no token for a partial chunk
+    assert events == [TokenEvent("run", (12,))] and long.num_cached == 11
+    batch = sched.schedule()
+    assert batch.prefill_ends == (22,)
+    sched.update_from_output(batch, [13, None])
+    batch = sched.schedule()
+    assert batch.prefill_ends == (25,)                    # the rest; then its first token
+    events = sched.update_from_output(batch, [14, 40])
+    assert TokenEvent("long", (40,)) in events and long.output_ids == [40]
+    assert long.num_cached == 0 and not long.recompute    # a decode row from now on
+    finish_all(sched)
+    assert pool.all_free()
+
+
+def test_prefill_rows_beyond_the_chunk_budget_wait_their_turn(pool):
+    sched = DecodeScheduler(pool, BS, 128, (EOS,), local_prefill_max_tokens=64,
+                            prefill_chunk_size=8)
+    reserve(sched, "a", PROMPT[:6])
+    reserve(sched, "b", PROMPT[10:16])
+    batch = sched.schedule()
+    a, b = sched._requests["a"], sched._requests["b"]
+    assert batch.prefill == (a, b) and batch.prefill_ends == (6, 2)
+    sched.update_from_output(batch, [20, None])
+    assert a.output_ids == [20] and b.num_cached == 2
+    many = DecodeScheduler(BlockPool(NUM_BLOCKS), BS, 128, (EOS,),
+                           local_prefill_max_tokens=64, prefill_chunk_size=8)
+    for i in range(3):
+        reserve(many, f"r{i}", PROMPT[4 * i:4 * i + 8])
+    batch = many.schedule()                               # the budget covers r0 only
+    assert [r.request_id for r in batch.requests] == ["r0"] and batch.prefill_ends == (8,)
+    finish_all(sched)
+    finish_all(many)
+    assert pool.all_free() and many.pool.all_free()
+
+
+def test_a_partly_prefilled_request_preempted_starts_its_prompt_again(pool):
+    sched = DecodeScheduler(pool, BS, 128, (EOS,), local_prefill_max_tokens=64,
+                            prefill_chunk_size=8)
+    reserve(sched, "a", PROMPT[:20])
+    batch = sched.schedule()
+    sched.update_from_output(batch, [None])
+    req = sched._requests["a"]
+    assert req.num_cached == 8
+    with sched._lock:
+        sched._preempt(req)
+    batch = sched.schedule()
+    assert batch.prefill == (req,) and req.num_cached == 0 and batch.prefill_ends == (8,)
+    finish_all(sched)
+    assert pool.all_free()

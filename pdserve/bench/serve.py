@@ -1,0 +1,250 @@
+"""`pdserve bench serve`: one workload served three ways, side by side, per request rate.
+
+Modes, on the same prompts (workload.py) and the same arrival times:
+
+- `disagg`: a prefill worker and a decode worker, each pinned to its own half of this
+  process's CPUs (sched_setaffinity) with that many torch threads: two "nodes" on one
+  box; KV over the chosen transport.
+- `colocated`: one decode worker pinned to every CPU does prefill and decode in one
+  engine: every prompt is prefilled locally (local_prefill_max_tokens above the context)
+  with chunked prefill (`prefill_chunk_size` prompt tokens per step, decode rows first).
+  The cluster's prefill worker exists but is never called (it only holds its weights).
+- `hf`: HF transformers `generate` in static batches (hf_baseline.py), in this process
+  with every CPU: what a user would otherwise write.
+
+Each (rate, mode) run starts a fresh cluster (so no prefix-cache state carries over
+between runs), sends one warm-up request, then the workload from a client thread per
+request, each sleeping until its Poisson arrival time; timings are client-side, from
+the send. After each run every KV block pool must be free again (`kv_blocks_leaked`).
+Figures: workload.summarize() (TTFT, TPOT, ITL, E2E, throughput, goodput at the SLO).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+
+import grpc
+
+from ..client import Client, make_request
+from ..config import ClusterConfig
+from .workload import BenchRequest, RequestResult, arrival_times, summarize
+
+MODES = ("disagg", "colocated", "hf")
+_WARMUP_IDS = list(range(1000, 1040))   # a prompt no workload shares a block with
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    model: str = "default"
+    modes: tuple[str, ...] = MODES
+    request_rates: tuple[float, ...] = (math.inf,)   # requests/s (Poisson), inf: all at t=0
+    seed: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    transport: str = "tcp"
+    prefill_chunk_size: int | None = 512       # tokens per step (both engines)
+    decode_blocks: int = 4096                  # 16-token blocks: 64 ShareGPT pairs at once
+    prefill_blocks: int = 1024
+    hf_batch_size: int = 8
+    cpus: tuple[int, ...] = field(default_factory=lambda: tuple(sorted(os.sched_getaffinity(0))))
+
+    def __post_init__(self):
+        if bad := set(self.modes) - set(MODES):
+            raise ValueError(f"modes {sorted(bad)}: choose from {', '.join(MODES)}")
+        if not self.request_rates or not all(r > 0 for r in self.request_rates):
+            raise ValueError(f"request_rates={self.request_rates}: each must be > 0 (or inf)")
+        if "disagg" in self.modes and len(self.cpus) < 2:
+            raise ValueError(f"disagg mode pins prefill and decode to separate CPUs; this "
+                             f"process may use only {list(self.cpus)}")
+        if self.hf_batch_size < 1:
+            raise ValueError(f"hf_batch_size={self.hf_batch_size}: must be >= 1")
+
+    def cluster_config(self, mode: str) -> ClusterConfig:
+        """The cluster of `mode` (disagg or colocated); see the module docstring."""
+        half = len(self.cpus) // 2
+        slo = {k: v for k in ("slo_ttft_ms", "slo_tpot_ms") if (v := getattr(self, k))}
+        cfg = ClusterConfig.local(self.model, port=0, transport=self.transport,
+                                  prefill_blocks=self.prefill_blocks,
+                                  decode_blocks=self.decode_blocks, threads_per_worker=1,
+                                  prefill_chunk_size=self.prefill_chunk_size, router_kw=slo)
+        if mode == "disagg":
+            p, d = self.cpus[:half], self.cpus[half:]
+            return replace(cfg, prefill=replace(cfg.prefill, cpus=p, num_threads=len(p)),
+                           decode=replace(cfg.decode, cpus=d, num_threads=len(d)))
+        assert mode == "colocated", mode
+        return replace(cfg, prefill=replace(cfg.prefill, cpus=self.cpus[:1]),
+                       decode=replace(cfg.decode, cpus=self.cpus, num_threads=len(self.cpus),
+                                      local_prefill_max_tokens=1 << 30))
+
+
+@dataclass
+class Run:
+    """One (mode, rate) run: per-request results and the summary figures."""
+
+    mode: str
+    request_rate: float
+    results: list[RequestResult]
+    duration_s: float
+    kv_blocks_leaked: int = 0
+
+    def summary(self, cfg: ServeBenchConfig) -> dict:
+        return {"mode": self.mode, "request_rate": self.request_rate,
+                "kv_blocks_leaked": self.kv_blocks_leaked,
+                **summarize(self.results, self.duration_s, cfg.slo_ttft_ms, cfg.slo_tpot_ms)}
+
+    def per_request(self) -> list[dict]:
+        """Each request's TTFT, TPOT and E2E (ms) and tokens, to re-judge another SLO."""
+        return [{"prompt_tokens": r.prompt_tokens, "output_tokens": len(r.token_times),
+                 "ttft_ms": r.ttft * 1e3 if r.token_times else None,
+                 "tpot_ms": r.tpot * 1e3 if r.tpot is not None else None,
+                 "e2e_ms": r.e2e * 1e3, "error": r.error} for r in self.results]
+
+
+def _send(client: Client, req: BenchRequest, at: float, t0: float) -> RequestResult:
+    """Sleep until t0 + at, stream the request, and time each token from the send."""
+    time.sleep(max(0.0, t0 + at - time.perf_counter()))
+    res = RequestResult(len(req.prompt_token_ids))
+    sent = time.perf_counter()
+    try:
+        for msg in client.stream(make_request(req.prompt_token_ids, max_tokens=req.max_tokens,
+                                              temperature=0, ignore_eos=True)):
+            now = time.perf_counter() - sent
+            res.token_times += [now] * len(msg.token_ids)
+        res.ok = len(res.token_times) == req.max_tokens
+        res.error = "" if res.ok else f"{len(res.token_times)} of {req.max_tokens} tokens"
+    except grpc.RpcError as e:
+        res.error = f"{e.code().name}: {e.details()}"
+    res.e2e = time.perf_counter() - sent
+    return res
+
+
+def _leaked_blocks(client: Client, timeout_s: float = 10.0) -> int:
+    """KV blocks still held on any worker once the run is over (frees land async)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = sum(w.kv_blocks_total - w.kv_blocks_free for w in client.status().workers)
+        if held == 0 or time.monotonic() > deadline:
+            return held
+        time.sleep(0.1)
+
+
+def run_cluster(cfg: ServeBenchConfig, mode: str, rate: float, requests: list[BenchRequest],
+                arrivals: list[float], progress=None) -> Run:
+    """Serve `requests` on a fresh `mode` cluster; `progress` (tqdm) ticks per request."""
+    from ..cluster import Cluster
+
+    with Cluster(cfg.cluster_config(mode)) as cluster, \
+            Client(f"127.0.0.1:{cluster.port}", timeout_s=3600) as client:
+        client.generate(make_request(_WARMUP_IDS, max_tokens=2))   # connect, first step
+        lock = threading.Lock()
+
+        def one(i: int) -> RequestResult:
+            r = _send(client, requests[i], arrivals[i], t0)
+            if progress is not None:
+                with lock:
+                    progress.update(1)
+            return r
+
+        t0 = time.perf_counter()
+        ex = ThreadPoolExecutor(len(requests))
+        try:
+            results = list(ex.map(one, range(len(requests))))
+        except BaseException:       # Ctrl-C: cancel every stream so the threads end now
+            client.close()
+            raise
+        finally:
+            ex.shutdown(wait=True, cancel_futures=True)
+        duration = time.perf_counter() - t0
+        return Run(mode, rate, results, duration, _leaked_blocks(client))
+
+
+def run_hf(cfg: ServeBenchConfig, hf_model, rate: float, requests: list[BenchRequest],
+           arrivals: list[float], progress=None) -> Run:
+    from .hf_baseline import run_hf as hf
+
+    results, duration = hf(hf_model, requests, arrivals, cfg.hf_batch_size,
+                           on_done=progress.update if progress is not None else None)
+    return Run("hf", rate, results, duration)
+
+
+def run(cfg: ServeBenchConfig, requests: list[BenchRequest], show_progress: bool = True
+        ) -> list[Run]:
+    """Every (rate, mode) of `cfg` on `requests`, rate by rate; see the module docstring.
+
+    Starts a local Ray instance when none is running (and stops it at the end).
+    """
+    import ray
+    import torch
+    from tqdm import tqdm
+
+    owns_ray = not ray.is_initialized()
+    if owns_ray and {"disagg", "colocated"} & set(cfg.modes):
+        ray.init(num_cpus=len(cfg.cpus), include_dashboard=False, configure_logging=False,
+                 namespace=f"pdserve-bench-{os.getpid()}")
+    hf_model = None
+    if "hf" in cfg.modes:
+        from .hf_baseline import load_hf
+        torch.set_num_threads(len(cfg.cpus))
+        hf_model = load_hf(cfg.model)
+    runs = []
+    try:
+        for rate in cfg.request_rates:
+            arrivals = arrival_times(len(requests), rate, cfg.seed)
+            for mode in cfg.modes:
+                bar = tqdm(total=len(requests), desc=f"{mode} @ {rate:g} req/s", unit="req",
+                           disable=not show_progress, leave=True)
+                with bar:
+                    if mode == "hf":
+                        runs.append(run_hf(cfg, hf_model, rate, requests, arrivals, bar))
+                    else:
+                        runs.append(run_cluster(cfg, mode, rate, requests, arrivals, bar))
+    finally:
+        if owns_ray and ray.is_initialized():
+            ray.shutdown()
+    return runs
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def table(summaries: list[dict]) -> str:
+    """Per rate, each mode's figures and its output-throughput and goodput ratios to
+    `hf` and to `colocated` (where those ran at the same rate)."""
+    head = (f"{'rate':>6} {'mode':>10} {'req/s':>7} {'out tok/s':>10} {'goodput':>8} "
+            f"{'TTFT p50':>9} {'TTFT p90':>9} {'TPOT p50':>9} {'TPOT p90':>9} {'ITL p90':>8} "
+            f"{'E2E p50':>9} {'tok/s vs hf':>11} {'vs coloc':>9} {'goodput vs coloc':>16}")
+    rows = [head]
+    for s in summaries:
+        same = {o["mode"]: o for o in summaries if o["request_rate"] == s["request_rate"]}
+        hf, co = same.get("hf"), same.get("colocated")
+        rows.append(
+            f"{s['request_rate']:>6g} {s['mode']:>10} {s['request_throughput_req_s']:>7.3f} "
+            f"{s['output_throughput_tok_s']:>10.1f} {s['goodput_req_s']:>8.3f} "
+            f"{s['ttft_ms']['p50']:>7.0f}ms {s['ttft_ms']['p90']:>7.0f}ms "
+            f"{s['tpot_ms']['p50']:>7.0f}ms {s['tpot_ms']['p90']:>7.0f}ms "
+            f"{s['itl_ms']['p90']:>6.0f}ms {s['e2e_ms']['p50'] / 1e3:>8.1f}s "
+            f"{_ratio(s['output_throughput_tok_s'], hf['output_throughput_tok_s']) if hf else '-':>11} "
+            f"{_ratio(s['output_throughput_tok_s'], co['output_throughput_tok_s']) if co else '-':>9} "
+            f"{_ratio(s['goodput_req_s'], co['goodput_req_s']) if co else '-':>16}")
+        if s["failed"] or s.get("kv_blocks_leaked"):
+            rows.append(f"{'':>17} {s['failed']} failed, {s.get('kv_blocks_leaked', 0)} KV "
+                        "blocks not freed")
+    return "\n".join(rows)
+
+
+def as_json(cfg: ServeBenchConfig, runs: list[Run], workload: dict) -> dict:
+    """The issue's JSON: {"config", "modes": [summary per (mode, rate)]}."""
+    conf = asdict(cfg) | {"workload": workload}
+    conf["request_rates"] = [r if math.isfinite(r) else "inf" for r in cfg.request_rates]
+    modes = []
+    for run_ in runs:
+        s = run_.summary(cfg)
+        s["request_rate"] = s["request_rate"] if math.isfinite(s["request_rate"]) else "inf"
+        modes.append(s | {"requests": run_.per_request()})
+    return {"config": conf, "modes": modes}

@@ -56,7 +56,8 @@ class DecodeWorker:
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
         layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)
         self.receiver = make_receiver(config.transport, self.runner.kv_cache, layout, self.epoch,
-                                      on_complete=self._on_kv_complete, host=config.host)
+                                      on_complete=self._on_kv_complete, host=config.host,
+                                      secret=config.kv_secret)
         self.kv_address = self.receiver.start()
         self.scheduler = DecodeScheduler(
             self.pool, self.runner.block_size, self.runner.config.max_model_len,
@@ -85,7 +86,8 @@ class DecodeWorker:
                 "num_blocks": self.pool.num_blocks, "block_size": self.runner.block_size}
 
     async def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
-                      prompt_token_ids: list[int]) -> dict | None:
+                      prompt_token_ids: list[int], lease_s: float | None = None
+                      ) -> dict | None:
         """Reserve blocks for a request's prompt KV; None when the pool cannot hold it
         now, or ever (prompt + max_tokens beyond the whole pool; the router refuses
         those against the largest decode worker first). `prompt_token_ids` (prompt_len
@@ -95,7 +97,10 @@ class DecodeWorker:
         worker fills, "cached_blocks": leading prompt blocks D holds already (the
         prefill worker skips them), "local_prefill": True when D prefills the prompt
         itself (then no prefill worker is called: the first token comes on the stream),
-        "free_blocks"}.
+        "free_blocks"}. The reservation is held under a lease of `lease_s` seconds
+        (default config.lease_s; the router passes the request's remaining deadline):
+        KV not arrived by then, the blocks are reclaimed and the request fails.
+        Idempotent per request_id (a repeated call returns the same reservation).
         Raises:
             ValueError: len(prompt_token_ids) != prompt_len.
         """
@@ -104,7 +109,7 @@ class DecodeWorker:
             self._queues[request_id] = asyncio.Queue()
         try:
             r = self.scheduler.reserve(request_id, prompt_len, params,
-                                       self.config.lease_s, prompt_token_ids)
+                                       lease_s or self.config.lease_s, prompt_token_ids)
         except (NoFreeBlocksError, RequestTooLargeError) as e:
             logger.debug("reserve %s refused: %s", request_id, e)
             self._queues.pop(request_id, None)
@@ -154,6 +159,8 @@ class DecodeWorker:
                 "epoch": self.epoch, "kv_address": f"{host}:{port}",
                 "peak_batch_size": self.peak_batch_size,
                 "num_preemptions": self.scheduler.num_preemptions,
+                "kv_reservations_leased": self.scheduler.num_reservations_active(),
+                "kv_reservations_reclaimed": self.scheduler.num_reclaimed,
                 "preempted_requests": self.scheduler.num_waiting_to_resume(),
                 "local_prefills": self.scheduler.num_local_prefills,
                 "prefix_cache_hit_tokens": self.scheduler.cached_tokens,

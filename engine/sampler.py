@@ -21,7 +21,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     """Pick one token per row.
 
     logits: [batch, vocab] float32 (any device); params[i] and steps[i] (tokens the
-    request has generated so far, 0 for the first) belong to row i.
+    request has generated so far here, 0 for the first; params[i].step_offset is added
+    for a request that moved workers) belong to row i.
     Returns batch token ids.
     """
     assert logits.shape[0] == len(params) == len(steps), (logits.shape, len(params), len(steps))
@@ -37,7 +38,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
                 q[j].exponential_()
             else:
                 gen = torch.Generator(device=logits.device)
-                gen.manual_seed((p.seed * 1_000_003 + steps[i]) % 2**63)
+                gen.manual_seed((p.seed * 1_000_003 + p.step_offset + steps[i]) % 2**63)
                 q[j].exponential_(generator=gen)
         out[rows] = (probs / q).argmax(dim=-1)
     return out.tolist()

@@ -37,6 +37,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    step_offset: int = 0     # tokens generated before this request moved here (the
+                             # router's retry after a worker died); the sampler's step
+                             # counts on from it, so seeded draws continue unchanged
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -13,6 +13,7 @@ import torch
 
 from .base import (
     PROTOCOL_VERSION,
+    KVAuthError,
     KVCompletion,
     KVFrameError,
     KVLayout,
@@ -25,6 +26,7 @@ from .base import (
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "KVAuthError",
     "KVCompletion",
     "KVFrameError",
     "KVLayout",
@@ -44,6 +46,9 @@ __all__ = [
 # (or ucx-py), so it happens only when "ucx" is chosen.
 SENDERS: dict[str, str] = {"tcp": ".tcp:TcpKVSender", "ucx": ".ucx:UcxKVSender"}
 RECEIVERS: dict[str, str] = {"tcp": ".tcp:TcpKVReceiver", "ucx": ".ucx:UcxKVReceiver"}
+# Senders that can append a CRC32C to each KV payload. Not UCX: it moves device memory as
+# it lies, and a host-side crc would cost a device -> host copy of every byte.
+CHECKSUMMED: frozenset[str] = frozenset({"tcp"})
 
 
 def _load(registry: dict[str, str], kind: str, role: str) -> type:
@@ -58,11 +63,17 @@ def _load(registry: dict[str, str], kind: str, role: str) -> type:
     return getattr(module, class_name)
 
 
-def make_sender(kind: str, kv: torch.Tensor, layout: KVLayout, **kw: Any) -> KVSender:
+def make_sender(kind: str, kv: torch.Tensor, layout: KVLayout, *, checksum: bool = False,
+                secret: str | None = None, **kw: Any) -> KVSender:
     """Construct the ``kind`` sender over cache ``kv``
-    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``; ``kw`` goes to
-    the transport (e.g. ``checksum=True`` for tcp). ValueError for an unknown kind."""
-    return _load(SENDERS, kind, "sender")(kv, layout, **kw)
+    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    checksum: CRC32C per KV frame payload where the transport offers it (CHECKSUMMED;
+    ignored elsewhere). secret: the cluster's shared secret for the handshake (auth.py).
+    ``kw`` goes to the transport. ValueError for an unknown kind."""
+    if kind in CHECKSUMMED:
+        kw["checksum"] = checksum
+    return _load(SENDERS, kind, "sender")(kv, layout, secret=secret, **kw)
 
 
 def make_receiver(
@@ -72,11 +83,16 @@ def make_receiver(
     epoch: int,
     on_complete: Callable[[KVCompletion], None],
     host: str = "127.0.0.1",
+    *,
+    secret: str | None = None,
     **kw: Any,
 ) -> KVReceiver:
-    """Construct (not start) the ``kind`` receiver writing into ``kv``. ValueError for an
-    unknown kind."""
-    return _load(RECEIVERS, kind, "receiver")(kv, layout, epoch, host, on_complete=on_complete, **kw)
+    """Construct (not start) the ``kind`` receiver writing into ``kv``, listening on
+    ``host`` (the worker's cluster address: TCP binds only it; ucxx can only listen on
+    every interface) and pairing only with senders that prove
+    ``secret`` (auth.py; None: senders without one). ValueError for an unknown kind."""
+    return _load(RECEIVERS, kind, "receiver")(kv, layout, epoch, host, on_complete=on_complete,
+                                              secret=secret, **kw)
 
 
 def resolve_transport(kind: str) -> str:

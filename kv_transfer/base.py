@@ -5,8 +5,11 @@ Lifecycle of one request's KV, seen from both ends::
 
     decode worker D (KVReceiver)               prefill worker P (KVSender)
     ---------------------------------          ---------------------------------
-    start() -> addr                            (connects lazily, handshake with
-    expect(request_id, dst_block_ids)           layout + epoch on first use)
+    start() -> addr                            (connects lazily on first use)
+                           -- CHALLENGE --->   nonce_d
+                           <-- HANDSHAKE --    layout, epoch, nonce_p, auth_p
+                           -- HANDSHAKE_ACK -> layout, epoch, error, auth_d
+    expect(request_id, dst_block_ids)
       state WAITING
                                                send_layers(addr, rid, epoch, 0, k, src)
       state TRANSFERRING   <-- KV frames --    send_layers(addr, rid, epoch, k, L, src)
@@ -27,6 +30,14 @@ The cache both ends share the layout of is one contiguous tensor::
 
 P's ``num_blocks`` may differ from D's; every other dimension and the dtype must match,
 which is what :class:`KVLayout` describes and the handshake compares.
+
+Pairing is also gated on the cluster's shared secret (``secret=`` on both ends,
+WorkerConfig.kv_secret): D opens every connection with a random nonce, P answers with
+an HMAC-SHA256 proof over both sides' nonces, D with its own (``auth.py``), so the
+secret never crosses the wire and each end checks the other. A side with a secret
+refuses a peer without one, and the other way round: D then sends a refusal
+(KVAuthError on P, "cluster secret mismatch") and closes the connection before any KV
+frame is read.
 """
 
 from __future__ import annotations
@@ -41,7 +52,8 @@ from typing import Callable, Sequence
 import torch
 
 
-PROTOCOL_VERSION = 2  # 2: KV frames carry block_start (frames.py)
+PROTOCOL_VERSION = 3  # 2: KV frames carry block_start; 3: CHALLENGE + HMAC auth,
+#                       CRC32C instead of zlib crc32 (frames.py)
 
 # Longest request id (UTF-8 bytes) a frame may carry; bounds what a receiver reads
 # before it has validated anything else.
@@ -58,6 +70,11 @@ class KVLayoutMismatch(KVTransferError):
 
 class KVFrameError(KVTransferError):
     """A frame on the wire is malformed or truncated; the connection is dropped."""
+
+
+class KVAuthError(KVTransferError):
+    """The peer did not prove the cluster's shared secret (or one side has none); the
+    handshake is refused and the connection closed."""
 
 
 class TransferState(enum.IntEnum):
@@ -221,8 +238,10 @@ class KVSender(ABC):
     @abstractmethod
     def connect(self, addr: tuple[str, int]) -> int:
         """Open (or reuse) the connection to D at ``addr`` and pair: exchange layouts and
-        epochs. Returns D's epoch. Raises KVLayoutMismatch naming every differing field
-        and both values, KVTransferError when D cannot be reached."""
+        epochs, and prove the cluster secret both ways. Returns D's epoch. Raises
+        KVLayoutMismatch naming every differing field and both values, KVAuthError
+        ("KV handshake refused by <addr>: cluster secret mismatch") when either end
+        lacks the other's secret, KVTransferError when D cannot be reached."""
 
     @abstractmethod
     def send_layers(

@@ -16,7 +16,7 @@ payload (the 8-byte fields sit on 8-byte offsets)::
     32                             40                             48     50        56
     +------------------------------+------------------------------+------+---------+
     |     first_token (i64, -1     |      payload_len (u64)       |rid_ln|  zero   |
-    |       = no token)            |   (incl. trailing crc32)     | u16  |   pad   |
+    |       = no token)            |   (incl. trailing crc32c)    | u16  |   pad   |
     +------------------------------+------------------------------+------+---------+
     56                 56 + rid_len                               + payload_len
     +------------------+------------------------------------------+
@@ -34,12 +34,18 @@ layer (one per prefill chunk, say), in any order; each (layer, block) exactly on
 
 Payload by frame type:
 
-    HANDSHAKE      JSON {"layout": <KVLayout>, "epoch": <P's epoch>}        (P -> D)
-    HANDSHAKE_ACK  JSON {"layout": <KVLayout>, "epoch": <D's epoch>,
-                         "error": null | "<why D refuses>"}                  (D -> P)
+    CHALLENGE      NONCE_BYTES random bytes: D's nonce_d, the first frame   (D -> P)
+                   on every connection (auth.py)
+    HANDSHAKE      JSON {"layout": <KVLayout>, "epoch": <P's epoch>,        (P -> D)
+                         "nonce": "<nonce_p hex>", "auth": null | "<hex>"}
+    HANDSHAKE_ACK  JSON {"layout": <KVLayout>, "epoch": <D's epoch>,        (D -> P)
+                         "error": null | "<why D refuses>", "auth": null | "<hex>"}
+                   (a refusal for the cluster secret is {"error": AUTH_REFUSED} only:
+                   nothing about D goes to a peer that has not proved the secret)
     KV             K/V bytes of a [layer_end - layer_start, 2, num_blocks,
                    block_size, num_kv_heads, head_dim] tensor in the layout
-                   dtype, C order; + 4-byte LE zlib.crc32 of them if flag bit 0
+                   dtype, C order; + 4-byte LE CRC32C (Castagnoli,
+                   google-crc32c) of them if flag bit 0
     DONE           empty; first_token set, layer_end = number of layers sent
     ABORT          UTF-8 reason (<= MAX_REASON_BYTES)
 
@@ -54,6 +60,7 @@ import json
 import socket
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -65,11 +72,13 @@ HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 56, HEADER_SIZE
 _RID_LEN = 12  # index of the request id's length in HEADER's fields
 
-FLAG_CRC32 = 1 << 0  # payload carries a trailing little-endian zlib.crc32
-KNOWN_FLAGS = FLAG_CRC32
+FLAG_CRC32C = 1 << 0  # payload carries a trailing little-endian CRC32C (host_io.crc32c)
+KNOWN_FLAGS = FLAG_CRC32C
 CRC_BYTES = 4
 
 MAX_HANDSHAKE_BYTES = 64 * 1024  # layout JSON is ~200 bytes; bound what we buffer
+NONCE_BYTES = 32  # CHALLENGE payload, and P's nonce in its HANDSHAKE
+AUTH_REFUSED = "cluster secret mismatch"  # D's refusal error when auth fails (auth.py)
 MAX_REASON_BYTES = 4096
 
 # Codes are part of the protocol: never renumber, only append.
@@ -91,6 +100,7 @@ class FrameType(enum.IntEnum):
     KV = 3
     DONE = 4
     ABORT = 5
+    CHALLENGE = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +121,7 @@ class FrameHeader:
 
     @property
     def has_crc(self) -> bool:
-        return bool(self.flags & FLAG_CRC32)
+        return bool(self.flags & FLAG_CRC32C)
 
     @property
     def num_layers(self) -> int:
@@ -238,6 +248,9 @@ def _validate(h: FrameHeader, layout: KVLayout | None, max_blocks: int | None) -
             raise KVFrameError(
                 f"{t.name} payload_len {h.payload_len} not in [1, {MAX_HANDSHAKE_BYTES}]"
             )
+    elif t == FrameType.CHALLENGE:
+        if h.payload_len != NONCE_BYTES:
+            raise KVFrameError(f"CHALLENGE payload_len {h.payload_len}, expected {NONCE_BYTES}")
     elif t == FrameType.ABORT:
         if h.payload_len > MAX_REASON_BYTES:
             raise KVFrameError(f"ABORT reason {h.payload_len} bytes, limit {MAX_REASON_BYTES}")
@@ -279,7 +292,7 @@ def _validate_kv(h: FrameHeader, layout: KVLayout | None, max_blocks: int | None
         raise KVFrameError(
             f"KV frame payload_len {h.payload_len}, expected {expected} for "
             f"{h.num_layers} layers x {h.num_blocks} blocks of {layout.dtype}"
-            + (" + crc32" if h.has_crc else "")
+            + (" + crc32c" if h.has_crc else "")
         )
 
 
@@ -340,27 +353,54 @@ def read_header(
     return unpack_header(mv[: HEADER_SIZE + rid_len], layout, max_blocks)
 
 
-def encode_handshake(layout: KVLayout, epoch: int, error: str | None = None, *, ack: bool) -> bytes:
-    """Handshake (``ack=False``) or ack payload JSON, UTF-8."""
-    body: dict = {"layout": json.loads(layout.to_json()), "epoch": epoch}
+class Handshake(NamedTuple):
+    """A decoded HANDSHAKE or HANDSHAKE_ACK payload."""
+
+    layout: KVLayout | None  # None only in an AUTH_REFUSED refusal
+    epoch: int
+    error: str | None  # D's refusal (acks only)
+    nonce: bytes = b""  # P's nonce_p (HANDSHAKE); b"" in an ack
+    auth: bytes | None = None  # the sender's HMAC proof (auth.py); None: it has no secret
+
+
+def encode_handshake(layout: KVLayout, epoch: int, error: str | None = None, *, ack: bool,
+                     nonce: bytes = b"", auth: bytes | None = None) -> bytes:
+    """Handshake (``ack=False``, with P's ``nonce``) or ack payload JSON, UTF-8;
+    ``auth`` is the sender's proof of the cluster secret (None without one)."""
+    body: dict = {"layout": json.loads(layout.to_json()), "epoch": epoch,
+                  "auth": None if auth is None else auth.hex()}
     if ack:
         body["error"] = error
+    else:
+        body["nonce"] = nonce.hex()
     return json.dumps(body, sort_keys=True).encode("utf-8")
 
 
-def decode_handshake(payload: bytes) -> tuple[KVLayout, int, str | None]:
-    """Inverse of :func:`encode_handshake`: (layout, epoch, error). KVFrameError if
-    malformed."""
+def encode_auth_refusal() -> bytes:
+    """D's ack to a peer that did not prove the cluster secret: the error only."""
+    return json.dumps({"error": AUTH_REFUSED}).encode("utf-8")
+
+
+def decode_handshake(payload: bytes, *, ack: bool) -> Handshake:
+    """Inverse of :func:`encode_handshake` (and, ``ack`` only, of
+    :func:`encode_auth_refusal`). KVFrameError if malformed: a HANDSHAKE (``ack=False``)
+    needs a layout and P's nonce, and carries no error."""
     try:
         body = json.loads(payload)
-        layout = KVLayout.from_json(json.dumps(body["layout"]))
-        epoch = body["epoch"]
         error = body.get("error")
-    except (ValueError, KeyError, TypeError) as e:
+        refusal = ack and error == AUTH_REFUSED and "layout" not in body
+        layout = None if refusal else KVLayout.from_json(json.dumps(body["layout"]))
+        epoch = body.get("epoch", 0) if refusal else body["epoch"]
+        nonce = bytes.fromhex(body.get("nonce") or "")
+        auth = None if body.get("auth") is None else bytes.fromhex(body["auth"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise KVFrameError(f"malformed handshake payload: {e}") from e
     if not isinstance(epoch, int) or not (error is None or isinstance(error, str)):
         raise KVFrameError(f"malformed handshake payload: epoch={epoch!r} error={error!r}")
-    return layout, epoch, error
+    if len(nonce) != (0 if ack else NONCE_BYTES) or (error is not None and not ack):
+        raise KVFrameError(f"malformed handshake payload: nonce of {len(nonce)} bytes "
+                           f"(expected {0 if ack else NONCE_BYTES}), error={error!r}")
+    return Handshake(layout, epoch, error, nonce, auth)
 
 
 def torch_dtype_for_code(code: int) -> torch.dtype:

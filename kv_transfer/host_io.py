@@ -1,5 +1,5 @@
-"""Host-memory I/O for the TCP transport: zero-copy views of a paged cache and socket
-helpers. (The wire format itself is frames.py.)
+"""Host-memory I/O for the TCP transport: zero-copy views of a paged cache, the KV frame
+checksum over them (CRC32C) and socket helpers. (The wire format itself is frames.py.)
 
 Zero copy rests on one fact about the cache layout [num_layers, 2, num_blocks, ...]: for
 one layer and K or V, a run of consecutive block ids is one contiguous region of memory,
@@ -9,12 +9,42 @@ and a fresh block pool hands out long runs. Those regions go straight to `sendms
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import socket
 import struct
+from typing import Iterable
 
+import google_crc32c
 import torch
 
 from .frames import tensor_bytes
+
+logger = logging.getLogger(__name__)
+
+# google-crc32c falls back to pure Python where its C extension is missing (a source
+# build without the C library): correct, but a few MB/s, far below any link.
+_CRC32C_IN_C = google_crc32c.implementation == "c"
+if not _CRC32C_IN_C:
+    logger.warning("google-crc32c has no C extension here: checksummed KV frames "
+                   "(WorkerConfig.kv_checksum) will crawl; install its binary wheel")
+
+
+def crc32c(pieces: Iterable[memoryview], crc: int = 0) -> int:
+    """CRC32C (Castagnoli, google-crc32c) of ``pieces`` in order, extending ``crc``:
+    the KV frame checksum (frames.FLAG_CRC32C). Pieces are writable, C-contiguous views
+    of host memory (tensor_bytes, HostCacheView.regions, a staging tensor).
+
+    Zero-copy: the C extension parses its argument as ``y#``, which refuses every buffer
+    with a release hook (memoryview, bytearray, numpy) and takes bytes; a ctypes array
+    over the same memory has no such hook. ``bytes(piece)`` would copy: measured 0.058
+    against 0.035 ms per 768 KiB frame. The GIL stays held (~35 us per 768 KiB).
+    """
+    for p in pieces:
+        if _CRC32C_IN_C:
+            p = (ctypes.c_char * p.nbytes).from_buffer(p)  # aliases p; no copy
+        crc = google_crc32c.extend(crc, p)
+    return crc
 
 
 def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
@@ -63,6 +93,15 @@ class HostCacheView:
                 base = (layer * 2 + half) * self.num_blocks * bb
                 out.extend(flat[base + first * bb: base + (first + n) * bb] for first, n in runs)
         return out
+
+
+def copy_into(regions: list[memoryview], payload: memoryview) -> None:
+    """Scatter ``payload`` over ``regions`` (HostCacheView.regions order): one memcpy each."""
+    off = 0
+    for r in regions:
+        r[:] = payload[off : off + len(r)]
+        off += len(r)
+    assert off == len(payload), (off, len(payload))
 
 
 def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:

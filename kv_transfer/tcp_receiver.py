@@ -1,10 +1,25 @@
 """TCP receiver (decode worker D side); the transport is described in ``tcp.py``.
 
-One accept thread, one thread per connection. Each frame header is validated against
-the layout, then the payload is ``recv_into`` a reused per-connection uint8 staging
-tensor, checked (crc32 when flagged), viewed as the layout dtype and scattered into
-the reserved blocks by ReservationTable. A connection that sends anything malformed
-is closed with a warning; the other connections are unaffected.
+One accept thread, one thread per connection, listening on ``host`` only (the worker's
+cluster address, WorkerConfig.host; never a wildcard unless that is what it is given).
+Every connection starts with D's CHALLENGE and must pair (layout, epoch, and the
+cluster secret when one is set; auth.py) before any KV frame is read. Each frame header
+is validated against the layout, and a KV frame's payload_len against its block range
+and the reservation, so a forged length never makes D allocate more than the
+reservation's bytes (an unknown request's payload is read and dropped in 1 MiB chunks).
+The payload is ``recv_into`` the reserved blocks themselves, or, when CRC32C-flagged,
+into a reused per-connection uint8 staging tensor, checked, viewed as the layout dtype
+and scattered into the blocks by ReservationTable.
+
+What fails what:
+
+- a CRC32C mismatch fails that request only (its bytes never reach the cache); the
+  connection stays in sync, other requests on it go on;
+- a stale epoch, an unknown or forgotten request id: the frame's payload is read and
+  dropped (a stale epoch also fails that request);
+- anything malformed, a truncated frame, a lost connection: the connection is closed
+  with a warning and the requests that received frames over it fail; other
+  connections are unaffected.
 """
 
 from __future__ import annotations
@@ -15,13 +30,13 @@ import selectors
 import socket
 import threading
 import time
-import zlib
 from typing import Callable
 
 import torch
 
-from . import frames, host_io
+from . import auth, frames, host_io
 from .base import (
+    KVAuthError,
     KVCompletion,
     KVFrameError,
     KVLayout,
@@ -41,8 +56,10 @@ DISCARD_CHUNK_BYTES = 1 << 20
 class TcpKVReceiver(KVReceiver):
     """Threaded TCP receiver; see the module docstring.
 
-    port: 0 picks a free one. io_timeout_s bounds the wait for the rest of a frame once
-    its first byte arrived (an idle connection between frames never times out).
+    port: 0 picks a free one. io_timeout_s bounds the handshake, and the wait for the
+    rest of a frame once its first byte arrived (an idle connection between frames
+    never times out). secret: the cluster's shared secret every sender must prove
+    (auth.py); None: pair only with senders that have none.
     """
 
     def __init__(
@@ -55,8 +72,10 @@ class TcpKVReceiver(KVReceiver):
         on_complete: Callable[[KVCompletion], None],
         port: int = 0,
         io_timeout_s: float = 30.0,
+        secret: str | None = None,
     ) -> None:
         super().__init__(kv, layout, epoch, host, on_complete=on_complete)
+        self._secret = auth.secret_bytes(secret)
         self.port = port
         self.io_timeout_s = io_timeout_s
         self._pinned = kv.device.type == "cuda" and torch.cuda.is_available()
@@ -158,7 +177,7 @@ class TcpKVReceiver(KVReceiver):
         try:
             set_nodelay(sock)
             _Connection(self, sock, conn_id).serve()
-        except KVLayoutMismatch as e:
+        except (KVLayoutMismatch, KVAuthError) as e:
             why = str(e)
             logger.warning("KV connection from %s refused: %s", peer, e)
         except (KVFrameError, OSError) as e:
@@ -217,25 +236,41 @@ class _Connection:
         )
 
     def _handshake(self) -> bool:
-        """Pair with the peer; False if it hung up before saying anything (a probe)."""
+        """Pair with the peer (challenge, handshake, ack; auth.py); False if it hung up
+        before saying anything (a probe)."""
         self.sock.settimeout(self.rx.io_timeout_s)  # a silent peer must not pin a thread
+        nonce_d = auth.new_nonce()
+        self.sock.sendall(frames.pack_header(FrameType.CHALLENGE, payload_len=len(nonce_d))
+                          + nonce_d)
         h = frames.read_header(self.sock, self.layout, self.max_blocks, eof_ok=True)
         if h is None:
             return False
         if h.frame_type != FrameType.HANDSHAKE:
             raise KVFrameError(f"expected HANDSHAKE, got {h.frame_type.name}")
-        peer_layout, peer_epoch, _ = frames.decode_handshake(self._read_small(h.payload_len))
-        error = peer_layout.mismatch(self.layout)
-        payload = frames.encode_handshake(self.layout, self.rx.epoch, error, ack=True)
-        self.sock.sendall(
-            frames.pack_header(FrameType.HANDSHAKE_ACK, epoch=self.rx.epoch, payload_len=len(payload))
-            + payload
-        )
+        hs = frames.decode_handshake(self._read_small(h.payload_len), ack=False)
+        key = self.rx._secret
+        if not auth.verify(key, auth.PREFILL, nonce_d, hs.nonce, hs.auth):
+            self._send_ack(frames.encode_auth_refusal(), epoch=0)  # nothing about D
+            raise KVAuthError(
+                f"{frames.AUTH_REFUSED}: the peer "
+                + ("proved no cluster secret" if hs.auth is None else
+                   "sent a proof, this receiver has no secret" if key is None else
+                   "sent a wrong proof"))
+        error = hs.layout.mismatch(self.layout)
+        self._send_ack(frames.encode_handshake(
+            self.layout, self.rx.epoch, error, ack=True,
+            auth=auth.proof(key, auth.DECODE, nonce_d, hs.nonce)), epoch=self.rx.epoch)
         if error is not None:
             raise KVLayoutMismatch(error)
         host_io.set_kernel_timeouts(self.sock, self.rx.io_timeout_s)
-        logger.debug("KV connection %d paired (prefill epoch %d)", self.conn_id, peer_epoch)
+        logger.debug("KV connection %d paired (prefill epoch %d)", self.conn_id, hs.epoch)
         return True
+
+    def _send_ack(self, payload: bytes, epoch: int) -> None:
+        self.sock.sendall(
+            frames.pack_header(FrameType.HANDSHAKE_ACK, epoch=epoch, payload_len=len(payload))
+            + payload
+        )
 
     def _read_small(self, n: int) -> bytes:
         buf = bytearray(n)  # n is bounded by frame validation (handshake / abort limits)
@@ -244,7 +279,6 @@ class _Connection:
 
     def _on_kv(self, h: FrameHeader) -> None:
         res = self.table.admit_kv(h, self.conn_id)
-        nbytes = self.layout.payload_bytes(h.num_layers, h.num_blocks)
         if res is None:
             self._discard(h.payload_len)
             return
@@ -257,20 +291,26 @@ class _Connection:
                 self._discard(h.payload_len)
             if written is not None:
                 return
+        nbytes = self.layout.payload_bytes(h.num_layers, h.num_blocks)  # <= the reservation's
         self.staging = frames.grow_buffer(self.staging, nbytes, self.rx._pinned)
         body = memoryview(self.staging.numpy())[:nbytes]
         frames.recv_exact(self.sock, body)
         if h.has_crc:
             crc = bytearray(frames.CRC_BYTES)
             frames.recv_exact(self.sock, memoryview(crc))
-            want, got = int.from_bytes(crc, "little"), zlib.crc32(body)
+            want, got = int.from_bytes(crc, "little"), host_io.crc32c([body])
             if want != got:
                 self.table.fail(
                     res,
-                    f"checksum mismatch on layers [{h.layer_start}, {h.layer_end}): "
-                    f"frame says {want:#010x}, payload has {got:#010x}",
+                    f"checksum mismatch on layers [{h.layer_start}, {h.layer_end}) blocks "
+                    f"[{h.block_start}, {h.block_start + h.num_blocks}): crc32c in frame "
+                    f"{want:#010x}, payload has {got:#010x}",
                 )
                 return
+        # Host cache: one memcpy per run of blocks (index_copy_ measured ~40x slower on
+        # 768 KiB frames: 3.4 ms against 0.08 ms).
+        if self.table.write_layers_direct(res, h, lambda regions: host_io.copy_into(regions, body)) is not None:
+            return
         kv = self.rx.kv
         staged = (
             self.staging[:nbytes]

@@ -1,8 +1,9 @@
 """TCP sender (prefill worker P side); the transport is described in ``tcp.py``.
 
-One blocking socket per decode address, opened on first use, handshaken (layout +
-epoch), then reused under a per-connection lock. A KV frame is gathered into one
-contiguous tensor and sent zero-copy from its memory::
+One blocking socket per decode address, opened on first use, handshaken (D's
+challenge, then layout + epoch + proofs of the cluster secret both ways; auth.py), then
+reused under a per-connection lock. A KV frame is gathered into one contiguous tensor
+and sent zero-copy from its memory::
 
     kv[layer_start:layer_end].index_select(2, src_idx)   # [n_layers, 2, n_blocks, block_size, heads, head_dim]
       -> uint8 memoryview -> sock.sendall   (CUDA: copied to a pinned host buffer first)
@@ -13,14 +14,20 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
-from . import frames, host_io
-from .base import KVFrameError, KVLayout, KVLayoutMismatch, KVSender, KVTransferError
+from . import auth, frames, host_io
+from .base import (
+    KVAuthError,
+    KVFrameError,
+    KVLayout,
+    KVLayoutMismatch,
+    KVSender,
+    KVTransferError,
+)
 from .frames import FrameType
 
 logger = logging.getLogger(__name__)
@@ -42,7 +49,12 @@ class _SendConn:
 class TcpKVSender(KVSender):
     """Blocking TCP sender; see the module docstring.
 
-    checksum: append a crc32 to every KV payload (costs one pass over the bytes).
+    checksum: append a CRC32C (Castagnoli, google-crc32c) to every KV payload, which D
+        checks before a byte of it reaches the cache (a mismatch fails that request
+        only). Costs a crc pass on each end and D's zero-copy receive (tcp.py gives
+        the measured cost); on by default through WorkerConfig.kv_checksum.
+    secret: the cluster's shared secret; D must prove it and P proves it to D (auth.py).
+        None: pair only with a D that has none.
     epoch: P's own epoch, sent in the handshake for D's logs.
     connect_timeout_s / io_timeout_s: bound every connect and every send/recv.
     """
@@ -53,12 +65,14 @@ class TcpKVSender(KVSender):
         layout: KVLayout,
         *,
         checksum: bool = False,
+        secret: str | None = None,
         epoch: int = 0,
         connect_timeout_s: float = 5.0,
         io_timeout_s: float = 30.0,
     ) -> None:
         super().__init__(kv, layout)
         self.checksum = checksum
+        self._secret = auth.secret_bytes(secret)
         self.epoch = epoch
         self.connect_timeout_s = connect_timeout_s
         self.io_timeout_s = io_timeout_s
@@ -96,7 +110,7 @@ class TcpKVSender(KVSender):
         header = frames.pack_header(
             FrameType.KV,
             request_id,
-            flags=frames.FLAG_CRC32 if self.checksum else 0,
+            flags=frames.FLAG_CRC32C if self.checksum else 0,
             epoch=epoch,
             layer_start=layer_start,
             layer_end=layer_end,
@@ -117,10 +131,8 @@ class TcpKVSender(KVSender):
                 pieces = [frames.tensor_bytes(conn.host_buf[:nbytes])]
             assert sum(len(p) for p in pieces) == nbytes, (sum(len(p) for p in pieces), nbytes)
             tail = []
-            if self.checksum:
-                crc = 0
-                for p in pieces:
-                    crc = zlib.crc32(p, crc)
+            if self.checksum:  # extended piece by piece: no gather for the checksum
+                crc = host_io.crc32c(pieces)
                 tail = [crc.to_bytes(frames.CRC_BYTES, "little")]
             host_io.sendmsg_all(conn.sock, [header, *pieces, *tail])
 
@@ -164,7 +176,7 @@ class TcpKVSender(KVSender):
                 if conn.sock is None:
                     self._connect(conn, addr)
                 fn(conn)
-            except KVLayoutMismatch:
+            except (KVLayoutMismatch, KVAuthError):
                 self._drop(conn)
                 raise
             except (OSError, KVFrameError) as e:
@@ -176,25 +188,37 @@ class TcpKVSender(KVSender):
         conn.sock = sock  # set first so _drop closes it if the handshake fails
         set_nodelay(sock)
         sock.settimeout(self.io_timeout_s)
-        payload = frames.encode_handshake(self.layout, self.epoch, ack=False)
+        nonce_d = self._read_payload(sock, FrameType.CHALLENGE)
+        nonce_p = auth.new_nonce()
+        payload = frames.encode_handshake(
+            self.layout, self.epoch, ack=False, nonce=nonce_p,
+            auth=auth.proof(self._secret, auth.PREFILL, nonce_d, nonce_p))
         sock.sendall(
             frames.pack_header(FrameType.HANDSHAKE, epoch=self.epoch, payload_len=len(payload))
             + payload
         )
-        h = frames.read_header(sock)
-        if h.frame_type != FrameType.HANDSHAKE_ACK:
-            raise KVFrameError(f"expected HANDSHAKE_ACK, got {h.frame_type.name}")
-        body = bytearray(h.payload_len)
-        frames.recv_exact(sock, memoryview(body))
-        peer_layout, peer_epoch, error = frames.decode_handshake(bytes(body))
-        if error is not None:
-            raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]} refused: {error}")
-        msg = self.layout.mismatch(peer_layout)
+        ack = frames.decode_handshake(
+            self._read_payload(sock, FrameType.HANDSHAKE_ACK), ack=True)
+        auth.check_ack(self._secret, addr, nonce_d, nonce_p, ack.error, ack.auth)
+        if ack.error is not None:
+            raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]} refused: {ack.error}")
+        msg = self.layout.mismatch(ack.layout)
         if msg is not None:
             raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]}: {msg}")
-        conn.peer_epoch = peer_epoch
+        conn.peer_epoch = ack.epoch
         host_io.set_kernel_timeouts(sock, self.io_timeout_s)
-        logger.debug("connected to decode worker %s:%d epoch %d", addr[0], addr[1], peer_epoch)
+        logger.debug("connected to decode worker %s:%d epoch %d", addr[0], addr[1], ack.epoch)
+
+    @staticmethod
+    def _read_payload(sock: socket.socket, want: FrameType) -> bytes:
+        """Payload of the next frame, which must be a ``want`` (a handshake frame:
+        payload bounded by frames validation)."""
+        h = frames.read_header(sock)
+        if h.frame_type != want:
+            raise KVFrameError(f"expected {want.name}, got {h.frame_type.name}")
+        body = bytearray(h.payload_len)
+        frames.recv_exact(sock, memoryview(body))
+        return bytes(body)
 
     @staticmethod
     def _drop(conn: _SendConn) -> None:

@@ -8,9 +8,13 @@ Two endpoints per P -> D connection::
 
     P (UcxKVSender)                                 D (UcxKVReceiver)
     ctl = create_endpoint(host, port) -----------> listener (tcp; error handling on)
-      HANDSHAKE      {layout, epoch, ucx: {worker_address(P)}}  -->
-                <--  HANDSHAKE_ACK {layout, epoch, error,
+                <--  CHALLENGE nonce_d
+      HANDSHAKE      {layout, epoch, nonce_p, auth,
+                      ucx: {worker_address(P)}}  -->
+                <--  HANDSHAKE_ACK {layout, epoch, error, auth,
                                     ucx: {worker_address(D), data_tag, slot_bytes}}
+                     (auth: HMAC proofs of the cluster secret, auth.py; a
+                     wrong one is refused before any data endpoint exists)
     data = endpoint to worker_address(D)            data = endpoint to worker_address(P)
            (error handling off: shm / cma / cuda_ipc)
       [header][K l0][V l0][K l1]...  --data_tag-->  headers: receives kept posted;
@@ -31,7 +35,7 @@ concatenation is the TCP payload, and each is a plain region of the sender's cac
 its blocks form one run (no gather). An ABORT reason is one message. Senders keep up to
 32 frames in flight and D as many payload receives (``ucx_sender`` and ``ucx_receiver``
 say why). The control endpoint carries only the handshake, and tells each side through
-UCX's error handling that the peer went away. No crc32 over UCX (it would need a device
+UCX's error handling that the peer went away. No CRC32C over UCX (it would need a device
 -> host copy): such frames are refused.
 
 Why two endpoints: an endpoint created through a listener always has peer error handling

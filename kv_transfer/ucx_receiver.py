@@ -37,8 +37,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from . import frames, ucx as _ucx, ucx_wire as wire
+from . import auth, frames, ucx as _ucx, ucx_wire as wire
 from .base import (
+    KVAuthError,
     KVCompletion,
     KVFrameError,
     KVLayout,
@@ -135,8 +136,10 @@ class _PendingRecv:
 class UcxKVReceiver(KVReceiver):
     """UCX receiver; see the module docstring.
 
-    port: 0 lets UCX pick one. ucxx listens on every interface; ``host`` is the address
-    start() hands out. io_timeout_s bounds the handshake and each message of a frame
+    port: 0 lets UCX pick one. ucxx listens on every interface (its listener takes a port
+    only: ListenerBuilder(worker, port, ...) as of ucxx 0.52); ``host`` is the address
+    start() hands out, and the cluster secret (``secret``, auth.py) is what keeps other
+    peers from pairing. io_timeout_s bounds the handshake and each message of a frame
     once its header arrived (an idle connection between frames never times out).
     slot_bytes (raised to one block of one layer's K) is the largest payload message; senders cut payloads to fit. max_inflight receives
     stay posted for headers, and at most as many for payload messages; a message whose
@@ -158,8 +161,10 @@ class UcxKVReceiver(KVReceiver):
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         staging_slots: int = DEFAULT_STAGING_SLOTS,
+        secret: str | None = None,
     ) -> None:
         super().__init__(kv, layout, epoch, host, on_complete=on_complete)
+        self._secret = auth.secret_bytes(secret)
         if max_inflight < 1 or staging_slots < 1:
             raise ValueError(
                 f"max_inflight and staging_slots must be >= 1, got {max_inflight}, {staging_slots}"
@@ -265,7 +270,7 @@ class UcxKVReceiver(KVReceiver):
                 why = "peer went away (control endpoint closed) mid-stream"
             else:
                 frames_task.result()  # raises what ended the frame loop, if anything
-        except KVLayoutMismatch as e:
+        except (KVLayoutMismatch, KVAuthError) as e:
             why = str(e)
             logger.warning("KV connection %d refused: %s", conn.conn_id, e)
         except KVTransferError as e:  # KVFrameError, UCX errors, timeouts
@@ -308,6 +313,8 @@ class UcxKVReceiver(KVReceiver):
             logger.debug("KV control endpoint ended: %s", e)
 
     async def _handshake(self, conn: _RecvConn) -> None:
+        nonce_d = auth.new_nonce()
+        await self._send_ctl(conn, FrameType.CHALLENGE, nonce_d, epoch=0)
         hbuf = np.zeros(wire.HEADER_MSG_BYTES, np.uint8)
         await conn.ctl.recv(hbuf)
         h = frames.unpack_header(memoryview(hbuf), self.layout, self._max_blocks)
@@ -316,6 +323,13 @@ class UcxKVReceiver(KVReceiver):
         body = np.zeros(h.payload_len, np.uint8)
         await conn.ctl.recv(body)
         hs = wire.parse_handshake(body.tobytes(), ack=False)
+        if not auth.verify(self._secret, auth.PREFILL, nonce_d, hs.nonce, hs.auth):
+            await self._send_ctl(conn, FrameType.HANDSHAKE_ACK, frames.encode_auth_refusal(),
+                                 epoch=0)  # nothing about D to a stranger
+            await self._until_hung_up(conn)
+            why = ("the peer did not prove the cluster secret" if self._secret else
+                   "the peer sent a proof, this receiver has no secret")
+            raise KVAuthError(f"{frames.AUTH_REFUSED}: {why}")
         error = hs.layout.mismatch(self.layout)
         if error is None:
             conn.data = await _ucx.endpoint_to_worker(hs.worker_address)
@@ -325,19 +339,29 @@ class UcxKVReceiver(KVReceiver):
                 conn.tag = int.from_bytes(os.urandom(8), "little") & ~1
         ack = wire.handshake_payload(
             self.layout, self.epoch, ack=True, error=error,
+            auth=auth.proof(self._secret, auth.DECODE, nonce_d, hs.nonce),
             worker_address=self._worker_address, data_tag=conn.tag, slot_bytes=self.slot_bytes,
         )
-        header = frames.pack_header(FrameType.HANDSHAKE_ACK, epoch=self.epoch, payload_len=len(ack))
-        await conn.ctl.send(np.frombuffer(wire.header_message(header), np.uint8))
-        await conn.ctl.send(np.frombuffer(ack, np.uint8))
+        await self._send_ctl(conn, FrameType.HANDSHAKE_ACK, ack, epoch=self.epoch)
         if error is not None:
-            # Let P read the refusal before the endpoint goes: it hangs up after reading.
-            try:
-                await asyncio.wait_for(conn.ctl.recv(np.zeros(1, np.uint8)), self.io_timeout_s)
-            except (asyncio.TimeoutError, *_ucx.UCX_ERRORS):
-                pass  # hung up (or silent): either way we are done with it
+            await self._until_hung_up(conn)
             raise KVLayoutMismatch(error)
         logger.debug("KV connection %d paired (prefill epoch %d)", conn.conn_id, hs.epoch)
+
+    @staticmethod
+    async def _send_ctl(conn: _RecvConn, ftype: FrameType, payload: bytes, epoch: int) -> None:
+        """A handshake-phase frame on the control endpoint: header message, payload."""
+        header = frames.pack_header(ftype, epoch=epoch, payload_len=len(payload))
+        await conn.ctl.send(np.frombuffer(wire.header_message(header), np.uint8))
+        await conn.ctl.send(np.frombuffer(payload, np.uint8))
+
+    async def _until_hung_up(self, conn: _RecvConn) -> None:
+        """After a refusal: let P read it before the endpoint goes (it hangs up after
+        reading)."""
+        try:
+            await asyncio.wait_for(conn.ctl.recv(np.zeros(1, np.uint8)), self.io_timeout_s)
+        except (asyncio.TimeoutError, *_ucx.UCX_ERRORS):
+            pass  # hung up (or silent): either way we are done with it
 
     async def _frame_loop(self, conn: _RecvConn) -> None:
         headers = [np.zeros(wire.HEADER_MSG_BYTES, np.uint8) for _ in range(self.max_inflight)]
@@ -376,8 +400,8 @@ class UcxKVReceiver(KVReceiver):
     async def _on_kv(self, h: FrameHeader, conn: _RecvConn) -> None:
         """Post the frame's payload receives (see the module docstring) and return
         without waiting for them, while max_inflight of them are in flight."""
-        if h.has_crc:  # host-side crc32 would mean a device -> host copy; not offered
-            raise KVFrameError("crc32-flagged KV frames are not supported over ucx")
+        if h.has_crc:  # host-side crc32c would mean a device -> host copy; not offered
+            raise KVFrameError("CRC32C-flagged KV frames are not supported over ucx")
         res = self._table.admit_kv(h, conn.conn_id)
         keep = res is not None and self._table.claim_blocks(res, h)
         loop = asyncio.get_running_loop()

@@ -30,8 +30,15 @@ from typing import Any, Callable, Coroutine, Sequence
 import numpy as np
 import torch
 
-from . import frames, host_io, ucx as _ucx, ucx_wire as wire
-from .base import KVFrameError, KVLayout, KVLayoutMismatch, KVSender, KVTransferError
+from . import auth, frames, host_io, ucx as _ucx, ucx_wire as wire
+from .base import (
+    KVAuthError,
+    KVFrameError,
+    KVLayout,
+    KVLayoutMismatch,
+    KVSender,
+    KVTransferError,
+)
 from .frames import FrameType
 
 logger = logging.getLogger(__name__)
@@ -70,6 +77,8 @@ class UcxKVSender(KVSender):
     their request's send_done / send_abort returns).
 
     epoch: P's own epoch, sent in the handshake for D's logs.
+    secret: the cluster's shared secret; D must prove it and P proves it to D (auth.py).
+        None: pair only with a D that has none.
     connect_timeout_s bounds reaching D; io_timeout_s bounds the handshake and every
     frame.
     """
@@ -80,10 +89,12 @@ class UcxKVSender(KVSender):
         layout: KVLayout,
         *,
         epoch: int = 0,
+        secret: str | None = None,
         connect_timeout_s: float = 5.0,
         io_timeout_s: float = 30.0,
     ) -> None:
         super().__init__(kv, layout)
+        self._secret = auth.secret_bytes(secret)
         self.epoch = epoch
         self.connect_timeout_s = connect_timeout_s
         self.io_timeout_s = io_timeout_s
@@ -231,7 +242,7 @@ class UcxKVSender(KVSender):
                     self._rt.call(self._open(conn, addr), budget)
                 conn.inflight.append(self._rt.submit(step(conn)))
                 self._reap(conn, keep=0 if flush else MAX_FRAMES_IN_FLIGHT)
-            except (KVLayoutMismatch, KVFrameError):
+            except (KVLayoutMismatch, KVAuthError, KVFrameError):
                 raise
             except KVTransferError as e:
                 raise KVTransferError(f"{where} failed: {e}") from None
@@ -271,20 +282,19 @@ class UcxKVSender(KVSender):
         logger.debug("connected to decode worker %s:%d epoch %d", *addr, conn.peer_epoch)
 
     async def _handshake(self, conn: _SendConn, addr: tuple[str, int]) -> None:
+        nonce_d = await self._recv_ctl(conn, FrameType.CHALLENGE)
+        nonce_p = auth.new_nonce()
         body = wire.handshake_payload(
-            self.layout, self.epoch, ack=False, worker_address=self._rt.worker_address
+            self.layout, self.epoch, ack=False, nonce=nonce_p,
+            auth=auth.proof(self._secret, auth.PREFILL, nonce_d, nonce_p),
+            worker_address=self._rt.worker_address,
         )
         hs = frames.pack_header(FrameType.HANDSHAKE, epoch=self.epoch, payload_len=len(body))
         await conn.ctl.send(np.frombuffer(wire.header_message(hs), np.uint8))
         await conn.ctl.send(np.frombuffer(body, np.uint8))
-        hbuf = np.zeros(wire.HEADER_MSG_BYTES, np.uint8)
-        await conn.ctl.recv(hbuf)
-        h = frames.unpack_header(memoryview(hbuf))
-        if h.frame_type != FrameType.HANDSHAKE_ACK:
-            raise KVFrameError(f"expected HANDSHAKE_ACK, got {h.frame_type.name}")
-        ack = np.zeros(h.payload_len, np.uint8)
-        await conn.ctl.recv(ack)
-        hs = wire.parse_handshake(ack.tobytes(), ack=True)
+        ack = await self._recv_ctl(conn, FrameType.HANDSHAKE_ACK)
+        hs = wire.parse_handshake(ack, ack=True)
+        auth.check_ack(self._secret, addr, nonce_d, nonce_p, hs.error, hs.auth)
         if hs.error is not None:
             raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]} refused: {hs.error}")
         msg = self.layout.mismatch(hs.layout)
@@ -293,6 +303,19 @@ class UcxKVSender(KVSender):
         conn.data = await _ucx.endpoint_to_worker(hs.worker_address)
         conn.tag, conn.peer_epoch = hs.data_tag, hs.epoch
         conn.per_chunk = wire.chunk_blocks(self.layout, hs.slot_bytes)
+
+    @staticmethod
+    async def _recv_ctl(conn: _SendConn, want: FrameType) -> bytes:
+        """Payload of the next control-endpoint frame, which must be a ``want`` (header
+        message, then the payload as one message; bounded by frames validation)."""
+        hbuf = np.zeros(wire.HEADER_MSG_BYTES, np.uint8)
+        await conn.ctl.recv(hbuf)
+        h = frames.unpack_header(memoryview(hbuf))
+        if h.frame_type != want:
+            raise KVFrameError(f"expected {want.name}, got {h.frame_type.name}")
+        body = np.zeros(h.payload_len, np.uint8)
+        await conn.ctl.recv(body)
+        return body.tobytes()
 
     async def _send_frame(
         self, conn: _SendConn, generation: int, header: bytes, payload: list[Any]

@@ -68,11 +68,14 @@ def wire_view(kv: torch.Tensor) -> Any:
 
 
 def handshake_payload(
-    layout: Any, epoch: int, *, ack: bool, error: str | None = None, **ucx_fields: Any
+    layout: Any, epoch: int, *, ack: bool, error: str | None = None, nonce: bytes = b"",
+    auth: bytes | None = None, **ucx_fields: Any
 ) -> bytes:
-    """The frames.py handshake JSON plus a ``"ucx"`` object (worker address; in D's ack
-    also data_tag and slot_bytes)."""
-    body = json.loads(frames.encode_handshake(layout, epoch, error, ack=ack))
+    """The frames.py handshake JSON (with P's ``nonce`` and the sender's ``auth`` proof,
+    auth.py) plus a ``"ucx"`` object (worker address; in D's ack also data_tag and
+    slot_bytes)."""
+    body = json.loads(frames.encode_handshake(layout, epoch, error, ack=ack, nonce=nonce,
+                                              auth=auth))
     fields = dict(ucx_fields)
     fields["worker_address"] = base64.b64encode(fields["worker_address"]).decode("ascii")
     body["ucx"] = fields
@@ -82,21 +85,23 @@ def handshake_payload(
 class Handshake(NamedTuple):
     """A parsed handshake (HANDSHAKE from P or HANDSHAKE_ACK from D)."""
 
-    layout: Any  # KVLayout
+    layout: Any  # KVLayout; None in a refusal for the cluster secret
     epoch: int
     error: str | None  # D's refusal, naming the mismatched field
     worker_address: bytes  # the peer's UCX worker address (empty in a refusal)
     data_tag: int  # D's ack only: headers under it, payload messages under data_tag + 1
     slot_bytes: int  # D's ack only: the most bytes D takes in one payload message
+    nonce: bytes = b""  # P's HANDSHAKE only: its nonce (auth.py)
+    auth: bytes | None = None  # the sender's proof of the cluster secret (auth.py)
 
 
 def parse_handshake(payload: bytes, *, ack: bool) -> Handshake:
     """Parse a handshake body; ``ack``: D's HANDSHAKE_ACK, which must also carry the data
     tag and slot size. KVFrameError if malformed or the UCX fields are missing (a TCP
     peer, say). A refusal (error set) needs no UCX fields."""
-    layout, epoch, error = frames.decode_handshake(payload)
+    layout, epoch, error, nonce, proof = frames.decode_handshake(payload, ack=ack)
     if error is not None:
-        return Handshake(layout, epoch, error, b"", 0, 0)
+        return Handshake(layout, epoch, error, b"", 0, 0, nonce, proof)
     try:
         fields = json.loads(payload)["ucx"]
         address = base64.b64decode(fields["worker_address"], validate=True)
@@ -109,4 +114,4 @@ def parse_handshake(payload: bytes, *, ack: bool) -> Handshake:
         raise KVFrameError(f"handshake lacks valid UCX fields: {e}") from None
     if not ok:
         raise KVFrameError("handshake has an empty worker address, a bad data_tag or slot_bytes")
-    return Handshake(layout, epoch, error, address, tag, slot_bytes)
+    return Handshake(layout, epoch, error, address, tag, slot_bytes, nonce, proof)

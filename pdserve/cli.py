@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -23,14 +24,22 @@ def _serve(args) -> int:
                if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
             router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
                                       "routing_policy", "metrics_port", "slo_ttft_ms",
-                                      "slo_tpot_ms")
+                                      "slo_tpot_ms", "tls_cert_file", "tls_key_file",
+                                      "tls_client_ca_file", "api_key", "max_request_bytes",
+                                      "max_migrations")
                        if (v := getattr(args, k)) is not None})   # unset: RouterConfig's default
     except ValueError as e:   # a setting out of range: the message names it
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
+    from dataclasses import replace
     if args.address:
-        from dataclasses import replace
         cfg = replace(cfg, ray_address=args.address)
+    if args.max_worker_restarts is not None:
+        try:
+            cfg = replace(cfg, max_worker_restarts=args.max_worker_restarts)
+        except ValueError as e:
+            print(f"pdserve: {e}", file=sys.stderr)
+            return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -41,8 +50,13 @@ def _serve(args) -> int:
         except ClusterStartError as e:
             print(f"pdserve: failed to start: {e}", file=sys.stderr)
             return 1
+        rc = cfg.router    # says whether a key is required, never the key
+        security = ", ".join(
+            ["mutual TLS" if rc.tls_client_ca_file else "TLS" if rc.tls_cert_file
+             else "plaintext"] + (["api key required"] if rc.api_key else []))
         print(f"pdserve ready: gRPC on {args.host}:{port} ({args.prefill_workers} prefill, "
-              f"{args.decode_workers} decode, {cfg.prefill.transport} KV transport)", flush=True)
+              f"{args.decode_workers} decode, {cfg.prefill.transport} KV transport, "
+              f"{security})", flush=True)
         stop.wait()
         print("pdserve: shutting down", flush=True)
     finally:
@@ -50,16 +64,34 @@ def _serve(args) -> int:
     return 0
 
 
+def _client(args, command: str):
+    """The Client that `generate` / `status` flags ask for, or None after printing why
+    it cannot be made (--tls-cert without --tls-key or the other way round, a --tls-*
+    file that cannot be read)."""
+    from .client import Client
+
+    try:
+        return Client(args.server, tls=args.tls, tls_ca_file=args.tls_ca,
+                      tls_client_cert_file=args.tls_cert, tls_client_key_file=args.tls_key,
+                      api_key=args.api_key)
+    except (ValueError, OSError) as e:
+        print(f"pdserve {command}: {e}", file=sys.stderr)
+        return None
+
+
 def _generate(args) -> int:
     import grpc
 
-    from .client import Client, make_request
+    from .client import make_request
 
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     req = make_request(prompt, max_tokens=args.max_tokens, temperature=args.temperature)
     if args.seed is not None:
         req.sampling.seed = args.seed
-    with Client(args.server) as client:
+    client = _client(args, "generate")
+    if client is None:
+        return 2
+    with client:
         try:
             for msg in client.stream(req):
                 sys.stdout.write(msg.text)
@@ -75,14 +107,21 @@ def _generate(args) -> int:
 
 
 def _status(args) -> int:
-    from .client import Client
+    import grpc
 
-    with Client(args.server) as client:
-        st = client.status()
+    client = _client(args, "status")
+    if client is None:
+        return 2
+    with client:
+        try:
+            st = client.status()
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
     cols = ("worker_id", "role", "pid", "node_ip", "state", "kv_blocks_free", "kv_blocks_total",
             "running_requests", "waiting_requests", "kv_address", "metrics_address")
     rows = [[str(getattr(w, c)) for c in cols] for w in st.workers]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(cols)]
     print(f"model: {st.model}  queued for prefill: {st.queued_requests} requests, "
           f"{st.queued_tokens} prompt tokens  router metrics: http://{st.metrics_address}/metrics")
     for r in [list(cols), *rows]:
@@ -203,6 +242,19 @@ def _bench_serve(args) -> int:
     return 1 if any(s["failed"] or s["kv_blocks_leaked"] for s in summaries) else 0
 
 
+def _add_client_security_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls", action="store_true",
+                   help="connect over TLS, checking the server against the system's roots "
+                        "(implied by --tls-ca / --tls-cert)")
+    p.add_argument("--tls-ca", default=None,
+                   help="PEM CA that signed the server's certificate (connects over TLS)")
+    p.add_argument("--tls-cert", default=None,
+                   help="mutual TLS: PEM client certificate (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="mutual TLS: PEM key of --tls-cert")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
+                   help="sent as 'authorization: Bearer <key>' (default: $PDSERVE_API_KEY)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -243,6 +295,23 @@ def main(argv: list[str] | None = None) -> int:
                         "its tokens not in that worker's prefix cache are at most this many "
                         "(default 0: always use a prefill worker, what the README's sweep "
                         "picked on one box; `pdserve bench local-prefill` picks yours)")
+    s.add_argument("--max-migrations", type=int, default=None,
+                   help="retries of a request after a worker died or its KV transfer failed; "
+                        "each resumes after the tokens already streamed (default 3)")
+    s.add_argument("--max-worker-restarts", type=int, default=None,
+                   help="how often Ray restarts a dead worker (-1: always; default 4)")
+    s.add_argument("--tls-cert", dest="tls_cert_file", default=None,
+                   help="PEM server certificate: serve gRPC over TLS (with --tls-key)")
+    s.add_argument("--tls-key", dest="tls_key_file", default=None,
+                   help="PEM private key of --tls-cert")
+    s.add_argument("--tls-client-ca", dest="tls_client_ca_file", default=None,
+                   help="mutual TLS: require client certificates signed by this PEM CA")
+    s.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
+                   help="require 'authorization: Bearer <key>' on every RPC but health "
+                        "checks (default: $PDSERVE_API_KEY, which keeps it out of `ps`)")
+    s.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest GenerateRequest accepted (default 8 MiB); gRPC refuses a "
+                        "larger one with RESOURCE_EXHAUSTED")
     s.add_argument("--log-level", default="WARNING")
     s.set_defaults(fn=_serve)
 
@@ -253,10 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    _add_client_security_args(g)
     g.set_defaults(fn=_generate)
 
     st = sub.add_parser("status", help="print ClusterStatus as a table")
     st.add_argument("--server", default="127.0.0.1:50051")
+    _add_client_security_args(st)
     st.set_defaults(fn=_status)
 
     b = sub.add_parser("bench", help="benchmarks, each against its baseline in the same run")

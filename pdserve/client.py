@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 
@@ -35,17 +36,55 @@ def make_request(prompt: str | list[int] | list[dict] | None = None, *, request_
     return req
 
 
-class Client:
-    """Blocking client: `stream()` yields GenerateResponses, `generate()` collects them."""
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path is not None else None
 
-    def __init__(self, address: str, timeout_s: float | None = 600.0):
-        self.channel = grpc.insecure_channel(address)
+
+class Client:
+    """Blocking client: `stream()` yields GenerateResponses, `generate()` collects them.
+
+    With no security keywords the channel is plaintext, as before. TLS is used when `tls`
+    is true or any tls_* keyword is given: the server's certificate is checked against
+    `tls_ca_file` (or the PEM bytes `tls_root_certificates`), else the system's roots;
+    `tls_client_cert_file` + `tls_client_key_file` present a client certificate (for a
+    server with mutual TLS). `api_key` is sent as `authorization: Bearer <key>` on every
+    call, ClusterStatus included. Calls raise grpc.RpcError: UNAVAILABLE when the TLS
+    handshake fails (or a plaintext client meets a TLS server), UNAUTHENTICATED when the
+    server wants an api key that the call lacks or gets wrong.
+
+    Raises:
+        ValueError: only one of tls_client_cert_file / tls_client_key_file, or both
+            tls_ca_file and tls_root_certificates.
+        OSError: a tls_* file cannot be read.
+    """
+
+    def __init__(self, address: str, timeout_s: float | None = 600.0, *, tls: bool = False,
+                 tls_ca_file: str | None = None, tls_root_certificates: bytes | None = None,
+                 tls_client_cert_file: str | None = None,
+                 tls_client_key_file: str | None = None, api_key: str | None = None):
+        if (tls_client_cert_file is None) != (tls_client_key_file is None):
+            raise ValueError("tls_client_cert_file and tls_client_key_file go together: give "
+                             "both for mutual TLS, or neither")
+        if tls_ca_file is not None and tls_root_certificates is not None:
+            raise ValueError("give tls_ca_file or tls_root_certificates, not both")
+        if tls or tls_ca_file or tls_root_certificates or tls_client_cert_file:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=tls_root_certificates or _read(tls_ca_file),
+                private_key=_read(tls_client_key_file),
+                certificate_chain=_read(tls_client_cert_file))
+            self.channel = grpc.secure_channel(address, creds)
+        else:
+            self.channel = grpc.insecure_channel(address)
+        # What router/security.py's ApiKeyInterceptor checks (no import: the client
+        # should not need the server's modules).
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self.generator = pb_grpc.GeneratorStub(self.channel)
         self.admin = pb_grpc.AdminStub(self.channel)
         self.timeout_s = timeout_s
 
     def stream(self, request: pb.GenerateRequest) -> Iterator[pb.GenerateResponse]:
-        return self.generator.Generate(request, timeout=self.timeout_s)
+        """The response stream of one request (grpc.RpcError on failure, see the class)."""
+        return self.generator.Generate(request, timeout=self.timeout_s, metadata=self.metadata)
 
     def generate(self, request: pb.GenerateRequest) -> tuple[list[int], str, str]:
         """(token_ids, text, finish_reason) of a whole request."""
@@ -57,7 +96,9 @@ class Client:
         return ids, "".join(text), reason
 
     def status(self) -> pb.ClusterStatusResponse:
-        return self.admin.ClusterStatus(pb.ClusterStatusRequest(), timeout=30)
+        """Admin.ClusterStatus (grpc.RpcError on failure, see the class)."""
+        return self.admin.ClusterStatus(pb.ClusterStatusRequest(), timeout=30,
+                                        metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

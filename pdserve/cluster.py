@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import uuid
+from dataclasses import replace
 
 import ray
 
@@ -45,6 +47,11 @@ class Cluster:
         from .router.router import Router
 
         cfg = self.config
+        if cfg.prefill.kv_secret is None and cfg.decode.kv_secret is None:
+            # KV ports pair only with peers proving this (kv_transfer/auth.py); one per start
+            secret = secrets.token_hex(32)
+            cfg = replace(cfg, prefill=replace(cfg.prefill, kv_secret=secret),
+                          decode=replace(cfg.decode, kv_secret=secret))
         if not ray.is_initialized():
             if cfg.ray_address is None:
                 ray.init(num_cpus=os.cpu_count(), include_dashboard=False,
@@ -56,9 +63,12 @@ class Cluster:
         # Actors take no Ray CPUs: each worker pins its own torch threads (num_threads),
         # so several workers share a small box without Ray refusing to place them.
         opts = {"num_cpus": 0, "max_concurrency": 1000}
-        self.decode = [ray.remote(DecodeWorker).options(name=f"decode-{i}", **opts)
+        # A dead worker is restarted by Ray (new epoch); the router retries its requests
+        # itself (router.py), so Ray never re-runs a call on its own.
+        wopts = opts | {"max_restarts": cfg.max_worker_restarts, "max_task_retries": 0}
+        self.decode = [ray.remote(DecodeWorker).options(name=f"decode-{i}", **wopts)
                        .remote(f"decode-{i}", cfg.decode) for i in range(cfg.num_decode_workers)]
-        self.prefill = [ray.remote(PrefillWorker).options(name=f"prefill-{i}", **opts)
+        self.prefill = [ray.remote(PrefillWorker).options(name=f"prefill-{i}", **wopts)
                         .remote(f"prefill-{i}", cfg.prefill) for i in range(cfg.num_prefill_workers)]
         self.router = ray.remote(Router).options(name="router", **opts).remote(
             cfg, self.prefill, self.decode)

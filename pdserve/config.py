@@ -26,6 +26,11 @@ class WorkerConfig:
                                          # sched_setaffinity); None: wherever the OS runs it
     transport: str = "tcp"
     host: str = "127.0.0.1"          # address the KV transport binds and advertises
+    kv_checksum: bool = True         # CRC32C per KV frame payload; TCP only (a flipped bit
+                                     # fails that request instead of corrupting its cache)
+    kv_secret: str | None = field(default=None, repr=False)  # KV ports pair only with peers
+                                     # proving it (HMAC, kv_transfer/auth.py); Cluster.start
+                                     # makes one when None; repr=False: never logged
     max_batch_size: int = 256        # decode: running requests per step
     max_num_batched_tokens: int = 2048  # prefill: prompt tokens per batch (varlen)
     lease_s: float = 60.0            # decode: how long a reservation waits for prefill's KV
@@ -81,9 +86,20 @@ class RouterConfig:
     routing_policy: str = "kv_aware"  # prefill worker choice: round_robin | least_loaded | kv_aware
     kv_load_weight: float = 1.0      # kv_aware: cost = uncached tokens + weight * queued tokens
     cache_sync_interval_s: float = 0.1  # kv_aware: how often prefill caches are mirrored
+    max_migrations: int = 3          # retries of a request after a worker died or its KV
+                                     # transfer failed (each resumes after the tokens sent)
+    worker_probe_interval_s: float = 0.5  # how often a worker found dead is asked if it is back
     metrics_port: int = 9464         # Prometheus /metrics on `host`; 0: a free port
     slo_ttft_ms: float | None = None  # goodput: TTFT bound (None: unconstrained)
     slo_tpot_ms: float | None = None  # goodput: TPOT bound (None: unconstrained)
+    # Security of the gRPC front (router/security.py). Paths are read where the router
+    # runs, when it builds its server, so they are checked there, not here.
+    tls_cert_file: str | None = None  # PEM server certificate (chain); with tls_key_file
+    tls_key_file: str | None = None   # PEM private key of tls_cert_file
+    tls_client_ca_file: str | None = None  # mTLS: require client certs signed by this CA
+    api_key: str | None = field(default=None, repr=False)  # every RPC but Health needs
+                                      # `authorization: Bearer <key>`; repr=False: never logged
+    max_request_bytes: int = 8 << 20  # gRPC refuses a larger request (RESOURCE_EXHAUSTED)
 
     def __post_init__(self):
         for name in ("max_queued_requests", "max_queued_tokens"):
@@ -103,6 +119,27 @@ class RouterConfig:
             raise ValueError(f"metrics_port={self.metrics_port}: must be in [0, 65535]")
         if self.cache_sync_interval_s <= 0:
             raise ValueError(f"cache_sync_interval_s={self.cache_sync_interval_s}: must be > 0")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations={self.max_migrations}: must be >= 0")
+        if self.worker_probe_interval_s <= 0:
+            raise ValueError(f"worker_probe_interval_s={self.worker_probe_interval_s}: "
+                             "must be > 0 seconds")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            have, missing = (("tls_cert_file", "tls_key_file") if self.tls_key_file is None
+                             else ("tls_key_file", "tls_cert_file"))
+            raise ValueError(f"{missing} is unset but {have} is set: give both for TLS, "
+                             "or neither for plaintext")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file needs TLS: set tls_cert_file and tls_key_file "
+                             "too")
+        if self.api_key is not None and not (
+                self.api_key and self.api_key.isascii() and self.api_key.isprintable()
+                and " " not in self.api_key):
+            # The key itself is never put in a message: it may end up in logs.
+            raise ValueError("api_key: must be non-empty printable ASCII without spaces (it "
+                             "travels as gRPC metadata), or None for no key")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes={self.max_request_bytes}: must be >= 1024")
 
 
 @dataclass(frozen=True)
@@ -113,11 +150,15 @@ class ClusterConfig:
     num_prefill_workers: int = 1
     num_decode_workers: int = 1
     ray_address: str | None = None   # None: start a local Ray instance; "auto": join one
+    max_worker_restarts: int = 4     # Ray restarts a dead worker this often (-1: always)
 
     def __post_init__(self):
         if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
             raise ValueError("need at least one prefill and one decode worker "
                              f"(got {self.num_prefill_workers} and {self.num_decode_workers})")
+        if self.max_worker_restarts < -1:
+            raise ValueError(f"max_worker_restarts={self.max_worker_restarts}: must be >= -1 "
+                             "(-1: unlimited)")
         if self.prefill.model != self.decode.model:
             raise ValueError("prefill and decode workers must serve the same model")
 

@@ -13,6 +13,9 @@ router (`RouterMetrics`, observed per request by the gRPC Generate handler)
     pdserve_requests_total{status}                counter: stop | length | cancelled |
                                                   error | a gRPC status code, lower case
     pdserve_prompt_tokens_total, pdserve_generation_tokens_total    counters
+    pdserve_request_retries_total{reason}         counter: attempts retried after a worker
+                                                  died or a transfer failed (prefill |
+                                                  decode)
     pdserve_goodput_requests_total{slo}           counter: finished requests within the
                                                   TTFT and TPOT SLOs (DistServe's goodput)
     pdserve_num_requests_running / _waiting       gauges: streaming / queued for the
@@ -100,6 +103,10 @@ class RouterMetrics:
                                      registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.",
                                          registry=r)
+        self.retries = Counter(p + "request_retries",
+                               "Request attempts retried on live workers after a worker died "
+                               "or a KV transfer failed, by the phase that failed.", ["reason"],
+                               registry=r)
         self.slo = slo_label(slo_ttft_ms, slo_tpot_ms)
         self.slo_ttft_s = None if slo_ttft_ms is None else slo_ttft_ms / 1e3
         self.slo_tpot_s = None if slo_tpot_ms is None else slo_tpot_ms / 1e3

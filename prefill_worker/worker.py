@@ -27,6 +27,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 import ray
@@ -70,6 +71,7 @@ class PrefillWorker:
     def __init__(self, worker_id: str, config: WorkerConfig):
         logging.basicConfig(level=config.log_level)
         self.worker_id, self.config = worker_id, config
+        self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation (new on Ray restart)
         self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
                                   config.cpus)
         self.num_layers = self.runner.config.num_layers
@@ -79,7 +81,8 @@ class PrefillWorker:
                                           config.enable_prefix_caching,
                                           config.prefill_chunk_size)
         layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)
-        self.sender = make_sender(config.transport, self.runner.kv_cache, layout)
+        self.sender = make_sender(config.transport, self.runner.kv_cache, layout,
+                                  checksum=config.kv_checksum, secret=config.kv_secret)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.kv_bytes_sent = 0          # K/V payload bytes sent to decode workers (send thread)
         self.kv_send_failures = 0       # requests whose KV could not be sent (send thread)
@@ -98,7 +101,8 @@ class PrefillWorker:
 
     async def ready(self) -> dict:
         self._loop = asyncio.get_running_loop()
-        return {"worker_id": self.worker_id, "num_blocks": self.pool.num_blocks}
+        return {"worker_id": self.worker_id, "num_blocks": self.pool.num_blocks,
+                "epoch": self.epoch}
 
     async def pair(self, kv_addresses: list[tuple[str, int]]) -> list[int]:
         """Connect to each decode worker's KV receiver and exchange layouts and epochs.
@@ -162,11 +166,13 @@ class PrefillWorker:
     async def cache_events(self, since: int) -> dict:
         """Prefix-cache changes after event `since` (engine/block_pool.py): ``{"seq": n,
         "events": [(stored, block_hash), ...]}`` or, when `since` is too old,
-        ``{"seq": n, "snapshot": [block_hash, ...]}``. The router polls it (KV-aware
-        routing); block hashes are 16-byte digests of `block_size`-token blocks."""
+        ``{"seq": n, "snapshot": [block_hash, ...]}``, with this worker's "epoch" (a
+        new one after a restart: the router's mirror then starts over). The router polls
+        it (KV-aware routing); block hashes are 16-byte digests of `block_size`-token
+        blocks."""
         seq, events, snapshot = self.pool.cache_events(since)
-        return {"seq": seq, "events": events} if snapshot is None else \
-            {"seq": seq, "snapshot": snapshot}
+        return {"seq": seq, "epoch": self.epoch} | (
+            {"events": events} if snapshot is None else {"snapshot": snapshot})
 
     async def status(self) -> dict:
         running, waiting = self.scheduler.counts()
@@ -174,7 +180,8 @@ class PrefillWorker:
                 "node_ip": ray.util.get_node_ip_address(), "state": "ready",
                 "kv_blocks_total": self.pool.num_blocks, "kv_blocks_free": self.pool.num_free,
                 "running_requests": running, "waiting_requests": waiting,
-                "queued_tokens": self.scheduler.queued_tokens(), "epoch": 0, "kv_address": "",
+                "queued_tokens": self.scheduler.queued_tokens(), "epoch": self.epoch,
+                "kv_address": "",
                 "prefill_tokens_computed": self.scheduler.computed_tokens,
                 "prefix_cache_hit_tokens": self.scheduler.cached_tokens,
                 "prefix_cache_queries": self.scheduler.prefix_queries,

@@ -87,7 +87,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "pid", "node_ip", "state", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests", "epoch", "kv_address", "metrics_address")
+    __slots__ = ("worker_id", "role", "pid", "node_ip", "state", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests", "epoch", "kv_address", "metrics_address", "kv_reservations_leased", "kv_reservations_reclaimed")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,8 @@ class WorkerStatus(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_RESERVATIONS_LEASED_FIELD_NUMBER: _ClassVar[int]
+    KV_RESERVATIONS_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     pid: int
@@ -112,7 +114,9 @@ class WorkerStatus(_message.Message):
     epoch: int
     kv_address: str
     metrics_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., pid: _Optional[int] = ..., node_ip: _Optional[str] = ..., state: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    kv_reservations_leased: int
+    kv_reservations_reclaimed: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., pid: _Optional[int] = ..., node_ip: _Optional[str] = ..., state: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., kv_reservations_leased: _Optional[int] = ..., kv_reservations_reclaimed: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("model", "workers", "queued_requests", "queued_tokens", "metrics_address")

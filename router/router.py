@@ -22,11 +22,13 @@ whole call.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import grpc
 import ray
@@ -46,14 +48,37 @@ from .routing import PrefillRouter
 
 logger = logging.getLogger(__name__)
 
+_TOKENIZE = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
 
 @dataclass(eq=False)
 class _Worker:
     handle: object          # Ray actor handle
     worker_id: str
     num_blocks: int
+    epoch: int = 0          # the incarnation last seen (Ray restarts a dead worker)
     load: int = 0           # prefill: queued prompt tokens; decode: active requests
     free_blocks: int = 0    # decode: last known
+    alive: bool = True      # False from a call that found it dead until a probe answers
+
+
+class _AttemptFailed(Exception):
+    """One attempt at a request failed in a way a retry on live workers can mend."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason    # "prefill" | "decode": the phase that failed
+
+
+def _failed(phase: str, w: _Worker, e: Exception) -> _AttemptFailed:
+    """The retryable failure of a call to `w` in `phase` that raised Ray's `e`; a dead
+    (or restarting) worker is marked so until a probe finds it back."""
+    if isinstance(e, ray.exceptions.RayActorError):
+        w.alive = False
+        return _AttemptFailed(phase, f"{phase} worker {w.worker_id} died: {type(e).__name__}")
+    cause = getattr(e, "cause", None) or e     # the worker-side exception
+    return _AttemptFailed(phase, f"{phase} on {w.worker_id} failed: "
+                                 f"{type(cause).__name__}: {cause}")
 
 
 class Router:
@@ -79,6 +104,8 @@ class Router:
         self.prefill_router = PrefillRouter(rc.routing_policy, config.prefill.block_size,
                                             rc.kv_load_weight)
         self._cache_sync: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
+        self._pending: set[asyncio.Task] = set()    # fire-and-forget calls in flight
         self.metrics = RouterMetrics(lambda: self.admission.queued_requests,
                                      rc.slo_ttft_ms, rc.slo_tpot_ms)
         self.metrics_address = ""
@@ -88,10 +115,11 @@ class Router:
         from .service import build_server
 
         infos = await asyncio.gather(*(h.ready.remote() for h in self._prefill_handles))
-        self.prefill = [_Worker(h, i["worker_id"], i["num_blocks"])
+        self.prefill = [_Worker(h, i["worker_id"], i["num_blocks"], i["epoch"])
                         for h, i in zip(self._prefill_handles, infos)]
         infos = await asyncio.gather(*(h.ready.remote() for h in self._decode_handles))
-        self.decode = [_Worker(h, i["worker_id"], i["num_blocks"], free_blocks=i["num_blocks"])
+        self.decode = [_Worker(h, i["worker_id"], i["num_blocks"], i["epoch"],
+                               free_blocks=i["num_blocks"])
                        for h, i in zip(self._decode_handles, infos)]
         # Pair every P with every D now, so a layout mismatch fails `serve` at start
         # with a message naming the field, not the first request.
@@ -100,6 +128,7 @@ class Router:
         rc = self.config.router
         if rc.routing_policy == "kv_aware":
             self._cache_sync = asyncio.get_running_loop().create_task(self._sync_prefix_caches())
+        self._watch = asyncio.get_running_loop().create_task(self._watch_workers())
         self._server, port = build_server(self, f"{rc.host}:{rc.port}")
         await self._server.start()
         self.metrics_address = "%s:%d" % serve_metrics(self.metrics.registry, rc.host,
@@ -109,9 +138,10 @@ class Router:
         return port
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        if self._cache_sync is not None:
-            self._cache_sync.cancel()
-            self._cache_sync = None
+        for task in (self._cache_sync, self._watch):
+            if task is not None:
+                task.cancel()
+        self._cache_sync = self._watch = None
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
@@ -122,75 +152,182 @@ class Router:
                        ) -> AsyncIterator[pb.GenerateResponse]:
         """Serve one request as a stream of GenerateResponse.
 
+        A failed attempt (a worker died, a KV transfer failed) is retried on live
+        workers as `prompt + tokens already streamed`, for the rest of max_tokens and
+        with the sampler's step continuing (so greedy and seeded outputs equal an
+        uninterrupted run's); at most `router.max_migrations` times.
+
         Raises:
             InvalidRequestError: bad input (→ INVALID_ARGUMENT).
             RequestError: capacity (RESOURCE_EXHAUSTED: the router's queue is full, see
-                admission.py, or no decode KV space within reserve_timeout_s), worker or
-                transfer failure, with its status.
+                admission.py, or no decode KV space within reserve_timeout_s); the
+                deadline (DEADLINE_EXCEEDED); UNAVAILABLE when no worker of a role is up
+                within the deadline or the request failed more than max_migrations times.
         """
         cfg = self.model_config
         client_id = validation.request_id(req)
-        ids = validation.prompt_token_ids(req, self.tokenizer, cfg.vocab_size, cfg.max_model_len)
+        # Off the event loop (a long prompt must not stall other streams), on one thread:
+        # HF tokenizers raise "Already borrowed" when one is used from two threads at once.
+        ids = await asyncio.get_running_loop().run_in_executor(
+            _TOKENIZE, validation.prompt_token_ids, req, self.tokenizer, cfg.vocab_size,
+            cfg.max_model_len)
         params = validation.sampling_params(req, len(ids), cfg.max_model_len)
         self._check_fits(len(ids), params.max_tokens)
         rid = client_id or uuid.uuid4().hex
-        internal_id = f"{rid}#{uuid.uuid4().hex[:8]}"   # unique even if clients reuse ids
         deadline = time.monotonic() + (deadline_s or self.config.router.request_timeout_s)
-
+        relay = _Relay(rid, Detokenizer(self.tokenizer, ids, params.stop), len(ids))
+        failures: list[str] = []
         # Admitted before any wait (a full queue is refused here, at once). The ticket is
-        # released at the first token below, or by the `with` on any earlier exit: reserve
+        # released at the first token, or by the `with` on any earlier exit: reserve
         # timeout, error, client cancel, deadline. release() is idempotent.
         with self.admission.admit(len(ids)) as queued:
-            d, res = await self._reserve(internal_id, len(ids), params, deadline, ids)
-            p = None if res["local_prefill"] else self.prefill_router.pick(self.prefill, ids)[0]
-            d.load += 1
-            finished = False
-            try:
-                events = d.handle.stream.remote(internal_id)
-                relay = _Relay(rid, Detokenizer(self.tokenizer, ids, params.stop), len(ids))
-                if p is not None:
-                    p.load += len(ids)
-                    try:
-                        first = await asyncio.wait_for(
-                            p.handle.prefill.remote(internal_id, ids, params,
-                                                    res["kv_address"], res["epoch"],
-                                                    res["cached_blocks"]),
-                            timeout=max(deadline - time.monotonic(), 0.001))
-                    finally:
-                        p.load -= len(ids)
-                        queued.release()  # first token back (or prefill failed): not queued
-                    msg = relay.absorb([TokenEvent(internal_id, (first,))])   # TTFT: at once
-                    if msg is not None:
+            while True:
+                sent = len(relay.token_ids)
+                if sent >= params.max_tokens:   # every token out; only the finish was lost
+                    yield relay.finish("length")
+                    return
+                attempt = replace(params, max_tokens=params.max_tokens - sent,
+                                  step_offset=params.step_offset + sent)
+                try:
+                    async for msg in self._attempt(rid, ids + relay.token_ids, attempt,
+                                                   deadline, relay, queued):
                         yield msg
-                if relay.finish_reason is None:
+                    return
+                except _AttemptFailed as e:
+                    failures.append(str(e))
+                    self.metrics.retries.labels(reason=e.reason).inc()
+                    limit = self.config.router.max_migrations
+                    if len(failures) > limit:
+                        raise RequestError(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"request failed {len(failures)} times (router.max_migrations="
+                            f"{limit}): " + "; ".join(failures[-3:])) from None
+                    logger.warning("request %s: %s; retrying on live workers after the %d "
+                                   "tokens streamed (%d/%d)", rid, e, len(relay.token_ids),
+                                   len(failures), limit)
+
+    async def _attempt(self, rid: str, ids: list[int], params, deadline: float,
+                       relay: "_Relay", queued) -> AsyncIterator[pb.GenerateResponse]:
+        """One try at serving `ids` (the prompt, plus the tokens streamed by earlier
+        attempts) on one decode worker D, prefilled by one prefill worker P or by D.
+
+        Raises:
+            _AttemptFailed: P or D died, or the KV transfer or D failed (retryable).
+            RequestError: deadline, capacity, no worker available (final).
+        """
+        internal_id = f"{rid}#{uuid.uuid4().hex[:8]}"   # unique per attempt and client id
+        d, res = await self._reserve(internal_id, len(ids), params, deadline, ids)
+        p = None
+        d.load += 1
+        finished = False
+        try:
+            if not res["local_prefill"]:
+                live = await self._available(self.prefill, "prefill", deadline)
+                p = self.prefill_router.pick(live, ids)[0]
+            events = d.handle.stream.remote(internal_id)
+            if p is not None:
+                p.load += len(ids)
+                try:
+                    first = await asyncio.wait_for(
+                        p.handle.prefill.remote(internal_id, ids, params, res["kv_address"],
+                                                res["epoch"], res["cached_blocks"]),
+                        timeout=max(deadline - time.monotonic(), 0.001))
+                except ray.exceptions.RayError as e:
+                    raise _failed("prefill", p, e) from e
+                finally:
+                    p.load -= len(ids)
+                    queued.release()  # first token back (or prefill failed): not queued
+                msg = relay.absorb([TokenEvent(internal_id, (first,))])   # TTFT: at once
+                if msg is not None:
+                    yield msg
+            if relay.finish_reason is None:
+                try:
                     async for ref in _with_deadline(events, deadline):
                         queued.release()  # local prefill: its first token came from D
                         msg = relay.absorb(await ref)
                         if msg is not None:
                             yield msg
-                        if relay.finish_reason is not None:
+                        if relay.finish_reason is not None or relay.error is not None:
                             break
-                if relay.finish_reason is not None:
-                    finished = not relay.stopped_here   # else D still runs: abort it below
-                    if relay.error:
-                        raise RequestError(grpc.StatusCode.INTERNAL,
-                                           f"decode failed: {relay.error}")
-                    return
-                raise RequestError(grpc.StatusCode.INTERNAL,
-                                   "decode stream ended without finishing")
-            except asyncio.TimeoutError:
-                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   "request deadline exceeded") from None
-            except RequestError:
-                raise
-            except Exception as e:  # Ray surfaces worker-side errors (transfer, abort, death) here
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{type(e).__name__}: {e}") from e
-            finally:
-                d.load -= 1
-                if not finished:  # cancel, deadline, error, stop string: release P and D now
-                    if p is not None:
-                        p.handle.abort.remote(internal_id)
-                    d.handle.abort.remote(internal_id, "cancelled")
+                except ray.exceptions.RayError as e:
+                    raise _failed("decode", d, e) from e
+            if relay.error is not None:
+                error, relay.error = relay.error, None
+                raise _AttemptFailed("decode", f"decode on {d.worker_id} failed: {error}")
+            if relay.finish_reason is None:
+                raise _AttemptFailed("decode", f"decode stream of {d.worker_id} ended "
+                                               "without finishing")
+            finished = not relay.stopped_here   # else D still runs: abort it below
+        except asyncio.TimeoutError:
+            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               "request deadline exceeded") from None
+        finally:
+            d.load -= 1
+            if not finished:  # cancel, deadline, error, stop string: release P and D now
+                # (sent to a worker found dead too: it may only have been unreachable)
+                if p is not None:
+                    self._send(p.handle.abort.remote(internal_id))
+                self._send(d.handle.abort.remote(internal_id, "cancelled"))
+
+    def _send(self, ref) -> None:
+        """Fire a call whose result does not matter; its error (the worker is dead or
+        restarting) is dropped here rather than logged by Ray as unhandled."""
+        if not inspect.isawaitable(ref):   # a test's fake handle
+            return
+
+        async def wait() -> None:
+            try:
+                await ref
+            except Exception as e:
+                logger.debug("abort not delivered: %r", e)
+
+        task = asyncio.get_running_loop().create_task(wait())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _available(self, workers: list[_Worker], role: str, deadline: float
+                         ) -> list[_Worker]:
+        """The workers of a role not known to be dead. When every one is, wait for Ray
+        to restart one (probing them with ready()) until `deadline`.
+
+        Raises:
+            RequestError: UNAVAILABLE, none came back before the deadline.
+        """
+        delay = 0.05
+        while True:
+            live = [w for w in workers if w.alive]
+            if live:
+                return live
+            await asyncio.gather(*(self._probe(w) for w in workers))
+            if any(w.alive for w in workers):
+                continue
+            if time.monotonic() + delay >= deadline:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                   f"no {role} worker is available: all {len(workers)} are "
+                                   "down and none restarted within the request's deadline")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def _probe(self, w: _Worker, timeout_s: float = 1.0) -> None:
+        """Mark `w` alive again once it answers ready(); a new epoch (Ray restarted it)
+        resets the router's mirror of its prefix cache."""
+        try:
+            info = await asyncio.wait_for(w.handle.ready.remote(), timeout=timeout_s)
+        except Exception:  # still down or restarting
+            return
+        if info["epoch"] != w.epoch:
+            logger.warning("%s restarted (epoch %x -> %x)", w.worker_id, w.epoch, info["epoch"])
+            w.epoch = info["epoch"]
+            self.prefill_router.index.forget(w.worker_id)
+        w.alive = True
+
+    async def _watch_workers(self) -> None:
+        """Probe the workers marked dead every worker_probe_interval_s, so one that Ray
+        restarted takes requests again while others of its role are serving."""
+        while True:
+            await asyncio.sleep(self.config.router.worker_probe_interval_s)
+            await asyncio.gather(*(self._probe(w) for w in self.prefill + self.decode
+                                   if not w.alive))
 
     async def _sync_prefix_caches(self) -> None:
         """Mirror every prefill worker's prefix cache (routing.PrefixIndex) by polling its
@@ -205,6 +342,10 @@ class Router:
                         w.handle.cache_events.remote(index.since(w.worker_id)), timeout=5)
                 except Exception as e:  # dead, restarting or slow: try again next round
                     logger.debug("prefix cache of %s not synced: %r", w.worker_id, e)
+                    continue
+                if reply["epoch"] != w.epoch:   # restarted: its events restart from 0
+                    index.forget(w.worker_id)
+                    w.epoch = reply["epoch"]
                     continue
                 index.apply(w.worker_id, reply)
             await asyncio.sleep(interval)
@@ -223,23 +364,26 @@ class Router:
 
     async def _reserve(self, rid: str, prompt_len: int, params, deadline: float,
                        ids: list[int]):
-        """Reserve on the best decode worker with room, waiting for room until a limit."""
+        """Reserve on the best live decode worker with room, waiting for room (or for
+        Ray to restart a dead one) until reserve_timeout_s. The reservation's lease ends
+        with the request's deadline at the latest, so D reclaims it even if this router
+        goes away."""
         give_up = min(deadline, time.monotonic() + self.config.router.reserve_timeout_s)
         delay = 0.01
         while True:
-            failures = []
-            for d in sorted(self.decode, key=lambda w: (w.load, -w.free_blocks)):
+            live = await self._available(self.decode, "decode", give_up)
+            lease_s = min(self.config.decode.lease_s, max(deadline - time.monotonic(), 0.001))
+            for d in sorted(live, key=lambda w: (w.load, -w.free_blocks)):
                 try:
-                    res = await d.handle.reserve.remote(rid, prompt_len, params, ids)
-                except ray.exceptions.RayError as e:   # dead or unreachable: try the next
-                    failures.append(f"{d.worker_id}: {type(e).__name__}")
+                    res = await d.handle.reserve.remote(rid, prompt_len, params, ids, lease_s)
+                except ray.exceptions.RayActorError:   # dead or restarting: try the next
+                    d.alive = False
                     continue
                 if res is not None:
                     d.free_blocks = res["free_blocks"]
                     return d, res
-            if len(failures) == len(self.decode):
-                raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                                   "no decode worker is reachable (" + "; ".join(failures) + ")")
+            if not any(d.alive for d in live):
+                continue          # every one died meanwhile: wait for a restart above
             if time.monotonic() + delay > give_up:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    "no decode worker has free KV blocks for this request; "
@@ -277,10 +421,17 @@ class _Relay:
 
     def __init__(self, request_id: str, detok: Detokenizer, prompt_len: int):
         self.request_id, self.detok, self.prompt_len = request_id, detok, prompt_len
-        self.num_generated = 0
+        self.token_ids: list[int] = []   # every token streamed to the client
         self.finish_reason: str | None = None
         self.stopped_here = False    # a stop string matched on the router: D still runs
-        self.error: str | None = None
+        self.error: str | None = None    # the attempt failed on D (the router retries)
+
+    def finish(self, reason: str) -> pb.GenerateResponse:
+        """The last message, with no new tokens."""
+        self.finish_reason = reason
+        return pb.GenerateResponse(
+            request_id=self.request_id, text=self.detok.flush(), finish_reason=reason,
+            usage=pb.Usage(prompt_tokens=self.prompt_len, completion_tokens=len(self.token_ids)))
 
     def absorb(self, events: list[TokenEvent]) -> pb.GenerateResponse | None:
         tokens, text = [], []
@@ -292,19 +443,21 @@ class _Relay:
                 if delta.stopped:
                     self.finish_reason, self.stopped_here = "stop", True
                     break
+            if self.finish_reason is None and ev.finish_reason == "error":
+                self.error = ev.error or "unknown error"
+                break
             if self.finish_reason is None and ev.finish_reason is not None:
-                self.finish_reason, self.error = ev.finish_reason, ev.error
+                self.finish_reason = ev.finish_reason
                 text.append(self.detok.flush())
             if self.finish_reason is not None:
                 break
-        self.num_generated += len(tokens)
-        if self.finish_reason == "error":
-            return None
+        self.token_ids += tokens
         if self.finish_reason is not None:
             return pb.GenerateResponse(
                 request_id=self.request_id, token_ids=tokens, text="".join(text),
                 finish_reason=self.finish_reason,
-                usage=pb.Usage(prompt_tokens=self.prompt_len, completion_tokens=self.num_generated))
+                usage=pb.Usage(prompt_tokens=self.prompt_len,
+                               completion_tokens=len(self.token_ids)))
         if not tokens:
             return None
         return pb.GenerateResponse(request_id=self.request_id, token_ids=tokens, text="".join(text))

@@ -57,6 +57,12 @@ class PrefixIndex:
                 held.discard(h)
         self._seq[worker_id] = reply["seq"]
 
+    def forget(self, worker_id: str) -> None:
+        """Drop what `worker_id` held (it restarted with an empty cache); its next
+        cache_events poll starts from event 0."""
+        self._hashes.pop(worker_id, None)
+        self._seq.pop(worker_id, None)
+
     def matched_blocks(self, worker_id: str, hashes: Sequence[BlockHash]) -> int:
         """How many of `hashes`, from the first, `worker_id` holds without a gap."""
         held = self._hashes.get(worker_id, ())

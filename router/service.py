@@ -1,5 +1,6 @@
 """gRPC services of the router: pdserve.v1 Generator and Admin, grpc.health.v1, and
-server reflection (so grpcurl and reflection clients work without the .proto)."""
+server reflection (so grpcurl and reflection clients work without the .proto), behind
+the TLS and api-key gates of security.py."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -14,22 +16,24 @@ from ..engine.sampling_params import InvalidRequestError
 from ..proto import pdserve_pb2 as pb
 from ..proto import pdserve_pb2_grpc as pb_grpc
 from .errors import RequestError
+from .security import ApiKeyInterceptor, server_credentials
 
 logger = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 8 << 20   # a GenerateRequest larger than this is refused by gRPC itself
 
 
 class GeneratorService(pb_grpc.GeneratorServicer):
     def __init__(self, router):
         self.router = router
 
-    async def Generate(self, request, context: grpc.aio.ServicerContext):
+    async def Generate(self, data: bytes, context: grpc.aio.ServicerContext):
+        """The request arrives as bytes (see add_generator) and is parsed here."""
         # Metrics (pdserve/metrics.py): status is the finish_reason, or the error's gRPC
         # status code in lower case; a stream that ends otherwise was cancelled.
         timer = self.router.metrics.request()
         status, prompt_tokens = "cancelled", 0
+        request = None
         try:
+            request = parse_request(data)
             async for msg in self.router.generate(request, context.time_remaining()):
                 timer.tokens(len(msg.token_ids))
                 if msg.finish_reason:
@@ -42,13 +46,39 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             status = e.code.name.lower()
             await context.abort(e.code, str(e))
         except asyncio.CancelledError:
-            logger.debug("client cancelled %s", request.request_id or "<no id>")
+            logger.debug("client cancelled %s", getattr(request, "request_id", "") or "<no id>")
             raise
         except Exception:
             status = "internal"
             raise
         finally:
             timer.finish(status, prompt_tokens)
+
+
+def parse_request(data: bytes) -> pb.GenerateRequest:
+    """A GenerateRequest from its wire bytes.
+
+    Raises:
+        InvalidRequestError: the bytes are not a GenerateRequest (e.g. invalid UTF-8 in a
+            string field, a truncated field), with the parser's message.
+    """
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as e:
+        raise InvalidRequestError("request", f"not a valid GenerateRequest ({e}); string "
+                                             "fields must be valid UTF-8") from None
+
+
+def add_generator(service: GeneratorService, server: grpc.aio.Server) -> None:
+    """Register Generate with no request deserializer, so bytes that do not parse get
+    INVALID_ARGUMENT with a message (gRPC's own deserializer would answer INTERNAL
+    "Exception deserializing request!")."""
+    name = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
+        service.Generate, request_deserializer=None,
+        response_serializer=pb.GenerateResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
 
 
 class AdminService(pb_grpc.AdminServicer):
@@ -62,14 +92,26 @@ class AdminService(pb_grpc.AdminServicer):
 def build_server(router, address: str) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server (not started) with every service; returns it and the bound port.
 
+    Security and limits come from `router.config.router` (RouterConfig): TLS (mutual with
+    tls_client_ca_file) when tls_cert_file is set, the api-key check when api_key is, and
+    max_request_bytes, beyond which gRPC itself refuses a request (RESOURCE_EXHAUSTED).
+
     Raises:
+        SecurityConfigError: a tls_* file cannot be read or is not PEM (names the field).
         RuntimeError: the address could not be bound.
     """
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.so_reuseport", 0),          # a second server on a busy port must fail, not share
-    ])
-    pb_grpc.add_GeneratorServicer_to_server(GeneratorService(router), server)
+    rc = router.config.router
+    creds = server_credentials(rc)      # before binding: a bad file fails with its name
+    if rc.api_key is not None and creds is None:
+        logger.warning("api_key is set without TLS: the key crosses the network in clear "
+                       "text (set tls_cert_file and tls_key_file)")
+    server = grpc.aio.server(
+        interceptors=[ApiKeyInterceptor(rc.api_key)] if rc.api_key is not None else None,
+        options=[
+            ("grpc.max_receive_message_length", rc.max_request_bytes),
+            ("grpc.so_reuseport", 0),      # a second server on a busy port must fail, not share
+        ])
+    add_generator(GeneratorService(router), server)
     pb_grpc.add_AdminServicer_to_server(AdminService(router), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -78,7 +120,8 @@ def build_server(router, address: str) -> tuple[grpc.aio.Server, int]:
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, creds) if creds is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise RuntimeError(f"could not bind gRPC server to {address}")
     for name in ("", names[0], names[1]):

@@ -11,8 +11,28 @@ import math
 from ..engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequestError, SamplingParams
 
 MAX_PROMPT_CHARS = 1 << 20      # characters of text/messages accepted before tokenizing
+# ... and at most this many per token of the model's context. English averages ~4
+# characters per token and code ~3, so 16 over a whole context is no longer text. The bound
+# keeps tokenizing (on the router: ~3 us per token, up to 3 tokens per character) in
+# proportion to what the model can take: 1M emoji are 3M tokens, ~10 s of tokenizer.
+MAX_CHARS_PER_TOKEN = 16
 MAX_MESSAGES = 1024
-MAX_REQUEST_ID_CHARS = 128
+# UTF-8 bytes, not characters: the router appends "#" and 8 hex digits, and a KV frame
+# carries at most 256 bytes of request id (kv_transfer/base.py MAX_REQUEST_ID_BYTES).
+MAX_REQUEST_ID_BYTES = 128
+
+
+def max_prompt_chars(max_model_len: int) -> int:
+    """Most characters of text (or of chat roles and contents) tokenized for a model
+    whose context is `max_model_len` tokens."""
+    return min(MAX_PROMPT_CHARS, MAX_CHARS_PER_TOKEN * max_model_len)
+
+
+def _check_chars(field: str, chars: int, max_model_len: int) -> None:
+    limit = max_prompt_chars(max_model_len)
+    if chars > limit:
+        raise InvalidRequestError(field, f"at most {limit} characters for the model's context of "
+                                         f"{max_model_len} tokens, got {chars}")
 
 
 def prompt_token_ids(req, tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
@@ -25,9 +45,7 @@ def prompt_token_ids(req, tokenizer, vocab_size: int, max_model_len: int) -> lis
     if kind is None:
         raise InvalidRequestError("prompt", "set one of text, token_ids or messages")
     if kind == "text":
-        if len(req.text) > MAX_PROMPT_CHARS:
-            raise InvalidRequestError("text", f"at most {MAX_PROMPT_CHARS} characters, "
-                                              f"got {len(req.text)}")
+        _check_chars("text", len(req.text), max_model_len)
         ids = tokenizer(req.text)["input_ids"]
     elif kind == "token_ids":
         ids = list(req.token_ids.ids)
@@ -41,8 +59,8 @@ def prompt_token_ids(req, tokenizer, vocab_size: int, max_model_len: int) -> lis
             raise InvalidRequestError("messages", "at least one message is required")
         if len(msgs) > MAX_MESSAGES:
             raise InvalidRequestError("messages", f"at most {MAX_MESSAGES} messages, got {len(msgs)}")
-        if sum(len(m.content) for m in msgs) > MAX_PROMPT_CHARS:
-            raise InvalidRequestError("messages", f"at most {MAX_PROMPT_CHARS} characters in all")
+        # Roles count too: the chat template renders them into the text it tokenizes.
+        _check_chars("messages", sum(len(m.role) + len(m.content) for m in msgs), max_model_len)
         if tokenizer.chat_template is None:
             raise InvalidRequestError("messages", "this model has no chat template; send text")
         conv = [{"role": m.role, "content": m.content} for m in msgs]
@@ -91,6 +109,9 @@ def sampling_params(req, prompt_len: int, max_model_len: int) -> SamplingParams:
 
 def request_id(req) -> str | None:
     """The client's request_id, or None to generate one."""
-    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
-    return req.request_id or None
+    rid = req.request_id
+    n = len(rid.encode("utf-8"))    # at most 8 MiB (the request size limit): cheap
+    if n > MAX_REQUEST_ID_BYTES:
+        raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes UTF-8, "
+                                                f"got {n}")
+    return rid or None

@@ -26,13 +26,15 @@ def start_ray() -> None:
 class Served:
     """A running cluster with a client; `stop()` checks every KV pool is free first."""
 
-    def __init__(self, model: str = "default", **kw):
+    def __init__(self, model: str = "default", client_kw: dict | None = None, **kw):
+        """`client_kw` goes to the Client (TLS files, api_key of a secured cluster); the
+        rest of the keywords to ClusterConfig.local."""
         kw.setdefault("prefill_blocks", 256)
         kw.setdefault("decode_blocks", 256)
         self.cluster = Cluster(ClusterConfig.local(model, port=0, **kw))
         self.port = self.cluster.start()
         self.address = f"127.0.0.1:{self.port}"
-        self.client = Client(self.address, timeout_s=300)
+        self.client = Client(self.address, timeout_s=300, **(client_kw or {}))
 
     def generate(self, prompt, **kw):
         return self.client.generate(make_request(prompt, **kw))

@@ -89,6 +89,69 @@ def test_prompt_over_max_queued_tokens_is_refused_at_once(served):
     served.assert_all_free()
 
 
+def test_ten_times_the_sustainable_rate_is_shed_and_recovers(served):
+    """Open-loop arrivals at 10x the rate the cluster sustains: the excess is refused at
+    once with RESOURCE_EXHAUSTED, the router's queue never exceeds its bound (memory
+    stays bounded), every admitted request finishes token-identical to HF, and the
+    cluster serves normally afterwards."""
+    tok = _tokenizer()
+    n = 4
+
+    def prompt(i: int) -> str:
+        return f"Question {i}: what is {i} plus {2 * i}?"
+
+    # Sustainable rate: closed loop, as many clients as the queue admits at once.
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(MAX_QUEUED_REQUESTS) as ex:
+        list(ex.map(lambda i: served.generate(prompt(i), max_tokens=n, temperature=0),
+                    range(3 * MAX_QUEUED_REQUESTS)))
+    rate = 3 * MAX_QUEUED_REQUESTS / (time.monotonic() - t0)
+
+    offered = 10 * rate
+    count = max(20, round(offered * 3))          # ~3 s of arrivals
+    results: dict[int, tuple] = {}
+    peak_queue = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak_queue[0] = max(peak_queue[0], served.client.status().queued_requests)
+            time.sleep(0.02)
+
+    def call(i: int) -> None:
+        t = time.monotonic()
+        try:
+            ids, _, _ = served.generate(prompt(100 + i), max_tokens=n, temperature=0)
+            results[i] = ("ok", ids, time.monotonic() - t)
+        except grpc.RpcError as e:
+            results[i] = (e.code(), e.details(), time.monotonic() - t)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with ThreadPoolExecutor(count) as ex:
+        for i in range(count):
+            ex.submit(call, i)
+            time.sleep(1 / offered)
+    stop.set()
+    watcher.join()
+
+    ok = [i for i, r in results.items() if r[0] == "ok"]
+    shed = [r for r in results.values() if r[0] != "ok"]
+    assert len(results) == count
+    assert len(shed) >= count // 2, f"{len(shed)} of {count} shed at {offered:.1f} req/s"
+    for code, details, latency_s in shed:
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+        assert "max_queued_requests" in details and latency_s < FAST_S, (details, latency_s)
+    assert peak_queue[0] <= MAX_QUEUED_REQUESTS
+    assert ok, "nothing admitted"
+    for i in ok:
+        assert results[i][1] == hf_greedy("default", tok(prompt(100 + i))["input_ids"], n)
+    served.assert_all_free()
+    ids, _, _ = served.generate(prompt(7), max_tokens=n, temperature=0)   # recovered
+    assert ids == hf_greedy("default", tok(prompt(7))["input_ids"], n)
+    served.assert_all_free()
+
+
 def _tokenizer():
     from transformers import AutoTokenizer
 

@@ -3,11 +3,12 @@
 import socket
 import struct
 
+import google_crc32c
 import pytest
 import torch
 
 from pdserve.kv_transfer import KVFrameError, KVLayout, make_receiver, make_sender
-from pdserve.kv_transfer import frames
+from pdserve.kv_transfer import frames, host_io
 from pdserve.kv_transfer.frames import FrameType
 
 LAYOUT = KVLayout("cfg-abc", num_layers=4, num_kv_heads=3, head_dim=8, block_size=4, dtype="float32")
@@ -33,16 +34,18 @@ def _kv_header(**kw):
         (FrameType.HANDSHAKE_ACK, dict(epoch=2**64 - 1, payload_len=1)),
         (FrameType.KV, dict(epoch=7, layer_start=1, layer_end=3, num_blocks=5,
                             dtype_code=frames.DTYPE_CODES["float32"],
-                            payload_len=LAYOUT.payload_bytes(2, 5) + 4, flags=frames.FLAG_CRC32)),
+                            payload_len=LAYOUT.payload_bytes(2, 5) + 4, flags=frames.FLAG_CRC32C)),
         (FrameType.KV, dict(epoch=7, layer_start=0, layer_end=4, block_start=11, num_blocks=5,
                             dtype_code=frames.DTYPE_CODES["float32"],
                             payload_len=LAYOUT.payload_bytes(4, 5))),
         (FrameType.DONE, dict(epoch=1, layer_end=4, first_token=12345)),
         (FrameType.ABORT, dict(epoch=1, payload_len=10)),
+        (FrameType.CHALLENGE, dict(payload_len=frames.NONCE_BYTES)),
     ],
 )
 def test_header_round_trip(ftype, kw):
-    rid = "" if ftype in (FrameType.HANDSHAKE, FrameType.HANDSHAKE_ACK) else "réq-ü"
+    rid = "" if ftype in (FrameType.HANDSHAKE, FrameType.HANDSHAKE_ACK, FrameType.CHALLENGE) \
+        else "réq-ü"
     buf = frames.pack_header(ftype, rid, **kw)
     assert len(buf) == frames.HEADER_SIZE + len(rid.encode())
     h = frames.unpack_header(buf, LAYOUT, max_blocks=16)
@@ -59,9 +62,9 @@ def test_header_layout_is_56_bytes_little_endian():
     assert frames.HEADER_SIZE == 56
     buf = frames.pack_header(
         FrameType.KV, "r", epoch=2**40 + 1, layer_start=1, layer_end=2, block_start=0x01020304,
-        num_blocks=6, dtype_code=1, first_token=9, payload_len=123, flags=frames.FLAG_CRC32,
+        num_blocks=6, dtype_code=1, first_token=9, payload_len=123, flags=frames.FLAG_CRC32C,
     )
-    assert len(buf) == 56 + 1 and buf[:4] == b"PDKV" and buf[4] == 2  # protocol version
+    assert len(buf) == 56 + 1 and buf[:4] == b"PDKV" and buf[4] == 3  # protocol version
     assert struct.unpack_from("<QIIIIqQH", buf, 8) == (
         2**40 + 1, 1, 2, 0x01020304, 6, 9, 123, 1)
     assert buf[50:56] == bytes(6) and buf[56:] == b"r"
@@ -85,7 +88,7 @@ def _corrupt(buf, offset, value):
         (_kv_header()[:20], "truncated header"),
         (_kv_header()[:-2], "truncated request_id"),
         (_kv_header(payload_len=LAYOUT.payload_bytes(2, 5) + 1), "payload_len"),
-        (_kv_header(flags=frames.FLAG_CRC32), "payload_len"),  # crc flag but no crc bytes
+        (_kv_header(flags=frames.FLAG_CRC32C), "payload_len"),  # crc flag but no crc bytes
         (_kv_header(layer_end=5, payload_len=LAYOUT.payload_bytes(4, 5)), "num_layers"),
         (_kv_header(layer_end=1), "empty"),
         (_kv_header(num_blocks=0), "num_blocks"),
@@ -97,6 +100,7 @@ def _corrupt(buf, offset, value):
         (frames.pack_header(FrameType.KV, "", num_blocks=1, layer_end=1), "request_id"),
         (frames.pack_header(FrameType.HANDSHAKE, payload_len=10**9), "HANDSHAKE"),
         (frames.pack_header(FrameType.ABORT, "r", payload_len=10**6), "ABORT"),
+        (frames.pack_header(FrameType.CHALLENGE, payload_len=10**6), "CHALLENGE"),
     ],
 )
 def test_bad_headers_raise(buf, match):
@@ -138,11 +142,20 @@ def test_read_header_from_socket():
 
 
 def test_handshake_payload_round_trip():
-    p = frames.encode_handshake(LAYOUT, 9, "nope", ack=True)
-    assert frames.decode_handshake(p) == (LAYOUT, 9, "nope")
-    assert frames.decode_handshake(frames.encode_handshake(LAYOUT, 3, ack=False)) == (LAYOUT, 3, None)
-    with pytest.raises(KVFrameError, match="malformed"):
-        frames.decode_handshake(b"{not json")
+    p = frames.encode_handshake(LAYOUT, 9, "nope", ack=True, auth=b"\x01" * 32)
+    assert frames.decode_handshake(p, ack=True) == (LAYOUT, 9, "nope", b"", b"\x01" * 32)
+    nonce = bytes(range(frames.NONCE_BYTES))
+    p = frames.encode_handshake(LAYOUT, 3, ack=False, nonce=nonce)
+    assert frames.decode_handshake(p, ack=False) == (LAYOUT, 3, None, nonce, None)
+    refusal = frames.decode_handshake(frames.encode_auth_refusal(), ack=True)
+    assert (refusal.layout, refusal.error) == (None, frames.AUTH_REFUSED)
+    for bad, ack in [(b"{not json", True), (b"[1, 2]", True), (b'"x"', False),
+                     (frames.encode_auth_refusal(), False),  # P's handshake needs a layout
+                     (frames.encode_handshake(LAYOUT, 3, ack=False), False),  # and a nonce
+                     (frames.encode_handshake(LAYOUT, 3, ack=False, nonce=b"ab"), False),
+                     (p.replace(b'"auth": null', b'"auth": "zz"'), False)]:
+        with pytest.raises(KVFrameError, match="malformed"):
+            frames.decode_handshake(bad, ack=ack)
 
 
 def test_layout_mismatch_names_fields():
@@ -176,3 +189,16 @@ def test_registry_unknown_kind():
         make_sender("carrier-pigeon", kv, LAYOUT)
     with pytest.raises(ValueError, match="valid kinds"):
         make_receiver("nope", kv, LAYOUT, 0, lambda c: None)
+
+
+def test_crc32c_is_castagnoli_over_pieces_without_copies():
+    """The KV frame checksum: CRC32C (not zlib's crc32), extended across the pieces of a
+    payload in order, over writable views of tensor memory as the transport has them."""
+    check = memoryview(bytearray(b"123456789"))
+    assert host_io.crc32c([check]) == 0xE3069283  # CRC32C's check value (zlib: 0xCBF43926)
+    payload = torch.randn(2, 2, 5, 4, 3, 8)  # [L, 2, n, bs, H, D]
+    wire = frames.tensor_bytes(payload)
+    want = google_crc32c.value(bytes(wire))
+    assert host_io.crc32c([wire]) == want
+    assert host_io.crc32c([wire[:100], wire[100:100], wire[100:333], wire[333:]]) == want
+    assert host_io.crc32c([wire[1:]], crc=host_io.crc32c([wire[:1]])) == want

@@ -4,7 +4,6 @@ import logging
 import random
 import socket
 import threading
-import zlib
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from kvtest import (  # noqa: E402  (shared with the other transport's tests)
     TIMEOUT_S, Completions, assert_copied, make_cache, send_request,
     CHUNK_CASES, INCONSISTENT_CASES, check_chunked_round_trip, check_inconsistent_frames_fail,
 )
+from tcp_client import kv_frame as raw_kv_frame, raw_connect, wait_closed  # noqa: E402
 
 
 @pytest.fixture
@@ -144,30 +144,6 @@ def test_parallel_senders(env, shared):
     assert torch.equal(dst[:, :, others], before[:, :, others])
 
 
-def raw_connect(addr, layout):
-    """A hand-driven client that has done the handshake."""
-    s = socket.create_connection(addr, timeout=TIMEOUT_S)
-    p = frames.encode_handshake(layout, 0, ack=False)
-    s.sendall(frames.pack_header(FrameType.HANDSHAKE, payload_len=len(p)) + p)
-    h = frames.read_header(s)
-    body = bytearray(h.payload_len)
-    frames.recv_exact(s, memoryview(body))
-    assert frames.decode_handshake(bytes(body))[2] is None
-    return s
-
-
-def raw_kv_frame(layout, rid, layer, blocks, crc_delta=0):
-    """KV frame for one layer with a crc32 that is off by ``crc_delta``."""
-    payload = blocks[layer : layer + 1].contiguous().view(torch.uint8).numpy().tobytes()
-    crc = (zlib.crc32(payload) + crc_delta) & 0xFFFFFFFF
-    header = frames.pack_header(
-        FrameType.KV, rid, flags=frames.FLAG_CRC32, epoch=EPOCH, layer_start=layer,
-        layer_end=layer + 1, num_blocks=blocks.shape[2], dtype_code=frames.dtype_code(layout.dtype),
-        payload_len=len(payload) + 4,
-    )
-    return header + payload + crc.to_bytes(4, "little")
-
-
 def test_checksum_corruption_fails_request_and_keeps_serving(env):
     src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
     before = dst.clone()
@@ -248,10 +224,7 @@ def test_garbage_connection_is_closed_and_others_unaffected(env, caplog):
     for junk in (bytes(rng.getrandbits(8) for _ in range(1000)), frames.MAGIC + b"\xff" * 60):
         with socket.create_connection(addr, timeout=TIMEOUT_S) as g:
             g.sendall(junk)
-            try:
-                assert g.recv(100) == b""  # receiver hung up on us
-            except ConnectionResetError:
-                pass
+            assert wait_closed(g)  # receiver hung up on us (after its challenge)
     send_request(tx, addr, "r", [(1, NUM_LAYERS)])
     assert done.wait("r").ok
     assert_copied(src, dst, before)

@@ -6,7 +6,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from pdserve.kv_transfer import frames, ucx, ucx_wire
+from pdserve.kv_transfer import auth, frames, ucx, ucx_wire
 from pdserve.kv_transfer.frames import FrameType
 
 from kvtest import EPOCH, TIMEOUT_S
@@ -23,21 +23,33 @@ class RawClient:
         return self.rt.call(coro, TIMEOUT_S)
 
     async def connect(self):
+        """Open the control endpoint and take D's challenge (self.nonce_d)."""
         self.ctl = await ucx.ucx.create_endpoint(*self.addr)
+        h, self.nonce_d = await self.recv_ctl()
+        assert h.frame_type == FrameType.CHALLENGE, h
+
+    async def recv_ctl(self):
+        """(header, payload) of D's next control-endpoint frame."""
+        hbuf = np.zeros(ucx_wire.HEADER_MSG_BYTES, np.uint8)
+        await self.ctl.recv(hbuf)
+        h = frames.unpack_header(memoryview(hbuf))
+        body = np.zeros(h.payload_len, np.uint8)
+        await self.ctl.recv(body)
+        return h, body.tobytes()
 
     async def send_ctl(self, payload: bytes):
         await self.ctl.send(np.frombuffer(payload, np.uint8))
 
-    async def handshake(self, layout):
-        body = ucx_wire.handshake_payload(layout, 0, ack=False, worker_address=self.rt.worker_address)
+    async def handshake(self, layout, secret=None):
+        nonce_p = auth.new_nonce()
+        proof = auth.proof(auth.secret_bytes(secret), auth.PREFILL, self.nonce_d, nonce_p)
+        body = ucx_wire.handshake_payload(layout, 0, ack=False, nonce=nonce_p, auth=proof,
+                                          worker_address=self.rt.worker_address)
         hs = frames.pack_header(FrameType.HANDSHAKE, payload_len=len(body))
         await self.send_ctl(bytes(ucx_wire.header_message(hs)))
         await self.send_ctl(body)
-        hbuf = np.zeros(ucx_wire.HEADER_MSG_BYTES, np.uint8)
-        await self.ctl.recv(hbuf)
-        ack = np.zeros(frames.unpack_header(memoryview(hbuf)).payload_len, np.uint8)
-        await self.ctl.recv(ack)
-        hs = ucx_wire.parse_handshake(ack.tobytes(), ack=True)
+        _, ack = await self.recv_ctl()
+        hs = ucx_wire.parse_handshake(ack, ack=True)
         assert hs.error is None, hs.error
         self.tag, self.slot_bytes = hs.data_tag, hs.slot_bytes
         self.data = await ucx.endpoint_to_worker(hs.worker_address)

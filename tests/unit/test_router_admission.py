@@ -11,11 +11,13 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+import ray.exceptions
 from tokenizers import Tokenizer, models
 
 from pdserve.client import make_request
 from pdserve.config import ClusterConfig, RouterConfig
 from pdserve.engine.request import TokenEvent
+from pdserve.metrics import RouterMetrics
 from pdserve.router.admission import Admission
 from pdserve.router.errors import RequestError
 from pdserve.router.router import Router, _Worker
@@ -44,7 +46,7 @@ class FakeDecode:
         self.reserved: list[str] = []
         self.aborted: list[str] = []
 
-    async def reserve(self, rid, prompt_len, params, prompt_token_ids):
+    async def reserve(self, rid, prompt_len, params, prompt_token_ids, lease_s=None):
         assert list(prompt_token_ids) == PROMPT and prompt_len == len(PROMPT)  # kept for recompute
         self.asked.set()
         if not self.room:
@@ -96,6 +98,8 @@ def make_router(decode: FakeDecode, prefill: FakePrefill, **router_kw) -> Router
     r.decode = [_Worker(actor(decode), "decode-0", num_blocks=64, free_blocks=64)]
     rc = r.config.router
     r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
+    r.metrics = RouterMetrics(lambda: r.admission.queued_requests)
+    r._pending = set()
     r.prefill_router = PrefillRouter(rc.routing_policy, r.config.prefill.block_size,
                                      rc.kv_load_weight)
     return r
@@ -192,8 +196,10 @@ def test_prompt_over_max_queued_tokens_is_refused_at_once():
 def test_failure_before_first_token_releases_the_queue(case, code):
     async def main():
         d = FakeDecode(room=case != "no decode room")
-        p = FakePrefill(error=RuntimeError("KV transfer failed") if case == "prefill error"
-                        else None)
+        # A worker-side failure reaches the router as a Ray error; retried max_migrations
+        # times, then UNAVAILABLE.
+        p = FakePrefill(error=ray.exceptions.RaySystemError("KV transfer failed")
+                        if case == "prefill error" else None)
         if case == "prefill error":
             p.go.set()
         r = make_router(d, p, reserve_timeout_s=0.05)

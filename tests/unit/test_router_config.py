@@ -3,11 +3,12 @@
 No cluster is started: `serve` runs against a stand-in Cluster that records its config.
 """
 
-from typing import ClassVar
 
 import pytest
 
-from pdserve import cli, cluster
+from recording_cluster import recording  # noqa: F401  (fixture)
+
+from pdserve import cli
 from pdserve.config import ClusterConfig, RouterConfig
 
 
@@ -32,29 +33,6 @@ def test_cluster_local_passes_router_kw():
     assert ClusterConfig.local().router.max_queued_requests == RouterConfig().max_queued_requests
 
 
-class RecordingCluster:
-    """Stands in for pdserve.cluster.Cluster: records the config, then fails to start."""
-
-    configs: ClassVar[list] = []
-
-    def __init__(self, config):
-        self.configs.append(config)
-
-    def start(self):
-        raise cluster.ClusterStartError("not started (test)")
-
-    def stop(self):
-        pass
-
-
-@pytest.fixture
-def recording(monkeypatch):
-    monkeypatch.setattr(cluster, "Cluster", RecordingCluster)
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)   # keep pytest's handlers
-    RecordingCluster.configs = []
-    return RecordingCluster.configs
-
-
 def test_serve_flags_set_the_admission_bounds(recording):
     assert cli.main(["serve", "--max-queued-requests", "3", "--max-queued-tokens", "4096"]) == 1
     rc = recording[0].router
@@ -70,3 +48,18 @@ def test_serve_refuses_a_bad_bound_before_starting(recording, capsys):
     assert cli.main(["serve", "--max-queued-tokens", "0"]) == 2
     assert "max_queued_tokens=0: must be >= 1" in capsys.readouterr().err
     assert recording == []
+
+
+def test_serve_failure_flags(recording):
+    assert cli.main(["serve", "--max-migrations", "1", "--max-worker-restarts", "-1"]) == 1
+    assert recording[0].router.max_migrations == 1
+    assert recording[0].max_worker_restarts == -1
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--max-migrations", "-1"], "max_migrations=-1: must be >= 0"),
+    (["--max-worker-restarts", "-2"], "max_worker_restarts=-2: must be >= -1"),
+])
+def test_serve_refuses_bad_failure_flags(recording, capsys, argv, msg):
+    assert cli.main(["serve", *argv]) == 2
+    assert msg in capsys.readouterr().err

@@ -100,6 +100,16 @@ def test_seeded_sampling_is_reproducible_per_seed_and_step():
     assert run(SamplingParams(seed=1235)) != first  # and across seeds
 
 
+def test_step_offset_continues_a_moved_requests_seeded_draws():
+    """After the router retries a request elsewhere (step_offset = tokens already sent),
+    step s of the new worker draws exactly what step offset + s drew before."""
+    logits = torch.zeros(1, 1000)
+    before = SamplingParams(seed=7)
+    moved = SamplingParams(seed=7, step_offset=5)
+    assert [sample(logits, [moved], [s])[0] for s in range(10)] == \
+           [sample(logits, [before], [5 + s])[0] for s in range(10)]
+
+
 def test_seeded_row_ignores_batch_position_and_neighbours():
     vocab = 500
     row = _logits(1, vocab, seed=2)[0]

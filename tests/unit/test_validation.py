@@ -132,6 +132,42 @@ def test_too_many_messages(monkeypatch):
     expect_invalid(lambda: ids_of(req), "messages", "at most 2", "3")
 
 
+class NeverTokenizer(FakeTokenizer):
+    """Fails the test if validation tokenizes: the request must be refused before."""
+
+    def __call__(self, text):
+        raise AssertionError(f"tokenized {len(text)} characters")
+
+    def apply_chat_template(self, conv, **kw):
+        raise AssertionError("rendered the chat template")
+
+
+def test_character_limit_scales_with_the_context():
+    # Found by the fuzz: 1M emoji (under the old flat 1M-character limit) are 3M tokens,
+    # ~10 s of tokenizing on the router for a prompt that could never fit the context.
+    limit = validation.MAX_CHARS_PER_TOKEN * MAX_MODEL_LEN
+    assert validation.max_prompt_chars(MAX_MODEL_LEN) == limit < validation.MAX_PROMPT_CHARS
+    assert validation.max_prompt_chars(1 << 30) == validation.MAX_PROMPT_CHARS
+    expect_invalid(lambda: ids_of(pb.GenerateRequest(text="😀" * (limit + 1)), NeverTokenizer()),
+                   "text", f"at most {limit} characters", f"{MAX_MODEL_LEN} tokens",
+                   str(limit + 1))
+    # At the limit it is tokenized (and here refused for its tokens, not its characters).
+    expect_invalid(lambda: ids_of(pb.GenerateRequest(text="a" * limit)), "text",
+                   f"prompt has {limit} tokens")
+
+
+def test_chat_roles_count_toward_the_character_limit():
+    # Found by the fuzz: only contents were counted, so a 1M-character role went through
+    # the chat template and the tokenizer.
+    limit = validation.max_prompt_chars(MAX_MODEL_LEN)
+    req = pb.GenerateRequest(messages=pb.ChatMessages(messages=[
+        pb.ChatMessage(role="r" * limit, content="x")]))
+    expect_invalid(lambda: ids_of(req, NeverTokenizer()), "messages",
+                   f"at most {limit} characters", str(limit + 1))
+    req.messages.messages[0].role = "r" * (limit - 1)    # at the limit: rendered
+    assert ids_of(req) == [1, 2, ord("x") % VOCAB, 3]
+
+
 # --- sampling -------------------------------------------------------------------------------
 
 def sp(prompt_len=10, max_model_len=MAX_MODEL_LEN, **sampling):
@@ -204,3 +240,20 @@ def test_request_id():
 def test_request_id_too_long():
     expect_invalid(lambda: request_id(pb.GenerateRequest(request_id="r" * 129)), "request_id",
                    "at most 128")
+
+
+def test_request_id_limit_is_in_utf8_bytes():
+    # Found by the fuzz: 128 emoji passed a 128-character limit, but with the router's
+    # "#" + 8 hex suffix they are 521 bytes, over what a KV frame carries (256): the decode
+    # worker's reserve raised ValueError and the call failed with a status other than
+    # INVALID_ARGUMENT.
+    assert request_id(pb.GenerateRequest(request_id="😀" * 32)) == "😀" * 32   # 128 bytes
+    expect_invalid(lambda: request_id(pb.GenerateRequest(request_id="😀" * 33)), "request_id",
+                   "at most 128 bytes UTF-8", "got 132")
+
+
+def test_request_id_limit_fits_a_kv_frame():
+    from pdserve.kv_transfer.base import MAX_REQUEST_ID_BYTES as KV_FRAME_LIMIT
+
+    internal_suffix = len("#") + 8     # router.Router.generate: f"{rid}#{uuid hex[:8]}"
+    assert validation.MAX_REQUEST_ID_BYTES + internal_suffix <= KV_FRAME_LIMIT

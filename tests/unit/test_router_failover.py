@@ -1,0 +1,327 @@
+"""router/router.py: a request survives a worker's death. Fake prefill and decode
+workers run a deterministic toy "model" (the next token is a function of the whole
+context), so the tokens of an uninterrupted run are known; a worker dies (raises Ray's
+actor errors) part way, and the stream the client sees must be exactly that run's.
+
+No model, no Ray: fake handles stand in for the actors (`handle.m.remote(...)` calls
+the fake's coroutine), as in test_router_admission.py.
+"""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import ray.exceptions
+from tokenizers import Tokenizer, models
+
+from pdserve.client import make_request
+from pdserve.config import ClusterConfig, RouterConfig
+from pdserve.engine.request import TokenEvent
+from pdserve.metrics import RouterMetrics
+from pdserve.router.admission import Admission
+from pdserve.router.errors import RequestError
+from pdserve.router.router import Router, _Worker
+from pdserve.router.routing import PrefillRouter
+
+VOCAB = 64
+PROMPT = [1, 2, 3, 4]
+MAX_TOKENS = 8
+TOKENIZER = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+
+
+def next_token(context: list[int]) -> int:
+    """The toy model's greedy choice after `context` (never EOS-like: ids 5..54)."""
+    return 5 + (sum(context) * 31 + len(context)) % 50
+
+
+def uninterrupted(prompt: list[int], n: int) -> list[int]:
+    ctx = list(prompt)
+    for _ in range(n):
+        ctx.append(next_token(ctx))
+    return ctx[len(prompt):]
+
+
+def actor(fake) -> SimpleNamespace:
+    names = [n for n in dir(fake) if not n.startswith("_") and callable(getattr(fake, n))]
+    return SimpleNamespace(**{n: SimpleNamespace(remote=getattr(fake, n)) for n in names})
+
+
+class Restartable:
+    """Dead between die() and the restart `restart_s` later (Ray's restart of the actor,
+    with a new epoch); calls meanwhile raise ActorUnavailableError."""
+
+    def __init__(self, restart_s: float | None = 0.1):
+        self.dead, self.epoch, self.restart_s = False, 1, restart_s
+
+    def die(self) -> None:
+        self.dead = True
+        if self.restart_s is not None:
+            asyncio.get_running_loop().call_later(self.restart_s, self._restart)
+
+    def _restart(self) -> None:
+        self.dead, self.epoch = False, self.epoch + 1
+
+    def check(self) -> None:
+        if self.dead:
+            raise ray.exceptions.ActorUnavailableError("restarting", None)
+
+    async def ready(self) -> dict:
+        self.check()
+        return {"epoch": self.epoch}
+
+
+class FakePrefill(Restartable):
+    """Returns the toy model's first token and hands it to the decode fake (the KV
+    transfer); dies instead on its first `die_on` calls."""
+
+    def __init__(self, decodes: list, die_on: int = 0, fail_with: Exception | None = None,
+                 **kw):
+        super().__init__(**kw)
+        self.decodes, self.die_on, self.fail_with = decodes, die_on, fail_with
+        self.calls: list[str] = []
+        self.aborted: list[str] = []
+
+    async def prefill(self, rid, ids, params, kv_address, epoch, kv_skip_blocks):
+        self.check()
+        self.calls.append(rid)
+        await asyncio.sleep(0.01)
+        if len(self.calls) <= self.die_on:
+            self.die()
+            raise ray.exceptions.ActorDiedError()
+        if self.fail_with is not None:
+            raise self.fail_with
+        first = next_token(list(ids))
+        for d in self.decodes:
+            if rid in d.reserved:
+                d.first[rid].set_result(first)
+        return first
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+
+class FakeDecode(Restartable):
+    """Reserves, waits for the prefill fake's first token, then streams the rest one
+    token per event; on its first attempt it dies after `die_after` streamed tokens."""
+
+    def __init__(self, die_after: int | None = None, **kw):
+        super().__init__(**kw)
+        self.die_after = die_after
+        self.reserved: dict[str, tuple[list[int], object]] = {}
+        self.first: dict[str, asyncio.Future] = {}
+        self.aborted: list[str] = []
+
+    async def reserve(self, rid, prompt_len, params, ids, lease_s=None):
+        self.check()
+        assert len(ids) == prompt_len and 0 < lease_s <= 60
+        self.reserved[rid] = (list(ids), params)
+        self.first[rid] = asyncio.get_running_loop().create_future()
+        return {"kv_address": ("127.0.0.1", 1), "epoch": self.epoch, "free_blocks": 60,
+                "cached_blocks": 0, "local_prefill": False}
+
+    def stream(self, rid):
+        async def value(v):
+            return v
+
+        async def refs():
+            ids, params = self.reserved[rid]
+            ctx = ids + [await self.first[rid]]
+            for i in range(params.max_tokens - 1):
+                if self.die_after is not None and i == self.die_after - 1:
+                    self.die_after = None
+                    self.die()
+                    raise ray.exceptions.ActorDiedError()
+                ctx.append(next_token(ctx))
+                done = i == params.max_tokens - 2
+                yield value([TokenEvent(rid, (ctx[-1],), "length" if done else None)])
+                await asyncio.sleep(0.005)
+        return refs()
+
+    def abort(self, rid, reason):
+        self.aborted.append(rid)
+
+
+def make_router(prefills: list, decodes: list, **router_kw) -> Router:
+    """A Router over the fakes (__init__ skipped: it loads the model's config)."""
+    r = Router.__new__(Router)
+    r.config = ClusterConfig(router=RouterConfig(port=0, **router_kw))
+    r.model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=256)
+    r.tokenizer = SimpleNamespace(backend_tokenizer=TOKENIZER)
+    r.prefill = [_Worker(actor(p), f"prefill-{i}", 64, 1) for i, p in enumerate(prefills)]
+    r.decode = [_Worker(actor(d), f"decode-{i}", 64, 1, free_blocks=64)
+                for i, d in enumerate(decodes)]
+    rc = r.config.router
+    r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
+    r.metrics = RouterMetrics(lambda: r.admission.queued_requests)
+    r._pending = set()
+    r.prefill_router = PrefillRouter(rc.routing_policy, r.config.prefill.block_size,
+                                     rc.kv_load_weight)
+    return r
+
+
+async def collect(r: Router, deadline_s: float | None = 10.0, **kw) -> list:
+    req = make_request(PROMPT, max_tokens=MAX_TOKENS, temperature=0, **kw)
+    return [m async for m in r.generate(req, deadline_s)]
+
+
+def tokens(msgs) -> list[int]:
+    return [t for m in msgs for t in m.token_ids]
+
+
+def retries(r: Router, reason: str) -> float:
+    return r.metrics.retries.labels(reason=reason)._value.get()
+
+
+@pytest.mark.parametrize("die_after", [1, 3, MAX_TOKENS - 2])
+def test_decode_death_mid_stream_continues_on_the_restarted_worker(die_after):
+    async def main():
+        d = FakeDecode(die_after=die_after)
+        p = FakePrefill([d])
+        r = make_router([p], [d])
+        msgs = await collect(r)
+        assert tokens(msgs) == uninterrupted(PROMPT, MAX_TOKENS)   # none repeated or missing
+        assert msgs[-1].finish_reason == "length"
+        assert msgs[-1].usage.prompt_tokens == len(PROMPT)
+        assert msgs[-1].usage.completion_tokens == MAX_TOKENS
+        # the retry prefilled prompt + every token streamed so far, for the rest
+        (_, first), (ids, again) = d.reserved.values()
+        sent = die_after            # P's first token + those D streamed before dying
+        assert ids == PROMPT + uninterrupted(PROMPT, sent)
+        assert again.max_tokens == MAX_TOKENS - sent and again.step_offset == sent
+        assert first.step_offset == 0
+        assert retries(r, "decode") == 1 and r.decode[0].alive and r.decode[0].epoch == 2
+        return r
+
+    r = asyncio.run(main())
+    assert r.admission.queued_requests == 0
+
+
+def test_prefill_death_redispatches_to_another_prefill_worker():
+    async def main():
+        d = FakeDecode()
+        p0, p1 = FakePrefill([d], die_on=1, restart_s=None), FakePrefill([d])
+        r = make_router([p0, p1], [d])
+        msgs = await collect(r)
+        assert tokens(msgs) == uninterrupted(PROMPT, MAX_TOKENS)
+        first_try, second_try = d.reserved
+        assert p0.calls == [first_try] and p1.calls == [second_try]
+        assert first_try in d.aborted        # D's reservation of the failed try released
+        assert not r.prefill[0].alive and r.prefill[1].alive
+        assert retries(r, "prefill") == 1
+        return r
+
+    asyncio.run(main())
+
+
+def test_only_prefill_worker_dead_waits_for_its_restart():
+    async def main():
+        d = FakeDecode()
+        p = FakePrefill([d], die_on=1, restart_s=0.3)
+        r = make_router([p], [d])
+        t0 = time.monotonic()
+        msgs = await collect(r)
+        assert time.monotonic() - t0 >= 0.3          # waited for Ray's restart
+        assert tokens(msgs) == uninterrupted(PROMPT, MAX_TOKENS)
+        assert r.prefill[0].alive and r.prefill[0].epoch == 2
+        return r
+
+    asyncio.run(main())
+
+
+def test_no_worker_back_before_the_deadline_is_unavailable():
+    async def main():
+        d = FakeDecode()
+        p = FakePrefill([d], die_on=1, restart_s=None)
+        r = make_router([p], [d])
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as ei:
+            await collect(r, deadline_s=0.5)
+        assert time.monotonic() - t0 < 2
+        assert ei.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "no prefill worker is available" in str(ei.value), ei.value
+        assert list(d.reserved)[0] in d.aborted
+        return r
+
+    r = asyncio.run(main())
+    assert r.admission.queued_requests == 0
+
+
+def test_migration_limit_bounds_the_retries():
+    async def main():
+        d = FakeDecode()
+        p = FakePrefill([d], fail_with=ray.exceptions.RaySystemError("KV transfer failed"))
+        r = make_router([p], [d], max_migrations=1)
+        with pytest.raises(RequestError) as ei:
+            await collect(r)
+        assert ei.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "failed 2 times (router.max_migrations=1)" in str(ei.value), ei.value
+        assert "KV transfer failed" in str(ei.value)
+        assert len(p.calls) == 2 and sorted(d.aborted) == sorted(d.reserved)
+        return r
+
+    asyncio.run(main())
+
+
+def test_decode_error_event_is_retried_after_the_tokens_sent():
+    """D reports a failed KV arrival (e.g. a checksum mismatch) as an error event after
+    P already returned the first token: the retry resumes after that token."""
+    async def main():
+        d = FakeDecode()
+        p = FakePrefill([d])
+        r = make_router([p], [d])
+        stream = d.stream
+        calls = []
+
+        def failing_once(rid):
+            calls.append(rid)
+            if len(calls) > 1:
+                return stream(rid)
+
+            async def refs():
+                async def value(v):
+                    return v
+                yield value([TokenEvent(rid, (), "error", "KV checksum mismatch")])
+            return refs()
+
+        r.decode[0].handle.stream = SimpleNamespace(remote=failing_once)
+        msgs = await collect(r)
+        assert tokens(msgs) == uninterrupted(PROMPT, MAX_TOKENS)
+        _, (ids, params) = d.reserved.values()
+        assert ids == PROMPT + uninterrupted(PROMPT, 1) and params.max_tokens == MAX_TOKENS - 1
+        assert retries(r, "decode") == 1
+        return r
+
+    asyncio.run(main())
+
+
+def test_death_after_the_last_token_still_finishes_the_stream():
+    """D streams every token, then dies before its finish event: the router ends the
+    stream itself (finish_reason length) instead of retrying for zero tokens."""
+    async def main():
+        d = FakeDecode()
+        p = FakePrefill([d])
+        r = make_router([p], [d])
+        stream = d.stream
+
+        def dies_before_finishing(rid):
+            async def refs():
+                async for ref in stream(rid):
+                    events = [TokenEvent(e.request_id, e.token_ids) for e in await ref]
+
+                    async def value(v=events):
+                        return v
+                    yield value()
+                raise ray.exceptions.ActorDiedError()
+            return refs()
+
+        r.decode[0].handle.stream = SimpleNamespace(remote=dies_before_finishing)
+        msgs = await collect(r)
+        assert tokens(msgs) == uninterrupted(PROMPT, MAX_TOKENS)
+        assert msgs[-1].finish_reason == "length" and not msgs[-1].token_ids
+        assert msgs[-1].usage.completion_tokens == MAX_TOKENS
+        assert len(d.reserved) == 1 and retries(r, "decode") == 1   # no second attempt
+        return r
+
+    asyncio.run(main())

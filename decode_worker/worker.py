@@ -56,7 +56,7 @@ class DecodeWorker:
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
         layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)
         self.receiver = make_receiver(config.transport, self.runner.kv_cache, layout, self.epoch,
-                                      on_complete=self._on_kv_complete, host=config.host,
+                                      on_complete=self._on_kv_complete, host=config.node_host(),
                                       secret=config.kv_secret)
         self.kv_address = self.receiver.start()
         self.scheduler = DecodeScheduler(
@@ -73,8 +73,8 @@ class DecodeWorker:
         self.peak_batch_size = 0      # largest decode batch so far (tests prove batching)
         self.kv_failures = 0          # transfers that failed to arrive (receiver thread)
         self.metrics = WorkerMetrics("decode", self._metric_values)
-        self.metrics_address = "%s:%d" % serve_metrics(self.metrics.registry, config.host,
-                                                       config.metrics_port)
+        self.metrics_address = "%s:%d" % serve_metrics(
+            self.metrics.registry, config.node_host(), config.metrics_port)
         self._thread = threading.Thread(target=self._step_loop, name="decode-step", daemon=True)
         self._thread.start()
 
@@ -83,7 +83,8 @@ class DecodeWorker:
     async def ready(self) -> dict:
         self._loop = asyncio.get_running_loop()
         return {"worker_id": self.worker_id, "kv_address": self.kv_address, "epoch": self.epoch,
-                "num_blocks": self.pool.num_blocks, "block_size": self.runner.block_size}
+                "num_blocks": self.pool.num_blocks, "block_size": self.runner.block_size,
+                "node_ip": ray.util.get_node_ip_address()}
 
     async def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
                       prompt_token_ids: list[int], lease_s: float | None = None

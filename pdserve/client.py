@@ -100,6 +100,12 @@ class Client:
         return self.admin.ClusterStatus(pb.ClusterStatusRequest(), timeout=30,
                                         metadata=self.metadata)
 
+    def drain(self, node_ip: str, timeout_s: float) -> pb.DrainResponse:
+        """Admin.Drain: the router sends no new requests to `node_ip`'s workers and
+        waits up to `timeout_s` seconds for theirs to finish (grpc.RpcError on failure)."""
+        return self.admin.Drain(pb.DrainRequest(node_ip=node_ip, timeout_s=timeout_s),
+                                timeout=timeout_s + 30, metadata=self.metadata)
+
     def close(self) -> None:
         self.channel.close()
 

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import replace
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .config import ClusterConfig
 
@@ -65,12 +66,20 @@ class Cluster:
         opts = {"num_cpus": 0, "max_concurrency": 1000}
         # A dead worker is restarted by Ray (new epoch); the router retries its requests
         # itself (router.py), so Ray never re-runs a call on its own.
-        wopts = opts | {"max_restarts": cfg.max_worker_restarts, "max_task_retries": 0}
-        self.decode = [ray.remote(DecodeWorker).options(name=f"decode-{i}", **wopts)
-                       .remote(f"decode-{i}", cfg.decode) for i in range(cfg.num_decode_workers)]
-        self.prefill = [ray.remote(PrefillWorker).options(name=f"prefill-{i}", **wopts)
-                        .remote(f"prefill-{i}", cfg.prefill) for i in range(cfg.num_prefill_workers)]
-        self.router = ray.remote(Router).options(name="router", **opts).remote(
+        wopts = opts | {"max_restarts": cfg.max_worker_restarts, "max_task_retries": 0,
+                        "num_gpus": cfg.gpus_per_worker}
+        self.decode = [ray.remote(DecodeWorker).options(
+            name=f"decode-{i}", resources=cfg.decode_resources or None, **wopts)
+            .remote(f"decode-{i}", cfg.decode) for i in range(cfg.num_decode_workers)]
+        self.prefill = [ray.remote(PrefillWorker).options(
+            name=f"prefill-{i}", resources=cfg.prefill_resources or None, **wopts)
+            .remote(f"prefill-{i}", cfg.prefill) for i in range(cfg.num_prefill_workers)]
+        # The router serves gRPC and /metrics where `serve` runs (the head: its Service,
+        # security group and port-forwards point there), never on a worker node.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                              soft=False)
+        self.router = ray.remote(Router).options(name="router", scheduling_strategy=here,
+                                                 **opts).remote(
             cfg, self.prefill, self.decode)
         try:
             self.port = ray.get(self.router.start.remote(), timeout=STARTUP_TIMEOUT_S)

@@ -25,7 +25,8 @@ class WorkerConfig:
     cpus: tuple[int, ...] | None = None  # CPU ids the worker process is pinned to (Linux
                                          # sched_setaffinity); None: wherever the OS runs it
     transport: str = "tcp"
-    host: str = "127.0.0.1"          # address the KV transport binds and advertises
+    host: str = "127.0.0.1"          # address the KV transport and /metrics bind and advertise;
+                                     # "auto": this node's IP as Ray knows it (multi-node)
     kv_checksum: bool = True         # CRC32C per KV frame payload; TCP only (a flipped bit
                                      # fails that request instead of corrupting its cache)
     kv_secret: str | None = field(default=None, repr=False)  # KV ports pair only with peers
@@ -44,6 +45,10 @@ class WorkerConfig:
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(_DTYPES)}")
+        if self.host in ("0.0.0.0", "::", ""):
+            raise ValueError(f"host={self.host!r}: the KV port binds to the worker's own "
+                             "cluster address, never every interface; give that address or "
+                             "'auto' (this node's IP as Ray knows it)")
         if self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads}: need at least 1")
         if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
@@ -66,6 +71,14 @@ class WorkerConfig:
                              "must be >= 0 tokens (0 disables local prefill)")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s={self.lease_s}: must be > 0 seconds")
+
+    def node_host(self) -> str:
+        """The address to bind and advertise: `host`, or for "auto" this node's IP as Ray
+        knows it (call inside the worker process)."""
+        if self.host != "auto":
+            return self.host
+        import ray
+        return ray.util.get_node_ip_address()
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.num_kv_blocks, self.block_size, _DTYPES[self.dtype], self.device)
@@ -151,11 +164,24 @@ class ClusterConfig:
     num_decode_workers: int = 1
     ray_address: str | None = None   # None: start a local Ray instance; "auto": join one
     max_worker_restarts: int = 4     # Ray restarts a dead worker this often (-1: always)
+    # Placement on a multi-node Ray cluster: Ray resources each worker actor requests, e.g.
+    # {"pdserve_prefill": 1} to land only on nodes started with that custom resource
+    # (deploy/ray/*.yaml, the Helm chart), and GPUs per worker.
+    prefill_resources: dict[str, float] = field(default_factory=dict)
+    decode_resources: dict[str, float] = field(default_factory=dict)
+    gpus_per_worker: float = 0.0
 
     def __post_init__(self):
         if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
             raise ValueError("need at least one prefill and one decode worker "
                              f"(got {self.num_prefill_workers} and {self.num_decode_workers})")
+        for name in ("prefill_resources", "decode_resources"):
+            for k, v in getattr(self, name).items():
+                if not isinstance(k, str) or k in ("CPU", "GPU", "memory") or not v > 0:
+                    raise ValueError(f"{name}: {k!r}={v!r}: give custom resource names with "
+                                     "amounts > 0 (CPU/GPU/memory are set otherwise)")
+        if self.gpus_per_worker < 0:
+            raise ValueError(f"gpus_per_worker={self.gpus_per_worker}: must be >= 0")
         if self.max_worker_restarts < -1:
             raise ValueError(f"max_worker_restarts={self.max_worker_restarts}: must be >= -1 "
                              "(-1: unlimited)")
@@ -167,12 +193,14 @@ class ClusterConfig:
               transport: str = "tcp", host: str = "127.0.0.1", port: int = 50051,
               prefill_blocks: int = 512, decode_blocks: int = 1024,
               threads_per_worker: int | None = None, router_kw: dict | None = None,
-              **worker_kw) -> "ClusterConfig":
+              kv_host: str | None = None, **worker_kw) -> "ClusterConfig":
         """A one-box cluster: cores split evenly among workers unless told otherwise.
 
         `router_kw` sets other RouterConfig fields (e.g. max_queued_requests); the rest of
-        the keywords go to both WorkerConfigs. `port=0` (tests) picks free ports for the
-        router's metrics too, unless router_kw names one.
+        the keywords go to both WorkerConfigs. `host` is where the router serves;
+        workers bind and advertise `kv_host` (default: `host`; "auto": their node's IP).
+        `port=0` (tests) picks free ports for the router's metrics too, unless router_kw
+        names one.
         Raises:
             ValueError: a setting out of range (the message names it).
         """
@@ -180,8 +208,8 @@ class ClusterConfig:
         transport = resolve_transport(transport)
         n = prefill_workers + decode_workers
         threads = threads_per_worker or max(1, (os.cpu_count() or 1) // n)
-        base = WorkerConfig(model=model, transport=transport, host=host, num_threads=threads,
-                            **worker_kw)
+        base = WorkerConfig(model=model, transport=transport, host=kv_host or host,
+                            num_threads=threads, **worker_kw)
         return cls(prefill=replace(base, num_kv_blocks=prefill_blocks),
                    decode=replace(base, num_kv_blocks=decode_blocks),
                    router=RouterConfig(host=host, port=port, **({"metrics_port": 0} if port == 0

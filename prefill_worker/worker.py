@@ -87,8 +87,8 @@ class PrefillWorker:
         self.kv_bytes_sent = 0          # K/V payload bytes sent to decode workers (send thread)
         self.kv_send_failures = 0       # requests whose KV could not be sent (send thread)
         self.metrics = WorkerMetrics("prefill", self._metric_values)
-        self.metrics_address = "%s:%d" % serve_metrics(self.metrics.registry, config.host,
-                                                       config.metrics_port)
+        self.metrics_address = "%s:%d" % serve_metrics(
+            self.metrics.registry, config.node_host(), config.metrics_port)
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -102,7 +102,7 @@ class PrefillWorker:
     async def ready(self) -> dict:
         self._loop = asyncio.get_running_loop()
         return {"worker_id": self.worker_id, "num_blocks": self.pool.num_blocks,
-                "epoch": self.epoch}
+                "epoch": self.epoch, "node_ip": ray.util.get_node_ip_address()}
 
     async def pair(self, kv_addresses: list[tuple[str, int]]) -> list[int]:
         """Connect to each decode worker's KV receiver and exchange layouts and epochs.

@@ -6,6 +6,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DrainRequest(_message.Message):
+    __slots__ = ("node_ip", "timeout_s")
+    NODE_IP_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    node_ip: str
+    timeout_s: float
+    def __init__(self, node_ip: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("worker_ids", "drained", "running_requests")
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    drained: bool
+    running_requests: int
+    def __init__(self, worker_ids: _Optional[_Iterable[str]] = ..., drained: _Optional[bool] = ..., running_requests: _Optional[int] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]

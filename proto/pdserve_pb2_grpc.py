@@ -115,6 +115,11 @@ class AdminStub:
                 request_serializer=pdserve__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=pdserve__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.v1.Admin/Drain',
+                request_serializer=pdserve__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -126,6 +131,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Stop sending new requests to the workers on one node and wait for their running
+        requests to finish (a Kubernetes preStop hook calls it through `pdserve drain`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +146,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ClusterStatus,
                     request_deserializer=pdserve__pb2.ClusterStatusRequest.FromString,
                     response_serializer=pdserve__pb2.ClusterStatusResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pdserve__pb2.DrainRequest.FromString,
+                    response_serializer=pdserve__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -162,6 +180,33 @@ class Admin:
             '/pdserve.v1.Admin/ClusterStatus',
             pdserve__pb2.ClusterStatusRequest.SerializeToString,
             pdserve__pb2.ClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/Drain',
+            pdserve__pb2.DrainRequest.SerializeToString,
+            pdserve__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

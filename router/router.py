@@ -60,6 +60,12 @@ class _Worker:
     load: int = 0           # prefill: queued prompt tokens; decode: active requests
     free_blocks: int = 0    # decode: last known
     alive: bool = True      # False from a call that found it dead until a probe answers
+    node_ip: str = ""       # the Ray node it runs on
+    draining: bool = False  # Drain: takes no new requests (until it restarts elsewhere)
+
+    @property
+    def available(self) -> bool:
+        return self.alive and not self.draining
 
 
 class _AttemptFailed(Exception):
@@ -115,11 +121,12 @@ class Router:
         from .service import build_server
 
         infos = await asyncio.gather(*(h.ready.remote() for h in self._prefill_handles))
-        self.prefill = [_Worker(h, i["worker_id"], i["num_blocks"], i["epoch"])
+        self.prefill = [_Worker(h, i["worker_id"], i["num_blocks"], i["epoch"],
+                                node_ip=i["node_ip"])
                         for h, i in zip(self._prefill_handles, infos)]
         infos = await asyncio.gather(*(h.ready.remote() for h in self._decode_handles))
         self.decode = [_Worker(h, i["worker_id"], i["num_blocks"], i["epoch"],
-                               free_blocks=i["num_blocks"])
+                               free_blocks=i["num_blocks"], node_ip=i["node_ip"])
                        for h, i in zip(self._decode_handles, infos)]
         # Pair every P with every D now, so a layout mismatch fails `serve` at start
         # with a message naming the field, not the first request.
@@ -287,19 +294,19 @@ class Router:
 
     async def _available(self, workers: list[_Worker], role: str, deadline: float
                          ) -> list[_Worker]:
-        """The workers of a role not known to be dead. When every one is, wait for Ray
-        to restart one (probing them with ready()) until `deadline`.
+        """The workers of a role not known to be dead nor draining. When none is, wait
+        for Ray to restart one (probing them with ready()) until `deadline`.
 
         Raises:
             RequestError: UNAVAILABLE, none came back before the deadline.
         """
         delay = 0.05
         while True:
-            live = [w for w in workers if w.alive]
+            live = [w for w in workers if w.available]
             if live:
                 return live
-            await asyncio.gather(*(self._probe(w) for w in workers))
-            if any(w.alive for w in workers):
+            await asyncio.gather(*(self._probe(w) for w in workers if not w.alive))
+            if any(w.available for w in workers):
                 continue
             if time.monotonic() + delay >= deadline:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE,
@@ -316,8 +323,10 @@ class Router:
         except Exception:  # still down or restarting
             return
         if info["epoch"] != w.epoch:
-            logger.warning("%s restarted (epoch %x -> %x)", w.worker_id, w.epoch, info["epoch"])
-            w.epoch = info["epoch"]
+            node_ip = info.get("node_ip", w.node_ip)
+            logger.warning("%s restarted on %s (epoch %x -> %x)", w.worker_id, node_ip,
+                           w.epoch, info["epoch"])
+            w.epoch, w.node_ip, w.draining = info["epoch"], node_ip, False
             self.prefill_router.index.forget(w.worker_id)
         w.alive = True
 
@@ -382,7 +391,7 @@ class Router:
                 if res is not None:
                     d.free_blocks = res["free_blocks"]
                     return d, res
-            if not any(d.alive for d in live):
+            if not any(d.available for d in live):
                 continue          # every one died meanwhile: wait for a restart above
             if time.monotonic() + delay > give_up:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -392,6 +401,39 @@ class Router:
             delay = min(delay * 2, 0.2)
 
     # --- Admin ------------------------------------------------------------------------
+
+    async def drain(self, node_ip: str, timeout_s: float) -> pb.DrainResponse:
+        """Stop sending new requests to the workers on `node_ip`, then wait up to
+        `timeout_s` seconds for their running and waiting requests to finish. A drained
+        worker takes requests again only once Ray restarts it (a new epoch).
+
+        Raises:
+            InvalidRequestError: no worker runs on `node_ip`, or timeout_s is not in
+                [0, 3600] seconds.
+        """
+        if not 0 <= timeout_s <= 3600:
+            raise InvalidRequestError("timeout_s", f"must be in [0, 3600] seconds, got {timeout_s}")
+        workers = [w for w in self.prefill + self.decode if w.node_ip == node_ip]
+        if not workers:
+            known = sorted({w.node_ip for w in self.prefill + self.decode})
+            raise InvalidRequestError("node_ip", f"no worker runs on {node_ip!r} (nodes: "
+                                                 f"{', '.join(known)})")
+        for w in workers:
+            w.draining = True
+        logger.warning("draining %s on %s", [w.worker_id for w in workers], node_ip)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            busy = 0
+            for w in workers:
+                try:
+                    s = await asyncio.wait_for(w.handle.status.remote(), timeout=5)
+                    busy += s["running_requests"] + s["waiting_requests"]
+                except Exception:    # dead already: nothing of its own to wait for
+                    continue
+            if busy == 0 or time.monotonic() >= deadline:
+                return pb.DrainResponse(worker_ids=[w.worker_id for w in workers],
+                                        drained=busy == 0, running_requests=busy)
+            await asyncio.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
 
     async def cluster_status(self) -> pb.ClusterStatusResponse:
         workers = self.prefill + self.decode

@@ -88,6 +88,12 @@ class AdminService(pb_grpc.AdminServicer):
     async def ClusterStatus(self, request, context):
         return await self.router.cluster_status()
 
+    async def Drain(self, request, context):
+        try:
+            return await self.router.drain(request.node_ip, request.timeout_s)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
 
 def build_server(router, address: str) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server (not started) with every service; returns it and the bound port.

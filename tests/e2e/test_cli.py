@@ -56,7 +56,7 @@ def test_serve_generate_status_and_sigint():
         assert st.returncode == 0, st.stderr
         rows = [line.split() for line in st.stdout.splitlines()[2:]]
         assert {r[1] for r in rows} == {"prefill", "decode"}
-        assert all(r[5] == r[6] == "128" for r in rows), st.stdout   # every block free
+        assert all(r[6] == r[7] == "128" for r in rows), st.stdout   # every block free
         assert "queued for prefill: 0 requests, 0 prompt tokens" in st.stdout.splitlines()[0]
     finally:
         os.killpg(server.pid, signal.SIGINT) if server.poll() is None else None

@@ -63,3 +63,38 @@ def test_serve_failure_flags(recording):
 def test_serve_refuses_bad_failure_flags(recording, capsys, argv, msg):
     assert cli.main(["serve", *argv]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_serve_multi_node_flags(recording):
+    assert cli.main(["serve", "--address", "auto", "--host", "0.0.0.0", "--kv-host", "auto",
+                     "--prefill-resources", '{"pdserve_prefill": 1}',
+                     "--decode-resources", '{"pdserve_decode": 2}']) == 1
+    cfg = recording[0]
+    assert cfg.ray_address == "auto" and cfg.router.host == "0.0.0.0"
+    assert cfg.prefill.host == cfg.decode.host == "auto"
+    assert cfg.prefill_resources == {"pdserve_prefill": 1.0}
+    assert cfg.decode_resources == {"pdserve_decode": 2.0}
+    assert cfg.gpus_per_worker == 0 and cfg.prefill.device == "cpu"
+
+
+def test_gpus_per_worker_runs_workers_on_cuda(recording):
+    assert cli.main(["serve", "--gpus-per-worker", "1", "--dtype", "bfloat16"]) == 1
+    cfg = recording[0]
+    assert cfg.gpus_per_worker == 1 and cfg.decode.device == "cuda"
+    assert cfg.decode.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--host", "0.0.0.0"], "host='0.0.0.0': the KV port binds to the worker's own"),
+    (["--prefill-resources", '{"GPU": 1}'], "prefill_resources: 'GPU'=1.0"),
+    (["--decode-resources", '{"pdserve_decode": 0}'], "decode_resources: 'pdserve_decode'=0.0"),
+])
+def test_serve_refuses_bad_placement(recording, capsys, argv, msg):
+    assert cli.main(["serve", *argv]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_resources_flag_must_be_a_json_object(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--prefill-resources", "pdserve_prefill=1"])
+    assert "--prefill-resources: not JSON" in capsys.readouterr().err

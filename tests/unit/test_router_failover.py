@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, models
 from pdserve.client import make_request
 from pdserve.config import ClusterConfig, RouterConfig
 from pdserve.engine.request import TokenEvent
+from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.metrics import RouterMetrics
 from pdserve.router.admission import Admission
 from pdserve.router.errors import RequestError
@@ -322,6 +323,42 @@ def test_death_after_the_last_token_still_finishes_the_stream():
         assert msgs[-1].finish_reason == "length" and not msgs[-1].token_ids
         assert msgs[-1].usage.completion_tokens == MAX_TOKENS
         assert len(d.reserved) == 1 and retries(r, "decode") == 1   # no second attempt
+        return r
+
+    asyncio.run(main())
+
+
+def test_drain_sends_no_new_requests_to_the_node_and_waits_for_its_own():
+    async def main():
+        d0, d1 = FakeDecode(), FakeDecode()
+        p = FakePrefill([d0, d1])
+        r = make_router([p], [d0, d1])
+        r.prefill[0].node_ip, r.decode[0].node_ip, r.decode[1].node_ip = \
+            "10.0.0.1", "10.0.0.2", "10.0.0.3"
+        busy = {"decode-0": 1}
+
+        def status_of(name):
+            async def status():
+                return {"running_requests": busy.get(name, 0), "waiting_requests": 0}
+            return SimpleNamespace(remote=status)
+        for w in r.decode:
+            w.handle.status = status_of(w.worker_id)
+
+        reply = await r.drain("10.0.0.2", timeout_s=0.3)       # decode-0 still busy
+        assert list(reply.worker_ids) == ["decode-0"]
+        assert not reply.drained and reply.running_requests == 1
+        assert tokens(await collect(r)) == uninterrupted(PROMPT, MAX_TOKENS)
+        assert not d0.reserved and len(d1.reserved) == 1       # new work went elsewhere
+        busy.clear()
+        assert (await r.drain("10.0.0.2", timeout_s=5)).drained
+        with pytest.raises(InvalidRequestError, match="^node_ip: no worker runs on '10.9.9.9'"):
+            await r.drain("10.9.9.9", timeout_s=1)
+        # Ray restarts the drained worker (a new epoch, elsewhere): it takes requests again
+        d0.die()
+        r.decode[0].alive = False
+        await asyncio.sleep(0.2)
+        await r._probe(r.decode[0])
+        assert r.decode[0].available
         return r
 
     asyncio.run(main())

@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.pdserve-installed
 
-.PHONY: demo test test-fast proto serve clean
+.PHONY: demo test test-fast proto serve clean bench-guidellm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,15 @@ proto: $(STAMP)
 		--grpc_python_out=proto proto/pdserve.proto
 	# protoc writes a top-level import; the stubs live in the pdserve.proto package.
 	sed -i 's/^import pdserve_pb2 as/from . import pdserve_pb2 as/' proto/pdserve_pb2_grpc.py
+
+# guidellm in its own venv (its pins would downgrade click/multidict in .venv); torch is
+# pinned so pip takes the CPU wheel, not a CUDA build.
+.venv-guidellm/bin/guidellm:
+	$(PY) -m venv .venv-guidellm
+	.venv-guidellm/bin/pip install -q guidellm torch==2.13.0
+
+bench-guidellm: $(STAMP) .venv-guidellm/bin/guidellm
+	bash bench/guidellm.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

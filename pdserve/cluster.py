@@ -32,13 +32,15 @@ class Cluster:
     def __init__(self, config: ClusterConfig):
         self.config = config
         self.port: int | None = None
+        self.http_port: int | None = None   # the OpenAI-compatible HTTP API's, when on
         self.router = None
         self.prefill: list = []
         self.decode: list = []
         self._owns_ray = False
 
     def start(self) -> int:
-        """Start Ray (if needed), the workers and the router. Returns the gRPC port.
+        """Start Ray (if needed), the workers and the router. Returns the gRPC port;
+        `http_port` is then the HTTP API's (config.router.http_port set) or None.
 
         Raises:
             ray.exceptions.RayActorError / GetTimeoutError: a worker failed to start.
@@ -83,6 +85,8 @@ class Cluster:
             cfg, self.prefill, self.decode)
         try:
             self.port = ray.get(self.router.start.remote(), timeout=STARTUP_TIMEOUT_S)
+            if cfg.router.http_port is not None:
+                self.http_port = ray.get(self.router.http_port.remote(), timeout=30)
         except BaseException as e:
             self.stop()         # a worker failed to start: do not leave the others running
             if isinstance(e, ray.exceptions.RayTaskError):

@@ -86,7 +86,8 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Settings of the router (gRPC front end). "Queued" requests are admitted ones still
+    """Settings of the router (gRPC front end, and the OpenAI-compatible HTTP one when
+    http_port is set). "Queued" requests are admitted ones still
     waiting for their first token (decode reservation or prefill); beyond either
     max_queued_* bound, Generate fails at once with RESOURCE_EXHAUSTED (router/admission.py)."""
 
@@ -112,7 +113,11 @@ class RouterConfig:
     tls_client_ca_file: str | None = None  # mTLS: require client certs signed by this CA
     api_key: str | None = field(default=None, repr=False)  # every RPC but Health needs
                                       # `authorization: Bearer <key>`; repr=False: never logged
-    max_request_bytes: int = 8 << 20  # gRPC refuses a larger request (RESOURCE_EXHAUSTED)
+    max_request_bytes: int = 8 << 20  # gRPC refuses a larger request (RESOURCE_EXHAUSTED);
+                                      # the HTTP API a larger body (413)
+    # OpenAI-compatible HTTP API (router/http_api.py) on `host`, beside gRPC, behind the
+    # same TLS, api key and admission control. None: off; 0: a free port (tests).
+    http_port: int | None = None
 
     def __post_init__(self):
         for name in ("max_queued_requests", "max_queued_tokens"):
@@ -153,6 +158,14 @@ class RouterConfig:
                              "travels as gRPC metadata), or None for no key")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes={self.max_request_bytes}: must be >= 1024")
+        if self.http_port is not None:
+            if not 0 <= self.http_port < 65536:
+                raise ValueError(f"http_port={self.http_port}: must be in [0, 65535] (0: a free "
+                                 "port), or None for no HTTP API")
+            for name in ("port", "metrics_port"):
+                if self.http_port and self.http_port == getattr(self, name):
+                    raise ValueError(f"http_port={self.http_port} is also {name}: give the "
+                                     "HTTP API a port of its own")
 
 
 @dataclass(frozen=True)

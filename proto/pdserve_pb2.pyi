@@ -137,15 +137,17 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., pid: _Optional[int] = ..., node_ip: _Optional[str] = ..., state: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., kv_reservations_leased: _Optional[int] = ..., kv_reservations_reclaimed: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("model", "workers", "queued_requests", "queued_tokens", "metrics_address")
+    __slots__ = ("model", "workers", "queued_requests", "queued_tokens", "metrics_address", "http_address")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     queued_requests: int
     queued_tokens: int
     metrics_address: str
-    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    http_address: str
+    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., metrics_address: _Optional[str] = ..., http_address: _Optional[str] = ...) -> None: ...

@@ -88,7 +88,8 @@ def _failed(phase: str, w: _Worker, e: Exception) -> _AttemptFailed:
 
 
 class Router:
-    """Ray actor. `start()` serves gRPC on the actor's event loop until `stop()`."""
+    """Ray actor. `start()` serves gRPC (and, with router.http_port, the OpenAI-compatible
+    HTTP API of http_api.py) on the actor's event loop until `stop()`."""
 
     def __init__(self, config: ClusterConfig, prefill: list, decode: list):
         from transformers import AutoConfig, AutoTokenizer
@@ -115,9 +116,17 @@ class Router:
         self.metrics = RouterMetrics(lambda: self.admission.queued_requests,
                                      rc.slo_ttft_ms, rc.slo_tpot_ms)
         self.metrics_address = ""
+        self._http = None               # http_api.HTTPServer when router.http_port is set
+        self.http_address = ""
 
     async def start(self) -> int:
-        """Wait for every worker, then serve. Returns the bound gRPC port."""
+        """Wait for every worker, then serve gRPC (and the OpenAI-compatible HTTP API
+        when router.http_port is set). Returns the bound gRPC port.
+
+        Raises:
+            SecurityConfigError: a tls_* file cannot be read or is not PEM.
+            RuntimeError: an address could not be bound.
+        """
         from .service import build_server
 
         infos = await asyncio.gather(*(h.ready.remote() for h in self._prefill_handles))
@@ -142,13 +151,26 @@ class Router:
                                                        rc.metrics_port)
         logger.info("router serving gRPC on %s:%d, metrics on http://%s/metrics", rc.host, port,
                     self.metrics_address)
+        if rc.http_port is not None:
+            from .http_api import serve_http   # FastAPI + uvicorn only when asked for
+            self._http = await serve_http(self, rc.host, rc.http_port)
+            self.http_address = "%s:%d" % (rc.host, self._http.port)
+            logger.info("router serving the OpenAI-compatible HTTP API on http%s://%s",
+                        "s" if rc.tls_cert_file else "", self.http_address)
         return port
+
+    def http_port(self) -> int | None:
+        """The bound port of the HTTP API, or None when it is off."""
+        return self._http.port if self._http is not None else None
 
     async def stop(self, grace_s: float = 2.0) -> None:
         for task in (self._cache_sync, self._watch):
             if task is not None:
                 task.cancel()
         self._cache_sync = self._watch = None
+        if self._http is not None:
+            await self._http.stop(grace_s)
+            self._http = None
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
@@ -451,7 +473,8 @@ class Router:
                                         workers=await asyncio.gather(*map(one, workers)),
                                         queued_requests=self.admission.queued_requests,
                                         queued_tokens=self.admission.queued_tokens,
-                                        metrics_address=self.metrics_address)
+                                        metrics_address=self.metrics_address,
+                                        http_address=self.http_address)
 
 
 _STATUS_FIELDS = set(pb.WorkerStatus.DESCRIPTOR.fields_by_name)

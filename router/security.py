@@ -11,6 +11,10 @@ A call passes through two gates, in this order:
 
 A failed handshake never reaches gRPC (the client sees UNAVAILABLE); a missing or wrong
 key is refused with UNAUTHENTICATED before the request message is even parsed.
+
+The HTTP API (http_api.py) applies the same settings: uvicorn's TLS context from the
+same files (CERT_REQUIRED with tls_client_ca_file), and `bearer_matches` on the
+`Authorization` header of every path but /health (401 before the body is parsed).
 """
 
 from __future__ import annotations
@@ -62,6 +66,14 @@ def server_credentials(rc) -> grpc.ServerCredentials | None:
                                        require_client_auth=ca is not None)
 
 
+def bearer_matches(authorization: str, key: bytes) -> bool:
+    """Whether an `authorization` value ("Bearer <token>", scheme in any case) carries
+    `key`. The token is compared in constant time, so its timing tells nothing about the
+    key. Shared by the gRPC interceptor and the HTTP API (http_api.py)."""
+    scheme, _, token = authorization.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses, with UNAUTHENTICATED, every call but grpc.health.v1.Health/* whose
     metadata lacks `authorization: Bearer <api_key>`. Works for every RPC kind: the
@@ -72,15 +84,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         self._key = api_key.encode()
 
     def authorized(self, metadata) -> bool:
-        """Whether `metadata` ((key, value) pairs) carries the bearer key. The token is
-        compared in constant time, so its timing tells nothing about the key."""
-        for k, v in metadata or ():
-            if k == "authorization" and isinstance(v, str):
-                scheme, _, token = v.strip().partition(" ")
-                if scheme.lower() == "bearer" and hmac.compare_digest(
-                        token.strip().encode(), self._key):
-                    return True
-        return False
+        """Whether `metadata` ((key, value) pairs) carries the bearer key."""
+        return any(k == "authorization" and isinstance(v, str) and bearer_matches(v, self._key)
+                   for k, v in metadata or ())
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails],

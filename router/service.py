@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -27,32 +29,56 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
     async def Generate(self, data: bytes, context: grpc.aio.ServicerContext):
         """The request arrives as bytes (see add_generator) and is parsed here."""
-        # Metrics (pdserve/metrics.py): status is the finish_reason, or the error's gRPC
-        # status code in lower case; a stream that ends otherwise was cancelled.
-        timer = self.router.metrics.request()
-        status, prompt_tokens = "cancelled", 0
-        request = None
         try:
-            request = parse_request(data)
-            async for msg in self.router.generate(request, context.time_remaining()):
+            async for msg in metered_generate(self.router, lambda: parse_request(data),
+                                              context.time_remaining()):
+                yield msg
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestError as e:
+            await context.abort(e.code, str(e))
+
+
+async def metered_generate(router, build: Callable[[], pb.GenerateRequest],
+                           deadline_s: float | None) -> AsyncIterator[pb.GenerateResponse]:
+    """`router.generate(build(), deadline_s)`, counted in the router's request metrics
+    (pdserve/metrics.py): the status is the finish_reason, or the error's gRPC status
+    code in lower case; a stream that ends otherwise (the client cancelled or went away,
+    or the caller closed this generator) counts as cancelled. `build` runs inside, so a
+    request that does not parse counts too. Every front end (gRPC here, HTTP in
+    http_api.py) serves through this, so both count alike.
+
+    Raises:
+        InvalidRequestError: from `build` or the router (bad input).
+        RequestError: from the router (capacity, deadline, no worker).
+    """
+    timer = router.metrics.request()
+    status, prompt_tokens = "cancelled", 0
+    request = None
+    try:
+        request = build()
+        # aclosing: a caller that stops early (an HTTP client gone) closes the router's
+        # generator at once, so its `finally` aborts the request on P and D now.
+        async with aclosing(router.generate(request, deadline_s)) as stream:
+            async for msg in stream:
                 timer.tokens(len(msg.token_ids))
                 if msg.finish_reason:
                     status, prompt_tokens = msg.finish_reason, msg.usage.prompt_tokens
                 yield msg
-        except InvalidRequestError as e:
-            status = grpc.StatusCode.INVALID_ARGUMENT.name.lower()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RequestError as e:
-            status = e.code.name.lower()
-            await context.abort(e.code, str(e))
-        except asyncio.CancelledError:
-            logger.debug("client cancelled %s", getattr(request, "request_id", "") or "<no id>")
-            raise
-        except Exception:
-            status = "internal"
-            raise
-        finally:
-            timer.finish(status, prompt_tokens)
+    except InvalidRequestError:
+        status = grpc.StatusCode.INVALID_ARGUMENT.name.lower()
+        raise
+    except RequestError as e:
+        status = e.code.name.lower()
+        raise
+    except asyncio.CancelledError:
+        logger.debug("client cancelled %s", getattr(request, "request_id", "") or "<no id>")
+        raise
+    except Exception:
+        status = "internal"
+        raise
+    finally:
+        timer.finish(status, prompt_tokens)
 
 
 def parse_request(data: bytes) -> pb.GenerateRequest:

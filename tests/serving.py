@@ -34,6 +34,9 @@ class Served:
         self.cluster = Cluster(ClusterConfig.local(model, port=0, **kw))
         self.port = self.cluster.start()
         self.address = f"127.0.0.1:{self.port}"
+        # the OpenAI-compatible HTTP API's base URL, with router_kw={"http_port": 0}
+        self.http_url = (f"http://127.0.0.1:{self.cluster.http_port}"
+                         if self.cluster.http_port is not None else None)
         self.client = Client(self.address, timeout_s=300, **(client_kw or {}))
 
     def generate(self, prompt, **kw):

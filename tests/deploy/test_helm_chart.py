@@ -287,9 +287,13 @@ def test_ports_and_services(case):
     assert _one(objs, "Service", RELEASE)["spec"]["type"] == merged["service"]["type"]
 
 
-def test_http_port_is_a_toggle(chart):
+def test_http_port_is_a_toggle(chart, monkeypatch):
     objs = _render(chart, {"http": {"enabled": True}})
-    head = _container(_one(objs, "RayCluster")["spec"]["headGroupSpec"]["template"])
+    ray = _one(objs, "RayCluster")
+    assert _cli_args(_serve_argv(ray), monkeypatch, "serve")["http_port"] == 8000
+    assert _cli_args(_serve_argv(_one(_render(chart, {}), "RayCluster")), monkeypatch,
+                     "serve")["http_port"] is None
+    head = _container(ray["spec"]["headGroupSpec"]["template"])
     assert {"name": "http", "containerPort": 8000} in head["ports"]
     svc_ports = _one(objs, "Service", RELEASE)["spec"]["ports"]
     assert {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"} in svc_ports

@@ -101,6 +101,9 @@ import ray, sys; ray.init(address="auto", logging_level="ERROR", log_to_driver=F
       "--gpus-per-worker" (include "pdserve.gpus" $v.prefill)
       "--transport" $v.transport
       "--model" $v.model }}
+{{- if $v.http.enabled }}
+{{- $args = concat $args (list "--http-port" (toString $v.http.port)) }}
+{{- end }}
 {{- if $v.threadsPerWorker }}
 {{- $args = concat $args (list "--threads-per-worker" (toString $v.threadsPerWorker)) }}
 {{- end }}

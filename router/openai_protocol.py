@@ -1,0 +1,296 @@
+"""OpenAI API bodies <-> pdserve.v1: the request bodies of /v1/completions and
+/v1/chat/completions (pydantic), their conversion into a GenerateRequest, and the
+response, stream-chunk and error shapes built from GenerateResponses (http_api.py
+serves them).
+
+Names follow OpenAI's API reference, and vLLM's `entrypoints/openai/protocol.py` where
+pdserve extends it (`top_k`, `ignore_eos`). A parameter OpenAI has that pdserve does not
+serve (n > 1, logprobs, tools, ...) is refused with 400 naming it, never dropped
+silently; so is one OpenAI does not have (OpenAI does the same). Range checks stay in
+validation.py / SamplingParams, shared with gRPC: this module checks only what the
+proto's types cannot hold (a negative max_tokens in a uint32, a lone surrogate in a
+string).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ..engine.sampling_params import InvalidRequestError
+from ..proto import pdserve_pb2 as pb
+
+UINT32_MAX = (1 << 32) - 1
+INT32_MAX = (1 << 31) - 1
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = None   # a last chunk with empty choices and the usage
+    # vLLM's extension (guidellm sends it): accepted, but usage still comes only in that
+    # last chunk
+    continuous_usage_stats: bool | None = None
+
+
+class _Common(BaseModel):
+    """The parameters both endpoints take."""
+    model_config = ConfigDict(extra="forbid")   # unknown parameters: 400, as OpenAI does
+
+    model: str | None = None        # any value is accepted; responses name the served model
+    max_tokens: int | None = None   # generated tokens (default: SamplingParams')
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None        # extension (vLLM): 0 or -1 disables
+    seed: int | None = None
+    stop: Any = None                # a string or a list of strings (checked in to_request)
+    n: int | None = None            # choices per request: 1 only
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False  # extension (vLLM): generate max_tokens tokens
+    presence_penalty: float | None = None   # 0 only
+    frequency_penalty: float | None = None  # 0 only
+    logit_bias: dict[str, float] | None = None  # empty only
+    user: str | None = None         # accepted and ignored (OpenAI: abuse monitoring)
+
+
+class CompletionRequest(_Common):
+    prompt: Any                     # text, token ids, or a list holding one of either
+    echo: bool | None = None        # False only
+    best_of: int | None = None      # 1 only
+    logprobs: int | None = None     # unset only
+    suffix: str | None = None       # unset only
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")   # tool_calls, audio, ...: 400
+
+    role: str                       # "developer" is served as "system" (OpenAI's meaning)
+    content: Any = None             # a string, or a list of {"type": "text", "text": ...}
+    name: str | None = None         # accepted; chat templates do not render it
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None   # OpenAI's newer name; wins over max_tokens
+    logprobs: bool | None = None    # False only
+    top_logprobs: int | None = None  # unset (or 0) only
+    tools: list[Any] | None = None  # none only
+    tool_choice: Any = None         # unset or "none" only
+    parallel_tool_calls: bool | None = None  # accepted (no tools, so no effect)
+    response_format: dict[str, Any] | None = None  # {"type": "text"} only
+
+
+# Parameters pdserve does not serve: (accepted when, what to do instead).
+_UNSERVED = {
+    "n": (lambda v: v in (None, 1), "pdserve returns one choice per request (n=1); send "
+                                    "the request n times with different seeds"),
+    "best_of": (lambda v: v in (None, 1), "only best_of=1 is served"),
+    "echo": (lambda v: not v, "echo is not supported; prepend the prompt yourself"),
+    "logprobs": (lambda v: v is None or v is False, "logprobs are not supported"),
+    "top_logprobs": (lambda v: v in (None, 0), "logprobs are not supported"),
+    "suffix": (lambda v: v is None, "suffix (insertion) is not supported"),
+    "presence_penalty": (lambda v: v in (None, 0), "penalties are not supported; send 0"),
+    "frequency_penalty": (lambda v: v in (None, 0), "penalties are not supported; send 0"),
+    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
+    "tools": (lambda v: not v, "tools (function calling) are not supported"),
+    "tool_choice": (lambda v: v in (None, "none"), "tools (function calling) are not "
+                                                  "supported"),
+    "response_format": (lambda v: v is None or v.get("type") == "text",
+                        "only response_format {\"type\": \"text\"} is supported"),
+}
+
+
+def to_request(body: CompletionRequest | ChatCompletionRequest,
+               request_id: str) -> pb.GenerateRequest:
+    """The GenerateRequest that `body` asks for.
+
+    Raises:
+        InvalidRequestError: a parameter pdserve does not serve, or a value the proto
+            cannot carry; `field` is the OpenAI parameter (e.g. "messages[0].content").
+    """
+    for name, (served, hint) in _UNSERVED.items():
+        if name in type(body).model_fields and not served(getattr(body, name)):
+            raise InvalidRequestError(name, f"got {getattr(body, name)!r}; {hint}")
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequestError("stream_options", "only allowed when stream is true")
+    req = pb.GenerateRequest(request_id=request_id)
+    if isinstance(body, ChatCompletionRequest):
+        _set_messages(req, body.messages)
+    else:
+        _set_prompt(req, body.prompt)
+    s = req.sampling
+    param, max_tokens = max_tokens_param(body), body.max_tokens
+    if param == "max_completion_tokens":
+        max_tokens = body.max_completion_tokens
+    if max_tokens is not None:
+        if max_tokens < 1:      # the message SamplingParams gives; uint32 cannot hold < 0
+            raise InvalidRequestError(param, f"must be >= 1, got {max_tokens}")
+        if max_tokens > UINT32_MAX:
+            raise InvalidRequestError(param, f"{max_tokens} exceeds any model's context")
+        s.max_tokens = max_tokens     # beyond this model's context: validation says so
+    if body.temperature is not None:
+        s.temperature = body.temperature
+    if body.top_p is not None:
+        s.top_p = body.top_p
+    if body.top_k is not None:
+        if body.top_k < -1:
+            raise InvalidRequestError("top_k", f"must be >= 0 (0 or -1 disables), got "
+                                               f"{body.top_k}")
+        s.top_k = min(max(body.top_k, 0), INT32_MAX)   # more than the vocabulary: all of it
+    if body.seed is not None:
+        if not 0 <= body.seed < 1 << 63:
+            raise InvalidRequestError("seed", f"must be in [0, 2^63), got {body.seed}")
+        s.seed = body.seed
+    s.stop.extend(_stop(body.stop))
+    s.ignore_eos = bool(body.ignore_eos)
+    return req
+
+
+def max_tokens_param(body) -> str:
+    """The parameter that bounds the output: max_completion_tokens when a chat request
+    sets it (it wins, as at OpenAI), else max_tokens."""
+    if getattr(body, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
+
+
+def openai_param(field: str, body) -> str | None:
+    """The OpenAI parameter for an InvalidRequestError's `field`: the proto's names
+    (validation.py: "sampling.top_p", "text", "messages") mapped back; None for the
+    request as a whole."""
+    chat = isinstance(body, ChatCompletionRequest)
+    if field == "sampling.max_tokens":
+        return max_tokens_param(body)
+    if field.startswith("sampling."):
+        return field.removeprefix("sampling.")
+    if field in ("text", "token_ids", "prompt", "messages"):
+        return "messages" if chat else "prompt"
+    if field in ("request", "request_id"):
+        return None
+    return field                  # already an OpenAI parameter (this module's)
+
+
+def _utf8(param: str, text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:   # JSON can carry lone surrogates ("\ud800")
+        raise InvalidRequestError(param, f"not valid Unicode text ({e.reason} at "
+                                         f"character {e.start})") from None
+    return text
+
+
+def _set_prompt(req: pb.GenerateRequest, prompt: Any) -> None:
+    if (isinstance(prompt, list) and len(prompt) == 1
+            and isinstance(prompt[0], (str, list))):
+        prompt = prompt[0]        # a batch of one prompt
+    if isinstance(prompt, str):
+        req.text = _utf8("prompt", prompt)
+    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t <= UINT32_MAX), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt", f"token id {bad} is out of range (ids are "
+                                                "in [0, vocabulary size))")
+        req.token_ids.SetInParent()   # an empty list is still a token prompt (refused: empty)
+        req.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidRequestError("prompt", f"a batch of {len(prompt)} prompts: pdserve serves "
+                                            "one prompt per request; send them separately")
+    else:
+        raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a list "
+                                            "holding one of either")
+
+
+def _set_messages(req: pb.GenerateRequest, messages: list[ChatMessage]) -> None:
+    req.messages.SetInParent()    # no message: the router says at least one is required
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role
+        req.messages.messages.add(role=_utf8(f"messages[{i}].role", role),
+                                  content=_content(f"messages[{i}].content", m.content))
+
+
+def _content(param: str, content: Any) -> str:
+    """A message's text: a string, or its text parts joined by newlines (as vLLM does)."""
+    if isinstance(content, str):
+        return _utf8(param, content)
+    if not isinstance(content, list):
+        raise InvalidRequestError(param, "must be a string or a list of text parts "
+                                         "({\"type\": \"text\", \"text\": ...})")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{param}[{j}]", f"only text parts ({{\"type\": \"text\", "
+                                                      f"\"text\": ...}}) are supported, got "
+                                                      f"{kind!r}")
+        texts.append(_utf8(f"{param}[{j}].text", part["text"]))
+    return "\n".join(texts)
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise InvalidRequestError("stop", "must be a string or a list of strings")
+    return [_utf8("stop", s) for s in stops]
+
+
+# --- responses ----------------------------------------------------------------------
+
+def usage(u: pb.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+def completion(rid: str, created: int, model: str, text: str, finish_reason: str,
+               u: pb.Usage) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": usage(u)}
+
+
+def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: str,
+                    u: pb.Usage) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage(u)}
+
+
+class ChunkWriter:
+    """The stream chunks of one request, message by message: text deltas, then a chunk
+    with the finish_reason, then (stream_options.include_usage) one with empty choices
+    and the usage. Chat streams open with a chunk carrying the assistant role."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool):
+        self.head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": created, "model": model}
+        self.chat, self.include_usage = chat, include_usage
+        self.opened = False
+
+    def _chunk(self, delta: dict | str, finish_reason: str | None) -> dict:
+        choice = ({"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta})
+        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        return self.head | {"choices": [choice]} | ({"usage": None} if self.include_usage
+                                                    else {})
+
+    def chunks(self, msg: pb.GenerateResponse) -> list[dict]:
+        out = []
+        if self.chat and not self.opened:
+            out.append(self._chunk({"role": "assistant", "content": ""}, None))
+        self.opened = True
+        if msg.text:
+            out.append(self._chunk({"content": msg.text} if self.chat else msg.text, None))
+        if msg.finish_reason:
+            out.append(self._chunk({} if self.chat else "", msg.finish_reason))
+            if self.include_usage:
+                out.append(self.head | {"choices": [], "usage": usage(msg.usage)})
+        return out
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

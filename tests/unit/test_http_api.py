@@ -1,0 +1,486 @@
+"""router/http_api.py + openai_protocol.py with a fake router: no model, no Ray.
+
+The fake's generate() plays a script of GenerateResponses (or raises a RequestError)
+and records the requests it got and whether its generator was closed, which is what
+the real router's `finally` needs to abort a request on its workers. Driven three
+ways: Starlette's TestClient, the official `openai` client over that TestClient, and
+raw ASGI calls where a test must choose when the client disconnects. One test serves
+the app with uvicorn on a real socket (serve_http), over TLS with a client
+certificate. Every test ends with the fake's generators all closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import threading
+from types import SimpleNamespace
+
+import grpc
+import httpx2
+import openai
+import pytest
+import trustme
+from starlette.testclient import TestClient
+
+from pdserve.config import ClusterConfig, RouterConfig
+from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.metrics import RouterMetrics
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.router.errors import RequestError
+from pdserve.router.http_api import build_app, http_status, serve_http
+
+KEY = "test-key-0123456789"
+MODEL = "default"
+
+
+def script(*texts: str, reason: str = "length", prompt_tokens: int = 3) -> list:
+    """One GenerateResponse per text, one token each; the last one finishes."""
+    msgs = [pb.GenerateResponse(token_ids=[10 + i], text=t) for i, t in enumerate(texts)]
+    msgs[-1].finish_reason = reason
+    msgs[-1].usage.prompt_tokens, msgs[-1].usage.completion_tokens = prompt_tokens, len(texts)
+    return msgs
+
+
+class FakeRouter:
+    """What build_app reads of a Router: config, model_name, metrics, prefill/decode
+    (w.available) and generate()."""
+
+    def __init__(self, messages=None, error: Exception | None = None,
+                 error_after: Exception | None = None, hang_after: int | None = None,
+                 **router_kw):
+        self.config = ClusterConfig(router=RouterConfig(port=0, metrics_port=0, **router_kw))
+        self.model_name = MODEL
+        self.metrics = RouterMetrics(lambda: 0)
+        self.prefill = [SimpleNamespace(available=True)]
+        self.decode = [SimpleNamespace(available=True)]
+        self.messages = script("Hel", "lo") if messages is None else messages
+        self.error, self.error_after, self.hang_after = error, error_after, hang_after
+        self.requests: list[tuple[pb.GenerateRequest, float | None]] = []
+        self.opened = 0
+        self.closed = 0
+        self.closed_event = threading.Event()
+        self.hanging = threading.Event()
+
+    async def generate(self, req, deadline_s):
+        self.requests.append((req, deadline_s))
+        self.opened += 1
+        try:
+            if self.error is not None:
+                raise self.error
+            for i, msg in enumerate(self.messages):
+                if i == self.hang_after:
+                    self.hanging.set()
+                    await asyncio.sleep(3600)
+                yield msg
+            if self.error_after is not None:
+                raise self.error_after
+        finally:
+            self.closed += 1
+            self.closed_event.set()
+
+    def all_closed(self) -> bool:
+        return self.closed == self.opened
+
+    def statuses(self) -> dict[str, float]:
+        return {s.labels["status"]: s.value for m in self.metrics.requests.collect()
+                for s in m.samples if s.name.endswith("_total")}
+
+
+@pytest.fixture
+def router():
+    r = FakeRouter()
+    yield r
+    assert r.all_closed(), "a router generator was left open"
+
+
+def client(router: FakeRouter, **kw) -> TestClient:
+    return TestClient(build_app(router), **kw)
+
+
+def oai_client(router: FakeRouter, api_key: str = "x") -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key=api_key, max_retries=0,
+                         http_client=client(router))
+
+
+def assert_openai_error(r, status: int, param: str | None, type_: str = "invalid_request_error"):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == type_ and err["param"] == param, err
+    if param is not None:
+        assert err["message"].startswith(f"{param}: "), err
+    return err
+
+
+# --- requests -> GenerateRequest ----------------------------------------------------
+
+def test_completion_request_fields(router):
+    r = client(router).post("/v1/completions", json={
+        "model": "whatever", "prompt": "Hi", "max_tokens": 7, "temperature": 0, "top_p": 0.5,
+        "top_k": 4, "seed": 9, "stop": "\n", "ignore_eos": True, "n": 1, "user": "u"})
+    assert r.status_code == 200, r.text
+    req, deadline_s = router.requests[0]
+    assert deadline_s is None         # the router applies request_timeout_s
+    assert req.text == "Hi" and req.request_id.startswith("cmpl-")
+    s = req.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, list(s.stop), s.ignore_eos) \
+        == (7, 0.0, 0.5, 4, 9, ["\n"], True)
+
+
+@pytest.mark.parametrize("prompt, field, value", [
+    ([1, 2, 3], "token_ids", [1, 2, 3]),
+    (["one prompt"], "text", "one prompt"),
+    ([[5, 6]], "token_ids", [5, 6]),
+])
+def test_completion_prompt_forms(router, prompt, field, value):
+    assert client(router).post("/v1/completions", json={"prompt": prompt}).status_code == 200
+    req = router.requests[0][0]
+    assert req.WhichOneof("prompt") == field
+    assert (list(req.token_ids.ids) if field == "token_ids" else req.text) == value
+
+
+def test_chat_request_fields(router):
+    r = client(router).post("/v1/chat/completions", json={
+        "messages": [{"role": "developer", "content": "Be brief."},
+                     {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]}],
+        "max_tokens": 5, "max_completion_tokens": 3, "stop": ["x", "y"], "top_k": -1,
+        "stream_options": None, "response_format": {"type": "text"}, "tool_choice": "none"})
+    assert r.status_code == 200, r.text
+    req = router.requests[0][0]
+    assert [(m.role, m.content) for m in req.messages.messages] == [
+        ("system", "Be brief."), ("user", "a\nb")]
+    assert req.sampling.max_tokens == 3          # max_completion_tokens wins
+    assert list(req.sampling.stop) == ["x", "y"] and req.sampling.top_k == 0
+
+
+# --- responses ----------------------------------------------------------------------
+
+def test_completion_response_shape(router):
+    body = client(router).post("/v1/completions", json={"prompt": "Hi"}).json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["model"] == MODEL and isinstance(body["created"], int)
+    assert body["choices"] == [{"index": 0, "text": "Hello", "logprobs": None,
+                                "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert router.statuses() == {"length": 1.0}    # the same metrics as gRPC
+
+
+def test_openai_client_completion_and_chat(router):
+    c = oai_client(router)
+    out = c.completions.create(model="anything", prompt="Hi", max_tokens=2, temperature=0)
+    assert out.choices[0].text == "Hello" and out.model == MODEL
+    assert out.usage.total_tokens == 5
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    assert chat.id.startswith("chatcmpl-") and chat.object == "chat.completion"
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == "Hello"
+    assert chat.choices[0].finish_reason == "length"
+    assert [m.id for m in c.models.list()] == [MODEL]
+
+
+def sse_events(text: str) -> list:
+    """The data of each SSE event; every event is `data: ...` then a blank line."""
+    assert text.endswith("\n\n")
+    events = text[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    return [e[len("data: "):] for e in events]
+
+
+def test_sse_framing_chat_with_usage(router):
+    with client(router).stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.read().decode())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == "Hello"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
+
+
+def test_openai_client_streams(router):
+    c = oai_client(router)
+    parts = list(c.completions.create(model=MODEL, prompt="Hi", stream=True))
+    assert "".join(p.choices[0].text for p in parts) == "Hello"
+    assert parts[-1].choices[0].finish_reason == "length"
+    chunks = list(c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "Hello"
+    assert chunks[-1].usage.completion_tokens == 2
+
+
+# --- errors -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": 1}, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "\ud800"}, "prompt"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),     # pydantic: wrong type
+    ({"prompt": "x", "frobnicate": 1}, "frobnicate"),           # not an OpenAI parameter
+    ({"max_tokens": 3}, "prompt"),                              # missing
+])
+def test_bad_completion_input_is_400_naming_the_param(router, body, param):
+    # json.dumps escapes the lone surrogate as JSON allows ("\\ud800")
+    r = client(router).post("/v1/completions", content=json.dumps(body),
+                            headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, param)
+    assert not router.requests            # refused before the router
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+     "messages[0].tool_calls"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_chat_input_is_400_naming_the_param(router, body, param):
+    assert_openai_error(client(router).post("/v1/chat/completions", json=body), 400, param)
+    assert not router.requests
+
+
+def test_router_validation_errors_name_the_openai_param():
+    for field, param, body in (
+            ("sampling.temperature", "temperature", {"prompt": "x"}),
+            ("sampling.max_tokens", "max_tokens", {"prompt": "x"}),
+            ("text", "prompt", {"prompt": "x"}),
+            ("messages", "messages", {"messages": []}),
+            ("sampling.max_tokens", "max_completion_tokens",
+             {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9})):
+        r = FakeRouter(error=InvalidRequestError(field, "must be >= 0, got -1"))
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        err = assert_openai_error(client(r).post(path, json=body), 400, param)
+        assert err["message"] == f"{param}: must be >= 0, got -1"
+        assert r.statuses() == {"invalid_argument": 1.0} and r.all_closed()
+
+
+def test_invalid_json_and_unknown_path():
+    r = FakeRouter()
+    c = client(r)
+    resp = c.post("/v1/completions", content=b"{not json",
+                  headers={"content-type": "application/json"})
+    assert_openai_error(resp, 400, None)
+    assert_openai_error(c.get("/v1/nothing"), 404, None)
+    assert_openai_error(c.get("/v1/completions"), 405, None)
+
+
+@pytest.mark.parametrize("code, status", [
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_router_errors_map_to_status(code, status, stream):
+    r = FakeRouter(error=RequestError(code, "server overloaded: 256 requests already queued"))
+    resp = client(r).post("/v1/completions", json={"prompt": "x", "stream": stream})
+    type_ = "rate_limit_error" if status == 429 else "server_error"
+    err = assert_openai_error(resp, status, None, type_)
+    assert err["message"] == "server overloaded: 256 requests already queued"
+    assert err["code"] == ("rate_limit_exceeded" if status == 429 else code.name.lower())
+    assert http_status(code) == status
+    assert r.statuses() == {code.name.lower(): 1.0} and r.all_closed()
+
+
+def test_openai_client_raises_its_typed_errors():
+    with pytest.raises(openai.RateLimitError):
+        oai_client(FakeRouter(error=RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full"))) \
+            .completions.create(model=MODEL, prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        oai_client(FakeRouter()).completions.create(model=MODEL, prompt="x", n=2)
+    assert e.value.body["param"] == "n" and e.value.status_code == 400
+
+
+def test_error_after_the_stream_began_is_an_sse_error_event():
+    r = FakeRouter(error_after=RequestError(grpc.StatusCode.UNAVAILABLE, "decode worker died"))
+    with client(r).stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as s:
+        assert s.status_code == 200
+        events = sse_events(s.read().decode())
+    assert "[DONE]" not in events
+    assert json.loads(events[-1])["error"]["message"] == "decode worker died"
+    assert r.all_closed()
+
+
+# --- security, health ---------------------------------------------------------------
+
+def test_api_key_required_except_health():
+    r = FakeRouter(api_key=KEY)
+    c = client(r)
+    for path, method in (("/v1/models", "get"), ("/v1/completions", "post")):
+        resp = getattr(c, method)(path, headers={"Authorization": "Bearer wrong"})
+        err = assert_openai_error(resp, 401, None)
+        assert err["code"] == "invalid_api_key"
+        assert resp.headers["www-authenticate"] == "Bearer"
+    assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 401  # no header
+    assert c.get("/health").status_code == 200
+    assert c.get("/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        oai_client(r, api_key="wrong").models.list()
+    assert oai_client(r, api_key=KEY).completions.create(model=MODEL, prompt="x") \
+        .choices[0].text == "Hello"
+    assert len(r.requests) == 1 and r.all_closed()
+
+
+def test_body_over_max_request_bytes_is_413():
+    r = FakeRouter(max_request_bytes=1024)
+    resp = client(r).post("/v1/completions", json={"prompt": "x" * 2000})
+    assert_openai_error(resp, 413, None)
+    assert not r.requests
+
+
+def test_health_503_without_a_worker_of_each_role():
+    r = FakeRouter()
+    c = client(r)
+    assert c.get("/health").json() == {"status": "ok"}
+    r.decode[0].available = False
+    err = assert_openai_error(c.get("/health"), 503, None, "server_error")
+    assert "decode" in err["message"]
+
+
+# --- disconnects --------------------------------------------------------------------
+
+async def asgi_call(app, path: str, body: dict, disconnect: asyncio.Event,
+                    router: FakeRouter | None = None) -> list[dict]:
+    """One POST through the ASGI app as uvicorn's h11 protocol makes it (spec 2.3); the
+    client disconnects when `disconnect` is set. Returns what the app sent. With
+    `router`, asserts its generators are closed the moment the app returns (not later,
+    by garbage collection: asyncio's finalizer hook would close them too)."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+             "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    sent, first = [], True
+
+    async def receive():
+        nonlocal first
+        if first:
+            first = False
+            return {"type": "http.request", "body": json.dumps(body).encode(),
+                    "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        sent.append(msg)
+
+    async def call():
+        await app(scope, receive, send)
+        assert router is None or router.all_closed(), "closed only by garbage collection"
+
+    await asyncio.wait_for(call(), 5)
+    return sent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_while_waiting_for_the_first_token_closes_the_generator(stream):
+    r = FakeRouter(hang_after=0)
+
+    async def main():
+        gone = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.2, gone.set)
+        await asgi_call(build_app(r), "/v1/completions", {"prompt": "x", "stream": stream},
+                        gone, router=r)
+
+    asyncio.run(main())
+    assert r.hanging.is_set() and r.all_closed()
+    assert r.statuses() == {"cancelled": 1.0}
+
+
+def test_disconnect_mid_stream_closes_the_generator():
+    r = FakeRouter(messages=script("a", "b", "c"), hang_after=2)
+
+    async def main():
+        gone = asyncio.Event()
+
+        async def leave_after_two_events():
+            while not r.hanging.is_set():
+                await asyncio.sleep(0.01)
+            gone.set()
+
+        watcher = asyncio.ensure_future(leave_after_two_events())
+        sent = await asgi_call(build_app(r), "/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": "x"}],
+                                "stream": True}, gone, router=r)
+        await watcher
+        return sent
+
+    sent = asyncio.run(main())
+    assert sent[0]["status"] == 200
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    assert b'"content":"b"' in body and b"[DONE]" not in body
+    assert r.all_closed() and r.statuses() == {"cancelled": 1.0}
+
+
+# --- served by uvicorn --------------------------------------------------------------
+
+def test_serve_http_over_mutual_tls(tmp_path):
+    ca = trustme.CA()
+    server_cert = ca.issue_cert("127.0.0.1")
+    client_cert = ca.issue_cert("client@pdserve.test")
+    files = {}
+    for name, blob in (("ca.pem", ca.cert_pem), ("server.pem", server_cert.cert_chain_pems[0]),
+                       ("server.key", server_cert.private_key_pem),
+                       ("client.pem", client_cert.cert_chain_pems[0]),
+                       ("client.key", client_cert.private_key_pem)):
+        files[name] = str(tmp_path / name)
+        blob.write_to_path(files[name])
+    r = FakeRouter(api_key=KEY, tls_cert_file=files["server.pem"],
+                   tls_key_file=files["server.key"], tls_client_ca_file=files["ca.pem"])
+
+    async def main():
+        server = await serve_http(r, "127.0.0.1", 0)
+        url = f"https://127.0.0.1:{server.port}"
+        try:
+            ctx = ssl.create_default_context(cafile=files["ca.pem"])
+            ctx.load_cert_chain(files["client.pem"], files["client.key"])
+            async with httpx2.AsyncClient(verify=ctx) as c:
+                assert (await c.get(url + "/health")).json() == {"status": "ok"}
+                resp = await c.post(url + "/v1/completions", json={"prompt": "x"},
+                                    headers={"Authorization": f"Bearer {KEY}"})
+                assert resp.json()["choices"][0]["text"] == "Hello"
+            no_cert = ssl.create_default_context(cafile=files["ca.pem"])
+            async with httpx2.AsyncClient(verify=no_cert) as c:
+                with pytest.raises(httpx2.TransportError):   # handshake refused
+                    await c.get(url + "/health")
+        finally:
+            await server.stop(grace_s=1)
+
+    asyncio.run(main())
+    assert r.all_closed()
+
+
+
+def test_router_config_http_port():
+    assert RouterConfig().http_port is None                      # off by default
+    assert RouterConfig(http_port=0, port=0).http_port == 0      # a free port
+    with pytest.raises(ValueError, match="http_port=70000: must be in"):
+        RouterConfig(http_port=70000)
+    with pytest.raises(ValueError, match="http_port=50051 is also port"):
+        RouterConfig(http_port=50051)

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import grpc
 import ray
@@ -44,47 +44,13 @@ from . import validation
 from .admission import Admission
 from .detokenizer import Detokenizer
 from .errors import RequestError
+from .relay import Relay, with_deadline
 from .routing import PrefillRouter
+from .workers import AttemptFailed, Worker, attempt_failed
 
 logger = logging.getLogger(__name__)
 
 _TOKENIZE = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-
-
-@dataclass(eq=False)
-class _Worker:
-    handle: object          # Ray actor handle
-    worker_id: str
-    num_blocks: int
-    epoch: int = 0          # the incarnation last seen (Ray restarts a dead worker)
-    load: int = 0           # prefill: queued prompt tokens; decode: active requests
-    free_blocks: int = 0    # decode: last known
-    alive: bool = True      # False from a call that found it dead until a probe answers
-    node_ip: str = ""       # the Ray node it runs on
-    draining: bool = False  # Drain: takes no new requests (until it restarts elsewhere)
-
-    @property
-    def available(self) -> bool:
-        return self.alive and not self.draining
-
-
-class _AttemptFailed(Exception):
-    """One attempt at a request failed in a way a retry on live workers can mend."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason    # "prefill" | "decode": the phase that failed
-
-
-def _failed(phase: str, w: _Worker, e: Exception) -> _AttemptFailed:
-    """The retryable failure of a call to `w` in `phase` that raised Ray's `e`; a dead
-    (or restarting) worker is marked so until a probe finds it back."""
-    if isinstance(e, ray.exceptions.RayActorError):
-        w.alive = False
-        return _AttemptFailed(phase, f"{phase} worker {w.worker_id} died: {type(e).__name__}")
-    cause = getattr(e, "cause", None) or e     # the worker-side exception
-    return _AttemptFailed(phase, f"{phase} on {w.worker_id} failed: "
-                                 f"{type(cause).__name__}: {cause}")
 
 
 class Router:
@@ -103,8 +69,8 @@ class Router:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model_name = str(config.prefill.model)
         self._prefill_handles, self._decode_handles = prefill, decode
-        self.prefill: list[_Worker] = []
-        self.decode: list[_Worker] = []
+        self.prefill: list[Worker] = []
+        self.decode: list[Worker] = []
         self._server: grpc.aio.Server | None = None
         rc = config.router
         self.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
@@ -130,11 +96,11 @@ class Router:
         from .service import build_server
 
         infos = await asyncio.gather(*(h.ready.remote() for h in self._prefill_handles))
-        self.prefill = [_Worker(h, i["worker_id"], i["num_blocks"], i["epoch"],
+        self.prefill = [Worker(h, i["worker_id"], i["num_blocks"], i["epoch"],
                                 node_ip=i["node_ip"])
                         for h, i in zip(self._prefill_handles, infos)]
         infos = await asyncio.gather(*(h.ready.remote() for h in self._decode_handles))
-        self.decode = [_Worker(h, i["worker_id"], i["num_blocks"], i["epoch"],
+        self.decode = [Worker(h, i["worker_id"], i["num_blocks"], i["epoch"],
                                free_blocks=i["num_blocks"], node_ip=i["node_ip"])
                        for h, i in zip(self._decode_handles, infos)]
         # Pair every P with every D now, so a layout mismatch fails `serve` at start
@@ -204,7 +170,7 @@ class Router:
         self._check_fits(len(ids), params.max_tokens)
         rid = client_id or uuid.uuid4().hex
         deadline = time.monotonic() + (deadline_s or self.config.router.request_timeout_s)
-        relay = _Relay(rid, Detokenizer(self.tokenizer, ids, params.stop), len(ids))
+        relay = Relay(rid, Detokenizer(self.tokenizer, ids, params.stop), len(ids))
         failures: list[str] = []
         # Admitted before any wait (a full queue is refused here, at once). The ticket is
         # released at the first token, or by the `with` on any earlier exit: reserve
@@ -222,7 +188,7 @@ class Router:
                                                    deadline, relay, queued):
                         yield msg
                     return
-                except _AttemptFailed as e:
+                except AttemptFailed as e:
                     failures.append(str(e))
                     self.metrics.retries.labels(reason=e.reason).inc()
                     limit = self.config.router.max_migrations
@@ -236,12 +202,12 @@ class Router:
                                    len(failures), limit)
 
     async def _attempt(self, rid: str, ids: list[int], params, deadline: float,
-                       relay: "_Relay", queued) -> AsyncIterator[pb.GenerateResponse]:
+                       relay: Relay, queued) -> AsyncIterator[pb.GenerateResponse]:
         """One try at serving `ids` (the prompt, plus the tokens streamed by earlier
         attempts) on one decode worker D, prefilled by one prefill worker P or by D.
 
         Raises:
-            _AttemptFailed: P or D died, or the KV transfer or D failed (retryable).
+            AttemptFailed: P or D died, or the KV transfer or D failed (retryable).
             RequestError: deadline, capacity, no worker available (final).
         """
         internal_id = f"{rid}#{uuid.uuid4().hex[:8]}"   # unique per attempt and client id
@@ -262,7 +228,7 @@ class Router:
                                                 res["epoch"], res["cached_blocks"]),
                         timeout=max(deadline - time.monotonic(), 0.001))
                 except ray.exceptions.RayError as e:
-                    raise _failed("prefill", p, e) from e
+                    raise attempt_failed("prefill", p, e) from e
                 finally:
                     p.load -= len(ids)
                     queued.release()  # first token back (or prefill failed): not queued
@@ -271,7 +237,7 @@ class Router:
                     yield msg
             if relay.finish_reason is None:
                 try:
-                    async for ref in _with_deadline(events, deadline):
+                    async for ref in with_deadline(events, deadline):
                         queued.release()  # local prefill: its first token came from D
                         msg = relay.absorb(await ref)
                         if msg is not None:
@@ -279,12 +245,12 @@ class Router:
                         if relay.finish_reason is not None or relay.error is not None:
                             break
                 except ray.exceptions.RayError as e:
-                    raise _failed("decode", d, e) from e
+                    raise attempt_failed("decode", d, e) from e
             if relay.error is not None:
                 error, relay.error = relay.error, None
-                raise _AttemptFailed("decode", f"decode on {d.worker_id} failed: {error}")
+                raise AttemptFailed("decode", f"decode on {d.worker_id} failed: {error}")
             if relay.finish_reason is None:
-                raise _AttemptFailed("decode", f"decode stream of {d.worker_id} ended "
+                raise AttemptFailed("decode", f"decode stream of {d.worker_id} ended "
                                                "without finishing")
             finished = not relay.stopped_here   # else D still runs: abort it below
         except asyncio.TimeoutError:
@@ -314,8 +280,8 @@ class Router:
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _available(self, workers: list[_Worker], role: str, deadline: float
-                         ) -> list[_Worker]:
+    async def _available(self, workers: list[Worker], role: str, deadline: float
+                         ) -> list[Worker]:
         """The workers of a role not known to be dead nor draining. When none is, wait
         for Ray to restart one (probing them with ready()) until `deadline`.
 
@@ -337,7 +303,7 @@ class Router:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    async def _probe(self, w: _Worker, timeout_s: float = 1.0) -> None:
+    async def _probe(self, w: Worker, timeout_s: float = 1.0) -> None:
         """Mark `w` alive again once it answers ready(); a new epoch (Ray restarted it)
         resets the router's mirror of its prefix cache."""
         try:
@@ -460,7 +426,7 @@ class Router:
     async def cluster_status(self) -> pb.ClusterStatusResponse:
         workers = self.prefill + self.decode
 
-        async def one(w: _Worker) -> pb.WorkerStatus:
+        async def one(w: Worker) -> pb.WorkerStatus:
             try:
                 s = await asyncio.wait_for(w.handle.status.remote(), timeout=5)
             except Exception as e:  # dead or hung worker: report it, do not fail the call
@@ -478,62 +444,3 @@ class Router:
 
 
 _STATUS_FIELDS = set(pb.WorkerStatus.DESCRIPTOR.fields_by_name)
-
-
-class _Relay:
-    """Turns decode TokenEvents into GenerateResponses: detokenizes, applies stop
-    strings, counts usage; `finish_reason` is set once the request is over."""
-
-    def __init__(self, request_id: str, detok: Detokenizer, prompt_len: int):
-        self.request_id, self.detok, self.prompt_len = request_id, detok, prompt_len
-        self.token_ids: list[int] = []   # every token streamed to the client
-        self.finish_reason: str | None = None
-        self.stopped_here = False    # a stop string matched on the router: D still runs
-        self.error: str | None = None    # the attempt failed on D (the router retries)
-
-    def finish(self, reason: str) -> pb.GenerateResponse:
-        """The last message, with no new tokens."""
-        self.finish_reason = reason
-        return pb.GenerateResponse(
-            request_id=self.request_id, text=self.detok.flush(), finish_reason=reason,
-            usage=pb.Usage(prompt_tokens=self.prompt_len, completion_tokens=len(self.token_ids)))
-
-    def absorb(self, events: list[TokenEvent]) -> pb.GenerateResponse | None:
-        tokens, text = [], []
-        for ev in events:
-            for t in ev.token_ids:
-                tokens.append(t)
-                delta = self.detok.step(t)
-                text.append(delta.text)
-                if delta.stopped:
-                    self.finish_reason, self.stopped_here = "stop", True
-                    break
-            if self.finish_reason is None and ev.finish_reason == "error":
-                self.error = ev.error or "unknown error"
-                break
-            if self.finish_reason is None and ev.finish_reason is not None:
-                self.finish_reason = ev.finish_reason
-                text.append(self.detok.flush())
-            if self.finish_reason is not None:
-                break
-        self.token_ids += tokens
-        if self.finish_reason is not None:
-            return pb.GenerateResponse(
-                request_id=self.request_id, token_ids=tokens, text="".join(text),
-                finish_reason=self.finish_reason,
-                usage=pb.Usage(prompt_tokens=self.prompt_len,
-                               completion_tokens=len(self.token_ids)))
-        if not tokens:
-            return None
-        return pb.GenerateResponse(request_id=self.request_id, token_ids=tokens, text="".join(text))
-
-
-async def _with_deadline(gen, deadline: float):
-    """Iterate a Ray ObjectRefGenerator, each wait bounded by the request deadline."""
-    it = gen.__aiter__()
-    while True:
-        try:
-            ref = await asyncio.wait_for(it.__anext__(), timeout=max(deadline - time.monotonic(), 0.001))
-        except StopAsyncIteration:
-            return
-        yield ref

@@ -20,7 +20,8 @@ from pdserve.engine.request import TokenEvent
 from pdserve.metrics import RouterMetrics
 from pdserve.router.admission import Admission
 from pdserve.router.errors import RequestError
-from pdserve.router.router import Router, _Worker
+from pdserve.router.router import Router
+from pdserve.router.workers import Worker
 from pdserve.router.routing import PrefillRouter
 
 VOCAB = 64
@@ -94,8 +95,8 @@ def make_router(decode: FakeDecode, prefill: FakePrefill, **router_kw) -> Router
     r.config = ClusterConfig(router=RouterConfig(port=0, **router_kw))
     r.model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=256)
     r.tokenizer = SimpleNamespace(backend_tokenizer=TOKENIZER)
-    r.prefill = [_Worker(actor(prefill), "prefill-0", num_blocks=64)]
-    r.decode = [_Worker(actor(decode), "decode-0", num_blocks=64, free_blocks=64)]
+    r.prefill = [Worker(actor(prefill), "prefill-0", num_blocks=64)]
+    r.decode = [Worker(actor(decode), "decode-0", num_blocks=64, free_blocks=64)]
     rc = r.config.router
     r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
     r.metrics = RouterMetrics(lambda: r.admission.queued_requests)

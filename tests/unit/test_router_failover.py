@@ -23,7 +23,8 @@ from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.metrics import RouterMetrics
 from pdserve.router.admission import Admission
 from pdserve.router.errors import RequestError
-from pdserve.router.router import Router, _Worker
+from pdserve.router.router import Router
+from pdserve.router.workers import Worker
 from pdserve.router.routing import PrefillRouter
 
 VOCAB = 64
@@ -150,8 +151,8 @@ def make_router(prefills: list, decodes: list, **router_kw) -> Router:
     r.config = ClusterConfig(router=RouterConfig(port=0, **router_kw))
     r.model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=256)
     r.tokenizer = SimpleNamespace(backend_tokenizer=TOKENIZER)
-    r.prefill = [_Worker(actor(p), f"prefill-{i}", 64, 1) for i, p in enumerate(prefills)]
-    r.decode = [_Worker(actor(d), f"decode-{i}", 64, 1, free_blocks=64)
+    r.prefill = [Worker(actor(p), f"prefill-{i}", 64, 1) for i, p in enumerate(prefills)]
+    r.decode = [Worker(actor(d), f"decode-{i}", 64, 1, free_blocks=64)
                 for i, d in enumerate(decodes)]
     rc = r.config.router
     r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)

@@ -2,11 +2,14 @@
 
 Back ends, chosen per device (ARCHITECTURE.md "Attention back ends"):
 
-| phase   | CUDA + flash-attn                         | otherwise (CPU, or CUDA without it) |
-|---------|-------------------------------------------|-------------------------------------|
-| prefill | `flash_attn_varlen_func` with cu_seqlens  | SDPA, causal, per sequence          |
-| prefill after a cached prefix | the same, K/V paged via block_table | gather the context by block_table, SDPA with an offset causal mask |
-| decode  | `flash_attn_with_kvcache` + block_table   | per group of similar-length sequences: gather by block_table, masked SDPA |
+| phase   | CUDA + flash-attn                         | CUDA without flash-attn        | CPU                        |
+|---------|-------------------------------------------|--------------------------------|----------------------------|
+| prefill | `flash_attn_varlen_func` with cu_seqlens  | SDPA, causal, per sequence (torch picks its flash kernel for fp16/bf16) | SDPA, causal, per sequence |
+| prefill after a cached prefix | the same, K/V paged via block_table | gather the context by block_table, SDPA with an offset causal mask (math kernel: flash takes no mask) | the same |
+| decode  | `flash_attn_with_kvcache` + block_table   | Triton paged decode over block_table (`triton_attention.py`, flash_attn_with_kvcache's semantics) | per group of similar-length sequences: gather by block_table, masked SDPA |
+| KV write | `index_copy_` by slot_mapping            | Triton `store_kvcache`: K and V in one kernel | `index_copy_` by slot_mapping |
+
+CUDA without flash-attn falls back to the CPU column if triton cannot be imported.
 
 KV cache of one layer (the layout `flash_attn_with_kvcache` takes):
 
@@ -42,8 +45,46 @@ def _flash_attn():
         return None
 
 
+# flash-attn 2's paged KV (`flash_attn_with_kvcache` with a block_table) takes only block
+# sizes that are multiples of 256 (its docstring; Dao-AILab/flash-attention#828). Smaller
+# blocks decode with the Triton kernel instead.
+FLASH_ATTN_PAGE_MULTIPLE = 256
+
+
 def use_flash_attn(device: torch.device) -> bool:
     return device.type == "cuda" and _flash_attn() is not None
+
+
+@functools.cache
+def _triton_ops():
+    """engine/triton_attention.py, or None when triton cannot be imported. Only asked for
+    on CUDA (use_triton), so CPU runs never import triton."""
+    try:
+        from . import triton_attention
+        return triton_attention
+    except ImportError:
+        return None
+
+
+def use_triton(device: torch.device) -> bool:
+    """CUDA without flash-attn: decode attention and the KV write run Triton kernels."""
+    return device.type == "cuda" and _flash_attn() is None and _triton_ops() is not None
+
+
+def decode_on_device(device: torch.device, block_size: int) -> bool:
+    """Whether decode attention runs a device kernel (flash-attn's paged decode or the
+    Triton one) that reads context lengths on the device, as CUDA graphs need; the SDPA
+    fallback reads them on the host."""
+    flash = use_flash_attn(device)
+    return ((flash and block_size % FLASH_ATTN_PAGE_MULTIPLE == 0) or use_triton(device)
+            or (flash and _triton_ops() is not None))
+
+
+def attention_backend(device: torch.device) -> str:
+    """The back ends `device` uses, in words (for logs)."""
+    if use_flash_attn(device):
+        return "flash-attn"
+    return "SDPA prefill, Triton decode" if use_triton(device) else "SDPA"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +134,9 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, slot: str) -> torch.Te
     indexing ~10x). The result is valid until the next call with the same `slot`."""
     need = block_ids.numel() * cache[0].numel()
     buf = getattr(_workspace, slot, None)
-    if buf is None or buf.numel() < need or buf.dtype != cache.dtype or buf.device != cache.device:
+    if (buf is None or buf.numel() < need or buf.dtype != cache.dtype or buf.device != cache.device
+            # a buffer made under inference_mode cannot be written outside it
+            or buf.is_inference() != torch.is_inference_mode_enabled()):
         buf = torch.empty(need, dtype=cache.dtype, device=cache.device)
         setattr(_workspace, slot, buf)
     out = buf[:need].view(block_ids.numel(), *cache.shape[1:])
@@ -107,6 +150,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads,
     head_dim]; slot_mapping: [num_tokens] int64.
     """
+    if use_triton(k.device):
+        _triton_ops().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        return
     h, d = k_cache.shape[-2:]
     k_cache.view(-1, h, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v)
@@ -167,12 +213,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q: [batch, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
     Returns [batch, num_heads, head_dim].
     """
-    if use_flash_attn(q.device):
+    paged_flash = use_flash_attn(q.device)
+    if paged_flash and k_cache.shape[1] % FLASH_ATTN_PAGE_MULTIPLE == 0:
         from flash_attn import flash_attn_with_kvcache
         o = flash_attn_with_kvcache(
             q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
             block_table=meta.block_table, softmax_scale=scale, causal=True)
         return o.squeeze(1)
+    # flash-attn present but a block size its paged kernel refuses: Triton if it can
+    if use_triton(q.device) or (paged_flash and _triton_ops() is not None):
+        return _triton_ops().paged_decode_attention(q, k_cache, v_cache, meta.block_table,
+                                                    meta.context_lens, scale)
     # SDPA per group of _DECODE_GROUP sequences of similar length (sorted by context
     # length), each gathering only the blocks its longest member needs: one long
     # sequence no longer makes every other pay for its context. GQA without repeating

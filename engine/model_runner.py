@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionMetadata, use_flash_attn
+from .attention import AttentionMetadata, attention_backend, decode_on_device
 from .config import CacheConfig, ModelConfig
 from .loader import resolve_model
 from .model import CausalLM
@@ -46,6 +46,25 @@ class DecodeSeq:
     token_id: int
     position: int                # 0-based; context length after this step is position + 1
     block_table: Sequence[int]   # must cover position
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """The flat tensors of one decode step, as ModelRunner.decode builds them (on the
+    runner's device); what the model's decode forward and DecodeGraphs consume."""
+
+    input_ids: torch.Tensor      # [batch] int64, each sequence's newest token
+    positions: torch.Tensor      # [batch] int64
+    slot_mapping: torch.Tensor   # [batch] int64, cache slot of each new token's K/V
+    block_table: torch.Tensor    # [batch, longest block table] int32, padded with 0
+    context_lens: torch.Tensor   # [batch] int32, tokens including the new one
+    context_lens_host: tuple[int, ...]  # context_lens on the host
+
+    def metadata(self) -> AttentionMetadata:
+        return AttentionMetadata(
+            is_prefill=False, slot_mapping=self.slot_mapping, block_table=self.block_table,
+            context_lens=self.context_lens, max_context_len=max(self.context_lens_host),
+            context_lens_host=self.context_lens_host)
 
 
 def load_model(model: str | Path | None, dtype: torch.dtype = torch.float32,
@@ -78,9 +97,13 @@ class ModelRunner:
     """Weights + KV cache `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`."""
 
     def __init__(self, model: str | Path | None, cache: CacheConfig, num_threads: int | None = None,
-                 cpus: Sequence[int] | None = None):
+                 cpus: Sequence[int] | None = None, *, enforce_eager: bool = True,
+                 max_graph_batch_size: int = 256):
         """num_threads: torch intra-op threads of this process; cpus: CPU ids to pin this
         process to (os.sched_setaffinity), so co-located workers do not share cores.
+        enforce_eager=False on CUDA (flash-attn or Triton decode): batches of up to
+        max_graph_batch_size sequences replay CUDA graphs captured here (DecodeGraphs,
+        engine/cuda_graphs.py); CPU always runs eagerly.
 
         Raises:
             ValueError: a CPU id this process may not run on.
@@ -98,11 +121,28 @@ class ModelRunner:
         self.config, self.model, self.tokenizer, self.model_dir = load_model(
             model, cache.dtype, self.device)
         c = self.config
-        self.kv_cache = torch.zeros(c.num_layers, 2, cache.num_blocks, cache.block_size,
+        graphs = not enforce_eager and self.device.type == "cuda"
+        if graphs and not decode_on_device(self.device, cache.block_size):
+            # The SDPA decode path groups sequences by context length on the host, which
+            # a graph would freeze at its capture-time values.
+            logger.warning("enforce_eager=False: CUDA graphs need flash-attn (block_size a "
+                           "multiple of 256) or triton for decode attention; decoding eagerly")
+            graphs = False
+        # With graphs, one block past the pool's (never handed out) takes the K/V that
+        # padded graph rows write: write_kv has no "skip this row" slot value.
+        self.kv_cache = torch.zeros(c.num_layers, 2, cache.num_blocks + graphs, cache.block_size,
                                     c.num_kv_heads, c.head_dim, dtype=cache.dtype, device=self.device)
         self.block_size = cache.block_size
+        self.decode_graphs = None
+        if graphs:
+            from .cuda_graphs import DecodeGraphs
+            self.decode_graphs = DecodeGraphs(
+                self._decode_forward, max_batch_size=max_graph_batch_size,
+                max_blocks_per_seq=-(-c.max_model_len // cache.block_size),
+                block_size=cache.block_size, pad_block=cache.num_blocks,
+                vocab_size=c.vocab_size, device=self.device)
         logger.info("%s on %s (%s attention): %d KV blocks x %d tokens, %.1f MiB",
-                    c.architecture, self.device, "flash-attn" if use_flash_attn(self.device) else "SDPA",
+                    c.architecture, self.device, attention_backend(self.device),
                     cache.num_blocks, cache.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
     def _slots(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
@@ -161,6 +201,13 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
         """One decode step for a batch; returns logits [len(seqs), vocab] float32."""
+        batch = self.decode_batch(seqs)
+        if self.decode_graphs is not None:
+            return self.decode_graphs.run(batch)
+        return self._decode_forward(batch.input_ids, batch.positions, batch.metadata())
+
+    def decode_batch(self, seqs: Sequence[DecodeSeq]) -> DecodeBatch:
+        """The flat tensors of a decode step over `seqs`, on the runner's device."""
         assert seqs, "empty decode batch"
         dev = self.device
         width = max(len(s.block_table) for s in seqs)
@@ -170,11 +217,15 @@ class ModelRunner:
         ctx = [s.position + 1 for s in seqs]
         slots = [s.block_table[s.position // self.block_size] * self.block_size
                  + s.position % self.block_size for s in seqs]
-        meta = AttentionMetadata(
-            is_prefill=False, slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+        return DecodeBatch(
+            input_ids=torch.tensor([s.token_id for s in seqs], dtype=torch.long, device=dev),
+            positions=torch.tensor([s.position for s in seqs], dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_table=table.to(dev), context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
-            max_context_len=max(ctx), context_lens_host=tuple(ctx))
-        hidden = self.model(torch.tensor([s.token_id for s in seqs], dtype=torch.long, device=dev),
-                            torch.tensor([s.position for s in seqs], dtype=torch.long, device=dev),
-                            meta, self.kv_cache)
-        return self.model.compute_logits(hidden)
+            context_lens_host=tuple(ctx))
+
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """The model's decode forward over flat [batch] tensors -> logits [batch, vocab]
+        float32 (what DecodeGraphs captures)."""
+        return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_cache))

@@ -284,6 +284,41 @@ def _bench_serve(args) -> int:
     return 1 if any(s["failed"] or s["kv_blocks_leaked"] for s in summaries) else 0
 
 
+def _bench_gpu(args) -> int:
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("pdserve bench gpu needs a CUDA device: torch.cuda.is_available() is False",
+              file=sys.stderr)
+        return 2
+    from .bench import gpu
+    try:
+        cfg = gpu.GpuBenchConfig(
+            models=tuple(m for m in args.models.split(",") if m), num_prompts=args.num_prompts,
+            prompt_tokens=args.prompt_tokens, decode_batch=args.decode_batch,
+            decode_context=args.decode_context, gemm_n=args.gemm_n, copy_mib=args.copy_mib,
+            repeats=args.repeats, decode_steps=args.decode_steps, block_size=args.block_size,
+            enforce_eager=args.enforce_eager,
+            transports=tuple(t for t in args.transports.split(",") if t),
+            kv_requests=args.kv_requests, kv_prompt_tokens=args.kv_prompt_tokens)
+    except ValueError as e:
+        print(f"pdserve bench gpu: {e}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-gpu-") as tmp:
+        report = gpu.run(cfg, Path(tmp), log=lambda s: print(s, flush=True))
+    print(gpu.table(report))
+    for goal, met in report.goals().items():
+        print(f"goal {goal}: {'met' if met else 'missed'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(gpu.as_json(report, cfg) | {"command": " ".join(sys.argv)}, f, indent=2)
+    return 0
+
+
 def _add_client_security_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls", action="store_true",
                    help="connect over TLS, checking the server against the system's roots "
@@ -460,6 +495,33 @@ def main(argv: list[str] | None = None) -> int:
     bs.add_argument("--json", default=None, help="write the figures to this file")
     bs.add_argument("--plot", default=None, help="write PNG plots into this directory")
     bs.set_defaults(fn=_bench_serve)
+
+    bg = bsub.add_parser("gpu", help="on the CUDA device: prefill MFU vs a measured bf16 GEMM "
+                                     "peak, decode GB/s vs a measured device copy, KV transfer "
+                                     "device to device between two processes")
+    bg.add_argument("--models", default="llama-3.2-1b-random,default",
+                    help="comma-separated: 'llama-3.2-1b-random' (random weights, "
+                         "Llama-3.2-1B's shape), 'default', a HF dir or .gguf")
+    bg.add_argument("--num-prompts", type=int, default=4, help="prompts per prefill batch")
+    bg.add_argument("--prompt-tokens", type=int, default=4096)
+    bg.add_argument("--decode-batch", type=int, default=64, help="sequences per decode step")
+    bg.add_argument("--decode-context", type=int, default=1024,
+                    help="tokens of context per decode sequence")
+    bg.add_argument("--gemm-n", type=int, default=8192, help="square bf16 GEMM size")
+    bg.add_argument("--copy-mib", type=int, default=1024, help="device copy buffer (MiB)")
+    bg.add_argument("--repeats", type=int, default=10)
+    bg.add_argument("--decode-steps", type=int, default=50, help="timed decode steps")
+    bg.add_argument("--block-size", type=int, default=None,
+                    help="KV block tokens (default: 256 with flash-attn, whose paged kernels "
+                         "need a multiple of 256; else 16)")
+    bg.add_argument("--enforce-eager", action="store_true",
+                    help="decode without CUDA graphs (eager figures are reported anyway)")
+    bg.add_argument("--transports", default="ucx,tcp",
+                    help="KV transfer transports, comma-separated ('' skips the transfer)")
+    bg.add_argument("--kv-requests", type=int, default=4)
+    bg.add_argument("--kv-prompt-tokens", type=int, default=4096)
+    bg.add_argument("--json", default=None, help="write the figures to this file")
+    bg.set_defaults(fn=_bench_gpu)
 
     args = p.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"))

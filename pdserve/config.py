@@ -33,6 +33,10 @@ class WorkerConfig:
                                      # proving it (HMAC, kv_transfer/auth.py); Cluster.start
                                      # makes one when None; repr=False: never logged
     max_batch_size: int = 256        # decode: running requests per step
+    enforce_eager: bool = True       # decode on CUDA: False replays CUDA graphs captured per
+                                     # batch size up to max_batch_size (engine/cuda_graphs.py);
+                                     # CPU always runs eagerly. True until graphs are
+                                     # measured on a device (`pdserve bench gpu`)
     max_num_batched_tokens: int = 2048  # prefill: prompt tokens per batch (varlen)
     lease_s: float = 60.0            # decode: how long a reservation waits for prefill's KV
     enable_prefix_caching: bool = True  # share cached prompt-prefix blocks (P and D)

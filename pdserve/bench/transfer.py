@@ -39,21 +39,26 @@ class Geometry:
     block_size: int
     dtype: str
     model_id: str
+    device: str = "cpu"              # where both sides' caches live ("cuda": `bench gpu`)
 
     @classmethod
-    def of_model(cls, model: str, block_size: int, dtype: str = "float32") -> "Geometry":
+    def of_model(cls, model: str, block_size: int, dtype: str = "float32",
+                 device: str = "cpu") -> "Geometry":
         from transformers import AutoConfig
 
         from ..engine.config import ModelConfig
         from ..engine.loader import resolve_model
         c = ModelConfig.from_hf(AutoConfig.from_pretrained(resolve_model(model)))
-        return cls(c.num_layers, c.num_kv_heads, c.head_dim, block_size, dtype, c.model_id)
+        return cls(c.num_layers, c.num_kv_heads, c.head_dim, block_size, dtype, c.model_id,
+                   device)
 
     def cache(self, num_blocks: int, fill: bool) -> torch.Tensor:
         """KV cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         dt = getattr(torch, self.dtype)
-        return torch.randn(shape).to(dt) if fill else torch.zeros(shape, dtype=dt)
+        if fill:
+            return torch.randn(shape).to(device=self.device, dtype=dt)
+        return torch.zeros(shape, dtype=dt, device=self.device)
 
     def layout(self):
         from ..kv_transfer import KVLayout

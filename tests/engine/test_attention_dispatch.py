@@ -1,0 +1,95 @@
+"""engine/attention.py's choice of back end per device, without CUDA: flash-attn's and
+triton's presence are monkeypatched, and the Triton ops are stand-ins (no kernel runs)."""
+
+import pytest
+import torch
+
+from pdserve.engine import attention
+from pdserve.engine.attention import AttentionMetadata
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+class FakeOps:
+    """Stands in for engine/triton_attention.py; records what each entry point got."""
+
+    def __init__(self):
+        self.calls = []
+
+    def paged_decode_attention(self, q, k_cache, v_cache, block_table, context_lens, scale):
+        self.calls.append(("decode", block_table, context_lens, scale))
+        return torch.zeros_like(q)
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
+        self.calls.append(("store", slot_mapping))
+
+
+@pytest.fixture
+def ops(monkeypatch):
+    fake = FakeOps()
+    monkeypatch.setattr(attention, "_flash_attn", lambda: None)
+    monkeypatch.setattr(attention, "_triton_ops", lambda: fake)
+    return fake
+
+
+def test_cuda_without_flash_attn_picks_triton(ops):
+    assert attention.use_triton(CUDA) and not attention.use_flash_attn(CUDA)
+    assert attention.attention_backend(CUDA) == "SDPA prefill, Triton decode"
+    assert not attention.use_triton(CPU)
+    assert attention.attention_backend(CPU) == "SDPA"
+
+
+def test_flash_attn_or_no_triton_keeps_the_other_paths(ops, monkeypatch):
+    monkeypatch.setattr(attention, "_flash_attn", lambda: object())
+    assert not attention.use_triton(CUDA) and attention.attention_backend(CUDA) == "flash-attn"
+    monkeypatch.setattr(attention, "_flash_attn", lambda: None)
+    monkeypatch.setattr(attention, "_triton_ops", lambda: None)   # triton not importable
+    assert not attention.use_triton(CUDA) and attention.attention_backend(CUDA) == "SDPA"
+
+
+def test_cpu_never_imports_triton(monkeypatch):
+    def boom():
+        raise AssertionError("CPU asked for the Triton ops")
+
+    monkeypatch.setattr(attention, "_triton_ops", boom)
+    assert not attention.use_triton(CPU)
+
+
+def test_decode_and_kv_write_route_to_triton_ops(ops, monkeypatch):
+    # CPU tensors stand in for CUDA ones: only the device predicate is forced
+    monkeypatch.setattr(attention, "use_triton", lambda device: True)
+    k_cache = torch.zeros(4, 2, 1, 8)
+    v_cache = torch.zeros(4, 2, 1, 8)
+    table = torch.tensor([[3, 1]], dtype=torch.int32)
+    ctx = torch.tensor([3], dtype=torch.int32)
+    slots = torch.tensor([3])
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, block_table=table,
+                             context_lens=ctx, max_context_len=3, context_lens_host=(3,))
+    attention.write_kv(torch.ones(1, 1, 8), torch.ones(1, 1, 8), k_cache, v_cache, slots)
+    out = attention.decode_attention(torch.ones(1, 2, 8), k_cache, v_cache, meta, 0.5)
+    assert ops.calls == [("store", slots), ("decode", table, ctx, 0.5)]
+    assert not k_cache.any()                      # the stand-in wrote nothing: no CPU fallback
+    assert out.shape == (1, 2, 8)
+
+
+def test_flash_attn_with_a_block_size_it_refuses_decodes_with_triton(ops, monkeypatch):
+    """flash-attn's paged decode takes block sizes in multiples of 256 only: with 16-token
+    blocks (the default) decode goes to the Triton kernel even when flash-attn is there."""
+    monkeypatch.setattr(attention, "use_flash_attn", lambda device: True)
+    k_cache = torch.zeros(4, 16, 1, 8)
+    table = torch.tensor([[3]], dtype=torch.int32)
+    ctx = torch.tensor([3], dtype=torch.int32)
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor([3]), block_table=table,
+                             context_lens=ctx, max_context_len=3, context_lens_host=(3,))
+    attention.decode_attention(torch.ones(1, 2, 8), k_cache, k_cache.clone(), meta, 0.5)
+    assert ops.calls == [("decode", table, ctx, 0.5)]
+
+
+def test_decode_on_device_says_when_cuda_graphs_can_capture(ops, monkeypatch):
+    assert attention.decode_on_device(CUDA, 16)                  # Triton, no flash-attn
+    assert not attention.decode_on_device(CPU, 16)
+    monkeypatch.setattr(attention, "_flash_attn", lambda: object())
+    assert attention.decode_on_device(CUDA, 256)                 # flash-attn's paged decode
+    assert attention.decode_on_device(CUDA, 16)                  # Triton for small blocks
+    monkeypatch.setattr(attention, "_triton_ops", lambda: None)
+    assert not attention.decode_on_device(CUDA, 16)              # SDPA: host-side lengths

@@ -1,0 +1,249 @@
+"""`pdserve bench ...`: the benchmark subcommands, each against its baseline in the same
+run (pdserve/cli.py adds them to its parser)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    """--model, --transport and --json, which the serving benchmarks share."""
+    p.add_argument("--model", default="default")
+    p.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "auto"])
+    p.add_argument("--json", default=None, help="write the figures to this file")
+
+
+def _bench_transfer(args) -> int:
+    import json
+
+    import torch
+
+    from . import transfer
+    torch.set_num_threads(1)   # the receiver process does the same (see bench/transfer.py)
+    kinds = args.transports.split(",")
+    print(f"moving the KV of {args.num_requests} x {args.prompt_tokens}-token prompts "
+          f"(block_size {args.block_size}, {args.repeats} repeats, median) ...", flush=True)
+    results = transfer.run(kinds, args.model, args.num_requests, args.prompt_tokens,
+                           args.block_size, args.repeats)
+    print(transfer.table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(transfer.as_json(results, vars(args) | {"fn": None}), f, indent=2)
+    return 0
+
+
+def _bench_ttft(args) -> int:
+    import json
+
+    from . import ttft
+    r = ttft.run(args.prompt_tokens, args.repeats, args.transport, args.model)
+    print(f"prompt {r.prompt_tokens} tokens, {r.transport} KV transport, {r.repeats} repeats "
+          f"(median): prefill alone {r.prefill_s:.3f} s, disaggregated TTFT {r.ttft_s:.3f} s, "
+          f"ratio {r.ratio:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(ttft.as_json(r), f, indent=2)
+    return 0
+
+
+def _bench_local_prefill(args) -> int:
+    import json
+
+    from . import local_prefill
+    lengths = [int(x) for x in args.lengths.split(",")]
+    print(f"sweeping uncached prompt lengths {lengths}: remote vs local prefill, "
+          f"{args.repeats} repeats each, {args.background} background streams ...", flush=True)
+    points = local_prefill.run(lengths, args.repeats, args.background, args.model,
+                               args.transport)
+    threshold = local_prefill.pick_threshold(points, args.itl_tolerance)
+    print(local_prefill.table(points, threshold))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(local_prefill.as_json(points, threshold, vars(args) | {"fn": None}), f,
+                      indent=2)
+    return 0
+
+
+def _bench_serve(args) -> int:
+    import json
+    import math
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from . import serve, workload
+    from ..engine.loader import resolve_model
+
+    try:
+        rates = tuple(float(r) for r in args.request_rate.split(","))
+        cfg = serve.ServeBenchConfig(
+            model=args.model, modes=tuple(args.modes.split(",")), request_rates=rates,
+            seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+            transport=args.transport, prefill_chunk_size=args.prefill_chunk_size,
+            decode_blocks=args.decode_kv_blocks, hf_batch_size=args.hf_batch_size)
+    except ValueError as e:
+        print(f"pdserve bench serve: {e}", file=sys.stderr)
+        return 2
+    model_dir = resolve_model(args.model)
+    if args.dataset == "sharegpt":
+        reqs = workload.sharegpt_workload(
+            AutoTokenizer.from_pretrained(model_dir), args.num_prompts, args.seed,
+            getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", 8192))
+    else:
+        lens = [tuple(int(x) for x in v.split(",")) for v in (args.random_prompt_len,
+                                                               args.random_output_len)]
+        reqs = workload.random_workload(args.num_prompts,
+                                        AutoConfig.from_pretrained(model_dir).vocab_size,
+                                        lens[0], lens[1], args.seed)
+    if args.max_output_tokens:
+        from dataclasses import replace
+        reqs = [replace(r, max_tokens=min(r.max_tokens, args.max_output_tokens)) for r in reqs]
+    wl = {"dataset": args.dataset, "num_prompts": len(reqs),
+          "max_output_tokens": args.max_output_tokens,
+          "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs),
+          "output_tokens": sum(r.max_tokens for r in reqs)}
+    print(f"{wl['num_prompts']} {args.dataset} prompts ({wl['prompt_tokens']} prompt, "
+          f"{wl['output_tokens']} output tokens); modes {', '.join(cfg.modes)}; rates "
+          f"{', '.join(f'{r:g}' for r in rates)} req/s; SLO TTFT {args.slo_ttft_ms} ms, "
+          f"TPOT {args.slo_tpot_ms} ms; CPUs {list(cfg.cpus)}", flush=True)
+    runs = serve.run(cfg, reqs)
+    summaries = [r.summary(cfg) for r in runs]
+    print(serve.table(summaries))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(serve.as_json(cfg, runs, wl) | {"command": " ".join(sys.argv)}, f,
+                      indent=2)
+    if args.plot:
+        from . import plots
+        out = Path(args.plot)
+        out.mkdir(parents=True, exist_ok=True)
+        for rate in rates:
+            plots.plot_cdfs([(f"{r.mode} @ {rate:g} req/s", r.results) for r in runs
+                             if r.request_rate == rate], out,
+                            tag="" if len(rates) == 1 else f"_rate{rate:g}")
+        plots.plot_vs_rate([s for s in summaries if math.isfinite(s["request_rate"])], out,
+                           args.slo_ttft_ms, args.slo_tpot_ms)
+    return 1 if any(s["failed"] or s["kv_blocks_leaked"] for s in summaries) else 0
+
+
+def _bench_gpu(args) -> int:
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("pdserve bench gpu needs a CUDA device: torch.cuda.is_available() is False",
+              file=sys.stderr)
+        return 2
+    from . import gpu
+    try:
+        cfg = gpu.GpuBenchConfig(
+            models=tuple(m for m in args.models.split(",") if m), num_prompts=args.num_prompts,
+            prompt_tokens=args.prompt_tokens, decode_batch=args.decode_batch,
+            decode_context=args.decode_context, gemm_n=args.gemm_n, copy_mib=args.copy_mib,
+            repeats=args.repeats, decode_steps=args.decode_steps, block_size=args.block_size,
+            enforce_eager=args.enforce_eager,
+            transports=tuple(t for t in args.transports.split(",") if t),
+            kv_requests=args.kv_requests, kv_prompt_tokens=args.kv_prompt_tokens)
+    except ValueError as e:
+        print(f"pdserve bench gpu: {e}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-gpu-") as tmp:
+        report = gpu.run(cfg, Path(tmp), log=lambda s: print(s, flush=True))
+    print(gpu.table(report))
+    for goal, met in report.goals().items():
+        print(f"goal {goal}: {'met' if met else 'missed'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(gpu.as_json(report, cfg) | {"command": " ".join(sys.argv)}, f, indent=2)
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    """The `bench` subcommand and its own subcommands, on `sub` (argparse subparsers)."""
+    b = sub.add_parser("bench", help="benchmarks, each against its baseline in the same run")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bt = bsub.add_parser("transfer", help="KV transfer GB/s per transport vs its raw baseline")
+    bt.add_argument("--transports", default="tcp,ucx", help="comma-separated: tcp,ucx")
+    bt.add_argument("--model", default="default", help="geometry source (layers, heads, head_dim)")
+    bt.add_argument("--num-requests", type=int, default=4)
+    bt.add_argument("--prompt-tokens", type=int, default=512)
+    bt.add_argument("--block-size", type=int, default=16)
+    bt.add_argument("--repeats", type=int, default=5)
+    bt.add_argument("--json", default=None, help="write results to this file")
+    bt.set_defaults(fn=_bench_transfer)
+    bf = bsub.add_parser("ttft", help="disaggregated TTFT vs prefill alone on the same worker")
+    bf.add_argument("--prompt-tokens", type=int, default=1024)
+    bf.add_argument("--repeats", type=int, default=5)
+    _add_common(bf)
+    bf.set_defaults(fn=_bench_ttft)
+    bl = bsub.add_parser("local-prefill", help="TTFT and running-stream ITL of prefilling on "
+                                               "the decode worker vs a prefill worker, per "
+                                               "uncached prompt length (picks the threshold)")
+    bl.add_argument("--lengths", default="16,32,64,128,256,512",
+                    help="comma-separated uncached prompt lengths (tokens)")
+    bl.add_argument("--repeats", type=int, default=5)
+    bl.add_argument("--background", type=int, default=4,
+                    help="long streams decoding on the decode worker throughout")
+    bl.add_argument("--itl-tolerance", type=float, default=1.5,
+                    help="largest allowed ratio of background p90 ITL, local / remote")
+    _add_common(bl)
+    bl.set_defaults(fn=_bench_local_prefill)
+
+    bs = bsub.add_parser("serve", help="TTFT, TPOT, ITL, throughput and goodput of a "
+                                       "workload served disaggregated, colocated and by HF "
+                                       "generate, side by side, per request rate")
+    bs.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random"],
+                    help="ShareGPT V3 first turns (filtered as vLLM's benchmark) or random ids")
+    bs.add_argument("--num-prompts", type=int, default=64)
+    bs.add_argument("--request-rate", default="inf",
+                    help="requests/s of a Poisson process, or inf (all at once); a "
+                         "comma-separated list sweeps them")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--modes", default="disagg,colocated,hf",
+                    help="comma-separated, of disagg,colocated,hf")
+    bs.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO: TTFT bound")
+    bs.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO: TPOT bound")
+    bs.add_argument("--prefill-chunk-size", type=int, default=512,
+                    help="prompt tokens per prefill step, both engines (tokens)")
+    bs.add_argument("--decode-kv-blocks", type=int, default=4096)
+    bs.add_argument("--hf-batch-size", type=int, default=8,
+                    help="static batch size of the hf mode")
+    bs.add_argument("--random-prompt-len", default="64,512", help="random dataset: lo,hi tokens")
+    bs.add_argument("--random-output-len", default="16,256", help="random dataset: lo,hi tokens")
+    bs.add_argument("--max-output-tokens", type=int, default=None,
+                    help="cap each request's max_tokens (ShareGPT: its reply's length) at "
+                         "this many tokens (as vLLM's --sharegpt-output-len fixes it)")
+    bs.add_argument("--plot", default=None, help="write PNG plots into this directory")
+    _add_common(bs)
+    bs.set_defaults(fn=_bench_serve)
+
+    bg = bsub.add_parser("gpu", help="on the CUDA device: prefill MFU vs a measured bf16 GEMM "
+                                     "peak, decode GB/s vs a measured device copy, KV transfer "
+                                     "device to device between two processes")
+    bg.add_argument("--models", default="llama-3.2-1b-random,default",
+                    help="comma-separated: 'llama-3.2-1b-random' (random weights, "
+                         "Llama-3.2-1B's shape), 'default', a HF dir or .gguf")
+    bg.add_argument("--num-prompts", type=int, default=4, help="prompts per prefill batch")
+    bg.add_argument("--prompt-tokens", type=int, default=4096)
+    bg.add_argument("--decode-batch", type=int, default=64, help="sequences per decode step")
+    bg.add_argument("--decode-context", type=int, default=1024,
+                    help="tokens of context per decode sequence")
+    bg.add_argument("--gemm-n", type=int, default=8192, help="square bf16 GEMM size")
+    bg.add_argument("--copy-mib", type=int, default=1024, help="device copy buffer (MiB)")
+    bg.add_argument("--repeats", type=int, default=10)
+    bg.add_argument("--decode-steps", type=int, default=50, help="timed decode steps")
+    bg.add_argument("--block-size", type=int, default=None,
+                    help="KV block tokens (default: 256 with flash-attn, whose paged kernels "
+                         "need a multiple of 256; else 16)")
+    bg.add_argument("--enforce-eager", action="store_true",
+                    help="decode without CUDA graphs (eager figures are reported anyway)")
+    bg.add_argument("--transports", default="ucx,tcp",
+                    help="KV transfer transports, comma-separated ('' skips the transfer)")
+    bg.add_argument("--kv-requests", type=int, default=4)
+    bg.add_argument("--kv-prompt-tokens", type=int, default=4096)
+    bg.add_argument("--json", default=None, help="write the figures to this file")
+    bg.set_defaults(fn=_bench_gpu)

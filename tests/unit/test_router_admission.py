@@ -7,33 +7,19 @@ no Ray. Every test ends with the router's queue empty.
 """
 
 import asyncio
-from types import SimpleNamespace
 
 import grpc
 import pytest
 import ray.exceptions
-from tokenizers import Tokenizer, models
 
 from pdserve.client import make_request
-from pdserve.config import ClusterConfig, RouterConfig
 from pdserve.engine.request import TokenEvent
-from pdserve.metrics import RouterMetrics
-from pdserve.router.admission import Admission
 from pdserve.router.errors import RequestError
 from pdserve.router.router import Router
-from pdserve.router.workers import Worker
-from pdserve.router.routing import PrefillRouter
+from router_fakes import fake_router
 
-VOCAB = 64
 PROMPT = [1, 2, 3, 4]          # token ids
 FIRST_TOKEN = 10               # what the fake prefill worker samples
-TOKENIZER = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-
-
-def actor(fake) -> SimpleNamespace:
-    """A Ray actor handle's surface: `handle.name.remote(*args)` calls `fake.name(*args)`."""
-    names = [n for n in dir(fake) if not n.startswith("_") and callable(getattr(fake, n))]
-    return SimpleNamespace(**{n: SimpleNamespace(remote=getattr(fake, n)) for n in names})
 
 
 class FakeDecode:
@@ -89,21 +75,8 @@ class FakePrefill:
 
 
 def make_router(decode: FakeDecode, prefill: FakePrefill, **router_kw) -> Router:
-    """A Router over the fakes. __init__ is skipped (it loads the model's config and
-    tokenizer), so this sets what generate() reads."""
-    r = Router.__new__(Router)
-    r.config = ClusterConfig(router=RouterConfig(port=0, **router_kw))
-    r.model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=256)
-    r.tokenizer = SimpleNamespace(backend_tokenizer=TOKENIZER)
-    r.prefill = [Worker(actor(prefill), "prefill-0", num_blocks=64)]
-    r.decode = [Worker(actor(decode), "decode-0", num_blocks=64, free_blocks=64)]
-    rc = r.config.router
-    r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
-    r.metrics = RouterMetrics(lambda: r.admission.queued_requests)
-    r._pending = set()
-    r.prefill_router = PrefillRouter(rc.routing_policy, r.config.prefill.block_size,
-                                     rc.kv_load_weight)
-    return r
+    """A Router over the fakes (router_fakes.fake_router)."""
+    return fake_router([prefill], [decode], **router_kw)
 
 
 def queue(r: Router) -> tuple[int, int]:

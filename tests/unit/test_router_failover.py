@@ -14,23 +14,16 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import ray.exceptions
-from tokenizers import Tokenizer, models
 
 from pdserve.client import make_request
-from pdserve.config import ClusterConfig, RouterConfig
 from pdserve.engine.request import TokenEvent
 from pdserve.engine.sampling_params import InvalidRequestError
-from pdserve.metrics import RouterMetrics
-from pdserve.router.admission import Admission
 from pdserve.router.errors import RequestError
 from pdserve.router.router import Router
-from pdserve.router.workers import Worker
-from pdserve.router.routing import PrefillRouter
+from router_fakes import fake_router
 
-VOCAB = 64
 PROMPT = [1, 2, 3, 4]
 MAX_TOKENS = 8
-TOKENIZER = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
 
 
 def next_token(context: list[int]) -> int:
@@ -43,11 +36,6 @@ def uninterrupted(prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         ctx.append(next_token(ctx))
     return ctx[len(prompt):]
-
-
-def actor(fake) -> SimpleNamespace:
-    names = [n for n in dir(fake) if not n.startswith("_") and callable(getattr(fake, n))]
-    return SimpleNamespace(**{n: SimpleNamespace(remote=getattr(fake, n)) for n in names})
 
 
 class Restartable:
@@ -147,20 +135,7 @@ class FakeDecode(Restartable):
 
 def make_router(prefills: list, decodes: list, **router_kw) -> Router:
     """A Router over the fakes (__init__ skipped: it loads the model's config)."""
-    r = Router.__new__(Router)
-    r.config = ClusterConfig(router=RouterConfig(port=0, **router_kw))
-    r.model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=256)
-    r.tokenizer = SimpleNamespace(backend_tokenizer=TOKENIZER)
-    r.prefill = [Worker(actor(p), f"prefill-{i}", 64, 1) for i, p in enumerate(prefills)]
-    r.decode = [Worker(actor(d), f"decode-{i}", 64, 1, free_blocks=64)
-                for i, d in enumerate(decodes)]
-    rc = r.config.router
-    r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
-    r.metrics = RouterMetrics(lambda: r.admission.queued_requests)
-    r._pending = set()
-    r.prefill_router = PrefillRouter(rc.routing_policy, r.config.prefill.block_size,
-                                     rc.kv_load_weight)
-    return r
+    return fake_router(prefills, decodes, **router_kw)
 
 
 async def collect(r: Router, deadline_s: float | None = 10.0, **kw) -> list:

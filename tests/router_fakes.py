@@ -1,0 +1,47 @@
+"""A Router over fake worker handles, for unit tests of router/router.py with no model
+and no Ray: `handle.m.remote(...)` calls the fake's method; __init__ is skipped (it loads
+the model's config and tokenizer), so this sets what generate() reads.
+
+    from router_fakes import VOCAB, TOKENIZER, actor, fake_router
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from tokenizers import Tokenizer, models
+
+from pdserve.config import ClusterConfig, RouterConfig
+from pdserve.metrics import RouterMetrics
+from pdserve.router.admission import Admission
+from pdserve.router.router import Router
+from pdserve.router.routing import PrefillRouter
+from pdserve.router.workers import Worker
+
+VOCAB = 64
+TOKENIZER = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+
+
+def actor(fake) -> SimpleNamespace:
+    """A Ray actor handle's surface: `handle.name.remote(*args)` calls `fake.name(*args)`."""
+    names = [n for n in dir(fake) if not n.startswith("_") and callable(getattr(fake, n))]
+    return SimpleNamespace(**{n: SimpleNamespace(remote=getattr(fake, n)) for n in names})
+
+
+def fake_router(prefills: list, decodes: list, **router_kw) -> Router:
+    """A Router whose workers are `prefills` / `decodes` (prefill-i / decode-i, 64 blocks,
+    epoch 1); `router_kw` sets RouterConfig fields."""
+    r = Router.__new__(Router)
+    r.config = ClusterConfig(router=RouterConfig(port=0, **router_kw))
+    r.model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=256)
+    r.tokenizer = SimpleNamespace(backend_tokenizer=TOKENIZER)
+    r.prefill = [Worker(actor(p), f"prefill-{i}", 64, 1) for i, p in enumerate(prefills)]
+    r.decode = [Worker(actor(d), f"decode-{i}", 64, 1, free_blocks=64)
+                for i, d in enumerate(decodes)]
+    rc = r.config.router
+    r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
+    r.metrics = RouterMetrics(lambda: r.admission.queued_requests)
+    r._pending = set()
+    r.prefill_router = PrefillRouter(rc.routing_policy, r.config.prefill.block_size,
+                                     rc.kv_load_weight)
+    return r

@@ -74,6 +74,7 @@ from ..engine.block_pool import (
 )
 from ..engine.request import RequestState, TokenEvent
 from ..engine.sampling_params import SamplingParams
+from ..engine.stop import stop_state
 from .requests import DecodeBatch, DecodeRequest, RequestTooLargeError, Reserved
 
 logger = logging.getLogger(__name__)
@@ -350,12 +351,9 @@ class DecodeScheduler:
         return sum(blocks_needed(r.num_tokens, self.block_size) for r in self._preempted)
 
     def _check_stop(self, req: DecodeRequest, emit: bool = True) -> bool:
-        tok, p = req.output_ids[-1], req.params
-        if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
-            state = RequestState.FINISHED_STOPPED
-        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            state = RequestState.FINISHED_LENGTH
-        else:
+        state = stop_state(req.output_ids[-1], len(req.output_ids), req.num_tokens, req.params,
+                           self.eos_token_ids, self.max_model_len)
+        if state is None:
             return False
         self._finish(req, state, emit=emit)
         return True

@@ -10,7 +10,45 @@ import sys
 import threading
 
 
+_SERVE_CHILD_ENV = "PDSERVE_SERVE_CHILD"
+
+
+def _supervise(argv: list[str]) -> int:
+    """Run `pdserve serve` (the Ray driver, with every Ray process it starts) in a child
+    process in a session of its own, and forward SIGTERM/SIGINT/SIGHUP to it.
+
+    A stop signal sent to this process's whole group (`kill -TERM -PGID`, Ctrl-C in a
+    shell, an orchestrator stopping a process tree) then reaches this process only, and
+    the child stops the router, the workers and Ray in order and exits 0; Ray's own
+    processes, sharing the driver's group, would otherwise die mid-shutdown. The child
+    gets SIGTERM if this process dies (PR_SET_PDEATHSIG), so no cluster outlives it.
+
+    Returns the child's exit status (128 + N if it died by signal N).
+    """
+    import subprocess
+
+    def die_with_parent() -> None:
+        if sys.platform.startswith("linux"):
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    child = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv],
+                             env=dict(os.environ, **{_SERVE_CHILD_ENV: "1"}),
+                             start_new_session=True, preexec_fn=die_with_parent)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: child.send_signal(signum))
+    while True:
+        try:
+            rc = child.wait()
+            break
+        except InterruptedError:   # a handler ran meanwhile (PEP 475 retries the rest)
+            continue
+    return 128 - rc if rc < 0 else rc
+
+
 def _serve(args) -> int:
+    if os.environ.get(_SERVE_CHILD_ENV) != "1":
+        return _supervise(args.argv)
     from .cluster import Cluster, ClusterStartError
     from .config import ClusterConfig
 
@@ -289,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(sub)
 
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"))
     return args.fn(args)
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import signal
+import threading
 import uuid
 from dataclasses import replace
 
+import psutil
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -37,6 +40,7 @@ class Cluster:
         self.prefill: list = []
         self.decode: list = []
         self._owns_ray = False
+        self._ray_processes: list[psutil.Process] = []   # GCS, raylet... when _owns_ray
 
     def start(self) -> int:
         """Start Ray (if needed), the workers and the router. Returns the gRPC port;
@@ -56,13 +60,17 @@ class Cluster:
             cfg = replace(cfg, prefill=replace(cfg.prefill, kv_secret=secret),
                           decode=replace(cfg.decode, kv_secret=secret))
         if not ray.is_initialized():
-            if cfg.ray_address is None:
-                ray.init(num_cpus=os.cpu_count(), include_dashboard=False,
-                         namespace=f"pdserve-{uuid.uuid4().hex[:8]}", log_to_driver=True,
-                         configure_logging=False)
-                self._owns_ray = True
-            else:
-                ray.init(address=cfg.ray_address, namespace="pdserve")
+            with _keep_signal_handlers():
+                if cfg.ray_address is None:
+                    before = {p.pid for p in psutil.Process().children()}
+                    ray.init(num_cpus=os.cpu_count(), include_dashboard=False,
+                             namespace=f"pdserve-{uuid.uuid4().hex[:8]}", log_to_driver=True,
+                             configure_logging=False)
+                    self._owns_ray = True
+                    self._ray_processes = [p for p in psutil.Process().children()
+                                           if p.pid not in before]
+                else:
+                    ray.init(address=cfg.ray_address, namespace="pdserve")
         # Actors take no Ray CPUs: each worker pins its own torch threads (num_threads),
         # so several workers share a small box without Ray refusing to place them.
         opts = {"num_cpus": 0, "max_concurrency": 1000}
@@ -96,28 +104,67 @@ class Cluster:
         return self.port
 
     def stop(self) -> None:
-        """Stop serving, shut the workers down, and stop Ray if this cluster started it."""
-        if self.router is not None:
-            try:
-                ray.get(self.router.stop.remote(), timeout=10)
-            except Exception as e:  # a dead router must not keep the workers alive
-                logger.warning("router stop failed: %s", e)
-        for w in self.prefill + self.decode:
-            try:
-                ray.get(w.shutdown.remote(), timeout=15)
-            except Exception as e:
-                logger.warning("worker shutdown failed: %s", e)
-        for a in [self.router, *self.prefill, *self.decode]:
-            if a is not None:
-                ray.kill(a)
+        """Stop serving, shut the workers down, and stop Ray if this cluster started it.
+
+        When the Ray processes this cluster started are already gone (a SIGTERM to the
+        whole process group, as systemd's stop sends, reaches GCS and the raylet too, and
+        the actors die with them), there is nothing to call: only Ray's driver state is
+        shut down, so the process exits cleanly instead of waiting on dead actors."""
+        if self._owns_ray and not self._ray_alive():
+            logger.info("Ray's processes have exited (signalled with this process's group); "
+                        "the workers went with them")
+        else:
+            self._stop_actors()
         self.router, self.prefill, self.decode = None, [], []
         if self._owns_ray:
             ray.shutdown()
-            self._owns_ray = False
+            self._owns_ray, self._ray_processes = False, []
 
+    def _stop_actors(self) -> None:
+        """The router first (no new requests), then each worker; a call that fails is
+        logged and the rest go on, unless Ray itself went away meanwhile."""
+        calls = [("router stop", self.router, lambda a: a.stop.remote(), 10)] if self.router else []
+        calls += [("worker shutdown", w, lambda a: a.shutdown.remote(), 15)
+                  for w in self.prefill + self.decode]
+        for what, actor, call, timeout_s in calls:
+            if self._owns_ray and not self._ray_alive():
+                logger.info("Ray's processes exited while stopping; the workers went with them")
+                return
+            try:
+                ray.get(call(actor), timeout=timeout_s)
+            except Exception as e:  # a dead router must not keep the workers alive
+                logger.warning("%s failed: %s", what, e)
+        for a in [self.router, *self.prefill, *self.decode]:
+            if a is not None:
+                ray.kill(a)
+
+    def _ray_alive(self) -> bool:
+        """Whether every process `ray.init` started for this cluster still runs."""
+        try:
+            return all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                       for p in self._ray_processes)
+        except psutil.NoSuchProcess:
+            return False
     def __enter__(self) -> "Cluster":
         self.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class _keep_signal_handlers:
+    """Keep this process's SIGTERM/SIGINT handlers across `ray.init`, which replaces them
+    (Python's with `sys.exit`, and a C-level failure handler that dumps a stack and
+    aborts the driver on SIGTERM): the caller's shutdown (`pdserve serve`'s) must run."""
+
+    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __enter__(self):
+        self._main = threading.current_thread() is threading.main_thread()
+        self._saved = {s: signal.getsignal(s) for s in self._SIGNALS} if self._main else {}
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._saved.items():
+            if handler is not None:     # None: set from C, not restorable from Python
+                signal.signal(sig, handler)

@@ -5,45 +5,61 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Container
 
 from ..engine.request import TokenEvent
+from ..engine.sampling_params import SamplingParams
+from ..engine.stop import stop_state
 from ..proto import pdserve_pb2 as pb
 from .detokenizer import Detokenizer
 
 
 class Relay:
-    """Turns decode TokenEvents into GenerateResponses: detokenizes, applies stop
-    strings, counts usage; `finish_reason` is set once the request is over."""
+    """Turns token events into GenerateResponses: detokenizes, applies stop strings and
+    the token-level stop rule (engine/stop.py, the one D applies), counts usage;
+    `finish_reason` is set once the request is over.
 
-    def __init__(self, request_id: str, detok: Detokenizer, prompt_len: int):
+    Because the relay applies the same rule to every token it streams, a stream whose
+    last token ended it (an EOS first token from P, a stop token id, max_tokens) is
+    finished here even when D's finish event never arrives (D died): the router never
+    retries a stream that had already ended.
+    """
+
+    def __init__(self, request_id: str, detok: Detokenizer, prompt_len: int,
+                 params: SamplingParams, eos_token_ids: Container[int], max_model_len: int):
         self.request_id, self.detok, self.prompt_len = request_id, detok, prompt_len
+        self.params, self.eos_token_ids, self.max_model_len = params, eos_token_ids, max_model_len
         self.token_ids: list[int] = []   # every token streamed to the client
         self.finish_reason: str | None = None
-        self.stopped_here = False    # a stop string matched on the router: D still runs
+        self.stopped_here = False    # ended by the router, not by D's finish event: D may
+                                     # still hold the request (abort it)
         self.error: str | None = None    # the attempt failed on D (the router retries)
 
-    def finish(self, reason: str) -> pb.GenerateResponse:
-        """The last message, with no new tokens."""
-        self.finish_reason = reason
-        return pb.GenerateResponse(
-            request_id=self.request_id, text=self.detok.flush(), finish_reason=reason,
-            usage=pb.Usage(prompt_tokens=self.prompt_len, completion_tokens=len(self.token_ids)))
-
     def absorb(self, events: list[TokenEvent]) -> pb.GenerateResponse | None:
+        """The response for `events` (None when they carry nothing to send). Tokens past
+        the one that ended the stream are dropped."""
         tokens, text = [], []
         for ev in events:
             for t in ev.token_ids:
                 tokens.append(t)
                 delta = self.detok.step(t)
                 text.append(delta.text)
-                if delta.stopped:
+                if delta.stopped:        # a stop string: the held-back text is dropped
                     self.finish_reason, self.stopped_here = "stop", True
+                    break
+                n = len(self.token_ids) + len(tokens)
+                state = stop_state(t, n, self.prompt_len + n, self.params,
+                                   self.eos_token_ids, self.max_model_len)
+                if state is not None:
+                    self.finish_reason = state.finish_reason
+                    self.stopped_here = ev.finish_reason is None   # D has not said so
+                    text.append(self.detok.flush())
                     break
             if self.finish_reason is None and ev.finish_reason == "error":
                 self.error = ev.error or "unknown error"
                 break
             if self.finish_reason is None and ev.finish_reason is not None:
-                self.finish_reason = ev.finish_reason
+                self.finish_reason = ev.finish_reason    # cancelled on D
                 text.append(self.detok.flush())
             if self.finish_reason is not None:
                 break

@@ -170,17 +170,19 @@ class Router:
         self._check_fits(len(ids), params.max_tokens)
         rid = client_id or uuid.uuid4().hex
         deadline = time.monotonic() + (deadline_s or self.config.router.request_timeout_s)
-        relay = Relay(rid, Detokenizer(self.tokenizer, ids, params.stop), len(ids))
+        relay = Relay(rid, Detokenizer(self.tokenizer, ids, params.stop), len(ids), params,
+                      frozenset(cfg.eos_token_ids), cfg.max_model_len)
         failures: list[str] = []
         # Admitted before any wait (a full queue is refused here, at once). The ticket is
         # released at the first token, or by the `with` on any earlier exit: reserve
         # timeout, error, client cancel, deadline. release() is idempotent.
         with self.admission.admit(len(ids)) as queued:
             while True:
+                # The relay applies D's stop rule to every token it streams, so a stream
+                # that had ended (even if D died before its finish event) is finished
+                # there and no attempt fails after it: a retry always resumes a live one.
+                assert relay.finish_reason is None, (rid, relay.finish_reason)
                 sent = len(relay.token_ids)
-                if sent >= params.max_tokens:   # every token out; only the finish was lost
-                    yield relay.finish("length")
-                    return
                 attempt = replace(params, max_tokens=params.max_tokens - sent,
                                   step_offset=params.step_offset + sent)
                 try:

@@ -33,5 +33,7 @@ def recording(monkeypatch):
     monkeypatch.setattr(cluster, "Cluster", RecordingCluster)
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)   # keep pytest's handlers
     monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    # as in serve's child process (cli._supervise): build the config here, in-process
+    monkeypatch.setenv(cli._SERVE_CHILD_ENV, "1")
     RecordingCluster.configs = []
     return RecordingCluster.configs

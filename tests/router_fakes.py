@@ -2,7 +2,7 @@
 and no Ray: `handle.m.remote(...)` calls the fake's method; __init__ is skipped (it loads
 the model's config and tokenizer), so this sets what generate() reads.
 
-    from router_fakes import VOCAB, TOKENIZER, actor, fake_router
+    from router_fakes import EOS, VOCAB, TOKENIZER, actor, fake_router
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pdserve.router.routing import PrefillRouter
 from pdserve.router.workers import Worker
 
 VOCAB = 64
+EOS = 0                        # the fake model's end-of-sequence id
 TOKENIZER = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
 
 
@@ -33,7 +34,7 @@ def fake_router(prefills: list, decodes: list, **router_kw) -> Router:
     epoch 1); `router_kw` sets RouterConfig fields."""
     r = Router.__new__(Router)
     r.config = ClusterConfig(router=RouterConfig(port=0, **router_kw))
-    r.model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=256)
+    r.model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=256, eos_token_ids=(EOS,))
     r.tokenizer = SimpleNamespace(backend_tokenizer=TOKENIZER)
     r.prefill = [Worker(actor(p), f"prefill-{i}", 64, 1) for i, p in enumerate(prefills)]
     r.decode = [Worker(actor(d), f"decode-{i}", 64, 1, free_blocks=64)

@@ -125,3 +125,60 @@ def test_kill_prefill_worker_mid_transfer(served, tok):
     st = served.client.status()
     assert all(not w.state.startswith("dead") for w in st.workers), st
     assert all(w.kv_reservations_leased == 0 for w in st.workers if w.role == "decode")
+
+
+@pytest.mark.parametrize("prompt, sampling", [
+    # HF's greedy first token is EOS (as for about a third of ShareGPT first turns)
+    ("can you design a referral system similar on how dropbox did?", {}),
+    ("The capital of France is", {"stop_token_ids": [7042]}),   # " Paris", the first token
+    ("The capital of France is", {"stop": ["Paris"]}),
+], ids=["eos", "stop_token_id", "stop_string"])
+def test_kill_decode_worker_after_a_first_token_that_ended_the_stream(served, tok, prompt,
+                                                                      sampling):
+    """Issue 16: D is killed right after the client got a first token that ended the
+    stream. The stream ends exactly as an uninterrupted run does (same tokens, same
+    finish_reason): the router never resumes it as `prompt + [that token]`."""
+    def run(kill: bool):
+        """The stream's (tokens, finish_reason, text). With `kill`, D is frozen once it
+        holds the reservation and before P's KV and first token reach it (so D cannot
+        finish the request itself), and killed once the client has the first token."""
+        req = make_request(prompt, max_tokens=16, temperature=0, **sampling)
+        msgs, first = [], threading.Event()
+
+        def consume():
+            for msg in served.client.generator.Generate(req, timeout=TIMEOUT_S):
+                msgs.append(msg)
+                first.set()
+
+        prefill_pids = [ray.get(w.status.remote(), timeout=10)["pid"]
+                        for w in served.cluster.prefill]
+        decode_pid = served.decode_status()[0]["pid"]
+        if kill:
+            for pid in prefill_pids:
+                os.kill(pid, signal.SIGSTOP)
+        client = threading.Thread(target=consume)
+        client.start()
+        try:
+            if kill:
+                deadline = time.monotonic() + 60
+                while served.decode_status()[0]["kv_reservations_leased"] == 0:
+                    assert time.monotonic() < deadline, "D never reserved the request"
+                    time.sleep(0.01)
+                os.kill(decode_pid, signal.SIGSTOP)
+        finally:
+            for pid in prefill_pids if kill else ():
+                os.kill(pid, signal.SIGCONT)
+        if kill:
+            assert first.wait(60), "no first token"
+            _kill(decode_pid)
+        client.join(TIMEOUT_S)
+        assert not client.is_alive(), "the stream hung"
+        return [t for m in msgs for t in m.token_ids], msgs[-1].finish_reason, msgs[-1].text
+
+    expected = run(kill=False)
+    assert expected[:2] == (hf_greedy("default", tok(prompt)["input_ids"], 16)[:1], "stop")
+    before = served.decode_status()[0]
+    assert run(kill=True) == expected
+    served.assert_all_free(timeout_s=60)      # Ray restarted D, with nothing left on it
+    after = served.decode_status()[0]
+    assert after["pid"] != before["pid"] and after["epoch"] != before["epoch"]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -23,24 +24,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_serve(*args: str) -> tuple[subprocess.Popen, list[str]]:
+    """`pdserve serve ARGS` in a process group of its own, once it printed ready; returns
+    it and the lines it printed."""
+    server = subprocess.Popen([*PDSERVE, "serve", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline, lines = time.monotonic() + 240, []
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([server.stdout], [], [], 1.0)
+        if ready:
+            line = server.stdout.readline()
+            lines.append(line)
+            if "ready" in line:
+                return server, lines
+        if server.poll() is not None:
+            break
+    os.killpg(server.pid, signal.SIGKILL)
+    pytest.fail("serve never printed ready:\n" + "".join(lines))
+
+
 def test_serve_generate_status_and_sigint():
     port = _free_port()
-    server = subprocess.Popen([*PDSERVE, "serve", "--port", str(port), "--decode-kv-blocks", "128",
-                               "--prefill-kv-blocks", "128", "--max-queued-requests", "8"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
+    server, _ = _start_serve("--port", str(port), "--decode-kv-blocks", "128",
+                             "--prefill-kv-blocks", "128", "--max-queued-requests", "8")
     try:
-        deadline, lines = time.monotonic() + 240, []
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([server.stdout], [], [], 1.0)
-            if ready:
-                line = server.stdout.readline()
-                lines.append(line)
-                if "ready" in line:
-                    break
-            assert server.poll() is None, "".join(lines)
-        else:
-            pytest.fail("serve never printed ready:\n" + "".join(lines))
         addr = f"127.0.0.1:{port}"
         gen = subprocess.run([*PDSERVE, "generate", "--server", addr, "--max-tokens", "8",
                               "--temperature", "0", "The capital of France is"],
@@ -67,3 +74,26 @@ def test_serve_generate_status_and_sigint():
             raise
     assert server.returncode == 0, out
     assert "shutting down" in out
+
+
+def test_sigterm_to_the_whole_process_group_exits_0_and_leaves_no_process():
+    """Issue 16: `kill -TERM -PGID` (what a supervisor stopping a process tree sends)
+    reaches every process of `serve` at once. It exits 0 with no traceback, and nothing
+    it started (the driver, GCS, raylet, the actors) is left 30 s later."""
+    server, lines = _start_serve("--port", "0", "--prefill-kv-blocks", "64",
+                                 "--decode-kv-blocks", "64")
+    started = psutil.Process(server.pid).children(recursive=True)
+    assert any("raylet" in p.name() for p in started), [p.name() for p in started]
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        out, _ = server.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        raise
+    out = "".join(lines) + out
+    assert server.returncode == 0, out
+    assert "shutting down" in out
+    for mark in ("Traceback", "SIGTERM received", "Error", "failed"):
+        assert mark not in out, out
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive

@@ -20,7 +20,7 @@ from pdserve.engine.request import TokenEvent
 from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.router.errors import RequestError
 from pdserve.router.router import Router
-from router_fakes import fake_router
+from router_fakes import EOS, fake_router
 
 PROMPT = [1, 2, 3, 4]
 MAX_TOKENS = 8
@@ -67,9 +67,10 @@ class FakePrefill(Restartable):
     transfer); dies instead on its first `die_on` calls."""
 
     def __init__(self, decodes: list, die_on: int = 0, fail_with: Exception | None = None,
-                 **kw):
+                 first_token: int | None = None, **kw):
         super().__init__(**kw)
         self.decodes, self.die_on, self.fail_with = decodes, die_on, fail_with
+        self.first_token = first_token      # on the first call, instead of the toy model's
         self.calls: list[str] = []
         self.aborted: list[str] = []
 
@@ -83,6 +84,8 @@ class FakePrefill(Restartable):
         if self.fail_with is not None:
             raise self.fail_with
         first = next_token(list(ids))
+        if self.first_token is not None:
+            first, self.first_token = self.first_token, None
         for d in self.decodes:
             if rid in d.reserved:
                 d.first[rid].set_result(first)
@@ -274,8 +277,9 @@ def test_decode_error_event_is_retried_after_the_tokens_sent():
 
 
 def test_death_after_the_last_token_still_finishes_the_stream():
-    """D streams every token, then dies before its finish event: the router ends the
-    stream itself (finish_reason length) instead of retrying for zero tokens."""
+    """D streams every token, then dies before its finish event: the relay has already
+    ended the stream at the max_tokens-th token (the same stop rule as D's), so the
+    death is never taken for a failed attempt and nothing is retried."""
     async def main():
         d = FakeDecode()
         p = FakePrefill([d])
@@ -296,10 +300,57 @@ def test_death_after_the_last_token_still_finishes_the_stream():
         r.decode[0].handle.stream = SimpleNamespace(remote=dies_before_finishing)
         msgs = await collect(r)
         assert tokens(msgs) == uninterrupted(PROMPT, MAX_TOKENS)
-        assert msgs[-1].finish_reason == "length" and not msgs[-1].token_ids
+        assert msgs[-1].finish_reason == "length" and msgs[-1].token_ids   # with the last
         assert msgs[-1].usage.completion_tokens == MAX_TOKENS
-        assert len(d.reserved) == 1 and retries(r, "decode") == 1   # no second attempt
+        assert len(d.reserved) == 1 and retries(r, "decode") == 0   # no second attempt
+        assert list(d.reserved) == d.aborted     # D may still hold it: released at once
         return r
+
+    asyncio.run(main())
+
+
+FIRST = next_token(PROMPT)     # the toy model's first token after PROMPT
+
+
+@pytest.mark.parametrize("first, finish, kw", [
+    (EOS, "stop", {}),                                  # EOS as the first token
+    (FIRST, "stop", {"stop_token_ids": [FIRST]}),
+    (FIRST, "stop", {"stop": [f"w{FIRST}"]}),           # the first token's text
+    (FIRST, "length", {"max_tokens": 1}),
+])
+def test_decode_death_after_a_first_token_that_ended_the_stream_is_not_retried(first, finish, kw):
+    """Issue 16: P's first token already ended the stream (EOS, a stop token id, a stop
+    string, max_tokens) and D dies before it says so. The stream ends exactly as an
+    uninterrupted run does; the router never resumes it as `prompt + [first]`."""
+    async def main():
+        d = FakeDecode(die_after=1)          # dies before streaming anything of its own
+        p = FakePrefill([d], first_token=first)
+        r = make_router([p], [d])
+        req = make_request(PROMPT, temperature=0, **{"max_tokens": MAX_TOKENS} | kw)
+        msgs = [m async for m in r.generate(req, 10.0)]
+        assert tokens(msgs) == [first] and len(msgs) == 1
+        assert msgs[-1].finish_reason == finish and msgs[-1].usage.completion_tokens == 1
+        assert retries(r, "decode") == 0 and len(d.reserved) == 1
+        assert list(d.reserved) == d.aborted == p.aborted   # both released at once
+        return r
+
+    r = asyncio.run(main())
+    assert r.admission.queued_requests == 0
+
+
+def test_ignore_eos_resumes_past_an_eos_first_token():
+    """With ignore_eos an EOS first token ends nothing: D's death after it is retried as
+    `prompt + [EOS]` for the rest of max_tokens."""
+    async def main():
+        d = FakeDecode(die_after=1)
+        p = FakePrefill([d], first_token=EOS)
+        r = make_router([p], [d])
+        msgs = await collect(r, ignore_eos=True)
+        assert tokens(msgs)[0] == EOS and len(tokens(msgs)) == MAX_TOKENS
+        assert msgs[-1].finish_reason == "length"
+        (_, first), (ids, again) = d.reserved.values()
+        assert ids == PROMPT + [EOS] and again.max_tokens == MAX_TOKENS - 1
+        assert retries(r, "decode") == 1
 
     asyncio.run(main())
 

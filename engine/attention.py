@@ -6,7 +6,7 @@ Back ends, chosen per device (ARCHITECTURE.md "Attention back ends"):
 |---------|-------------------------------------------|--------------------------------|----------------------------|
 | prefill | `flash_attn_varlen_func` with cu_seqlens  | SDPA, causal, per sequence (torch picks its flash kernel for fp16/bf16) | SDPA, causal, per sequence |
 | prefill after a cached prefix | the same, K/V paged via block_table | gather the context by block_table, SDPA with an offset causal mask (math kernel: flash takes no mask) | the same |
-| decode  | `flash_attn_with_kvcache` + block_table   | Triton paged decode over block_table (`triton_attention.py`, flash_attn_with_kvcache's semantics) | per group of similar-length sequences: gather by block_table, masked SDPA |
+| decode  | `flash_attn_with_kvcache` + block_table   | Triton paged decode over block_table (`triton_attention.py`, flash_attn_with_kvcache's semantics) | C++ kernel reading blocks in place (`cpu_ops.py`); unbuilt: per group of similar-length sequences, gather by block_table, masked SDPA |
 | KV write | `index_copy_` by slot_mapping            | Triton `store_kvcache`: K and V in one kernel | `index_copy_` by slot_mapping |
 
 CUDA without flash-attn falls back to the CPU column if triton cannot be imported.
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_ops
 
 _DECODE_GROUP = 8   # CPU decode: sequences per gather + SDPA call (bounds padding waste)
 
@@ -80,11 +81,22 @@ def decode_on_device(device: torch.device, block_size: int) -> bool:
             or (flash and _triton_ops() is not None))
 
 
+def use_cpu_kernel(q: torch.Tensor) -> bool:
+    """CPU decode attention runs pdserve's C++ kernel (engine/cpu_ops.py) when it was
+    built and fits: fp32/bf16, head_dim a multiple of 16."""
+    return (q.device.type == "cpu" and q.shape[-1] % 16 == 0
+            and q.dtype in (torch.float32, torch.bfloat16) and cpu_ops.available())
+
+
 def attention_backend(device: torch.device) -> str:
     """The back ends `device` uses, in words (for logs)."""
     if use_flash_attn(device):
         return "flash-attn"
-    return "SDPA prefill, Triton decode" if use_triton(device) else "SDPA"
+    if use_triton(device):
+        return "SDPA prefill, Triton decode"
+    if device.type == "cpu" and cpu_ops.available():
+        return "SDPA prefill, C++ paged decode"
+    return "SDPA"
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +236,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if use_triton(q.device) or (paged_flash and _triton_ops() is not None):
         return _triton_ops().paged_decode_attention(q, k_cache, v_cache, meta.block_table,
                                                     meta.context_lens, scale)
+    if use_cpu_kernel(q):    # engine/csrc/paged_attention.cpp: blocks read in place
+        return cpu_ops.paged_decode_attention(q, k_cache, v_cache, meta.block_table,
+                                              meta.context_lens, scale)
+    # Without the built kernel (or head_dim not a multiple of 16):
     # SDPA per group of _DECODE_GROUP sequences of similar length (sorted by context
     # length), each gathering only the blocks its longest member needs: one long
     # sequence no longer makes every other pay for its context. GQA without repeating

@@ -20,7 +20,7 @@ import torch
 from .attention import AttentionMetadata, attention_backend, decode_on_device
 from .config import CacheConfig, ModelConfig
 from .loader import resolve_model
-from .model import CausalLM
+from .model import CausalLM, can_prepack
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +98,14 @@ class ModelRunner:
 
     def __init__(self, model: str | Path | None, cache: CacheConfig, num_threads: int | None = None,
                  cpus: Sequence[int] | None = None, *, enforce_eager: bool = True,
-                 max_graph_batch_size: int = 256):
+                 max_graph_batch_size: int = 256, prepack_linears: bool = True):
         """num_threads: torch intra-op threads of this process; cpus: CPU ids to pin this
         process to (os.sched_setaffinity), so co-located workers do not share cores.
         enforce_eager=False on CUDA (flash-attn or Triton decode): batches of up to
         max_graph_batch_size sequences replay CUDA graphs captured here (DecodeGraphs,
-        engine/cuda_graphs.py); CPU always runs eagerly.
+        engine/cuda_graphs.py); CPU always runs eagerly. prepack_linears: on CPU, every
+        linear runs as a oneDNN-prepacked GEMM with q/k/v and gate/up fused
+        (CausalLM.prepack); False keeps transformers' nn.Linear modules (F.linear).
 
         Raises:
             ValueError: a CPU id this process may not run on.
@@ -120,6 +122,9 @@ class ModelRunner:
         self.device = torch.device(cache.device)
         self.config, self.model, self.tokenizer, self.model_dir = load_model(
             model, cache.dtype, self.device)
+        self.prepacked = prepack_linears and can_prepack(self.device, cache.dtype)
+        if self.prepacked:
+            self.model.prepack()
         c = self.config
         graphs = not enforce_eager and self.device.type == "cuda"
         if graphs and not decode_on_device(self.device, cache.block_size):
@@ -141,8 +146,9 @@ class ModelRunner:
                 max_blocks_per_seq=-(-c.max_model_len // cache.block_size),
                 block_size=cache.block_size, pad_block=cache.num_blocks,
                 vocab_size=c.vocab_size, device=self.device)
-        logger.info("%s on %s (%s attention): %d KV blocks x %d tokens, %.1f MiB",
+        logger.info("%s on %s (%s attention%s): %d KV blocks x %d tokens, %.1f MiB",
                     c.architecture, self.device, attention_backend(self.device),
+                    ", oneDNN-prepacked linears" if self.prepacked else "",
                     cache.num_blocks, cache.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
     def _slots(self, block_table: Sequence[int], start: int, end: int) -> list[int]:

@@ -6,10 +6,12 @@ serves them).
 Names follow OpenAI's API reference, and vLLM's `entrypoints/openai/protocol.py` where
 pdserve extends it (`top_k`, `ignore_eos`). A parameter OpenAI has that pdserve does not
 serve (n > 1, logprobs, tools, ...) is refused with 400 naming it, never dropped
-silently; so is one OpenAI does not have (OpenAI does the same). Range checks stay in
-validation.py / SamplingParams, shared with gRPC: this module checks only what the
-proto's types cannot hold (a negative max_tokens in a uint32, a lone surrogate in a
-string).
+silently; so is one OpenAI does not have (OpenAI does the same). Sampling parameters
+pdserve does not implement yet (the penalties, `min_p`) are accepted at their neutral
+values, which clients such as `vllm bench serve` send explicitly, and refused otherwise.
+Range checks stay in validation.py / SamplingParams, shared with gRPC: this module
+checks only what the proto's types cannot hold (a negative max_tokens in a uint32, a
+lone surrogate in a string).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class _Common(BaseModel):
     ignore_eos: bool | None = False  # extension (vLLM): generate max_tokens tokens
     presence_penalty: float | None = None   # 0 only
     frequency_penalty: float | None = None  # 0 only
+    repetition_penalty: float | None = None  # extension (vLLM): 1 (no penalty) only
+    min_p: float | None = None      # extension (vLLM): 0 (disabled) only
     logit_bias: dict[str, float] | None = None  # empty only
     user: str | None = None         # accepted and ignored (OpenAI: abuse monitoring)
 
@@ -90,8 +94,14 @@ _UNSERVED = {
     "logprobs": (lambda v: v is None or v is False, "logprobs are not supported"),
     "top_logprobs": (lambda v: v in (None, 0), "logprobs are not supported"),
     "suffix": (lambda v: v is None, "suffix (insertion) is not supported"),
-    "presence_penalty": (lambda v: v in (None, 0), "penalties are not supported; send 0"),
-    "frequency_penalty": (lambda v: v in (None, 0), "penalties are not supported; send 0"),
+    # Neutral values (what vLLM's benchmark client sends) are served: they change nothing.
+    "presence_penalty": (lambda v: v in (None, 0), "presence_penalty is not supported yet; "
+                                                   "send 0 or omit it"),
+    "frequency_penalty": (lambda v: v in (None, 0), "frequency_penalty is not supported yet; "
+                                                    "send 0 or omit it"),
+    "repetition_penalty": (lambda v: v in (None, 1), "repetition_penalty is not supported "
+                                                     "yet; send 1 or omit it"),
+    "min_p": (lambda v: v in (None, 0), "min_p is not supported yet; send 0 or omit it"),
     "logit_bias": (lambda v: not v, "logit_bias is not supported"),
     "tools": (lambda v: not v, "tools (function calling) are not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tools (function calling) are not "

@@ -33,6 +33,22 @@ def _bench_transfer(args) -> int:
     return 0
 
 
+def _bench_step(args) -> int:
+    import json
+
+    from . import step
+    print(f"decode step: {args.batch} sequences x {args.context} tokens of context; prefill "
+          f"step: {args.prefill_tokens} tokens; {args.threads} thread(s), median of "
+          f"{args.repeats} ...", flush=True)
+    results = step.run(args.model, args.dtype.split(","), args.batch, args.context,
+                       args.prefill_tokens, args.repeats, args.threads)
+    print(step.table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(step.as_json(results, vars(args) | {"fn": None}), f, indent=2)
+    return 0
+
+
 def _bench_ttft(args) -> int:
     import json
 
@@ -221,6 +237,17 @@ def add_bench_parser(sub) -> None:
     _add_common(bs)
     bs.set_defaults(fn=_bench_serve)
 
+    bst = bsub.add_parser("step", help="decode and prefill step time per engine optimization "
+                                       "vs the engine without it (one process, CPU)")
+    bst.add_argument("--model", default="default")
+    bst.add_argument("--dtype", default="float32,bfloat16", help="comma list")
+    bst.add_argument("--batch", type=int, default=64, help="decode sequences per step")
+    bst.add_argument("--context", type=int, default=400, help="tokens of context per sequence")
+    bst.add_argument("--prefill-tokens", type=int, default=512)
+    bst.add_argument("--repeats", type=int, default=10)
+    bst.add_argument("--threads", type=int, default=1, help="torch threads (pinned CPUs)")
+    bst.add_argument("--json", default=None, help="write the figures to this file")
+    bst.set_defaults(fn=_bench_step)
     bg = bsub.add_parser("gpu", help="on the CUDA device: prefill MFU vs a measured bf16 GEMM "
                                      "peak, decode GB/s vs a measured device copy, KV transfer "
                                      "device to device between two processes")

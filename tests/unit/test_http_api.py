@@ -156,6 +156,52 @@ def test_chat_request_fields(router):
     assert list(req.sampling.stop) == ["x", "y"] and req.sampling.top_k == 0
 
 
+NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0, "repetition_penalty": 1.0,
+           "min_p": 0.0, "top_k": -1}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_neutral_sampling_params_are_accepted(router, path, body):
+    # vLLM's own clients send these explicitly: each one changes nothing
+    r = client(router).post(path, json=body | NEUTRAL)
+    assert r.status_code == 200, r.text
+    assert router.requests[0][0].sampling.top_k == 0     # -1: disabled, as in vLLM
+
+
+def test_vllm_bench_serve_request_is_served(router):
+    # the body `vllm bench serve --backend openai` streams (vllm 0.32, --ignore-eos)
+    with client(router).stream("POST", "/v1/completions", json={
+            "model": "/models/SmolLM2-135M-Instruct", "prompt": "Hi", "repetition_penalty": 1.0,
+            "max_tokens": 2, "logprobs": None, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}) as r:
+        assert r.status_code == 200, r.read()
+        events = sse_events(r.read().decode())
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 2
+    s = router.requests[0][0].sampling
+    assert (s.max_tokens, s.ignore_eos) == (2, True)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+@pytest.mark.parametrize("param, value", [
+    ("repetition_penalty", 1.2), ("repetition_penalty", 0.0), ("presence_penalty", 0.5),
+    ("frequency_penalty", -0.5), ("min_p", 0.1),
+])
+def test_non_neutral_sampling_params_are_400_not_supported_yet(router, path, body, param,
+                                                                 value):
+    err = assert_openai_error(client(router).post(path, json=body | {param: value}), 400,
+                              param)
+    assert err["message"].startswith(f"{param}: got {value!r}; ")
+    assert "not supported yet" in err["message"]
+    assert not router.requests
+
+
 # --- responses ----------------------------------------------------------------------
 
 def test_completion_response_shape(router):

@@ -1,0 +1,101 @@
+"""pdserve's CPU kernels (engine/csrc/*.cpp), built once by `make` (`python -m
+pdserve.engine.cpu_ops`) with torch.utils.cpp_extension and loaded as torch ops
+(`torch.ops.pdserve_cpu.*`). Never built at request time: a worker whose build is missing
+runs the SDPA fallback of attention.py and logs how to build.
+
+Kernels:
+    paged_decode_attention(q, k_cache, v_cache, block_table, context_lens, scale)
+        one query per sequence against its paged context, read in place (no gather);
+        fp32 or bf16, head_dim a multiple of 16. See csrc/paged_attention.cpp.
+
+The build is keyed by a hash of the sources, torch's version and the compiler flags, so
+an edited source or another torch never loads a stale library. `-march=native`: the
+library is built on the machine that runs it (make on this box; the image's build stage
+for a deployment).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_NAME = "pdserve_cpu_ops"
+
+
+def _build_dir() -> Path:
+    h = hashlib.sha256()
+    for src in _SOURCES:
+        h.update(src.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(" ".join(_CFLAGS).encode())
+    root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+    return root / "ext" / h.hexdigest()[:16]
+
+
+def library_path() -> Path:
+    """Where the built library is (or will be), for this source and torch."""
+    return _build_dir() / f"{_NAME}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernels (gcc, ~30 s on 2 cores); returns the library's path.
+
+    Raises:
+        RuntimeError: the compiler failed (its output says why).
+    """
+    from torch.utils.cpp_extension import load
+
+    out = _build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    load(name=_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=_CFLAGS,
+         extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False,
+         verbose=verbose)
+    return library_path()
+
+
+@functools.cache
+def available() -> bool:
+    """Load the built kernels into torch.ops.pdserve_cpu; False (with a warning, once)
+    when they were not built."""
+    path = library_path()
+    if not path.is_file():
+        logger.warning("pdserve CPU kernels not built (%s missing): decode attention falls "
+                       "back to gather + SDPA; build them with `make` or `python -m "
+                       "pdserve.engine.cpu_ops`", path)
+        return False
+    torch.ops.load_library(str(path))
+    return True
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Decode attention over the paged cache, read in place (needs `available()`).
+
+    q: [batch, num_heads, head_dim] fp32/bf16 (CPU); k_cache, v_cache: [num_blocks,
+    block_size, num_kv_heads, head_dim], q's dtype, contiguous; block_table: [batch,
+    max_blocks] int32; context_lens: [batch] int32, tokens including the new one.
+    Returns [batch, num_heads, head_dim] in q's dtype.
+
+    Raises:
+        RuntimeError: shapes or dtypes that do not fit (the message names them), or a
+            context length its block_table row does not cover.
+    """
+    return torch.ops.pdserve_cpu.paged_decode_attention(q, k_cache, v_cache, block_table,
+                                                        context_lens, scale)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    print(f"building pdserve CPU kernels into {library_path().parent} ...", flush=True)
+    print(f"built {build(verbose='-v' in sys.argv)}")

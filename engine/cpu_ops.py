@@ -8,8 +8,8 @@ Kernels:
         one query per sequence against its paged context, read in place (no gather);
         fp32 or bf16, head_dim a multiple of 16. See csrc/paged_attention.cpp.
 
-The build is keyed by a hash of the sources, torch's version and the compiler flags, so
-an edited source or another torch never loads a stale library. `-march=native`: the
+The library goes under the model cache (`$PDSERVE_CACHE`, default ~/.cache/pdserve)
+in ext/<key>; the key is a hash of the sources, torch's version and the compiler flags, so an edited source or another torch never loads a stale library. `-march=native`: the
 library is built on the machine that runs it (make on this box; the image's build stage
 for a deployment).
 """
@@ -19,11 +19,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import sys
 from pathlib import Path
 
 import torch
+
+from .loader import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,7 @@ def _build_dir() -> Path:
         h.update(src.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(_CFLAGS).encode())
-    root = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
-    return root / "ext" / h.hexdigest()[:16]
+    return cache_dir() / "ext" / h.hexdigest()[:16]
 
 
 def library_path() -> Path:

@@ -33,7 +33,7 @@ class PackedLinear(nn.Module):
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
                  batch_size_hint: int = 64):
         super().__init__()
-        w = torch.cat([t.detach() for t in weights]) if len(weights) > 1 else weights[0].detach()
+        w = torch.cat([t.detach() for t in weights])
         self.out_features, self.in_features = w.shape
         self.bias = (torch.cat([b.detach() for b in biases]) if biases is not None else None)
         # the blocked layout oneDNN's GEMM reads; any batch size runs on it

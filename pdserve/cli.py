@@ -37,12 +37,7 @@ def _supervise(argv: list[str]) -> int:
                              start_new_session=True, preexec_fn=die_with_parent)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _: child.send_signal(signum))
-    while True:
-        try:
-            rc = child.wait()
-            break
-        except InterruptedError:   # a handler ran meanwhile (PEP 475 retries the rest)
-            continue
+    rc = child.wait()              # resumed after each forwarding handler (PEP 475)
     return 128 - rc if rc < 0 else rc
 
 

@@ -10,9 +10,9 @@
 // Per sequence (one task of at::parallel_for): pass 1 reads each key once (all KV heads
 // of a token are one contiguous row), scores -> softmax in fp32 -> pass 2 reads each
 // value once and accumulates. GQA: query head h reads KV head h / (num_heads /
-// num_kv_heads), as HF's repeat_kv lays them out. head_dim must be a multiple of 16:
-// dot products keep 16 independent fp32 partial sums, which gcc vectorizes (one AVX-512
-// FMA per 16 lanes) without -ffast-math.
+// num_kv_heads), as HF's repeat_kv lays them out. head_dim must be a multiple of 16
+// (16 fp32 lanes: AVX-512 intrinsics where the build machine has them, a portable loop
+// otherwise). Measurements of each step: docs/performance.md.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -118,9 +118,9 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
   const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
   scores.resize(static_cast<size_t>(num_heads) * ctx);
   acc.assign(static_cast<size_t>(num_heads) * head_dim, 0.f);
-  row.resize(static_cast<size_t>(num_heads) * head_dim + token_stride);
+  row.resize(static_cast<size_t>(num_heads) * head_dim + token_stride + num_heads);
   float* qf = row.data();                  // [num_heads * head_dim] scaled query
-  float* kv = row.data() + num_heads * head_dim;  // one token's K or V row, as fp32
+  float* kv = row.data() + num_heads * head_dim;  // one token's K or V row, as fp32 (bf16)
   for (int i = 0; i < num_heads * head_dim; ++i) qf[i] = to_float(q[i]) * scale;
 
   auto slot_of = [&](int t) {
@@ -135,7 +135,7 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
       scores[static_cast<size_t>(h) * ctx + t] =
           dot(qf + h * head_dim, k + (h / group) * head_dim, head_dim);
   }
-  std::vector<float> inv_sum(num_heads);
+  float* inv_sum = row.data() + num_heads * head_dim + token_stride;   // [num_heads]
   for (int h = 0; h < num_heads; ++h) {    // softmax over t, in place
     float* s = scores.data() + static_cast<size_t>(h) * ctx;
     float m = s[0];

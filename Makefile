@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 # ~/.cache/pdserve/ext/<hash of sources + torch>: built here, never at request time.
 KERNELS := $(VENV)/.pdserve-kernels
 
-$(KERNELS): $(STAMP) engine/cpu_ops.py $(wildcard engine/csrc/*.cpp)
+$(KERNELS): $(STAMP) engine/cpu_ops.py $(wildcard engine/csrc/*.cpp engine/csrc/*.h)
 	$(BIN)/python -m pdserve.engine.cpu_ops
 	touch $@
 

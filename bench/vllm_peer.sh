@@ -7,7 +7,8 @@
 #
 # For each dtype (fp32, bf16) and rate: start `vllm serve` on the default model, wait for
 # /health, run the client, stop the server; then the same for `pdserve serve --http-port`
-# (1 prefill + 1 decode worker) with the same client command. A fresh server per run, so
+# (1 prefill + 1 decode worker, the decode worker's KV pool as large as vLLM's KV cache
+# space) with the same client command. A fresh server per run, so
 # no prefix-cache state carries over between rates. Each run writes
 # bench/results/vllm_peer_<vllm|pdserve>_<dtype>_<rate>.json (vLLM's result format; server
 # logs in bench/out/); a table with pdserve/vLLM ratios closes the run.
@@ -15,7 +16,8 @@
 # Environment: NUM_PROMPTS (64), OUTPUT_LEN (128 output tokens a request, ignore_eos),
 # RATE (inf, or a comma list), DTYPES (fp32,bf16), GOODPUT (the client's --goodput SLOs,
 # "ttft:2000 tpot:250" in ms), MAX_MODEL_LEN (2048), VLLM_CPU_KVCACHE_SPACE (GiB, 4),
-# STARTUP_TIMEOUT (s, 900), RESULT_DIR (bench/results).
+# STARTUP_TIMEOUT (s, 900), RESULT_DIR (bench/results), SYSTEMS (vllm,pdserve: which servers
+# to run, e.g. SYSTEMS=pdserve to rerun only ours against recorded vLLM results).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM=${VLLM:-.venv-vllm/bin/vllm}
@@ -28,6 +30,7 @@ GOODPUT=${GOODPUT:-ttft:2000 tpot:250}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-2048}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-900}
 RESULT_DIR=${RESULT_DIR:-bench/results}
+SYSTEMS=${SYSTEMS:-vllm,pdserve}
 LOG_DIR=bench/out
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # vLLM's CPU worker: OpenMP threads on both cores, none held back for the frontend.
@@ -93,6 +96,7 @@ start_server() {
 RESULTS=()
 IFS=, read -ra RATES <<<"$RATE"
 IFS=, read -ra DTYPE_LIST <<<"$DTYPES"
+IFS=, read -ra SYSTEM_LIST <<<"$SYSTEMS"
 read -ra GOODPUT_ARGS <<<"$GOODPUT"
 for dtype in "${DTYPE_LIST[@]}"; do
   case $dtype in
@@ -101,7 +105,7 @@ for dtype in "${DTYPE_LIST[@]}"; do
     *) echo "DTYPES: fp32 or bf16, got $dtype" >&2; exit 2 ;;
   esac
   for rate in "${RATES[@]}"; do
-    for system in vllm pdserve; do
+    for system in "${SYSTEM_LIST[@]}"; do
       PORT=$(free_port)
       name=vllm_peer_${system}_${dtype}_${rate}
       echo "=== $system $dtype, rate $rate: 127.0.0.1:$PORT (log $LOG_DIR/$name.log)"
@@ -109,8 +113,19 @@ for dtype in "${DTYPE_LIST[@]}"; do
         start_server "$LOG_DIR/$name.log" "$VLLM" serve "$MODEL" --host 127.0.0.1 \
           --port "$PORT" --dtype "$torch_dtype" --max-model-len "$MAX_MODEL_LEN"
       else
-        extra=()
-        [[ $dtype == fp32 ]] || extra=(--dtype "$torch_dtype")
+        # the decode worker's KV blocks in vLLM's KV cache space (GiB) at this dtype
+        kv_blocks=$(.venv/bin/python - "$MODEL" "$torch_dtype" "$VLLM_CPU_KVCACHE_SPACE" <<'EOF'
+import sys, torch
+from pathlib import Path
+from transformers import AutoConfig
+from pdserve.engine.config import CacheConfig, ModelConfig
+model, dtype, gib = sys.argv[1], getattr(torch, sys.argv[2]), float(sys.argv[3])
+cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model), Path(model))
+print(CacheConfig.blocks_for_bytes(cfg, int(gib * 2**30), dtype=dtype))
+EOF
+)
+        extra=(--decode-kv-blocks "$kv_blocks")
+        [[ $dtype == fp32 ]] || extra+=(--dtype "$torch_dtype")
         start_server "$LOG_DIR/$name.log" "$PDSERVE" serve --model "$MODEL" --host 127.0.0.1 \
           --port 0 --metrics-port 0 --http-port "$PORT" "${extra[@]}"
       fi

@@ -126,13 +126,15 @@ class DecodeScheduler:
     # --- called from RPC / transport threads --------------------------------------
 
     def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
-                lease_s: float, prompt_token_ids: list[int]) -> Reserved:
+                lease_s: float, prompt_token_ids: list[int],
+                prefill_locally: bool = False) -> Reserved:
         """Reserve the blocks for the prompt's KV. Idempotent per request_id.
 
         With prefix caching, the prompt's leading full blocks found in D's cache are
         shared (never the block of the last token, so at least one block is always
         prefilled); the rest are allocated. When the prompt's uncached tokens are at most
-        local_prefill_max_tokens, D prefills them itself at its next step. The prompt
+        local_prefill_max_tokens, or with `prefill_locally` (the router's choice), D
+        prefills them itself, from its next step on. The prompt
         (`prompt_token_ids`, len == prompt_len) is kept to recompute the KV if the
         request is preempted.
 
@@ -151,7 +153,8 @@ class DecodeScheduler:
         with self._lock:
             req = self._requests.get(request_id)
             if req is None:
-                req = self._new_request(request_id, list(prompt_token_ids), params, lease_s)
+                req = self._new_request(request_id, list(prompt_token_ids), params, lease_s,
+                                        prefill_locally)
             cached = req.num_cached // bs
             if req.state == RequestState.WAITING:
                 return Reserved([], cached, True)
@@ -159,7 +162,7 @@ class DecodeScheduler:
                             False)
 
     def _new_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                     lease_s: float) -> DecodeRequest:
+                     lease_s: float, prefill_locally: bool) -> DecodeRequest:
         """reserve() of a request not seen before (lock held)."""
         bs, n = self.block_size, len(prompt)
         total = blocks_needed(min(n + params.max_tokens, self.max_model_len), bs)
@@ -181,7 +184,7 @@ class DecodeScheduler:
         self.cached_tokens += req.num_cached
         self.prefix_queries += len(lookup)
         self.prefix_hits += len(hit)
-        if n - req.num_cached <= self.local_prefill_max_tokens:
+        if prefill_locally or n - req.num_cached <= self.local_prefill_max_tokens:
             req.state, req.recompute = RequestState.WAITING, True
             self._arrived.append(request_id)
             self.num_local_prefills += 1

@@ -28,6 +28,7 @@ import time
 import uuid
 
 import ray
+import torch
 
 from ..engine.block_pool import BlockPool, NoFreeBlocksError
 from ..engine.model_runner import DecodeSeq, ModelRunner, PrefillSeq
@@ -37,6 +38,7 @@ from ..engine.sampling_params import SamplingParams
 from ..kv_transfer import KVCompletion, KVLayout, make_receiver
 from ..metrics import WorkerMetrics, serve as serve_metrics
 from ..config import WorkerConfig
+from ..core_share import LentThreads
 from .scheduler import DecodeScheduler, RequestTooLargeError
 
 logger = logging.getLogger(__name__)
@@ -71,7 +73,12 @@ class DecodeWorker:
         self._queues: dict[str, asyncio.Queue] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # threads of idle prefill workers on this node, borrowed step by step (core_share)
+        self.lent = (LentThreads(config.core_share_dir, config.num_threads,
+                                 len(os.sched_getaffinity(0)))
+                     if config.core_share_dir is not None else None)
         self.peak_batch_size = 0      # largest decode batch so far (tests prove batching)
+        self.step_threads = config.num_threads   # torch threads of the latest step
         self.kv_failures = 0          # transfers that failed to arrive (receiver thread)
         self.metrics = WorkerMetrics("decode", self._metric_values)
         self.metrics_address = "%s:%d" % serve_metrics(
@@ -88,8 +95,8 @@ class DecodeWorker:
                 "node_ip": ray.util.get_node_ip_address()}
 
     async def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
-                      prompt_token_ids: list[int], lease_s: float | None = None
-                      ) -> dict | None:
+                      prompt_token_ids: list[int], lease_s: float | None = None,
+                      prefill_locally: bool = False) -> dict | None:
         """Reserve blocks for a request's prompt KV; None when the pool cannot hold it
         now, or ever (prompt + max_tokens beyond the whole pool; the router refuses
         those against the largest decode worker first). `prompt_token_ids` (prompt_len
@@ -103,6 +110,8 @@ class DecodeWorker:
         (default config.lease_s; the router passes the request's remaining deadline):
         KV not arrived by then, the blocks are reclaimed and the request fails.
         Idempotent per request_id (a repeated call returns the same reservation).
+        `prefill_locally`: the router asks D to prefill the prompt itself whatever its
+        length (its prefill workers' queues are long: conditional disaggregation).
         Raises:
             ValueError: len(prompt_token_ids) != prompt_len.
         """
@@ -111,7 +120,8 @@ class DecodeWorker:
             self._queues[request_id] = asyncio.Queue()
         try:
             r = self.scheduler.reserve(request_id, prompt_len, params,
-                                       lease_s or self.config.lease_s, prompt_token_ids)
+                                       lease_s or self.config.lease_s, prompt_token_ids,
+                                       prefill_locally)
         except (NoFreeBlocksError, RequestTooLargeError) as e:
             logger.debug("reserve %s refused: %s", request_id, e)
             self._queues.pop(request_id, None)
@@ -160,6 +170,7 @@ class DecodeWorker:
                 "running_requests": running, "waiting_requests": waiting,
                 "epoch": self.epoch, "kv_address": f"{host}:{port}",
                 "peak_batch_size": self.peak_batch_size,
+                "step_threads": self.step_threads,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "kv_reservations_leased": self.scheduler.num_reservations_active(),
                 "kv_reservations_reclaimed": self.scheduler.num_reclaimed,
@@ -207,6 +218,7 @@ class DecodeWorker:
 
     def _step_loop(self) -> None:
         runner, sched = self.runner, self.scheduler
+        threads = self.config.num_threads
         while not self._stop.is_set():
             batch = sched.schedule()
             if not batch.requests:
@@ -214,6 +226,10 @@ class DecodeWorker:
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()
                 continue
+            if self.lent is not None and (n := self.lent.threads()) != threads:
+                torch.set_num_threads(n)    # this thread's OpenMP team: the step's ops
+                threads = n
+            self.step_threads = threads
             reqs = batch.requests
             self.peak_batch_size = max(self.peak_batch_size, len(reqs))
             self.metrics.batch_size.labels(phase="decode").observe(len(reqs))

@@ -7,6 +7,9 @@ Kernels:
     paged_decode_attention(q, k_cache, v_cache, block_table, context_lens, scale)
         one query per sequence against its paged context, read in place (no gather);
         fp32 or bf16, head_dim a multiple of 16. See csrc/paged_attention.cpp.
+    rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul
+        the decoder layer's elementwise ops, one pass each, with transformers' arithmetic
+        and roundings. See csrc/fused_ops.cpp.
 
 The library goes under the model cache (`$PDSERVE_CACHE`, default ~/.cache/pdserve)
 in ext/<key>; the key is a hash of the sources, torch's version and the compiler flags, so an edited source or another torch never loads a stale library. `-march=native`: the
@@ -28,14 +31,16 @@ from .loader import cache_dir
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp"]
+_HEADERS = [_CSRC / "cpu_math.h"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _NAME = "pdserve_cpu_ops"
 
 
 def _build_dir() -> Path:
     h = hashlib.sha256()
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         h.update(src.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(_CFLAGS).encode())
@@ -93,6 +98,44 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     return torch.ops.pdserve_cpu.paged_decode_attention(q, k_cache, v_cache, block_table,
                                                         context_lens, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm in one pass (needs `available()`).
+
+    x: [..., hidden] fp32/bf16, contiguous (CPU); weight: [hidden], x's dtype.
+    Returns a new tensor shaped like x: `weight * (x * rsqrt(mean(x**2) + eps))`, the norm
+    in fp32 and the result in x's dtype.
+    """
+    return torch.ops.pdserve_cpu.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> None:
+    """In place: `residual = x + residual`, then `x = rms_norm(residual)` (the residual
+    add of a decoder layer and the next norm, vLLM's fused_add_rms_norm). x, residual:
+    [num_tokens, hidden], one dtype, contiguous; weight: [hidden]."""
+    torch.ops.pdserve_cpu.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """RoPE in place, rotate-half convention: `x = x * cos[pos] + rotate_half(x) *
+    sin[pos]` on q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads,
+    head_dim] (each token's heads contiguous; rows may be strided, as views of a fused
+    QKV output are). cos, sin: [max_model_len, head_dim] float32, rounded to q's dtype as
+    used; positions: [num_tokens] int64.
+
+    Raises:
+        RuntimeError: a position outside the tables, or shapes that do not fit.
+    """
+    torch.ops.pdserve_cpu.rotary_embedding(q, k, positions, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [num_tokens, 2 * intermediate] (gate then up, the fused projection's
+    output) -> silu(gate) * up, [num_tokens, intermediate], in gate_up's dtype."""
+    return torch.ops.pdserve_cpu.silu_and_mul(gate_up)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_ops
 from .attention import AttentionMetadata, decode_attention, prefill_attention, write_kv
 from .config import ModelConfig
+
+
+def use_fused_ops(x: torch.Tensor) -> bool:
+    """The C++ elementwise kernels (engine/csrc/fused_ops.cpp) run `x`'s op: a CPU fp32 or
+    bf16 tensor, kernels built. Elsewhere (CUDA, fp16, no build) the torch ops run."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and cpu_ops.available())
 
 
 class PackedLinear(nn.Module):
@@ -58,10 +66,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_contiguous() and use_fused_ops(x):
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add before this norm, then the norm: returns (norm(x + residual),
+        x + residual); with residual None (the first layer), (norm(x), x). The fused
+        kernel works in place on x and residual (both the caller's temporaries)."""
+        if residual is None:
+            return self(x), x
+        if use_fused_ops(x) and x.is_contiguous() and residual.is_contiguous():
+            cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self(residual), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -103,7 +126,11 @@ class RotaryEmbedding(nn.Module):
         return emb.cos() * scaling, emb.sin() * scaling
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, h, d], k: [T, h_kv, d], positions: [T] int64 -> rotated q, k."""
+        """q: [T, h, d], k: [T, h_kv, d], positions: [T] int64 -> rotated q, k (in place
+        on the fused kernel's path)."""
+        if use_fused_ops(q):
+            cpu_ops.rotary_embedding(q, k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, d)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -177,7 +204,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if use_fused_ops(gate_up):
+                return self.down_proj(cpu_ops.silu_and_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -191,9 +221,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, meta, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, meta, k_cache, v_cache):
+        """x: this layer's input before its residual add (the embeddings for layer 0, with
+        residual None), residual: the running hidden state. Returns (the MLP's output,
+        residual): the next layer (or the final norm) adds them, fused with its norm, as
+        vLLM's layers do; the same sums as transformers' `residual + hidden_states`."""
+        x, residual = self.input_layernorm.add_forward(x, residual)
+        x = self.self_attn(x, positions, rope, meta, k_cache, v_cache)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(x), residual
 
 
 class _Backbone(nn.Module):
@@ -224,12 +260,13 @@ class CausalLM(nn.Module):
         K/V is in the cache (prefill streams it to the decode worker from there).
         Returns the final-norm hidden states, [num_tokens, hidden_size].
         """
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rope, meta, kv_cache[i, 0], kv_cache[i, 1])
+            x, residual = layer(x, residual, positions, self.rope, meta, kv_cache[i, 0],
+                                kv_cache[i, 1])
             if on_layer_done is not None:
                 on_layer_done(i)
-        return self.model.norm(x)
+        return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden_size] -> logits [n, vocab_size] float32."""

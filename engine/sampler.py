@@ -3,8 +3,12 @@
 Seeded requests draw from a generator re-seeded per step with (seed, step), so a seeded
 request gives the same tokens whether its first token was sampled on the prefill worker
 and the rest on a decode worker, or all in one place (and after a migration).
-Sampling uses the exponential-race form (argmax of p / Exp(1), as vLLM's sampler does),
-which equals drawing from the categorical distribution p.
+Sampling is by inverse CDF: one uniform draw u per row picks the first token whose
+cumulative probability (float64) exceeds u, what `torch.multinomial` does for one
+sample. It needs one random number per row where the exponential race (argmax of
+p / Exp(1), vLLM's sampler) needs one per vocabulary entry: on CPU, torch's `exponential_`
+over a [64, 49152] batch costs ~48 ms, a whole decode step's quarter, against ~6 ms for
+this (`pdserve bench step`, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -26,26 +30,39 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     Returns batch token ids.
     """
     assert logits.shape[0] == len(params) == len(steps), (logits.shape, len(params), len(steps))
-    out = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
-        probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
-        q = torch.empty_like(probs)
-        for j, i in enumerate(random_rows):
-            p = params[i]
-            if p.seed is None:
-                q[j].exponential_()
-            else:
-                gen = torch.Generator(device=logits.device)
-                gen.manual_seed((p.seed * 1_000_003 + p.step_offset + steps[i]) % 2**63)
-                q[j].exponential_(generator=gen)
-        out[rows] = (probs / q).argmax(dim=-1)
+    if not random_rows:
+        return logits.argmax(dim=-1).tolist()
+    dev = logits.device
+    if len(random_rows) == len(params):   # all random: no argmax, no row gather
+        out = torch.empty(len(params), dtype=torch.long, device=dev)
+        rows, sub = slice(None), logits
+    else:
+        out = logits.argmax(dim=-1)
+        rows = torch.tensor(random_rows, device=dev)
+        sub = logits[rows]
+    cdf = _filtered_probs(sub, [params[i] for i in random_rows]).cumsum_(dim=-1)
+    u = torch.empty(len(random_rows), 1, dtype=torch.float64, device=dev)
+    unseeded = [j for j, i in enumerate(random_rows) if params[i].seed is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64, device=dev)
+    for j, i in enumerate(random_rows):
+        p = params[i]
+        if p.seed is not None:
+            gen = torch.Generator(device=dev)
+            gen.manual_seed((p.seed * 1_000_003 + p.step_offset + steps[i]) % 2**63)
+            u[j] = torch.rand(1, dtype=torch.float64, device=dev, generator=gen)
+    # r < total always (so the pick is a token with p > 0: zero-probability tokens
+    # repeat their predecessor's cumulative value and are never the first to exceed r)
+    total = cdf[:, -1:]
+    r = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
+    out[rows] = torch.searchsorted(cdf, r, right=True).squeeze(1)
     return out.tolist()
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Softmax of temperature-scaled logits with top-k then top-p applied. [n, vocab]."""
+    """Softmax of temperature-scaled logits with top-k then top-p applied: [n, vocab]
+    float64 (the cumulative sum above needs its precision; the softmax itself is fp32)."""
     temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
     logits = logits / temps.clamp_min(1e-5)[:, None]
     top_k = [p.top_k for p in params]
@@ -62,4 +79,4 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         ps = torch.tensor(top_p, device=logits.device, dtype=probs.dtype)
         sorted_logits = sorted_logits.masked_fill(before >= ps[:, None], float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
-    return logits.softmax(dim=-1)
+    return logits.softmax(dim=-1).double()   # (softmax in float64 itself is ~10x slower)

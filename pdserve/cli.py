@@ -61,7 +61,8 @@ def _serve(args) -> int:
                                       "routing_policy", "metrics_port", "slo_ttft_ms",
                                       "slo_tpot_ms", "tls_cert_file", "tls_key_file",
                                       "tls_client_ca_file", "api_key", "max_request_bytes",
-                                      "max_migrations", "http_port")
+                                      "max_migrations", "http_port",
+                                      "max_prefill_queue_tokens")
                        if (v := getattr(args, k)) is not None})   # unset: RouterConfig's default
     except ValueError as e:   # a setting out of range: the message names it
         print(f"pdserve: {e}", file=sys.stderr)
@@ -72,6 +73,7 @@ def _serve(args) -> int:
                       prefill_resources=args.prefill_resources or {},
                       decode_resources=args.decode_resources or {},
                       gpus_per_worker=args.gpus_per_worker,
+                      lend_idle_prefill_cores=args.lend_idle_prefill_cores,
                       **({"max_worker_restarts": args.max_worker_restarts}
                          if args.max_worker_restarts is not None else {}))
     except ValueError as e:
@@ -249,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--decode-kv-blocks", type=int, default=1024, help="16-token KV blocks per decode worker")
     s.add_argument("--threads-per-worker", type=int, default=None,
                    help="torch threads per worker (default: cores / workers)")
+    s.add_argument("--lend-idle-prefill-cores", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="CPU workers on one node: a decode worker runs its steps on the "
+                        "threads of idle prefill workers too, as SGLang's PD multiplexing "
+                        "shares a GPU's SMs (default on; off where workers are pinned)")
     s.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests queued for prefill at once (default 256); beyond it "
                         "Generate fails at once with RESOURCE_EXHAUSTED")
@@ -265,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="goodput SLO: time to first token (pdserve_goodput_requests_total)")
     s.add_argument("--slo-tpot-ms", type=float, default=None,
                    help="goodput SLO: time per output token after the first")
+    s.add_argument("--max-prefill-queue-tokens", type=int, default=None,
+                   help="conditional disaggregation (Dynamo's max_prefill_queue_size, in "
+                        "tokens): a decode worker prefills a prompt itself when every "
+                        "prefill worker has more than this many prompt tokens queued, and "
+                        "more than that decode worker has queued for its own prefills "
+                        "(default 2048; 0: always use a prefill worker)")
     s.add_argument("--local-prefill-max-tokens", type=int, default=None,
                    help="a decode worker prefills a prompt itself, with no transfer, when "
                         "its tokens not in that worker's prefix cache are at most this many "

@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import signal
+import tempfile
 import threading
 import uuid
 from dataclasses import replace
@@ -24,6 +26,13 @@ from .config import ClusterConfig
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0   # first start converts the GGUF (~15 s) and loads weights per worker
+
+
+def _core_share_dir() -> str:
+    """A directory name for this start's core-lending flags (pdserve/core_share.py): in
+    /dev/shm (memory, node-local) where it exists. The workers create it on their nodes."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"pdserve-cores-{uuid.uuid4().hex[:12]}")
 
 
 class ClusterStartError(RuntimeError):
@@ -40,6 +49,7 @@ class Cluster:
         self.prefill: list = []
         self.decode: list = []
         self._owns_ray = False
+        self._core_share_dir: str | None = None   # pdserve/core_share.py, this start's
         self._ray_processes: list[psutil.Process] = []   # GCS, raylet... when _owns_ray
 
     def start(self) -> int:
@@ -59,6 +69,10 @@ class Cluster:
             secret = secrets.token_hex(32)
             cfg = replace(cfg, prefill=replace(cfg.prefill, kv_secret=secret),
                           decode=replace(cfg.decode, kv_secret=secret))
+        if cfg.lends_idle_prefill_cores():
+            self._core_share_dir = _core_share_dir()
+            cfg = replace(cfg, prefill=replace(cfg.prefill, core_share_dir=self._core_share_dir),
+                          decode=replace(cfg.decode, core_share_dir=self._core_share_dir))
         if not ray.is_initialized():
             with _keep_signal_handlers():
                 if cfg.ray_address is None:
@@ -116,6 +130,9 @@ class Cluster:
         else:
             self._stop_actors()
         self.router, self.prefill, self.decode = None, [], []
+        if self._core_share_dir is not None:
+            shutil.rmtree(self._core_share_dir, ignore_errors=True)
+            self._core_share_dir = None
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray, self._ray_processes = False, []

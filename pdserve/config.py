@@ -45,6 +45,10 @@ class WorkerConfig:
     prefill_chunk_size: int | None = 512  # prefill: most tokens of one prompt per step
     metrics_port: int = 0            # Prometheus /metrics on `host`; 0: a free port (in status)
     log_level: str = "WARNING"
+    core_share_dir: str | None = None  # set by Cluster.start (ClusterConfig.lend_idle_prefill_cores):
+                                     # where prefill workers publish when they are idle, so a
+                                     # decode worker of their node borrows their threads
+                                     # (pdserve/core_share.py); None: no lending
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -103,6 +107,11 @@ class RouterConfig:
     max_queued_tokens: int = 262144  # prompt tokens queued at once: 256 requests x 1024 tokens
     routing_policy: str = "kv_aware"  # prefill worker choice: round_robin | least_loaded | kv_aware
     kv_load_weight: float = 1.0      # kv_aware: cost = uncached tokens + weight * queued tokens
+    max_prefill_queue_tokens: int = 2048  # conditional disaggregation: a prompt is prefilled
+                                     # on its decode worker instead when every prefill worker
+                                     # has more prompt tokens queued than this and than that
+                                     # decode worker has queued for its own prefills
+                                     # (0: always a prefill worker)
     cache_sync_interval_s: float = 0.1  # kv_aware: how often prefill caches are mirrored
     max_migrations: int = 3          # retries of a request after a worker died or its KV
                                      # transfer failed (each resumes after the tokens sent)
@@ -133,6 +142,9 @@ class RouterConfig:
                              f"{list(POLICIES)}")
         if self.kv_load_weight < 0:
             raise ValueError(f"kv_load_weight={self.kv_load_weight}: must be >= 0")
+        if self.max_prefill_queue_tokens < 0:
+            raise ValueError(f"max_prefill_queue_tokens={self.max_prefill_queue_tokens}: "
+                             "must be >= 0 tokens (0: always prefill on a prefill worker)")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             v = getattr(self, name)
             if v is not None and not v > 0:
@@ -187,6 +199,15 @@ class ClusterConfig:
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
     gpus_per_worker: float = 0.0
+    # CPU workers not pinned to cores: an idle prefill worker's threads run the decode
+    # steps of the decode workers on its node (pdserve/core_share.py)
+    lend_idle_prefill_cores: bool = True
+
+    def lends_idle_prefill_cores(self) -> bool:
+        """Core lending applies: asked for, CPU workers, none pinned to CPUs."""
+        return (self.lend_idle_prefill_cores and self.gpus_per_worker == 0
+                and all(w.device == "cpu" and w.cpus is None
+                        for w in (self.prefill, self.decode)))
 
     def __post_init__(self):
         if self.num_prefill_workers < 1 or self.num_decode_workers < 1:

@@ -34,6 +34,7 @@ import ray
 import torch
 
 from ..config import WorkerConfig
+from ..core_share import PrefillActivity
 from ..engine.block_pool import BlockPool, blocks_needed
 from ..engine.model_runner import ModelRunner, PrefillSeq
 from ..engine.request import RequestState
@@ -75,6 +76,13 @@ class PrefillWorker:
         self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
                                   config.cpus)
         self.num_layers = self.runner.config.num_layers
+        self.activity = None      # busy flag a decode worker of this node reads (core_share)
+        if config.core_share_dir is not None:
+            try:
+                self.activity = PrefillActivity(config.core_share_dir, worker_id,
+                                                config.num_threads)
+            except OSError as e:
+                logger.warning("idle cores not lent to decode: %s", e)
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
                                           config.max_num_batched_tokens,
@@ -206,6 +214,8 @@ class PrefillWorker:
         for t in self._threads:
             t.join(timeout=10)
         self.sender.close()
+        if self.activity is not None:
+            self.activity.close()
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -231,6 +241,8 @@ class PrefillWorker:
             for r in self.scheduler.take_aborted():   # between chunks: abort frame, release
                 self._sends.put(_SendDone(r, None))
             batch = self.scheduler.schedule()
+            if self.activity is not None:
+                self.activity.set_busy(bool(batch))
             if not batch:
                 self._wake.wait(0.05)
                 self._wake.clear()

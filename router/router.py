@@ -7,7 +7,8 @@ Lifecycle of one Generate call (ARCHITECTURE.md, "Request lifecycle"):
     pick decode worker D (fewest active requests, then most free blocks) → reserve
         (no room anywhere: retry until reserve_timeout_s, then RESOURCE_EXHAUSTED);
         D says how many leading prompt blocks its own prefix cache holds
-    if D prefills locally (its uncached part is short, see local_prefill_max_tokens):
+    if D prefills locally (its uncached part is short, see local_prefill_max_tokens; or
+        every prefill worker's queue is long, see _prefill_on_decode):
         the first token comes on D's stream; no prefill worker is involved
     else pick prefill worker P (routing.py: kv_aware by default, cached prefix vs
         queue) → prefill into D's blocks, skipping the blocks D holds;
@@ -216,6 +217,8 @@ class Router:
         d, res = await self._reserve(internal_id, len(ids), params, deadline, ids)
         p = None
         d.load += 1
+        local_tokens = len(ids) if res["local_prefill"] else 0   # until D's first token
+        d.local_prefill_load += local_tokens
         finished = False
         try:
             if not res["local_prefill"]:
@@ -241,6 +244,8 @@ class Router:
                 try:
                     async for ref in with_deadline(events, deadline):
                         queued.release()  # local prefill: its first token came from D
+                        d.local_prefill_load -= local_tokens
+                        local_tokens = 0
                         msg = relay.absorb(await ref)
                         if msg is not None:
                             yield msg
@@ -260,6 +265,7 @@ class Router:
                                "request deadline exceeded") from None
         finally:
             d.load -= 1
+            d.local_prefill_load -= local_tokens
             if not finished:  # cancel, deadline, error, stop string: release P and D now
                 # (sent to a worker found dead too: it may only have been unreachable)
                 if p is not None:
@@ -373,8 +379,10 @@ class Router:
             live = await self._available(self.decode, "decode", give_up)
             lease_s = min(self.config.decode.lease_s, max(deadline - time.monotonic(), 0.001))
             for d in sorted(live, key=lambda w: (w.load, -w.free_blocks)):
+                local = self._prefill_on_decode(d, prompt_len)
                 try:
-                    res = await d.handle.reserve.remote(rid, prompt_len, params, ids, lease_s)
+                    res = await d.handle.reserve.remote(rid, prompt_len, params, ids, lease_s,
+                                                        local)
                 except ray.exceptions.RayActorError:   # dead or restarting: try the next
                     d.alive = False
                     continue
@@ -389,6 +397,20 @@ class Router:
                                    "retry later or lower max_tokens")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
+
+    def _prefill_on_decode(self, d: Worker, prompt_len: int) -> bool:
+        """Conditional disaggregation (Dynamo's disaggregated router decides the same way,
+        by its max_prefill_queue_size): D prefills the prompt itself when every live
+        prefill worker has more than router.max_prefill_queue_tokens prompt tokens queued
+        and more than D would have queued for its own prefills with this prompt. A burst
+        is then split between P and D instead of waiting for P alone, and at any load P
+        keeps up with, every prompt still goes to P."""
+        limit = self.config.router.max_prefill_queue_tokens
+        queued = [p.load for p in self.prefill if p.available]
+        if not limit or not queued:
+            return False
+        shortest = min(queued)
+        return shortest > limit and shortest > d.local_prefill_load + prompt_len
 
     # --- Admin ------------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ class Worker:
     num_blocks: int
     epoch: int = 0          # the incarnation last seen (Ray restarts a dead worker)
     load: int = 0           # prefill: queued prompt tokens; decode: active requests
+    local_prefill_load: int = 0  # decode: prompt tokens it prefills itself (conditional
+                                 # disaggregation), first token not yet back
     free_blocks: int = 0    # decode: last known
     alive: bool = True      # False from a call that found it dead until a probe answers
     node_ip: str = ""       # the Ray node it runs on

@@ -4,6 +4,7 @@ and compute the HF transformers reference (the correctness oracle)."""
 from __future__ import annotations
 
 import functools
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -71,11 +72,13 @@ class Served:
             time.sleep(0.05)
 
     def stop(self) -> None:
+        share = self.cluster._core_share_dir    # pdserve/core_share.py flags, this start's
         try:
             self.assert_all_free()
         finally:
             self.client.close()
             self.cluster.stop()
+        assert share is None or not os.path.exists(share), f"{share} left behind"
 
 
 @functools.cache

@@ -25,17 +25,14 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
 
-constexpr int kLanes = 16;
+using pdserve_cpu::fast_exp;
+using pdserve_cpu::to_float;
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+constexpr int kLanes = 16;
 
 // One token's K or V row (all KV heads) as fp32: in place for an fp32 cache, converted
 // into `buf` for bf16.
@@ -88,26 +85,6 @@ inline void axpy(float a, const float* x, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// exp for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into 2^n * 2^f,
-// f in [-0.5, 0.5], 2^f by a degree-6 polynomial (max relative error ~2e-7, about one
-// float ulp); written branch-free so gcc vectorizes the loop that calls it.
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  float t = x * 1.44269504088896341f;
-  float n = std::nearbyint(t);
-  float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 template <typename T>
 void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
@@ -142,7 +119,7 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
     for (int t = 1; t < ctx; ++t) m = s[t] > m ? s[t] : m;
     float sum = 0.f;
     for (int t = 0; t < ctx; ++t) {
-      s[t] = exp_nonpositive(s[t] - m);
+      s[t] = fast_exp(s[t] - m);
       sum += s[t];
     }
     inv_sum[h] = 1.f / sum;

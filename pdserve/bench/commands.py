@@ -37,11 +37,16 @@ def _bench_step(args) -> int:
     import json
 
     from . import step
+    if not 1 <= args.prefill_prompts <= args.prefill_tokens:
+        print(f"--prefill-prompts={args.prefill_prompts}: must be in [1, --prefill-tokens="
+              f"{args.prefill_tokens}]", file=sys.stderr)
+        return 2
     print(f"decode step: {args.batch} sequences x {args.context} tokens of context; prefill "
-          f"step: {args.prefill_tokens} tokens; {args.threads} thread(s), median of "
-          f"{args.repeats} ...", flush=True)
+          f"step: {args.prefill_tokens} tokens in {args.prefill_prompts} prompt(s); "
+          f"{args.threads} thread(s), median of {args.repeats} ...", flush=True)
     results = step.run(args.model, args.dtype.split(","), args.batch, args.context,
-                       args.prefill_tokens, args.repeats, args.threads)
+                       args.prefill_tokens, args.repeats, args.threads,
+                       prefill_prompts=args.prefill_prompts)
     print(step.table(results))
     if args.json:
         with open(args.json, "w") as f:
@@ -243,7 +248,10 @@ def add_bench_parser(sub) -> None:
     bst.add_argument("--dtype", default="float32,bfloat16", help="comma list")
     bst.add_argument("--batch", type=int, default=64, help="decode sequences per step")
     bst.add_argument("--context", type=int, default=400, help="tokens of context per sequence")
-    bst.add_argument("--prefill-tokens", type=int, default=512)
+    bst.add_argument("--prefill-tokens", type=int, default=512,
+                     help="prompt tokens in the prefill step, all prompts together")
+    bst.add_argument("--prefill-prompts", type=int, default=1,
+                     help="prompts the prefill tokens are split over (one varlen batch)")
     bst.add_argument("--repeats", type=int, default=10)
     bst.add_argument("--threads", type=int, default=1, help="torch threads (pinned CPUs)")
     bst.add_argument("--json", default=None, help="write the figures to this file")

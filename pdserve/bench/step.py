@@ -8,6 +8,8 @@ Variants, each adding to the one before:
                     (engine/model.py PackedLinear)
     +paged_kernel   decode attention by the C++ kernel reading KV blocks in place
                     (engine/csrc/paged_attention.cpp)
+    +fused_ops      RMSNorm with the residual add, RoPE and SiLU-and-mul by the C++
+                    kernels of engine/csrc/fused_ops.cpp (one pass each)
 
 Decode: `batch` sequences of `context` tokens each (random ids; a step's cost does not
 depend on the values), blocks shuffled over the pool as a running server's are. Times
@@ -26,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pdserve.engine import attention
+from pdserve.engine import attention, model as model_module
 from pdserve.engine.config import CacheConfig
 from pdserve.engine.model_runner import DecodeSeq, ModelRunner, PrefillSeq
 
@@ -42,14 +44,17 @@ class StepTime:
 
 
 @contextlib.contextmanager
-def _paged_kernel(on: bool):
-    saved = attention.use_cpu_kernel
-    if not on:
+def _kernels(paged: bool, fused: bool):
+    """The C++ decode attention and fused elementwise ops on or off."""
+    saved = attention.use_cpu_kernel, model_module.use_fused_ops
+    if not paged:
         attention.use_cpu_kernel = lambda q: False
+    if not fused:
+        model_module.use_fused_ops = lambda x: False
     try:
         yield
     finally:
-        attention.use_cpu_kernel = saved
+        attention.use_cpu_kernel, model_module.use_fused_ops = saved
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -64,12 +69,26 @@ def _median_s(fn, repeats: int) -> float:
 
 
 def run(model: str, dtypes: list[str], batch: int, context: int, prefill_tokens: int,
-        repeats: int, threads: int, block_size: int = 16) -> list[StepTime]:
-    """Step times per (dtype, variant); see the module docstring."""
-    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+        repeats: int, threads: int, block_size: int = 16,
+        prefill_prompts: int = 1) -> list[StepTime]:
+    """Step times per (dtype, variant); see the module docstring. The prefill step is
+    one varlen batch of `prefill_prompts` prompts, `prefill_tokens` tokens in all (a
+    prefill worker batches ShareGPT prompts of ~200 tokens up to 2048 tokens)."""
+    cpus, torch_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, sorted(cpus)[:threads])
     torch.set_num_threads(threads)
+    try:
+        return _run(model, dtypes, batch, context, prefill_tokens, repeats, threads,
+                    block_size, prefill_prompts)
+    finally:                  # the caller's process as it was (tests run in one process)
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(torch_threads)
+
+
+def _run(model, dtypes, batch, context, prefill_tokens, repeats, threads, block_size,
+         prefill_prompts) -> list[StepTime]:
     per_seq = -(-(context + 1) // block_size)
-    num_blocks = max(batch * per_seq, -(-prefill_tokens // block_size)) + 1
+    num_blocks = max(batch * per_seq, -(-prefill_tokens // block_size) + prefill_prompts) + 1
     rng = random.Random(0)
     results = []
     for name in dtypes:
@@ -81,17 +100,24 @@ def run(model: str, dtypes: list[str], batch: int, context: int, prefill_tokens:
             rng.shuffle(ids)
             seqs = [DecodeSeq(rng.randrange(runner.config.vocab_size), context,
                               ids[i * per_seq:(i + 1) * per_seq]) for i in range(batch)]
-            prompt = PrefillSeq([rng.randrange(runner.config.vocab_size)
-                                 for _ in range(prefill_tokens)],
-                                ids[:-(-prefill_tokens // block_size)])
-            for kernel in ((False, True) if prepack else (False,)):
+            prompts, first_block = [], 0
+            for i in range(prefill_prompts):
+                n = prefill_tokens // prefill_prompts + (i < prefill_tokens % prefill_prompts)
+                blocks = -(-n // block_size)
+                prompts.append(PrefillSeq([rng.randrange(runner.config.vocab_size)
+                                           for _ in range(n)],
+                                          ids[first_block:first_block + blocks]))
+                first_block += blocks
+            for kernels in (((False, False), (True, False), (True, True)) if prepack
+                            else ((False, False),)):
                 variant = ("eager" if not prepack else
-                           "+paged_kernel" if kernel else "+prepacked")
-                if kernel and not attention.cpu_ops.available():
+                           {(False, False): "+prepacked", (True, False): "+paged_kernel",
+                            (True, True): "+fused_ops"}[kernels])
+                if any(kernels) and not attention.cpu_ops.available():
                     continue
-                with _paged_kernel(kernel):
+                with _kernels(*kernels):
                     dec = _median_s(lambda: runner.decode(seqs), repeats)
-                    pre = _median_s(lambda: runner.prefill([prompt]), max(repeats // 3, 1))
+                    pre = _median_s(lambda: runner.prefill(prompts), max(repeats // 3, 1))
                 results.append(StepTime(name, variant, dec, dec / runner.config.num_layers * 1e3,
                                         pre, prefill_tokens / pre))
             del runner

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 def test_short_prompt_is_not_stuck_behind_a_long_one():
     start_ray()
     # no local prefill on D: the short prompt must go through the prefill worker too
-    served = Served(prefill_blocks=320, decode_blocks=320, local_prefill_max_tokens=0)
+    served = Served(prefill_blocks=320, decode_blocks=320, local_prefill_max_tokens=0,
+                    router_kw={"max_prefill_queue_tokens": 0})   # nor when P is backed up
     try:
         long = [1000 + (i * 37) % 20000 for i in range(4096)]
         short = [17 + i for i in range(40)]

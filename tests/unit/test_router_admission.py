@@ -33,7 +33,8 @@ class FakeDecode:
         self.reserved: list[str] = []
         self.aborted: list[str] = []
 
-    async def reserve(self, rid, prompt_len, params, prompt_token_ids, lease_s=None):
+    async def reserve(self, rid, prompt_len, params, prompt_token_ids, lease_s=None,
+                      prefill_locally=False):
         assert list(prompt_token_ids) == PROMPT and prompt_len == len(PROMPT)  # kept for recompute
         self.asked.set()
         if not self.room:
@@ -124,6 +125,60 @@ def test_local_prefill_on_decode_skips_the_prefill_worker():
         assert [t for m in msgs for t in m.token_ids] == [11, 12]
         assert msgs[-1].finish_reason == "length"
         assert not p.started.is_set() and not p.aborted and not d.aborted
+        return r
+
+    assert queue(asyncio.run(main())) == (0, 0)
+
+
+class HeldDecode(FakeDecode):
+    """Prefills locally when the router asks it to (recording each ask), and streams only
+    once `go` is set, so the router's queues stay as built."""
+
+    def __init__(self):
+        super().__init__()
+        self.asks: list[bool] = []
+        self.go = asyncio.Event()
+
+    async def reserve(self, rid, prompt_len, params, prompt_token_ids, lease_s=None,
+                      prefill_locally=False):
+        self.asks.append(prefill_locally)
+        self.local = prefill_locally
+        return await super().reserve(rid, prompt_len, params, prompt_token_ids, lease_s)
+
+    def stream(self, rid):
+        async def value(v):
+            return v
+
+        async def refs():
+            await self.go.wait()
+            yield value([TokenEvent(rid, self.tokens, finish_reason="length")])
+        return refs()
+
+
+@pytest.mark.parametrize("limit, asks", [
+    (len(PROMPT) - 1, [False, False, True, False, True]),   # P's queue past the limit and
+                                                           # past D's own: balanced
+    (0, [False] * 5),                                      # 0: always a prefill worker
+    (10 * len(PROMPT), [False] * 5),                       # never that deep
+])
+def test_a_long_prefill_queue_sends_prompts_to_the_decode_worker(limit, asks):
+    n = len(PROMPT)
+
+    async def main():
+        d, p = HeldDecode(), FakePrefill()
+        r = make_router(d, p, max_prefill_queue_tokens=limit)
+        tasks = []
+        for i in range(len(asks)):
+            tasks.append(asyncio.create_task(first_message(r)))
+            while r.prefill[0].load + r.decode[0].local_prefill_load < n * (i + 1):
+                await asyncio.sleep(0.001)      # reserved, and queued on P or on D
+        assert d.asks == asks
+        assert r.decode[0].local_prefill_load == n * sum(asks)
+        p.go.set()
+        d.go.set()
+        firsts = [list(m.token_ids) for m in await asyncio.gather(*tasks)]
+        assert firsts == [[11, 12] if local else [FIRST_TOKEN] for local in asks]
+        assert r.prefill[0].load == 0 and r.decode[0].local_prefill_load == 0
         return r
 
     assert queue(asyncio.run(main())) == (0, 0)

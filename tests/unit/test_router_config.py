@@ -98,3 +98,17 @@ def test_resources_flag_must_be_a_json_object(capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--prefill-resources", "pdserve_prefill=1"])
     assert "--prefill-resources: not JSON" in capsys.readouterr().err
+
+
+def test_max_prefill_queue_tokens_flag_default_and_bound(recording):
+    assert RouterConfig().max_prefill_queue_tokens == 2048
+    with pytest.raises(ValueError, match="^max_prefill_queue_tokens=-1: must be >= 0"):
+        RouterConfig(max_prefill_queue_tokens=-1)
+    assert cli.main(["serve", "--max-prefill-queue-tokens", "0"]) == 1
+    assert recording[0].router.max_prefill_queue_tokens == 0
+
+
+def test_lend_idle_prefill_cores_is_on_unless_turned_off(recording):
+    assert cli.main(["serve"]) == 1 and recording[0].lend_idle_prefill_cores
+    assert cli.main(["serve", "--no-lend-idle-prefill-cores"]) == 1
+    assert not recording[1].lend_idle_prefill_cores

@@ -106,7 +106,7 @@ class FakeDecode(Restartable):
         self.first: dict[str, asyncio.Future] = {}
         self.aborted: list[str] = []
 
-    async def reserve(self, rid, prompt_len, params, ids, lease_s=None):
+    async def reserve(self, rid, prompt_len, params, ids, lease_s=None, prefill_locally=False):
         self.check()
         assert len(ids) == prompt_len and 0 < lease_s <= 60
         self.reserved[rid] = (list(ids), params)

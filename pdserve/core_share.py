@@ -1,0 +1,110 @@
+"""Idle prefill cores lent to decode, among the CPU workers of one node.
+
+On a GPU, SGLang's PD multiplexing splits one device's SMs between prefill and decode as
+the load moves between them; pdserve's CPU workers do the same with cores. Each prefill
+worker publishes in shared memory whether it is computing, and how many torch threads it
+runs: a 2-byte file `<worker_id>.prefill` (byte 0: busy, byte 1: threads) in a directory
+under /dev/shm that the cluster names once per start (`WorkerConfig.core_share_dir`).
+Before each step, a decode worker of the same node runs on its own threads plus those of
+every prefill worker there that is idle, and goes back to its own as soon as one is busy
+again; a decode step already running when a prefill starts shares that core until it
+ends (one step, ~0.1 s).
+
+Without it, a one-box cluster of 1 prefill + 1 decode worker on 2 cores leaves one core
+idle whenever prompts stop arriving (measured in docs/performance.md). Only for workers
+not pinned to CPUs (`WorkerConfig.cpus` None): a pinned decode worker could not use the
+lent core. A prefill worker's busy byte starts at 1, so a decode worker borrows nothing
+before the prefill worker's loop runs; a prefill worker killed while busy keeps its byte
+at 1 (nothing is lent), one restarted replaces its file (the reader notices the new inode
+within `RESCAN_S`).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+RESCAN_S = 1.0          # how often a decode worker lists the directory again (seconds)
+_SUFFIX = ".prefill"
+
+
+class PrefillActivity:
+    """A prefill worker's flag in `directory`: `set_busy(True)` while it computes.
+
+    Raises:
+        OSError: the directory cannot be created or written (e.g. no /dev/shm).
+    """
+
+    def __init__(self, directory: str, worker_id: str, threads: int):
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.path = d / f"{worker_id}{_SUFFIX}"
+        tmp = d / f".{worker_id}.{os.getpid()}.tmp"
+        tmp.write_bytes(bytes([1, max(1, min(threads, 255))]))
+        os.replace(tmp, self.path)          # a restarted worker: a new inode, seen as such
+        with open(self.path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), 2)
+        self._busy = True
+
+    def set_busy(self, busy: bool) -> None:
+        if busy != self._busy:
+            self._map[0] = 1 if busy else 0
+            self._busy = busy
+
+    def close(self) -> None:
+        """Unpublish: the file goes (no decode worker borrows these threads any more)."""
+        self._map[0] = 1
+        self._map.close()
+        self.path.unlink(missing_ok=True)
+
+
+class LentThreads:
+    """A decode worker's view of `directory`: `threads()` is its own thread count plus
+    those of the idle prefill workers there, at most `max_threads`."""
+
+    def __init__(self, directory: str, own_threads: int, max_threads: int):
+        self.directory, self.own, self.max = Path(directory), own_threads, max_threads
+        self._maps: dict[str, tuple[int, mmap.mmap]] = {}   # name -> (inode, map)
+        self._scanned = float("-inf")
+
+    def threads(self) -> int:
+        now = time.monotonic()
+        if now - self._scanned >= RESCAN_S:
+            self._scanned = now
+            self._rescan()
+        lent = sum(m[1] for _, m in self._maps.values() if m[0] == 0)
+        return min(self.max, self.own + lent)
+
+    def close(self) -> None:
+        for _, m in self._maps.values():
+            m.close()
+        self._maps.clear()
+
+    def _rescan(self) -> None:
+        seen = {}
+        try:
+            entries = list(os.scandir(self.directory))
+        except FileNotFoundError:
+            entries = []
+        for e in entries:
+            if not e.name.endswith(_SUFFIX):
+                continue
+            try:
+                inode = e.inode()
+                old = self._maps.get(e.name)
+                if old is not None and old[0] == inode:
+                    seen[e.name] = old
+                    continue
+                with open(e.path, "rb") as f:
+                    seen[e.name] = (inode, mmap.mmap(f.fileno(), 2, access=mmap.ACCESS_READ))
+            except (OSError, ValueError) as err:    # vanished, or not yet 2 bytes long
+                logger.debug("core share: %s skipped: %s", e.name, err)
+        for name, (inode, m) in self._maps.items():
+            if seen.get(name, (None,))[0] != inode:
+                m.close()
+        self._maps = seen

@@ -1,0 +1,60 @@
+"""pdserve/core_share.py: prefill workers' busy flags and the threads a decode worker
+borrows from the idle ones (shared files in a temporary directory, no Ray)."""
+
+import pytest
+
+from pdserve import core_share
+from pdserve.config import ClusterConfig, WorkerConfig
+from pdserve.core_share import LentThreads, PrefillActivity
+
+
+@pytest.fixture
+def rescan_always(monkeypatch):
+    monkeypatch.setattr(core_share, "RESCAN_S", 0.0)
+
+
+def test_decode_borrows_only_idle_prefill_threads_up_to_its_cap(tmp_path):
+    lent = LentThreads(str(tmp_path), own_threads=1, max_threads=4)
+    assert lent.threads() == 1                       # nothing published yet
+    p0 = PrefillActivity(str(tmp_path), "prefill-0", threads=2)
+    p1 = PrefillActivity(str(tmp_path), "prefill-1", threads=2)
+    lent._scanned = float("-inf")                    # (a rescan is due every RESCAN_S)
+    assert lent.threads() == 1                       # both start busy
+    p0.set_busy(False)
+    assert lent.threads() == 3                       # read live, no rescan needed
+    p1.set_busy(False)
+    assert lent.threads() == 4                       # capped: the node's cores
+    p0.set_busy(True)
+    assert lent.threads() == 3
+    for p in (p0, p1):
+        p.close()
+    lent.close()
+
+
+def test_a_restarted_or_stopped_prefill_worker_is_noticed(tmp_path, rescan_always):
+    lent = LentThreads(str(tmp_path), own_threads=1, max_threads=2)
+    old = PrefillActivity(str(tmp_path), "prefill-0", threads=1)
+    old.set_busy(False)
+    assert lent.threads() == 2
+    new = PrefillActivity(str(tmp_path), "prefill-0", threads=1)   # Ray restarted it
+    assert lent.threads() == 1                       # the new incarnation starts busy
+    new.set_busy(False)
+    assert lent.threads() == 2
+    new.close()                                      # shutdown: its file goes
+    assert lent.threads() == 1 and not list(tmp_path.iterdir())
+    lent.close()
+
+
+def test_missing_directory_lends_nothing(tmp_path):
+    lent = LentThreads(str(tmp_path / "gone"), own_threads=2, max_threads=8)
+    assert lent.threads() == 2
+
+
+def test_cluster_lends_only_for_unpinned_cpu_workers():
+    assert ClusterConfig().lends_idle_prefill_cores()
+    assert not ClusterConfig(lend_idle_prefill_cores=False).lends_idle_prefill_cores()
+    pinned = WorkerConfig(cpus=(1,))
+    assert not ClusterConfig(decode=pinned).lends_idle_prefill_cores()
+    assert not ClusterConfig(gpus_per_worker=1).lends_idle_prefill_cores()
+    assert not ClusterConfig(prefill=WorkerConfig(device="cuda"),
+                             decode=WorkerConfig(device="cuda")).lends_idle_prefill_cores()

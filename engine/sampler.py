@@ -60,23 +60,61 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out.tolist()
 
 
+_TOP_CANDIDATES = 256   # tokens ranked per row for top-k / top-p before any full sort
+
+
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Softmax of temperature-scaled logits with top-k then top-p applied: [n, vocab]
     float64 (the cumulative sum above needs its precision; the softmax itself is fp32)."""
     temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
     logits = logits / temps.clamp_min(1e-5)[:, None]
-    top_k = [p.top_k for p in params]
-    top_p = [p.top_p for p in params]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, idx = logits.sort(dim=-1, descending=True)
-        vocab = logits.shape[-1]
-        ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
-        probs = sorted_logits.softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-        before = probs.cumsum(dim=-1) - probs
-        ps = torch.tensor(top_p, device=logits.device, dtype=probs.dtype)
-        sorted_logits = sorted_logits.masked_fill(before >= ps[:, None], float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+    vocab = logits.shape[-1]
+    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                      device=logits.device)
+    ps = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
+    if bool((ks < vocab).any()) or bool((ps < 1.0).any()):
+        logits = _top_k_top_p(logits, ks, ps)
     return logits.softmax(dim=-1).double()   # (softmax in float64 itself is ~10x slower)
+
+
+def _top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    """Logits [n, vocab] with everything outside each row's top ks[i] tokens, then outside
+    the smallest prefix (by probability under the top-k distribution) whose mass reaches
+    ps[i], set to -inf; the top token always stays. ks[i] == vocab: no top-k.
+
+    Ranks only the top max(_TOP_CANDIDATES, top_k) tokens of each row (`topk`: ~8 ms for
+    64 x 49,152 on one core, where a full sort takes ~250 ms); a row whose top-p prefix
+    reaches past them (a flat distribution) is sorted in full (`_sorted_top_k_top_p`),
+    so the result is the same either way."""
+    vocab = logits.shape[-1]
+    limited = ks < vocab
+    cand = min(vocab, max(_TOP_CANDIDATES, int(ks[limited].max()) if bool(limited.any()) else 0))
+    vals, idx = logits.topk(cand, dim=-1)                        # descending
+    ranks = torch.arange(cand, device=logits.device)[None, :]
+    vals = vals.masked_fill(ranks >= ks[:, None], float("-inf"))
+    # log of the normalizer: over the top k where top-k applies, else over the whole row
+    lse = torch.where(limited, vals.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    probs = (vals - lse[:, None]).exp()
+    before = probs.cumsum(dim=-1) - probs
+    out = torch.full_like(logits, float("-inf")).scatter(
+        -1, idx, vals.masked_fill(before >= ps[:, None], float("-inf")))
+    whole = ~limited & (ps >= 1.0)                  # unfiltered rows of a mixed batch
+    out[whole] = logits[whole]
+    # top-p without top-k whose prefix does not end among the candidates
+    unsettled = ~limited & (ps < 1.0) & (probs.sum(dim=-1) < ps)
+    if bool(unsettled.any()):
+        out[unsettled] = _sorted_top_k_top_p(logits[unsettled], ks[unsettled], ps[unsettled])
+    return out
+
+
+def _sorted_top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor
+                        ) -> torch.Tensor:
+    """`_top_k_top_p` by a full sort of every row."""
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+    before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(before >= ps[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)

@@ -166,3 +166,26 @@ def test_filtered_token_is_never_sampled_even_with_huge_temperature():
 def test_batch_size_mismatch_asserts():
     with pytest.raises(AssertionError):
         sample(torch.zeros(2, 4), [SamplingParams()], [0, 0])
+
+
+def test_candidate_top_k_top_p_equals_a_full_sort():
+    """The candidates path (topk of 256, then a full sort only for rows whose top-p
+    prefix reaches past them) keeps exactly the tokens a full sort keeps."""
+    from pdserve.engine.sampler import _sorted_top_k_top_p, _top_k_top_p
+    vocab = 5000
+    g = torch.Generator().manual_seed(11)
+    peaked = torch.randn(4, vocab, generator=g) * 6        # top-p prefix: a few tokens
+    flat = torch.randn(4, vocab, generator=g) * 0.1        # top-p prefix: most of the row
+    logits = torch.cat([peaked, flat])
+    ks = torch.tensor([vocab, 40, vocab, 300, vocab, 20, vocab, vocab])
+    ps = torch.tensor([0.9, 1.0, 1.0, 0.95, 0.9, 0.5, 1.0, 0.999])
+    fast = _top_k_top_p(logits, ks, ps)
+    filtered = (ks < vocab) | (ps < 1.0)
+    full = _sorted_top_k_top_p(logits[filtered], ks[filtered], ps[filtered])
+    assert torch.equal(fast[filtered].isfinite(), full.isfinite())
+    assert torch.equal(fast[fast.isfinite()], logits[fast.isfinite()])   # kept values as is
+    kept = fast.isfinite().sum(dim=-1).tolist()
+    # rows without top-k / top-p keep every token (a full sort's fp32 cumsum reaching 1.0
+    # would cut a peaked row's tail even at top_p=1)
+    assert kept[2] == kept[6] == vocab and kept[1] == 40 and kept[5] <= 20
+    assert kept[4] > 256                                   # the full-sort fallback ran

@@ -4,17 +4,23 @@ Back ends, chosen per device (ARCHITECTURE.md "Attention back ends"):
 
 | phase   | CUDA + flash-attn                         | CUDA without flash-attn        | CPU                        |
 |---------|-------------------------------------------|--------------------------------|----------------------------|
-| prefill | `flash_attn_varlen_func` with cu_seqlens  | SDPA, causal, per sequence (torch picks its flash kernel for fp16/bf16) | SDPA, causal, per sequence |
-| prefill after a cached prefix | the same, K/V paged via block_table | gather the context by block_table, SDPA with an offset causal mask (math kernel: flash takes no mask) | the same |
-| decode  | `flash_attn_with_kvcache` + block_table   | Triton paged decode over block_table (`triton_attention.py`, flash_attn_with_kvcache's semantics) | C++ kernel reading blocks in place (`cpu_ops.py`); unbuilt: per group of similar-length sequences, gather by block_table, masked SDPA |
-| KV write | `index_copy_` by slot_mapping            | Triton `store_kvcache`: K and V in one kernel | `index_copy_` by slot_mapping |
+| prefill | `flash_attn_varlen_func` with cu_seqlens  | SDPA, causal, per sequence (torch picks its flash kernel for fp16/bf16) | C++ paged attention reading blocks in place (`cpu_ops.paged_attention`); unbuilt: SDPA, causal, per sequence |
+| prefill after a cached prefix | the same, K/V paged via block_table | gather the context by block_table, SDPA with an offset causal mask (math kernel: flash takes no mask) | the C++ kernel; unbuilt: as CUDA without flash-attn |
+| decode  | `flash_attn_with_kvcache` + block_table   | Triton paged decode over block_table (`triton_attention.py`, flash_attn_with_kvcache's semantics) | the C++ kernel; unbuilt: per group of similar-length sequences, gather by block_table, masked SDPA |
+| KV write | `index_put_` by slot_mapping             | Triton `store_kvcache`: K and V in one kernel | C++ `reshape_and_cache` |
 
 CUDA without flash-attn falls back to the CPU column if triton cannot be imported.
 
-KV cache of one layer (the layout `flash_attn_with_kvcache` takes):
+KV cache of one layer, a block's K (or V) of one KV head one contiguous tile (vLLM's CPU
+layout, and what tensor-parallel workers need to send a range of heads as one region):
 
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
     slot_mapping[t] = block_table[seq][pos // block_size] * block_size + pos % block_size
+    token at slot s, KV head h: k_cache[s // block_size, h, s % block_size]
+
+flash-attn and the Triton kernels read `k_cache.transpose(1, 2)`, a
+[num_blocks, block_size, num_kv_heads, head_dim] view of the same memory (they take
+strides; head_dim stays contiguous).
 
 A sequence of 37 tokens with block_size 16 and block_table [7, 2, 9]:
     tokens  0..15 -> block 7 slots 112..127
@@ -81,10 +87,13 @@ def decode_on_device(device: torch.device, block_size: int) -> bool:
             or (flash and _triton_ops() is not None))
 
 
-def use_cpu_kernel(q: torch.Tensor) -> bool:
-    """CPU decode attention runs pdserve's C++ kernel (engine/cpu_ops.py) when it was
-    built and fits: fp32/bf16, head_dim a multiple of 16."""
-    return (q.device.type == "cpu" and q.shape[-1] % 16 == 0
+def use_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """CPU attention and the KV write run pdserve's C++ kernels (engine/cpu_ops.py) when
+    they were built and fit: fp32/bf16, head_dim a multiple of 16 (at most 128, or 256),
+    block_size a multiple of 16."""
+    d = q.shape[-1]
+    return (q.device.type == "cpu" and d % 16 == 0 and (d <= 128 or d == 256)
+            and k_cache.shape[2] % 16 == 0
             and q.dtype in (torch.float32, torch.bfloat16) and cpu_ops.available())
 
 
@@ -95,7 +104,7 @@ def attention_backend(device: torch.device) -> str:
     if use_triton(device):
         return "SDPA prefill, Triton decode"
     if device.type == "cpu" and cpu_ops.available():
-        return "SDPA prefill, C++ paged decode"
+        return "C++ paged attention"
     return "SDPA"
 
 
@@ -109,16 +118,17 @@ class AttentionMetadata:
         seq_lens: the same counts as a Python tuple, for the CPU per-sequence loop.
         cached_lens: tokens of each prompt already in its blocks (a cached prefix or an
             earlier chunk), whose K/V the new tokens attend to; () when none has any.
-            With it: block_table ([batch, max_blocks] int32, covering cached + new
-            tokens), cu_seqlens_k ([batch+1] int32, cumulative cached + new) and
-            max_seqlen_k.
+        cu_seqlens_k: [batch+1] int32, cumulative cached + new tokens (flash-attn's paged
+            varlen), and max_seqlen_k; set with cached_lens.
     Decode fields (is_prefill=False):
-        block_table: [batch, max_blocks_per_seq] int32, padded with 0 (masked by context_lens).
-        context_lens: [batch] int32, tokens in each sequence including the new one.
         max_context_len: the largest context_lens value (tokens).
-        context_lens_host: context_lens as a Python tuple (the CPU path groups by it).
+        context_lens_host: context_lens as a Python tuple (the SDPA fallback groups by it).
     Both:
         slot_mapping: [num_tokens] int64, cache slot each new token's K/V is written to.
+        block_table: [batch, max_blocks_per_seq] int32, padded with 0 (never read past a
+            sequence's context).
+        context_lens: [batch] int32, tokens in each sequence's context including its new
+            ones (prefill: cached + new; decode: the new token included).
     """
 
     is_prefill: bool
@@ -155,19 +165,30 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, slot: str) -> torch.Te
     return torch.index_select(cache, 0, block_ids, out=out)
 
 
+def _context(cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first `num_tokens` tokens held by `block_ids` of a cache [num_blocks,
+    num_kv_heads, block_size, head_dim], as [num_tokens, num_kv_heads, head_dim]."""
+    return cache.index_select(0, block_ids).transpose(1, 2).flatten(0, 1)[:num_tokens]
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter new K/V into the paged cache.
 
-    k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads,
-    head_dim]; slot_mapping: [num_tokens] int64.
+    k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, num_kv_heads,
+    block_size, head_dim]; slot_mapping: [num_tokens] int64.
     """
     if use_triton(k.device):
-        _triton_ops().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        _triton_ops().store_kvcache(k, v, k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                    slot_mapping)
         return
-    h, d = k_cache.shape[-2:]
-    k_cache.view(-1, h, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, h, d).index_copy_(0, slot_mapping, v)
+    if use_cpu_kernel(k, k_cache) and k.stride(-1) == 1 and v.stride(-1) == 1:
+        cpu_ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        return
+    block_size = k_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache.transpose(1, 2)[blocks, offsets] = k     # writes through the view
+    v_cache.transpose(1, 2)[blocks, offsets] = v
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -176,10 +197,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       v_cache: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each prompt's new tokens over its cached prefix (if any) and
     themselves, for a varlen batch. The new tokens' K/V must already be in the cache
-    when ``meta.cached_lens`` is set (the paged path reads every key from there).
+    (write_kv): the paged paths read every key from there.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-    (the new tokens); caches: [num_blocks, block_size, num_kv_heads, head_dim].
+    (the new tokens); caches: [num_blocks, num_kv_heads, block_size, head_dim].
     Returns [num_tokens, num_heads, head_dim].
     """
     paged = bool(meta.cached_lens) and any(meta.cached_lens)
@@ -187,12 +208,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         from flash_attn import flash_attn_varlen_func
         if paged:  # keys from the paged cache; causal aligns each query bottom-right
             return flash_attn_varlen_func(
-                q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
-                meta.max_seqlen_k, softmax_scale=scale, causal=True,
-                block_table=meta.block_table)
+                q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), meta.cu_seqlens_q,
+                meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, softmax_scale=scale,
+                causal=True, block_table=meta.block_table)
         return flash_attn_varlen_func(
             q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
             meta.max_seqlen_q, softmax_scale=scale, causal=True)
+    if (k_cache is not None and meta.block_table is not None and meta.context_lens is not None
+            and use_cpu_kernel(q, k_cache)):    # engine/csrc/paged_attention.cpp
+        return cpu_ops.paged_attention(q, k_cache, v_cache, meta.block_table, meta.cu_seqlens_q,
+                                       meta.context_lens, scale)
     out = torch.empty_like(q)
     start = 0
     for i, n in enumerate(meta.seq_lens):
@@ -200,10 +225,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cached = meta.cached_lens[i] if paged else 0
         if cached:
             total = cached + n
-            block_size = k_cache.shape[1]
+            block_size = k_cache.shape[2]
             table = meta.block_table[i, :-(-total // block_size)].long()
-            kk = k_cache.index_select(0, table).flatten(0, 1)[:total]   # (total, h_kv, d)
-            vv = v_cache.index_select(0, table).flatten(0, 1)[:total]
+            kk = _context(k_cache, table, total)                      # (total, h_kv, d)
+            vv = _context(v_cache, table, total)
             # new token j sits at position cached + j: it sees keys 0 .. cached + j
             mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(cached)
         else:
@@ -222,31 +247,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query per sequence against its paged context (new token already written).
 
-    q: [batch, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
+    q: [batch, num_heads, head_dim]; caches: [num_blocks, num_kv_heads, block_size, head_dim].
     Returns [batch, num_heads, head_dim].
     """
     paged_flash = use_flash_attn(q.device)
-    if paged_flash and k_cache.shape[1] % FLASH_ATTN_PAGE_MULTIPLE == 0:
+    if paged_flash and k_cache.shape[2] % FLASH_ATTN_PAGE_MULTIPLE == 0:
         from flash_attn import flash_attn_with_kvcache
         o = flash_attn_with_kvcache(
-            q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-            block_table=meta.block_table, softmax_scale=scale, causal=True)
+            q.unsqueeze(1), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+            cache_seqlens=meta.context_lens, block_table=meta.block_table, softmax_scale=scale,
+            causal=True)
         return o.squeeze(1)
     # flash-attn present but a block size its paged kernel refuses: Triton if it can
     if use_triton(q.device) or (paged_flash and _triton_ops() is not None):
-        return _triton_ops().paged_decode_attention(q, k_cache, v_cache, meta.block_table,
+        return _triton_ops().paged_decode_attention(q, k_cache.transpose(1, 2),
+                                                    v_cache.transpose(1, 2), meta.block_table,
                                                     meta.context_lens, scale)
-    if use_cpu_kernel(q):    # engine/csrc/paged_attention.cpp: blocks read in place
+    if use_cpu_kernel(q, k_cache):    # engine/csrc/paged_attention.cpp: blocks read in place
         return cpu_ops.paged_decode_attention(q, k_cache, v_cache, meta.block_table,
                                               meta.context_lens, scale)
-    # Without the built kernel (or head_dim not a multiple of 16):
+    # Without the built kernel (or a head_dim / block_size it does not take):
     # SDPA per group of _DECODE_GROUP sequences of similar length (sorted by context
     # length), each gathering only the blocks its longest member needs: one long
     # sequence no longer makes every other pay for its context. GQA without repeating
     # K/V: a KV head's g query heads are the query "length" axis of one SDPA row
     # (query head i reads KV head i // g, as HF's repeat_kv lays them out).
     b, h, d = q.shape
-    block_size, h_kv = k_cache.shape[1:3]
+    h_kv, block_size = k_cache.shape[1:3]
     ctx = meta.context_lens_host or tuple(meta.context_lens.tolist())
     order = sorted(range(b), key=ctx.__getitem__)
     out = torch.empty_like(q)
@@ -257,9 +284,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         idx = torch.tensor(rows, device=q.device)
         table = meta.block_table[idx, :n_blocks].long()                      # (n, blocks)
         k = _gather(k_cache, table.flatten(), "k").view(
-            n, n_blocks * block_size, h_kv, d).transpose(1, 2)                # (n, h_kv, S, d)
+            n, n_blocks, h_kv, block_size, d).transpose(1, 2).reshape(
+            n, h_kv, n_blocks * block_size, d)                               # (n, h_kv, S, d)
         v = _gather(v_cache, table.flatten(), "v").view(
-            n, n_blocks * block_size, h_kv, d).transpose(1, 2)
+            n, n_blocks, h_kv, block_size, d).transpose(1, 2).reshape(
+            n, h_kv, n_blocks * block_size, d)
         pos = torch.arange(n_blocks * block_size, device=q.device)
         mask = (pos[None, :] < meta.context_lens[idx, None])[:, None, None, :]  # (n, 1, 1, S)
         o = F.scaled_dot_product_attention(q[idx].view(n, h_kv, h // h_kv, d), k, v,

@@ -4,9 +4,15 @@ pdserve.engine.cpu_ops`) with torch.utils.cpp_extension and loaded as torch ops
 runs the SDPA fallback of attention.py and logs how to build.
 
 Kernels:
-    paged_decode_attention(q, k_cache, v_cache, block_table, context_lens, scale)
-        one query per sequence against its paged context, read in place (no gather);
-        fp32 or bf16, head_dim a multiple of 16. See csrc/paged_attention.cpp.
+    paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, scale)
+        each sequence's new tokens (a prompt, a chunk after a cached prefix, one decode
+        token) against their paged context, causal, read in place (no gather); fp32 or
+        bf16. paged_decode_attention: the same, one token per sequence.
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        the KV write. See csrc/paged_attention.cpp for both.
+    sample_from_logits(logits, temperatures, uniforms)
+        one token per row by inverse CDF over the temperature softmax, one uniform draw
+        per row. See csrc/sampler.cpp.
     rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul
         the decoder layer's elementwise ops, one pass each, with transformers' arithmetic
         and roundings. See csrc/fused_ops.cpp.
@@ -32,8 +38,8 @@ from .loader import cache_dir
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp"]
-_HEADERS = [_CSRC / "cpu_math.h"]
+_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "sampler.cpp"]
+_HEADERS = [_CSRC / "cpu_math.h", _CSRC / "cpu_vec.h"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _NAME = "pdserve_cpu_ops"
 
@@ -82,22 +88,73 @@ def available() -> bool:
     return True
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_table: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """Decode attention over the paged cache, read in place (needs `available()`).
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    seq_lens_k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context (a cached
+    prefix, earlier chunks and the new tokens themselves, whose K/V must already be in
+    the cache), read in place (needs `available()`).
 
-    q: [batch, num_heads, head_dim] fp32/bf16 (CPU); k_cache, v_cache: [num_blocks,
-    block_size, num_kv_heads, head_dim], q's dtype, contiguous; block_table: [batch,
-    max_blocks] int32; context_lens: [batch] int32, tokens including the new one.
-    Returns [batch, num_heads, head_dim] in q's dtype.
+    q: [num_tokens, num_heads, head_dim] fp32/bf16 (CPU), the sequences' new tokens one
+    after another; k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim],
+    q's dtype, contiguous; block_table: [batch, max_blocks] int32; cu_seqlens_q:
+    [batch + 1] int32 (sequence b's new tokens are q[cu[b]:cu[b+1]]); seq_lens_k: [batch]
+    int32, each sequence's context including its new tokens (new token i of sequence b
+    sits at position seq_lens_k[b] - n_b + i and sees keys up to it). head_dim a multiple
+    of 16 up to 128, or 256; block_size a multiple of 16.
+    Returns [num_tokens, num_heads, head_dim] in q's dtype.
 
     Raises:
         RuntimeError: shapes or dtypes that do not fit (the message names them), or a
-            context length its block_table row does not cover.
+            context its block_table row does not cover.
+    """
+    return torch.ops.pdserve_cpu.paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q,
+                                                 seq_lens_k, scale)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """paged_attention with one new token per sequence: q [batch, num_heads, head_dim],
+    context_lens [batch] int32 (tokens including the new one). Returns [batch, num_heads,
+    head_dim] in q's dtype.
+
+    Raises:
+        RuntimeError: as paged_attention.
     """
     return torch.ops.pdserve_cpu.paged_decode_attention(q, k_cache, v_cache, block_table,
                                                         context_lens, scale)
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write new tokens' K/V into the paged cache (vLLM's reshape_and_cache), in place.
+
+    k, v: [num_tokens, num_kv_heads, head_dim] (head_dim contiguous; rows may be strided,
+    as views of a fused QKV output are); caches: [num_blocks, num_kv_heads, block_size,
+    head_dim], k's dtype, contiguous; slot_mapping: [num_tokens] int64, token t to block
+    slot // block_size at offset slot % block_size; -1 skips the token.
+
+    Raises:
+        RuntimeError: a slot outside the cache, or shapes that do not fit.
+    """
+    torch.ops.pdserve_cpu.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def sample_from_logits(logits: torch.Tensor, temperatures: torch.Tensor,
+                       uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row (needs `available()`): the first token whose cumulative
+    probability under softmax(logits[i] / temperatures[i]) exceeds uniforms[i].
+
+    logits: [rows, vocab] float32 (CPU), -inf for tokens that must not be picked;
+    temperatures: [rows] float32 > 0; uniforms: [rows] float64 in [0, 1).
+    Returns [rows] int64 token ids; a row with NaN logits (or no finite one) gets its
+    argmax.
+
+    Raises:
+        RuntimeError: a temperature <= 0, a uniform outside [0, 1), wrong shapes.
+    """
+    return torch.ops.pdserve_cpu.sample_from_logits(logits, temperatures, uniforms)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

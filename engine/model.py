@@ -256,7 +256,7 @@ class CausalLM(nn.Module):
         """Run every layer over a flat batch of tokens, writing their K/V into the cache.
 
         input_ids, positions: [num_tokens] int64; kv_cache: [num_layers, 2, num_blocks,
-        block_size, num_kv_heads, head_dim]. `on_layer_done(i)` is called once layer i's
+        num_kv_heads, block_size, head_dim]. `on_layer_done(i)` is called once layer i's
         K/V is in the cache (prefill streams it to the decode worker from there).
         Returns the final-norm hidden states, [num_tokens, hidden_size].
         """

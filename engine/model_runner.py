@@ -94,7 +94,7 @@ def load_model(model: str | Path | None, dtype: torch.dtype = torch.float32,
 
 
 class ModelRunner:
-    """Weights + KV cache `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`."""
+    """Weights + KV cache `[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]`."""
 
     def __init__(self, model: str | Path | None, cache: CacheConfig, num_threads: int | None = None,
                  cpus: Sequence[int] | None = None, *, enforce_eager: bool = True,
@@ -135,8 +135,8 @@ class ModelRunner:
             graphs = False
         # With graphs, one block past the pool's (never handed out) takes the K/V that
         # padded graph rows write: write_kv has no "skip this row" slot value.
-        self.kv_cache = torch.zeros(c.num_layers, 2, cache.num_blocks + graphs, cache.block_size,
-                                    c.num_kv_heads, c.head_dim, dtype=cache.dtype, device=self.device)
+        self.kv_cache = torch.zeros(c.num_layers, 2, cache.num_blocks + graphs, c.num_kv_heads,
+                                    cache.block_size, c.head_dim, dtype=cache.dtype, device=self.device)
         self.block_size = cache.block_size
         self.decode_graphs = None
         if graphs:
@@ -151,9 +151,13 @@ class ModelRunner:
                     ", oneDNN-prepacked linears" if self.prepacked else "",
                     cache.num_blocks, cache.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
-    def _slots(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
+    def _block_table(self, tables: Sequence[Sequence[int]], num_tokens: Sequence[int]) -> torch.Tensor:
+        """[len(tables), widest] int32 (host): each row the blocks covering its tokens,
+        padded with 0."""
         bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+        rows = [t[:-(-n // bs)] for t, n in zip(tables, num_tokens)]
+        width = max(len(r) for r in rows)
+        return torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
 
     @torch.inference_mode()
     def prefill(self, seqs: Sequence[PrefillSeq],
@@ -176,31 +180,29 @@ class ModelRunner:
                 raise ValueError(f"block_table of {len(s.block_table)} blocks cannot hold "
                                  f"{len(s.token_ids)} tokens (block_size {bs})")
         lens = [len(s.token_ids) - s.num_cached for s in seqs]
-        ids, slots = [], []
-        for s in seqs:
-            ids.extend(s.token_ids[s.num_cached:])
-            slots.extend(self._slots(s.block_table, s.num_cached, len(s.token_ids)))
-        dev = self.device
-        positions = torch.cat([torch.arange(s.num_cached, len(s.token_ids)) for s in seqs]).to(dev)
+        totals = [len(s.token_ids) for s in seqs]
+        ids = [t for s in seqs for t in s.token_ids[s.num_cached:]]
+        table = self._block_table([s.block_table for s in seqs], totals)     # (batch, width)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lens).cumsum(0)
+        # each new token's position and cache slot, from the table (no per-token loop)
+        row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))
+        positions = torch.arange(len(ids)) - cu[:-1].long()[row] + torch.tensor(
+            [s.num_cached for s in seqs])[row]
+        slots = table[row, positions // bs].long() * bs + positions % bs
+        dev = self.device
         paged = {}
         if any(s.num_cached for s in seqs):
-            totals = [len(s.token_ids) for s in seqs]
-            width = max(-(-n // bs) for n in totals)
-            table = torch.zeros(len(seqs), width, dtype=torch.int32)
-            for i, s in enumerate(seqs):
-                row = list(s.block_table[:-(-totals[i] // bs)])
-                table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
             cu_k = torch.zeros(len(seqs) + 1, dtype=torch.int32)
             cu_k[1:] = torch.tensor(totals).cumsum(0)
-            paged = dict(cached_lens=tuple(s.num_cached for s in seqs), block_table=table.to(dev),
+            paged = dict(cached_lens=tuple(s.num_cached for s in seqs),
                          cu_seqlens_k=cu_k.to(dev), max_seqlen_k=max(totals))
         meta = AttentionMetadata(
-            is_prefill=True, slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            cu_seqlens_q=cu.to(dev), max_seqlen_q=max(lens), seq_lens=tuple(lens), **paged)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), positions, meta,
-                            self.kv_cache, on_layer_done)
+            is_prefill=True, slot_mapping=slots.to(dev), cu_seqlens_q=cu.to(dev),
+            max_seqlen_q=max(lens), seq_lens=tuple(lens), block_table=table.to(dev),
+            context_lens=torch.tensor(totals, dtype=torch.int32, device=dev), **paged)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev),
+                            meta, self.kv_cache, on_layer_done)
         last = (cu[1:] - 1).to(dev).long()
         return self.model.compute_logits(hidden[last])
 
@@ -215,14 +217,10 @@ class ModelRunner:
     def decode_batch(self, seqs: Sequence[DecodeSeq]) -> DecodeBatch:
         """The flat tensors of a decode step over `seqs`, on the runner's device."""
         assert seqs, "empty decode batch"
-        dev = self.device
-        width = max(len(s.block_table) for s in seqs)
-        table = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        dev, bs = self.device, self.block_size
         ctx = [s.position + 1 for s in seqs]
-        slots = [s.block_table[s.position // self.block_size] * self.block_size
-                 + s.position % self.block_size for s in seqs]
+        table = self._block_table([s.block_table for s in seqs], ctx)
+        slots = [s.block_table[s.position // bs] * bs + s.position % bs for s in seqs]
         return DecodeBatch(
             input_ids=torch.tensor([s.token_id for s in seqs], dtype=torch.long, device=dev),
             positions=torch.tensor([s.position for s in seqs], dtype=torch.long, device=dev),

@@ -8,7 +8,11 @@ cumulative probability (float64) exceeds u, what `torch.multinomial` does for on
 sample. It needs one random number per row where the exponential race (argmax of
 p / Exp(1), vLLM's sampler) needs one per vocabulary entry: on CPU, torch's `exponential_`
 over a [64, 49152] batch costs ~48 ms, a whole decode step's quarter, against ~6 ms for
-this (`pdserve bench step`, docs/performance.md).
+this (`pdserve bench step`, docs/performance.md). On CPU the draw itself runs in C++
+(engine/csrc/sampler.cpp: the softmax's max, its sum per chunk of 256 tokens, then the
+chunk the draw falls in; no float64 copy of the batch): 64 x 49,152 rows in ~2 ms where
+softmax + float64 cumsum + searchsorted took ~11 ms on two threads under load.
+A row with NaN logits gets its argmax (a valid token id) on every path.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import cpu_ops
 from .sampling_params import SamplingParams
 
 
@@ -41,40 +46,51 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         out = logits.argmax(dim=-1)
         rows = torch.tensor(random_rows, device=dev)
         sub = logits[rows]
-    cdf = _filtered_probs(sub, [params[i] for i in random_rows]).cumsum_(dim=-1)
-    u = torch.empty(len(random_rows), 1, dtype=torch.float64, device=dev)
+    u = torch.empty(len(random_rows), dtype=torch.float64, device=dev)
     unseeded = [j for j, i in enumerate(random_rows) if params[i].seed is None]
     if unseeded:
-        u[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64, device=dev)
+        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=dev)
     for j, i in enumerate(random_rows):
         p = params[i]
         if p.seed is not None:
             gen = torch.Generator(device=dev)
             gen.manual_seed((p.seed * 1_000_003 + p.step_offset + steps[i]) % 2**63)
             u[j] = torch.rand(1, dtype=torch.float64, device=dev, generator=gen)
+    sub_params = [params[i] for i in random_rows]
+    temps = torch.tensor([max(p.temperature, 1e-5) for p in sub_params], dtype=torch.float32)
+    filtered = _filter(sub, sub_params, temps.to(dev))
+    if filtered is not None:      # already divided by the temperature
+        sub, temps = filtered, torch.ones_like(temps)
+    if dev.type == "cpu" and sub.dtype == torch.float32 and cpu_ops.available():
+        out[rows] = cpu_ops.sample_from_logits(sub, temps, u)
+        return out.tolist()
+    if filtered is None:
+        sub = sub / temps.to(dev)[:, None]
+    cdf = sub.softmax(dim=-1).double().cumsum_(dim=-1)   # (softmax in float64 is ~10x slower)
     # r < total always (so the pick is a token with p > 0: zero-probability tokens
     # repeat their predecessor's cumulative value and are never the first to exceed r)
     total = cdf[:, -1:]
-    r = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
-    out[rows] = torch.searchsorted(cdf, r, right=True).squeeze(1)
+    r = torch.minimum(u[:, None] * total, total.nextafter(torch.zeros_like(total)))
+    picked = torch.searchsorted(cdf, r, right=True).squeeze(1)
+    bad = ~torch.isfinite(total.squeeze(1))          # NaN logits: the argmax, a valid id
+    out[rows] = torch.where(bad, sub.argmax(dim=-1), picked.clamp_max(sub.shape[-1] - 1))
     return out.tolist()
 
 
 _TOP_CANDIDATES = 256   # tokens ranked per row for top-k / top-p before any full sort
 
 
-def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Softmax of temperature-scaled logits with top-k then top-p applied: [n, vocab]
-    float64 (the cumulative sum above needs its precision; the softmax itself is fp32)."""
-    temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
-    logits = logits / temps.clamp_min(1e-5)[:, None]
+def _filter(logits: torch.Tensor, params: Sequence[SamplingParams],
+            temps: torch.Tensor) -> torch.Tensor | None:
+    """Temperature-scaled logits [n, vocab] with top-k then top-p applied (-inf outside),
+    or None when no row has either (the caller then scales by the temperature itself)."""
     vocab = logits.shape[-1]
     ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
                       device=logits.device)
     ps = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
-    if bool((ks < vocab).any()) or bool((ps < 1.0).any()):
-        logits = _top_k_top_p(logits, ks, ps)
-    return logits.softmax(dim=-1).double()   # (softmax in float64 itself is ~10x slower)
+    if not (bool((ks < vocab).any()) or bool((ps < 1.0).any())):
+        return None
+    return _top_k_top_p(logits / temps[:, None], ks, ps)
 
 
 def _top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """Triton kernels for CUDA without flash-attn: paged decode attention and the fused KV write.
 
 engine/attention.py calls these on a CUDA device when flash-attn is not installed (prefill
-there stays on torch SDPA). Both kernels use the cache layout `flash_attn_with_kvcache`
-takes, so a cache written by one back end is read correctly by the other:
+there stays on torch SDPA). Both kernels take the cache layout `flash_attn_with_kvcache`
+takes, with any strides: attention.py passes `cache.transpose(1, 2)`, a view of pdserve's
+[num_blocks, num_kv_heads, block_size, head_dim] cache, so a cache written by one back end
+is read correctly by the other:
 
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]  (strides free)
     slot = block_table[seq][pos // block_size] * block_size + pos % block_size
 
 `paged_decode_attention` has the semantics of

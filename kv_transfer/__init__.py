@@ -66,7 +66,7 @@ def _load(registry: dict[str, str], kind: str, role: str) -> type:
 def make_sender(kind: str, kv: torch.Tensor, layout: KVLayout, *, checksum: bool = False,
                 secret: str | None = None, **kw: Any) -> KVSender:
     """Construct the ``kind`` sender over cache ``kv``
-    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``.
 
     checksum: CRC32C per KV frame payload where the transport offers it (CHECKSUMMED;
     ignored elsewhere). secret: the cluster's shared secret for the handshake (auth.py).

@@ -26,7 +26,7 @@ DONE counts only once every (layer, block) of the reservation arrived.
 
 The cache both ends share the layout of is one contiguous tensor::
 
-    kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = K, 1 = V)
+    kv: [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]   (0 = K, 1 = V)
 
 P's ``num_blocks`` may differ from D's; every other dimension and the dtype must match,
 which is what :class:`KVLayout` describes and the handshake compares.
@@ -52,8 +52,9 @@ from typing import Callable, Sequence
 import torch
 
 
-PROTOCOL_VERSION = 3  # 2: KV frames carry block_start; 3: CHALLENGE + HMAC auth,
-#                       CRC32C instead of zlib crc32 (frames.py)
+PROTOCOL_VERSION = 4  # 2: KV frames carry block_start; 3: CHALLENGE + HMAC auth,
+#                       CRC32C instead of zlib crc32 (frames.py); 4: a block is
+#                       [num_kv_heads, block_size, head_dim] (was [block_size, heads, d])
 
 # Longest request id (UTF-8 bytes) a frame may carry; bounds what a receiver reads
 # before it has validated anything else.
@@ -127,7 +128,7 @@ class KVLayout:
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
     def payload_bytes(self, num_layers: int, num_blocks: int) -> int:
-        """Bytes of a packed ``[num_layers, 2, num_blocks, block_size, heads, head_dim]``."""
+        """Bytes of a packed ``[num_layers, 2, num_blocks, heads, block_size, head_dim]``."""
         return num_layers * num_blocks * self.kv_bytes_per_block_layer
 
     def mismatch(
@@ -165,13 +166,13 @@ class KVLayout:
 
     @classmethod
     def for_cache(cls, kv: torch.Tensor, model_id: str) -> KVLayout:
-        """Layout of a cache tensor ``[num_layers, 2, num_blocks, block_size, heads, head_dim]``."""
+        """Layout of a cache tensor ``[num_layers, 2, num_blocks, heads, block_size, head_dim]``."""
         if kv.dim() != 6 or kv.shape[1] != 2:
             raise ValueError(
-                "kv must be [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], "
+                "kv must be [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim], "
                 f"got shape {tuple(kv.shape)}"
             )
-        num_layers, _, _, block_size, num_kv_heads, head_dim = kv.shape
+        num_layers, _, _, num_kv_heads, block_size, head_dim = kv.shape
         return cls(
             model_id=model_id,
             num_layers=num_layers,
@@ -217,7 +218,7 @@ class KVSender(ABC):
 
     def __init__(self, kv: torch.Tensor, layout: KVLayout) -> None:
         check_cache(kv, layout)
-        self.kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv = kv  # [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]
         self.layout = layout
 
     def _check_send(self, layer_start: int, layer_end: int, src_block_ids: Sequence[int],
@@ -302,7 +303,7 @@ class KVReceiver(ABC):
             raise ValueError(f"epoch must be an int in [0, 2**64), got {epoch!r}")
         if not callable(on_complete):
             raise ValueError("on_complete must be callable")
-        self.kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv = kv  # [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]
         self.layout = layout
         self.epoch = epoch
         self.host = host

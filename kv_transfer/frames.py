@@ -43,7 +43,7 @@ Payload by frame type:
                    (a refusal for the cluster secret is {"error": AUTH_REFUSED} only:
                    nothing about D goes to a peer that has not proved the secret)
     KV             K/V bytes of a [layer_end - layer_start, 2, num_blocks,
-                   block_size, num_kv_heads, head_dim] tensor in the layout
+                   num_kv_heads, block_size, head_dim] tensor in the layout
                    dtype, C order; + 4-byte LE CRC32C (Castagnoli,
                    google-crc32c) of them if flag bit 0
     DONE           empty; first_token set, layer_end = number of layers sent

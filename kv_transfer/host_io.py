@@ -68,7 +68,7 @@ class HostCacheView:
     """Byte views of a host (CPU) cache, in wire payload order, for zero-copy send and
     receive. Built once per transport: per-frame work is only slicing.
 
-    The payload is [n_layers, 2, n_blocks, block_size, heads, head_dim] with blocks in
+    The payload is [n_layers, 2, n_blocks, heads, block_size, head_dim] with blocks in
     block-table order; for each layer and K/V, a run of consecutive blocks is one
     contiguous region of ``kv`` [num_layers, 2, num_blocks, ...]:
 

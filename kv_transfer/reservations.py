@@ -148,7 +148,7 @@ class ReservationTable:
         epoch: int,
         on_complete: Callable[[KVCompletion], None],
     ) -> None:
-        self.kv = kv  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv = kv  # [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]
         self.layout = layout
         self.epoch = epoch
         self._on_complete = on_complete
@@ -294,7 +294,7 @@ class ReservationTable:
         return False
 
     def write_layers(self, res: Reservation, h: FrameHeader, staged: torch.Tensor) -> None:
-        """Scatter ``staged`` [n_layers, 2, h.num_blocks, block_size, heads, head_dim]
+        """Scatter ``staged`` [n_layers, 2, h.num_blocks, heads, block_size, head_dim]
         (layout dtype, on kv.device) into the reservation's blocks at table positions
         ``h.block_start ..``, unless the request finished or was forgotten meanwhile, or
         a (layer, block) arrives twice (fails it)."""
@@ -314,7 +314,7 @@ class ReservationTable:
     def write_blocks(
         self, res: Reservation, layer: int, half: int, first: int, data: torch.Tensor
     ) -> None:
-        """Copy ``data`` [n, block_size, heads, head_dim] (layout dtype, on kv.device) into
+        """Copy ``data`` [n, heads, block_size, head_dim] (layout dtype, on kv.device) into
         K (half 0) or V (half 1) of ``layer`` for the reservation's blocks
         ``first .. first + n - 1`` (positions in its block table, not relative to a
         frame's block_start), after claim_blocks admitted the frame; a no-op once the

@@ -316,7 +316,7 @@ class _Connection:
             self.staging[:nbytes]
             .view(kv.dtype)
             .view(h.num_layers, 2, h.num_blocks, *kv.shape[3:])
-        )  # [n_layers, 2, n_blocks, block_size, num_kv_heads, head_dim]
+        )  # [n_layers, 2, n_blocks, num_kv_heads, block_size, head_dim]
         self.table.write_layers(res, h, staged.to(kv.device, non_blocking=False))
 
     def _discard(self, n: int) -> None:

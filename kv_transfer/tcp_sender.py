@@ -5,7 +5,7 @@ challenge, then layout + epoch + proofs of the cluster secret both ways; auth.py
 reused under a per-connection lock. A KV frame is gathered into one contiguous tensor
 and sent zero-copy from its memory::
 
-    kv[layer_start:layer_end].index_select(2, src_idx)   # [n_layers, 2, n_blocks, block_size, heads, head_dim]
+    kv[layer_start:layer_end].index_select(2, src_idx)   # [n_layers, 2, n_blocks, heads, block_size, head_dim]
       -> uint8 memoryview -> sock.sendall   (CUDA: copied to a pinned host buffer first)
 """
 
@@ -101,7 +101,7 @@ class TcpKVSender(KVSender):
         # Zero-copy when the cache is in host memory: each run of consecutive blocks is
         # one contiguous region per layer and K/V, sent straight from the cache (writev).
         # Otherwise gather into one fresh contiguous tensor (index_select), which is
-        # exactly the wire payload [n_layers, 2, n_blocks, block_size, heads, head_dim].
+        # exactly the wire payload [n_layers, 2, n_blocks, heads, block_size, head_dim].
         regions = self._host_view.regions(layer_start, layer_end, host_io.block_runs(ids))
         packed = None
         if regions is None:

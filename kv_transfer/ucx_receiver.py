@@ -465,7 +465,7 @@ class UcxKVReceiver(KVReceiver):
                 kv = self.kv
                 raw = torch.empty(self.slot_bytes, dtype=torch.uint8, device=kv.device)
                 n = self._per_chunk * self.layout.kv_bytes_per_block_layer // 2
-                # [per_chunk, block_size, num_kv_heads, head_dim]
+                # [per_chunk, num_kv_heads, block_size, head_dim]
                 blocks = raw[:n].view(kv.dtype).view(self._per_chunk, *kv.shape[3:])
                 return raw, blocks, wire.ucx_buffer(raw)
             await self._reap(conn, keep=len(conn.pending) - 1)

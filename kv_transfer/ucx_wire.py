@@ -59,7 +59,7 @@ def ucx_buffer(t: torch.Tensor) -> Any:
 
 
 def wire_view(kv: torch.Tensor) -> Any:
-    """``kv`` [n_layers, 2, n_blocks, block_size, heads, head_dim] (contiguous) as uint8
+    """``kv`` [n_layers, 2, n_blocks, heads, block_size, head_dim] (contiguous) as uint8
     [n_layers, 2, n_blocks, block bytes of K or V]: a numpy array for host memory, a
     torch tensor for device memory. ``wire_view(kv)[l, half, a:b].reshape(-1)`` is then
     a message for UCX at the cost of a slice (torch views cost ~10x more per message)."""

@@ -214,19 +214,14 @@ class Router:
             RequestError: deadline, capacity, no worker available (final).
         """
         internal_id = f"{rid}#{uuid.uuid4().hex[:8]}"   # unique per attempt and client id
-        d, res = await self._reserve(internal_id, len(ids), params, deadline, ids)
-        p = None
+        d, res, p = await self._reserve(internal_id, len(ids), params, deadline, ids)
         d.load += 1
-        local_tokens = len(ids) if res["local_prefill"] else 0   # until D's first token
-        d.local_prefill_load += local_tokens
+        # prompt tokens charged by _reserve to P's queue or to D's own, until the first token
+        local_tokens, p_tokens = (0, len(ids)) if p is not None else (len(ids), 0)
         finished = False
         try:
-            if not res["local_prefill"]:
-                live = await self._available(self.prefill, "prefill", deadline)
-                p = self.prefill_router.pick(live, ids)[0]
             events = d.handle.stream.remote(internal_id)
             if p is not None:
-                p.load += len(ids)
                 try:
                     first = await asyncio.wait_for(
                         p.handle.prefill.remote(internal_id, ids, params, res["kv_address"],
@@ -235,7 +230,8 @@ class Router:
                 except ray.exceptions.RayError as e:
                     raise attempt_failed("prefill", p, e) from e
                 finally:
-                    p.load -= len(ids)
+                    p.load -= p_tokens
+                    p_tokens = 0
                     queued.release()  # first token back (or prefill failed): not queued
                 msg = relay.absorb([TokenEvent(internal_id, (first,))])   # TTFT: at once
                 if msg is not None:
@@ -266,6 +262,8 @@ class Router:
         finally:
             d.load -= 1
             d.local_prefill_load -= local_tokens
+            if p is not None:
+                p.load -= p_tokens
             if not finished:  # cancel, deadline, error, stop string: release P and D now
                 # (sent to a worker found dead too: it may only have been unreachable)
                 if p is not None:
@@ -368,27 +366,47 @@ class Router:
                                                 "worker's KV pool")
 
     async def _reserve(self, rid: str, prompt_len: int, params, deadline: float,
-                       ids: list[int]):
+                       ids: list[int]) -> tuple[Worker, dict, Worker | None]:
         """Reserve on the best live decode worker with room, waiting for room (or for
-        Ray to restart a dead one) until reserve_timeout_s. The reservation's lease ends
-        with the request's deadline at the latest, so D reclaims it even if this router
-        goes away."""
+        Ray to restart a dead one) until reserve_timeout_s, and choose who prefills:
+        returns (D, D's reservation, P), P None when D prefills the prompt itself. The
+        prompt's tokens are charged to P's queue (P.load) or D's own
+        (D.local_prefill_load) when the choice is made, before the reserve call is
+        awaited: the requests of a burst, whose choices are made while the first
+        reservations are in flight, see each other's load. The caller releases the
+        charge. The reservation's lease ends with the request's deadline at the
+        latest, so D reclaims it even if this router goes away."""
         give_up = min(deadline, time.monotonic() + self.config.router.reserve_timeout_s)
         delay = 0.01
         while True:
             live = await self._available(self.decode, "decode", give_up)
+            live_p = await self._available(self.prefill, "prefill", deadline)
             lease_s = min(self.config.decode.lease_s, max(deadline - time.monotonic(), 0.001))
             for d in sorted(live, key=lambda w: (w.load, -w.free_blocks)):
+                # choose and charge with no await in between
                 local = self._prefill_on_decode(d, prompt_len)
+                p = None if local else self.prefill_router.pick(
+                    [w for w in live_p if w.available] or live_p, ids)[0]
+                self._charge(d, p, prompt_len, 1)
                 try:
                     res = await d.handle.reserve.remote(rid, prompt_len, params, ids, lease_s,
                                                         local)
                 except ray.exceptions.RayActorError:   # dead or restarting: try the next
+                    self._charge(d, p, prompt_len, -1)
                     d.alive = False
                     continue
-                if res is not None:
-                    d.free_blocks = res["free_blocks"]
-                    return d, res
+                except BaseException:
+                    self._charge(d, p, prompt_len, -1)
+                    raise
+                if res is None:
+                    self._charge(d, p, prompt_len, -1)
+                    continue
+                d.free_blocks = res["free_blocks"]
+                if res["local_prefill"] and p is not None:   # D's own threshold chose it
+                    self._charge(d, p, prompt_len, -1)
+                    self._charge(d, None, prompt_len, 1)
+                    p = None
+                return d, res, p
             if not any(d.available for d in live):
                 continue          # every one died meanwhile: wait for a restart above
             if time.monotonic() + delay > give_up:
@@ -397,6 +415,15 @@ class Router:
                                    "retry later or lower max_tokens")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
+
+    @staticmethod
+    def _charge(d: Worker, p: Worker | None, tokens: int, sign: int) -> None:
+        """Add (sign 1) or take back (-1) a prompt's tokens on the queue of whoever
+        prefills it: P, or D itself when p is None."""
+        if p is not None:
+            p.load += sign * tokens
+        else:
+            d.local_prefill_load += sign * tokens
 
     def _prefill_on_decode(self, d: Worker, prompt_len: int) -> bool:
         """Conditional disaggregation (Dynamo's disaggregated router decides the same way,

@@ -48,7 +48,7 @@ def _kernels(paged: bool, fused: bool):
     """The C++ decode attention and fused elementwise ops on or off."""
     saved = attention.use_cpu_kernel, model_module.use_fused_ops
     if not paged:
-        attention.use_cpu_kernel = lambda q: False
+        attention.use_cpu_kernel = lambda *args: False
     if not fused:
         model_module.use_fused_ops = lambda x: False
     try:

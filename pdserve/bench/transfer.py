@@ -53,8 +53,8 @@ class Geometry:
                    device)
 
     def cache(self, num_blocks: int, fill: bool) -> torch.Tensor:
-        """KV cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
-        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """KV cache [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]."""
+        shape = (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         dt = getattr(torch, self.dtype)
         if fill:
             return torch.randn(shape).to(device=self.device, dtype=dt)

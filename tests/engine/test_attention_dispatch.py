@@ -15,13 +15,16 @@ class FakeOps:
 
     def __init__(self):
         self.calls = []
+        self.cache_shapes = []   # the Triton kernels take [blocks, block_size, kv_heads, d]
 
     def paged_decode_attention(self, q, k_cache, v_cache, block_table, context_lens, scale):
         self.calls.append(("decode", block_table, context_lens, scale))
+        self.cache_shapes.append(tuple(k_cache.shape))
         return torch.zeros_like(q)
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
         self.calls.append(("store", slot_mapping))
+        self.cache_shapes.append(tuple(k_cache.shape))
 
 
 @pytest.fixture
@@ -36,7 +39,7 @@ def test_cuda_without_flash_attn_picks_triton(ops):
     assert attention.use_triton(CUDA) and not attention.use_flash_attn(CUDA)
     assert attention.attention_backend(CUDA) == "SDPA prefill, Triton decode"
     assert not attention.use_triton(CPU)
-    assert attention.attention_backend(CPU) == "SDPA prefill, C++ paged decode"  # make built it
+    assert attention.attention_backend(CPU) == "C++ paged attention"  # make built it
 
 
 def test_flash_attn_or_no_triton_keeps_the_other_paths(ops, monkeypatch):
@@ -58,8 +61,8 @@ def test_cpu_never_imports_triton(monkeypatch):
 def test_decode_and_kv_write_route_to_triton_ops(ops, monkeypatch):
     # CPU tensors stand in for CUDA ones: only the device predicate is forced
     monkeypatch.setattr(attention, "use_triton", lambda device: True)
-    k_cache = torch.zeros(4, 2, 1, 8)
-    v_cache = torch.zeros(4, 2, 1, 8)
+    k_cache = torch.zeros(4, 1, 2, 8)     # [blocks, kv_heads, block_size, head_dim]
+    v_cache = torch.zeros(4, 1, 2, 8)
     table = torch.tensor([[3, 1]], dtype=torch.int32)
     ctx = torch.tensor([3], dtype=torch.int32)
     slots = torch.tensor([3])
@@ -68,6 +71,7 @@ def test_decode_and_kv_write_route_to_triton_ops(ops, monkeypatch):
     attention.write_kv(torch.ones(1, 1, 8), torch.ones(1, 1, 8), k_cache, v_cache, slots)
     out = attention.decode_attention(torch.ones(1, 2, 8), k_cache, v_cache, meta, 0.5)
     assert ops.calls == [("store", slots), ("decode", table, ctx, 0.5)]
+    assert ops.cache_shapes == [(4, 2, 1, 8)] * 2   # flash-attn's layout, a view of pdserve's
     assert not k_cache.any()                      # the stand-in wrote nothing: no CPU fallback
     assert out.shape == (1, 2, 8)
 
@@ -76,7 +80,7 @@ def test_flash_attn_with_a_block_size_it_refuses_decodes_with_triton(ops, monkey
     """flash-attn's paged decode takes block sizes in multiples of 256 only: with 16-token
     blocks (the default) decode goes to the Triton kernel even when flash-attn is there."""
     monkeypatch.setattr(attention, "use_flash_attn", lambda device: True)
-    k_cache = torch.zeros(4, 16, 1, 8)
+    k_cache = torch.zeros(4, 1, 16, 8)
     table = torch.tensor([[3]], dtype=torch.int32)
     ctx = torch.tensor([3], dtype=torch.int32)
     meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor([3]), block_table=table,

@@ -13,7 +13,7 @@ def test_variants_run_in_order_with_their_kernels(monkeypatch):
     real_decode = step.ModelRunner.decode
 
     def decode(self, seqs):
-        seen.append((attention.use_cpu_kernel(torch.zeros(1, 1, 64)),
+        seen.append((attention.use_cpu_kernel(torch.zeros(1, 1, 64), torch.zeros(1, 1, 16, 64)),
                      model.use_fused_ops(torch.zeros(1))))
         return real_decode(self, seqs)
 

@@ -12,8 +12,8 @@ BS, H, H_KV, D = 4, 6, 2, 8
 def reference(q, k_cache, v_cache, tables, lens, scale):
     out = []
     for i, (table, n) in enumerate(zip(tables, lens)):
-        k = k_cache[table].flatten(0, 1)[:n].repeat_interleave(H // H_KV, dim=1)  # (n, h, d)
-        v = v_cache[table].flatten(0, 1)[:n].repeat_interleave(H // H_KV, dim=1)
+        k = k_cache[table].transpose(1, 2).flatten(0, 1)[:n].repeat_interleave(H // H_KV, dim=1)
+        v = v_cache[table].transpose(1, 2).flatten(0, 1)[:n].repeat_interleave(H // H_KV, dim=1)
         w = torch.einsum("hd,nhd->hn", q[i], k).mul(scale).softmax(-1)
         out.append(torch.einsum("hn,nhd->hd", w, v))
     return torch.stack(out)
@@ -22,8 +22,8 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 def run(lens, seed):
     g = torch.Generator().manual_seed(seed)
     blocks = [-(-n // BS) for n in lens]
-    k_cache = torch.randn(sum(blocks) + 3, BS, H_KV, D, generator=g)
-    v_cache = torch.randn(sum(blocks) + 3, BS, H_KV, D, generator=g)
+    k_cache = torch.randn(sum(blocks) + 3, H_KV, BS, D, generator=g)   # block size 4: not the
+    v_cache = torch.randn(sum(blocks) + 3, H_KV, BS, D, generator=g)   # kernel's, SDPA runs
     ids = torch.randperm(sum(blocks) + 3, generator=g).tolist()
     tables, table = [], torch.zeros(len(lens), max(blocks), dtype=torch.int32)
     for i, nb in enumerate(blocks):

@@ -123,13 +123,16 @@ def reference(q, k_cache, v_cache, block_table, context_lens, scale):
 
 def paged_case(lens, h, h_kv, d, block_size, seed, dtype=torch.float32):
     """A two-layer cache (layer 1 used, as ModelRunner slices it) whose sequences hold
-    shuffled, non-contiguous blocks. Every slot no sequence owns (tails of last blocks,
-    spare blocks, block_table padding) is NaN in the copies k_nan, v_nan: reading one shows."""
+    shuffled, non-contiguous blocks. k_cache, v_cache are what attention.py passes the
+    kernels: [num_blocks, block_size, num_kv_heads, head_dim] views (strided) of pdserve's
+    [num_blocks, num_kv_heads, block_size, head_dim] cache. Every slot no sequence owns
+    (tails of last blocks, spare blocks, block_table padding) is NaN in the copies k_nan,
+    v_nan: reading one shows."""
     g = torch.Generator().manual_seed(seed)
     blocks = [-(-n // block_size) for n in lens]
     num_blocks = sum(blocks) + 3
-    kv = torch.randn(2, 2, num_blocks, block_size, h_kv, d, generator=g).to(dtype)
-    k_cache, v_cache = kv[1, 0], kv[1, 1]
+    kv = torch.randn(2, 2, num_blocks, h_kv, block_size, d, generator=g).to(dtype)
+    k_cache, v_cache = kv[1, 0].transpose(1, 2), kv[1, 1].transpose(1, 2)
     ids = torch.randperm(num_blocks, generator=g).tolist()
     spare = ids[sum(blocks):]
     table = torch.full((len(lens), max(blocks) + 1), spare[0], dtype=torch.int32)
@@ -163,8 +166,10 @@ def test_paged_decode_matches_flash_attn_semantics_and_cpu_decode(child, h, h_kv
     meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(len(lens), dtype=torch.long),
                              block_table=table, context_lens=ctx, max_context_len=max(lens),
                              context_lens_host=tuple(lens))
-    # decode_attention reads whole blocks and masks by weight: it needs the NaN-free cache
-    torch.testing.assert_close(got, decode_attention(q, k_cache, v_cache, meta, scale))
+    # decode_attention (pdserve's layout) reads whole blocks and masks by weight: it needs
+    # the NaN-free cache
+    torch.testing.assert_close(got, decode_attention(q, k_cache.transpose(1, 2),
+                                                     v_cache.transpose(1, 2), meta, scale))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -183,14 +188,15 @@ def test_paged_decode_half_precision_accumulates_in_fp32(child, dtype):
 def test_store_kvcache_matches_index_copy_skipping_minus_one(child, h_kv, d, dtype):
     g = torch.Generator().manual_seed(d)
     num_blocks, bs, t = 6, 16, 11
-    kv = torch.randn(1, 2, num_blocks, bs, h_kv, d, generator=g).to(dtype)
-    k_cache, v_cache = kv[0, 0], kv[0, 1]
+    kv = torch.randn(1, 2, num_blocks, h_kv, bs, d, generator=g).to(dtype)
+    k_cache, v_cache = kv[0, 0].transpose(1, 2), kv[0, 1].transpose(1, 2)   # as attention.py
+
     # k, v as the model makes them: views of one projection output each (strided rows)
     kv_new = torch.randn(t, 2, h_kv * d, generator=g).to(dtype)
     k, v = kv_new[:, 0].view(t, h_kv, d), kv_new[:, 1].view(t, h_kv, d)
     slots = torch.randperm(num_blocks * bs, generator=g)[:t]
     slots[[1, 4, 10]] = -1
-    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k, want_v = k_cache.contiguous(), v_cache.contiguous()
     keep = slots >= 0
     want_k.view(-1, h_kv, d).index_copy_(0, slots[keep], k[keep])
     want_v.view(-1, h_kv, d).index_copy_(0, slots[keep], v[keep])

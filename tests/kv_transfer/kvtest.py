@@ -17,8 +17,8 @@ PER_LAYER = [(i, i + 1) for i in range(NUM_LAYERS)]
 
 def make_cache(num_blocks, dtype=torch.float32, seed=0, block_size=BLOCK_SIZE):
     g = torch.Generator().manual_seed(seed)
-    shape = (NUM_LAYERS, 2, num_blocks, block_size, HEADS, HEAD_DIM)
-    return torch.randn(shape, generator=g).to(dtype)  # [L, 2, N, bs, H, D]
+    shape = (NUM_LAYERS, 2, num_blocks, HEADS, block_size, HEAD_DIM)
+    return torch.randn(shape, generator=g).to(dtype)  # [L, 2, N, H, bs, D]
 
 
 class Completions:

@@ -64,7 +64,7 @@ def test_header_layout_is_56_bytes_little_endian():
         FrameType.KV, "r", epoch=2**40 + 1, layer_start=1, layer_end=2, block_start=0x01020304,
         num_blocks=6, dtype_code=1, first_token=9, payload_len=123, flags=frames.FLAG_CRC32C,
     )
-    assert len(buf) == 56 + 1 and buf[:4] == b"PDKV" and buf[4] == 3  # protocol version
+    assert len(buf) == 56 + 1 and buf[:4] == b"PDKV" and buf[4] == 4  # protocol version
     assert struct.unpack_from("<QIIIIqQH", buf, 8) == (
         2**40 + 1, 1, 2, 0x01020304, 6, 9, 123, 1)
     assert buf[50:56] == bytes(6) and buf[56:] == b"r"
@@ -168,7 +168,7 @@ def test_layout_mismatch_names_fields():
 
 
 def test_layout_for_cache_and_validation():
-    kv = torch.zeros(4, 2, 10, 4, 3, 8, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 2, 10, 3, 4, 8, dtype=torch.bfloat16)   # [L, 2, blocks, heads, bs, d]
     lay = KVLayout.for_cache(kv, "m")
     assert (lay.num_layers, lay.block_size, lay.num_kv_heads, lay.head_dim, lay.dtype) == (
         4, 4, 3, 8, "bfloat16")
@@ -184,7 +184,7 @@ def test_layout_for_cache_and_validation():
 
 
 def test_registry_unknown_kind():
-    kv = torch.zeros(4, 2, 10, 4, 3, 8)
+    kv = torch.zeros(4, 2, 10, 3, 4, 8)
     with pytest.raises(ValueError, match="'tcp'"):
         make_sender("carrier-pigeon", kv, LAYOUT)
     with pytest.raises(ValueError, match="valid kinds"):
@@ -196,7 +196,7 @@ def test_crc32c_is_castagnoli_over_pieces_without_copies():
     payload in order, over writable views of tensor memory as the transport has them."""
     check = memoryview(bytearray(b"123456789"))
     assert host_io.crc32c([check]) == 0xE3069283  # CRC32C's check value (zlib: 0xCBF43926)
-    payload = torch.randn(2, 2, 5, 4, 3, 8)  # [L, 2, n, bs, H, D]
+    payload = torch.randn(2, 2, 5, 3, 4, 8)  # [L, 2, n, H, bs, D]
     wire = frames.tensor_bytes(payload)
     want = google_crc32c.value(bytes(wire))
     assert host_io.crc32c([wire]) == want

@@ -278,7 +278,7 @@ def test_forget_during_a_direct_write_defers_release_until_the_write_ends(env):
     """A frame half-received straight into the reserved blocks when D forgets the
     request: forget() returns at once, but the blocks are released (on_quiescent) only
     after the write ends, so D never hands them to another request mid-write."""
-    dst = torch.zeros(NUM_LAYERS, 2, 12, BLOCK_SIZE, HEADS, HEAD_DIM)
+    dst = torch.zeros(NUM_LAYERS, 2, 12, HEADS, BLOCK_SIZE, HEAD_DIM)
     layout = KVLayout.for_cache(dst, MODEL)
     rx, addr, done = env.receiver(dst)
     rx.expect("r", [3, 4, 5])                        # one run: the zero-copy path

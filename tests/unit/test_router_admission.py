@@ -184,6 +184,45 @@ def test_a_long_prefill_queue_sends_prompts_to_the_decode_worker(limit, asks):
     assert queue(asyncio.run(main())) == (0, 0)
 
 
+class SlowReserveDecode(HeldDecode):
+    """Its reservations are in flight until `release` is set, as a burst's are on a
+    real cluster while the router decides for the next requests."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def reserve(self, *args, **kw):
+        await self.release.wait()
+        return await super().reserve(*args, **kw)
+
+
+def test_a_burst_splits_between_prefill_and_decode_as_one_by_one():
+    """Five requests at once: each one's choice (P or D) sees the prompt tokens the
+    earlier ones were charged, although none of their reservations has returned yet;
+    the split is the one of the same requests arriving one by one (above)."""
+    n = len(PROMPT)
+
+    async def main():
+        d, p = SlowReserveDecode(), FakePrefill()
+        r = make_router(d, p, max_prefill_queue_tokens=n - 1)
+        tasks = [asyncio.create_task(first_message(r)) for _ in range(5)]
+        for _ in range(100):                # all five chosen and charged, none reserved
+            await asyncio.sleep(0.001)
+        assert (r.prefill[0].load, r.decode[0].local_prefill_load) == (3 * n, 2 * n)
+        d.release.set()
+        while len(d.asks) < 5:
+            await asyncio.sleep(0.001)
+        assert sorted(d.asks) == sorted([False, False, True, False, True])
+        p.go.set()
+        d.go.set()
+        await asyncio.gather(*tasks)
+        assert r.prefill[0].load == 0 and r.decode[0].local_prefill_load == 0
+        return r
+
+    assert queue(asyncio.run(main())) == (0, 0)
+
+
 def test_over_max_queued_requests_is_refused_before_reserving():
     async def main():
         d, p = FakeDecode(), FakePrefill()

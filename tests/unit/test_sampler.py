@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from pdserve.engine import cpu_ops, sampler
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -16,6 +17,17 @@ def _fixed_global_rng():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(20240601)
         yield
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """The draw through the C++ kernel (CPU, built by make) or through torch (softmax,
+    float64 cumsum, searchsorted: every other device)."""
+    if request.param == "kernel":
+        assert cpu_ops.available(), "CPU kernels not built: run make"
+    else:
+        monkeypatch.setattr(sampler.cpu_ops, "available", lambda: False)
+    return request.param
 
 
 def _logits(batch: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -145,7 +157,7 @@ def test_mixed_batch_keeps_greedy_rows_argmax():
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
-def test_distribution_matches_softmax(temperature):
+def test_distribution_matches_softmax(temperature, path):
     n, probs = 4000, [0.1, 0.2, 0.3, 0.4]
     logits = _log_probs(probs).expand(n, 4).clone()
     out = sample(logits, [SamplingParams(temperature=temperature)] * n, [0] * n)
@@ -156,7 +168,7 @@ def test_distribution_matches_softmax(temperature):
     assert chi2 < 16.27, (counts, [round(n * e) for e in expected])
 
 
-def test_filtered_token_is_never_sampled_even_with_huge_temperature():
+def test_filtered_token_is_never_sampled_even_with_huge_temperature(path):
     n = 1000
     logits = torch.tensor([10.0, 9.0, -math.inf, 0.0]).expand(n, 4).clone()
     out = sample(logits, [SamplingParams(temperature=50.0, seed=i) for i in range(n)], [0] * n)
@@ -189,3 +201,38 @@ def test_candidate_top_k_top_p_equals_a_full_sort():
     # would cut a peaked row's tail even at top_p=1)
     assert kept[2] == kept[6] == vocab and kept[1] == 40 and kept[5] <= 20
     assert kept[4] > 256                                   # the full-sort fallback ran
+
+
+@pytest.mark.parametrize("vocab", [5, 256, 1000, 49152 + 7])
+def test_kernel_and_torch_pick_the_same_token_for_the_same_draw(vocab):
+    """Both paths invert the same CDF: for one uniform draw they agree, but for a draw
+    within float rounding of a boundary between two tokens."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(64, vocab, generator=g) * 3
+    logits[::5, vocab // 2:] = -math.inf                  # filtered tails
+    temps = torch.rand(64, generator=g).float() + 0.3
+    u = torch.rand(64, dtype=torch.float64, generator=g)
+    got = cpu_ops.sample_from_logits(logits, temps, u)
+    cdf = (logits / temps[:, None]).softmax(-1).double().cumsum(-1)
+    want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    assert (got == want).sum() >= 63, (got, want)
+    assert bool((logits.gather(1, got[:, None]) > -math.inf).all())   # never a filtered one
+
+
+def test_nan_logits_give_a_valid_token_on_both_paths(monkeypatch):
+    logits = torch.randn(3, 50)
+    logits[1, 7] = math.nan
+    logits[2] = -math.inf
+    params = [SamplingParams(temperature=1.0)] * 3
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(sampler.cpu_ops, "available", lambda: False)
+        out = sample(logits.clone(), params, [0, 0, 0])
+        assert all(0 <= t < 50 for t in out), (kernel, out)
+
+
+def test_kernel_refuses_bad_draws():
+    with pytest.raises(RuntimeError, match="uniforms"):
+        cpu_ops.sample_from_logits(torch.zeros(1, 4), torch.ones(1), torch.tensor([1.0], dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="temperatures"):
+        cpu_ops.sample_from_logits(torch.zeros(1, 4), torch.zeros(1), torch.tensor([0.5], dtype=torch.float64))

@@ -11,11 +11,14 @@ Request lifecycle here (see scheduler.py for the state machine):
     step thread: schedule() → [ModelRunner.prefill() of local prefills and of resumed
                  requests' KV (recompute after preemption)] → ModelRunner.decode() →
                  sample() → update_from_output()
-    router ◀── stream(request_id): TokenEvents until finish_reason is set
+    router ◀── events(epoch): one stream per worker, each item the TokenEvents of every
+               request since the last (a step's worth, one Ray message, where a stream
+               per request costs one per request and step); a request's events end
+               with the one carrying finish_reason
 
 The step thread owns the model; the actor's event loop serves RPCs; the KV receiver
-has its own threads. Events cross to the event loop through per-request asyncio
-queues (`call_soon_threadsafe`), so a slow client never blocks the step loop.
+has its own threads. Events cross to the event loop through one outbox
+(`call_soon_threadsafe`), so a slow client never blocks the step loop.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ from ..core_share import LentThreads
 from .scheduler import DecodeScheduler, RequestTooLargeError
 
 logger = logging.getLogger(__name__)
+
+
+class StaleEpochError(RuntimeError):
+    """An events() call named an earlier incarnation of this decode worker."""
+
 
 _IDLE_WAIT_S = 0.05   # step thread's wake-up period when idle (lease checks, shutdown)
 
@@ -70,7 +78,9 @@ class DecodeWorker:
             local_prefill_max_tokens=config.local_prefill_max_tokens,
             prefill_chunk_size=config.prefill_chunk_size)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._outbox: list[TokenEvent] = []          # events not yet streamed (event loop)
+        self._outbox_ready: asyncio.Event | None = None
+        self._subscriber = 0                         # the latest events() call
         self._wake = threading.Event()
         self._stop = threading.Event()
         # threads of idle prefill workers on this node, borrowed step by step (core_share)
@@ -116,19 +126,13 @@ class DecodeWorker:
             ValueError: len(prompt_token_ids) != prompt_len.
         """
         self._loop = self._loop or asyncio.get_running_loop()
-        if request_id not in self._queues:
-            self._queues[request_id] = asyncio.Queue()
         try:
             r = self.scheduler.reserve(request_id, prompt_len, params,
                                        lease_s or self.config.lease_s, prompt_token_ids,
                                        prefill_locally)
         except (NoFreeBlocksError, RequestTooLargeError) as e:
             logger.debug("reserve %s refused: %s", request_id, e)
-            self._queues.pop(request_id, None)
             return None
-        except ValueError:   # prompt_token_ids do not match prompt_len: the caller's bug
-            self._queues.pop(request_id, None)
-            raise
         if r.local_prefill:
             self._wake.set()
         else:
@@ -137,25 +141,33 @@ class DecodeWorker:
                 "num_blocks": len(r.block_ids), "cached_blocks": r.cached_blocks,
                 "local_prefill": r.local_prefill, "free_blocks": self.pool.num_free}
 
-    async def stream(self, request_id: str):
-        """Yield lists of TokenEvents for the request until one carries finish_reason.
+    async def events(self, epoch: int):
+        """Yield lists of TokenEvents, every request's on this worker, as the step thread
+        publishes them (what piled up while the consumer was slow comes in one list).
+        One consumer (the router) at a time: a newer call ends an older one's stream.
+        A request's events end with the one carrying its finish_reason.
 
-        Events that piled up while the consumer was slow are coalesced per yield.
+        Raises:
+            StaleEpochError: `epoch` is not this incarnation's (the worker restarted
+                since the caller reserved: those requests are gone).
         """
-        queue = self._queues.get(request_id)
-        if queue is None:
-            yield [TokenEvent(request_id, (), "error", "unknown request_id on decode worker")]
-            return
-        try:
-            while True:
-                events = [await queue.get()]
-                while not queue.empty():
-                    events.append(queue.get_nowait())
+        if epoch != self.epoch:
+            raise StaleEpochError(f"decode worker {self.worker_id} is at epoch {self.epoch}, "
+                                  f"not {epoch}: it restarted and lost those requests")
+        self._loop = self._loop or asyncio.get_running_loop()
+        if self._outbox_ready is None:
+            self._outbox_ready = asyncio.Event()
+        self._subscriber += 1
+        me = self._subscriber
+        while me == self._subscriber and not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._outbox_ready.wait(), _IDLE_WAIT_S * 20)
+            except asyncio.TimeoutError:
+                continue
+            self._outbox_ready.clear()
+            events, self._outbox = self._outbox, []
+            if events:
                 yield events
-                if events[-1].finish_reason is not None:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
 
     async def abort(self, request_id: str, reason: str = "cancelled") -> None:
         self.scheduler.abort(request_id, reason)
@@ -211,10 +223,9 @@ class DecodeWorker:
             self._loop.call_soon_threadsafe(self._deliver, events)
 
     def _deliver(self, events: list[TokenEvent]) -> None:
-        for e in events:
-            q = self._queues.get(e.request_id)
-            if q is not None:
-                q.put_nowait(e)
+        self._outbox += events
+        if self._outbox_ready is not None:
+            self._outbox_ready.set()
 
     def _step_loop(self) -> None:
         runner, sched = self.runner, self.scheduler

@@ -1,10 +1,8 @@
-"""Relaying a decode worker's token stream to the client: detokenized responses with
-stop strings and usage (Relay), each wait bounded by the request's deadline."""
+"""Relaying a decode worker's token events to the client: detokenized responses with
+stop strings and usage (Relay)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Container
 
 from ..engine.request import TokenEvent
@@ -73,14 +71,3 @@ class Relay:
         if not tokens:
             return None
         return pb.GenerateResponse(request_id=self.request_id, token_ids=tokens, text="".join(text))
-
-
-async def with_deadline(gen, deadline: float):
-    """Iterate a Ray ObjectRefGenerator, each wait bounded by the request deadline."""
-    it = gen.__aiter__()
-    while True:
-        try:
-            ref = await asyncio.wait_for(it.__anext__(), timeout=max(deadline - time.monotonic(), 0.001))
-        except StopAsyncIteration:
-            return
-        yield ref

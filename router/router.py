@@ -13,7 +13,8 @@ Lifecycle of one Generate call (ARCHITECTURE.md, "Request lifecycle"):
     else pick prefill worker P (routing.py: kv_aware by default, cached prefix vs
         queue) → prefill into D's blocks, skipping the blocks D holds;
         P returns the first token → stream it (TTFT)
-    relay D's token events, detokenized; stop strings end the request here
+    relay D's token events (one stream per D, router/streams.py), detokenized; stop
+        strings end the request here
     finish / cancel / error: abort on P and D, so every block is released
 
 Nothing waits without a deadline: the gRPC deadline (or request_timeout_s) bounds the
@@ -45,8 +46,9 @@ from . import validation
 from .admission import Admission
 from .detokenizer import Detokenizer
 from .errors import RequestError
-from .relay import Relay, with_deadline
+from .relay import Relay
 from .routing import PrefillRouter
+from .streams import DecodeStreams
 from .workers import AttemptFailed, Worker, attempt_failed
 
 logger = logging.getLogger(__name__)
@@ -80,6 +82,7 @@ class Router:
         self._cache_sync: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None
         self._pending: set[asyncio.Task] = set()    # fire-and-forget calls in flight
+        self.streams = DecodeStreams()              # decode workers' token events
         self.metrics = RouterMetrics(lambda: self.admission.queued_requests,
                                      rc.slo_ttft_ms, rc.slo_tpot_ms)
         self.metrics_address = ""
@@ -141,6 +144,7 @@ class Router:
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
+        await self.streams.stop()
 
     # --- Generate -------------------------------------------------------------------
 
@@ -214,13 +218,18 @@ class Router:
             RequestError: deadline, capacity, no worker available (final).
         """
         internal_id = f"{rid}#{uuid.uuid4().hex[:8]}"   # unique per attempt and client id
-        d, res, p = await self._reserve(internal_id, len(ids), params, deadline, ids)
+        self.streams.open(internal_id)   # before D may produce a token (a local prefill)
+        try:
+            d, res, p = await self._reserve(internal_id, len(ids), params, deadline, ids)
+        except BaseException:
+            self.streams.close(internal_id)
+            raise
         d.load += 1
         # prompt tokens charged by _reserve to P's queue or to D's own, until the first token
         local_tokens, p_tokens = (0, len(ids)) if p is not None else (len(ids), 0)
         finished = False
         try:
-            events = d.handle.stream.remote(internal_id)
+            self.streams.bind(internal_id, d, res["epoch"])
             if p is not None:
                 try:
                     first = await asyncio.wait_for(
@@ -238,11 +247,11 @@ class Router:
                     yield msg
             if relay.finish_reason is None:
                 try:
-                    async for ref in with_deadline(events, deadline):
+                    async for events in self.streams.batches(internal_id, deadline):
                         queued.release()  # local prefill: its first token came from D
                         d.local_prefill_load -= local_tokens
                         local_tokens = 0
-                        msg = relay.absorb(await ref)
+                        msg = relay.absorb(events)
                         if msg is not None:
                             yield msg
                         if relay.finish_reason is not None or relay.error is not None:
@@ -260,6 +269,7 @@ class Router:
             raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                "request deadline exceeded") from None
         finally:
+            self.streams.close(internal_id)
             d.load -= 1
             d.local_prefill_load -= local_tokens
             if p is not None:

@@ -2,13 +2,15 @@
 and no Ray: `handle.m.remote(...)` calls the fake's method; __init__ is skipped (it loads
 the model's config and tokenizer), so this sets what generate() reads.
 
-    from router_fakes import EOS, VOCAB, TOKENIZER, actor, fake_router
+    from router_fakes import EOS, VOCAB, TOKENIZER, EventsFromStreams, actor, fake_router
 """
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
+import ray.exceptions
 from tokenizers import Tokenizer, models
 
 from pdserve.config import ClusterConfig, RouterConfig
@@ -16,6 +18,7 @@ from pdserve.metrics import RouterMetrics
 from pdserve.router.admission import Admission
 from pdserve.router.router import Router
 from pdserve.router.routing import PrefillRouter
+from pdserve.router.streams import DecodeStreams
 from pdserve.router.workers import Worker
 
 VOCAB = 64
@@ -43,6 +46,56 @@ def fake_router(prefills: list, decodes: list, **router_kw) -> Router:
     r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
     r.metrics = RouterMetrics(lambda: r.admission.queued_requests)
     r._pending = set()
+    r.streams = DecodeStreams()
     r.prefill_router = PrefillRouter(rc.routing_policy, r.config.prefill.block_size,
                                      rc.kv_load_weight)
     return r
+
+
+class EventsFromStreams:
+    """A fake decode worker's `events(epoch)` (DecodeWorker's one stream of every
+    request's token events) made of the fake's per-request `stream(rid)` async
+    generators, each yielding awaitables of event lists as a Ray generator yields refs:
+    every request in `self.reserved` is read in its own task (once per fake) and the
+    lists are merged in arrival order. A Ray error from any of them (the fake died)
+    ends the merged stream with it, as a dead worker's stream ends; so does a call on
+    a fake that is dead (`check()`) or at another epoch."""
+
+    def events(self, epoch):
+        async def merged():
+            check = getattr(self, "check", None)
+            if check is not None:
+                check()
+            if getattr(self, "epoch", epoch) != epoch:
+                raise ray.exceptions.RayError(f"stale epoch {epoch}")
+            started = self.__dict__.setdefault("_streamed", set())
+            out: asyncio.Queue = asyncio.Queue()
+
+            async def read(rid):
+                try:
+                    async for ref in self.stream(rid):
+                        out.put_nowait(await ref)
+                except BaseException as e:   # its death is the merged stream's
+                    out.put_nowait(e)
+
+            tasks = []
+            try:
+                while True:
+                    for rid in list(self.reserved):
+                        if rid not in started:
+                            started.add(rid)
+                            tasks.append(asyncio.create_task(read(rid)))
+                    try:
+                        item = await asyncio.wait_for(out.get(), 0.005)
+                    except asyncio.TimeoutError:
+                        continue
+                    if isinstance(item, BaseException):
+                        raise item
+
+                    async def value(v=item):
+                        return v
+                    yield value()
+            finally:
+                for t in tasks:
+                    t.cancel()
+        return merged()

@@ -16,13 +16,13 @@ from pdserve.client import make_request
 from pdserve.engine.request import TokenEvent
 from pdserve.router.errors import RequestError
 from pdserve.router.router import Router
-from router_fakes import fake_router
+from router_fakes import EventsFromStreams, fake_router
 
 PROMPT = [1, 2, 3, 4]          # token ids
 FIRST_TOKEN = 10               # what the fake prefill worker samples
 
 
-class FakeDecode:
+class FakeDecode(EventsFromStreams):
     """Reserves at once when it has room (else answers None, as a full worker does), then
     streams `tokens` as one finishing event."""
 

@@ -20,7 +20,7 @@ from pdserve.engine.request import TokenEvent
 from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.router.errors import RequestError
 from pdserve.router.router import Router
-from router_fakes import EOS, fake_router
+from router_fakes import EOS, EventsFromStreams, fake_router
 
 PROMPT = [1, 2, 3, 4]
 MAX_TOKENS = 8
@@ -95,7 +95,7 @@ class FakePrefill(Restartable):
         self.aborted.append(rid)
 
 
-class FakeDecode(Restartable):
+class FakeDecode(EventsFromStreams, Restartable):
     """Reserves, waits for the prefill fake's first token, then streams the rest one
     token per event; on its first attempt it dies after `die_after` streamed tokens."""
 
@@ -265,7 +265,7 @@ def test_decode_error_event_is_retried_after_the_tokens_sent():
                 yield value([TokenEvent(rid, (), "error", "KV checksum mismatch")])
             return refs()
 
-        r.decode[0].handle.stream = SimpleNamespace(remote=failing_once)
+        d.stream = failing_once
         msgs = await collect(r)
         assert tokens(msgs) == uninterrupted(PROMPT, MAX_TOKENS)
         _, (ids, params) = d.reserved.values()
@@ -297,7 +297,7 @@ def test_death_after_the_last_token_still_finishes_the_stream():
                 raise ray.exceptions.ActorDiedError()
             return refs()
 
-        r.decode[0].handle.stream = SimpleNamespace(remote=dies_before_finishing)
+        d.stream = dies_before_finishing
         msgs = await collect(r)
         assert tokens(msgs) == uninterrupted(PROMPT, MAX_TOKENS)
         assert msgs[-1].finish_reason == "length" and msgs[-1].token_ids   # with the last

@@ -1,0 +1,120 @@
+"""The router's end of the decode workers' token events: one Ray stream per decode
+worker incarnation (DecodeWorker.events), fanned out to one queue per request attempt.
+
+    attempt:  open(rid) ─ before the reservation: D may produce events at once (a local
+              prefill), and none may be dropped
+              bind(rid, d, epoch) ─ after it: the stream of (d, epoch) is started if it
+              is not running; if it fails (D died, or restarted since the reservation),
+              every attempt bound to it gets the error
+              batches(rid, deadline) ─ the attempt's events, as lists
+              close(rid) ─ always, in a finally
+
+One stream per worker carries a step's tokens for all its requests as one Ray message;
+a stream per request cost one message (and one object-store report on each side) per
+request and step, which on a 2-core box took as much CPU as a fifth of the decode step
+(docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import ray
+
+from ..engine.request import TokenEvent
+from .workers import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class StreamEnded(ray.exceptions.RayError):
+    """A decode worker's event stream ended (a newer subscriber took it, or the worker
+    shut down) while requests were still bound to it: they are retried like a death."""
+
+
+class _Failed:
+    """Queued for an attempt whose worker's stream failed: `error` is raised there."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class DecodeStreams:
+    def __init__(self):
+        self._queues: dict[str, asyncio.Queue] = {}          # attempt id -> its events
+        self._bound: dict[tuple[str, int], set[str]] = {}    # (worker id, epoch) -> attempts
+        self._pumps: dict[tuple[str, int], asyncio.Task] = {}
+
+    def open(self, rid: str) -> None:
+        """Start collecting the events of attempt `rid` (before its reservation)."""
+        self._queues[rid] = asyncio.Queue()
+
+    def bind(self, rid: str, d: Worker, epoch: int) -> None:
+        """Attempt `rid` holds a reservation on `d` at incarnation `epoch`: its events come
+        on (d, epoch)'s stream, started here when it is not running."""
+        key = (d.worker_id, epoch)
+        self._bound.setdefault(key, set()).add(rid)
+        if key not in self._pumps:
+            self._pumps[key] = asyncio.get_running_loop().create_task(self._pump(d, epoch))
+
+    def close(self, rid: str) -> None:
+        self._queues.pop(rid, None)
+        for key, rids in list(self._bound.items()):
+            rids.discard(rid)
+
+    async def batches(self, rid: str, deadline: float) -> AsyncIterator[list[TokenEvent]]:
+        """The events of attempt `rid`, every one that piled up in each list, each wait
+        bounded by `deadline` (time.monotonic()).
+
+        Raises:
+            asyncio.TimeoutError: nothing came before the deadline.
+            ray.exceptions.RayError: the worker's stream failed (it died or restarted).
+        """
+        queue = self._queues[rid]
+        while True:
+            item = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0.001))
+            batch = []
+            while True:
+                if isinstance(item, _Failed):
+                    if batch:        # what came before the failure first
+                        queue.put_nowait(item)
+                        break
+                    raise item.error
+                batch.append(item)
+                if queue.empty():
+                    break
+                item = queue.get_nowait()
+            yield batch
+
+    async def stop(self) -> None:
+        for task in self._pumps.values():
+            task.cancel()
+        await asyncio.gather(*self._pumps.values(), return_exceptions=True)
+
+    async def _pump(self, d: Worker, epoch: int) -> None:
+        key = (d.worker_id, epoch)
+        error: BaseException = StreamEnded(f"decode worker {d.worker_id}'s event stream ended")
+        try:
+            async for ref in d.handle.events.remote(epoch):
+                for ev in await ref:
+                    queue = self._queues.get(ev.request_id)
+                    if queue is not None:
+                        queue.put_nowait(ev)
+        except ray.exceptions.RayError as e:
+            error = e
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:   # the stream cannot go on: its attempts are retried
+            logger.warning("event stream of %s failed: %r", d.worker_id, e)
+            error = StreamEnded(f"event stream of {d.worker_id} failed: {e!r}")
+        finally:
+            del self._pumps[key]
+            for rid in self._bound.pop(key, ()):
+                queue = self._queues.get(rid)
+                if queue is not None:
+                    queue.put_nowait(_Failed(error))

@@ -1,0 +1,146 @@
+"""router/streams.py: one event stream per decode worker incarnation, fanned out to the
+attempts bound to it; a failed stream fails exactly those attempts. A fake handle
+stands in for the actor (`events.remote(epoch)` yields awaitables of event lists, as a
+Ray generator yields refs)."""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+import ray.exceptions
+
+from pdserve.engine.request import TokenEvent
+from pdserve.router.streams import DecodeStreams, StreamEnded
+from pdserve.router.workers import Worker
+
+
+class FakeEvents:
+    """events(epoch): yields what `push` queues; `fail(e)` ends the stream with e. A call
+    for another epoch fails at once (the real worker raises StaleEpochError)."""
+
+    def __init__(self, epoch=1):
+        self.epoch, self.calls = epoch, []
+        self.items: asyncio.Queue = asyncio.Queue()
+
+    def push(self, *events):
+        self.items.put_nowait(list(events))
+
+    def fail(self, error):
+        self.items.put_nowait(error)
+
+    def end(self):
+        self.items.put_nowait(None)
+
+    def events(self, epoch):
+        self.calls.append(epoch)
+
+        async def gen():
+            if epoch != self.epoch:
+                raise ray.exceptions.RayTaskError("events", "", RuntimeError("stale epoch"))
+            while (item := await self.items.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+
+                async def value(v=item):
+                    return v
+                yield value()
+        return gen()
+
+
+def worker(fake, name="decode-0"):
+    return Worker(SimpleNamespace(events=SimpleNamespace(remote=fake.events)), name, 64, 1)
+
+
+async def take(streams, rid, n=1, timeout_s=2.0):
+    """The first n batches of attempt rid, as lists of (token ids, finish_reason)."""
+    out = []
+    async for batch in streams.batches(rid, time.monotonic() + timeout_s):
+        out.append([(e.token_ids, e.finish_reason) for e in batch])
+        if len(out) == n:
+            return out
+    return out
+
+
+def test_events_reach_their_attempt_including_those_before_bind():
+    async def main():
+        fake, s = FakeEvents(), DecodeStreams()
+        d = worker(fake)
+        s.open("a")
+        s.open("b")
+        s.bind("a", d, 1)
+        fake.push(TokenEvent("a", (5,)), TokenEvent("b", (7,)), TokenEvent("x", (9,)))
+        assert await take(s, "a") == [[((5,), None)]]
+        s.bind("b", d, 1)                  # its event came before: kept, not dropped
+        assert await take(s, "b") == [[((7,), None)]]
+        assert fake.calls == [1]           # one stream for both
+        fake.push(TokenEvent("a", (6,)), TokenEvent("a", (), "length"))
+        await asyncio.sleep(0.01)
+        assert await take(s, "a") == [[((6,), None), ((), "length")]]   # piled up: one list
+        s.close("a")
+        s.close("b")
+        fake.end()
+        await s.stop()
+    asyncio.run(main())
+
+
+def test_a_failed_stream_fails_the_attempts_bound_to_it_only():
+    async def main():
+        f0, f1, s = FakeEvents(), FakeEvents(), DecodeStreams()
+        d0, d1 = worker(f0, "decode-0"), worker(f1, "decode-1")
+        for rid, d in (("a", d0), ("b", d0), ("c", d1)):
+            s.open(rid)
+            s.bind(rid, d, 1)
+        f0.push(TokenEvent("a", (1,)))
+        f0.fail(ray.exceptions.ActorDiedError())
+        assert await take(s, "a") == [[((1,), None)]]    # what came first, then the error
+        for rid in ("a", "b"):
+            with pytest.raises(ray.exceptions.ActorDiedError):
+                await take(s, rid)
+        f1.push(TokenEvent("c", (3,)))
+        assert await take(s, "c") == [[((3,), None)]]    # the other worker's: untouched
+        s.open("d")                                      # after Ray's restart: a new stream
+        f0.epoch = 2
+        f0.items = asyncio.Queue()
+        s.bind("d", d0, 2)
+        f0.push(TokenEvent("d", (4,)))
+        assert await take(s, "d") == [[((4,), None)]]
+        assert f0.calls == [1, 2]
+        for f in (f0, f1):
+            f.end()
+        await s.stop()
+    asyncio.run(main())
+
+
+def test_a_reservation_on_an_incarnation_that_is_gone_fails_at_once():
+    async def main():
+        fake, s = FakeEvents(epoch=3), DecodeStreams()
+        s.open("a")
+        s.bind("a", worker(fake), 2)       # reserved at epoch 2; the worker is at 3
+        with pytest.raises(ray.exceptions.RayTaskError):
+            await take(s, "a")
+        await s.stop()
+    asyncio.run(main())
+
+
+def test_a_stream_that_ends_fails_its_attempts_and_nothing_waits_past_the_deadline():
+    async def main():
+        fake, s = FakeEvents(), DecodeStreams()
+        d = worker(fake)
+        s.open("a")
+        s.bind("a", d, 1)
+        fake.end()
+        with pytest.raises(StreamEnded):
+            await take(s, "a")
+        s.close("a")
+        s.open("b")                        # bound to a live stream that sends nothing
+        s.bind("b", d, 1)
+        t0 = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await take(s, "b", timeout_s=0.05)
+        assert time.monotonic() - t0 < 1.0
+        s.close("b")
+        assert not s._queues and not any(s._bound.values())
+        fake.end()
+        await s.stop()
+    asyncio.run(main())

@@ -37,7 +37,12 @@ class WorkerConfig:
                                      # batch size up to max_batch_size (engine/cuda_graphs.py);
                                      # CPU always runs eagerly. True until graphs are
                                      # measured on a device (`pdserve bench gpu`)
-    max_num_batched_tokens: int = 2048  # prefill: prompt tokens per batch (varlen)
+    max_num_batched_tokens: int | None = None  # prefill: prompt tokens per step (varlen
+                                     # batch). None: 512 on CPU (its GEMMs reach the per-core
+                                     # peak from M=512, and a prompt's first token waits for
+                                     # its whole step: 2048 made mean TTFT under a burst
+                                     # ~15% longer at the same throughput, docs/performance.md),
+                                     # 2048 on CUDA
     lease_s: float = 60.0            # decode: how long a reservation waits for prefill's KV
     enable_prefix_caching: bool = True  # share cached prompt-prefix blocks (P and D)
     local_prefill_max_tokens: int = 0   # decode: prefill on D when the uncached prompt is <= this
@@ -51,6 +56,9 @@ class WorkerConfig:
                                      # (pdserve/core_share.py); None: no lending
 
     def __post_init__(self):
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens",
+                               2048 if self.device.startswith("cuda") else 512)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(_DTYPES)}")
         if self.host in ("0.0.0.0", "::", ""):

@@ -77,7 +77,17 @@ class DecodeStreams:
         """
         queue = self._queues[rid]
         while True:
-            item = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0.001))
+            # asyncio.wait, not wait_for: 3.11's wait_for can swallow a cancellation (the
+            # client went away) that races the queue's get, and the attempt runs on
+            get = asyncio.ensure_future(queue.get())
+            try:
+                await asyncio.wait({get}, timeout=max(deadline - time.monotonic(), 0.001))
+            finally:
+                if not get.done():
+                    get.cancel()
+            if get.cancelled() or not get.done():
+                raise asyncio.TimeoutError
+            item = get.result()
             batch = []
             while True:
                 if isinstance(item, _Failed):

@@ -79,16 +79,19 @@ class EventsFromStreams:
                     out.put_nowait(e)
 
             tasks = []
+            get = asyncio.ensure_future(out.get())
             try:
                 while True:
                     for rid in list(self.reserved):
                         if rid not in started:
                             started.add(rid)
                             tasks.append(asyncio.create_task(read(rid)))
-                    try:
-                        item = await asyncio.wait_for(out.get(), 0.005)
-                    except asyncio.TimeoutError:
+                    # (asyncio.wait, not wait_for: 3.11's wait_for can swallow a
+                    # cancellation that races its timeout, and the task never ends)
+                    await asyncio.wait({get}, timeout=0.005)
+                    if not get.done():
                         continue
+                    item, get = get.result(), asyncio.ensure_future(out.get())
                     if isinstance(item, BaseException):
                         raise item
 
@@ -96,6 +99,6 @@ class EventsFromStreams:
                         return v
                     yield value()
             finally:
-                for t in tasks:
+                for t in tasks + [get]:
                     t.cancel()
         return merged()

@@ -62,7 +62,9 @@ class DecodeWorker:
         self.worker_id, self.config = worker_id, config
         self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation of the process
         self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
-                                  config.cpus, enforce_eager=config.enforce_eager,
+                                  config.cpus,
+                                  enforce_eager=config.enforce_eager or not config.cuda_graphs,
+                                  compile_model=config.compile and not config.enforce_eager,
                                   max_graph_batch_size=min(config.max_batch_size, 512))
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
         layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)

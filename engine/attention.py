@@ -87,14 +87,20 @@ def decode_on_device(device: torch.device, block_size: int) -> bool:
             or (flash and _triton_ops() is not None))
 
 
-def use_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def cpu_kernels_fit(device: torch.device, dtype: torch.dtype, head_dim: int,
+                    block_size: int) -> bool:
     """CPU attention and the KV write run pdserve's C++ kernels (engine/cpu_ops.py) when
-    they were built and fit: fp32/bf16, head_dim a multiple of 16 (at most 128, or 256),
-    block_size a multiple of 16."""
-    d = q.shape[-1]
-    return (q.device.type == "cpu" and d % 16 == 0 and (d <= 128 or d == 256)
-            and k_cache.shape[2] % 16 == 0
-            and q.dtype in (torch.float32, torch.bfloat16) and cpu_ops.available())
+    they were built (cpu_ops.available() loads them) and fit: fp32/bf16, head_dim a
+    multiple of 16 (at most 128, or 256), block_size a multiple of 16."""
+    return (device.type == "cpu" and head_dim % 16 == 0 and (head_dim <= 128 or head_dim == 256)
+            and block_size % 16 == 0 and dtype in (torch.float32, torch.bfloat16)
+            and cpu_ops.loaded)
+
+
+def use_cpu_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """cpu_kernels_fit for q [..., head_dim] and a cache [num_blocks, num_kv_heads,
+    block_size, head_dim]."""
+    return cpu_kernels_fit(q.device, q.dtype, q.shape[-1], k_cache.shape[2])
 
 
 def attention_backend(device: torch.device) -> str:
@@ -125,6 +131,10 @@ class AttentionMetadata:
         context_lens_host: context_lens as a Python tuple (the SDPA fallback groups by it).
     Both:
         slot_mapping: [num_tokens] int64, cache slot each new token's K/V is written to.
+        kv_cache_id: set when the CPU kernels run the KV write and attention of every
+            layer as one op (cpu_ops.attention_layer): the cache's id in their registry
+            (cpu_ops.register_kv_cache). Then cu_seqlens_q is set for decode too
+            (0, 1, ..., batch), and block_table / context_lens always.
         block_table: [batch, max_blocks_per_seq] int32, padded with 0 (never read past a
             sequence's context).
         context_lens: [batch] int32, tokens in each sequence's context including its new
@@ -143,6 +153,7 @@ class AttentionMetadata:
     cached_lens: tuple[int, ...] = ()
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_k: int = 0
+    kv_cache_id: int | None = None
 
 
 _workspace = threading.local()   # per step thread: reused gather buffers

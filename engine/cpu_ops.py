@@ -13,6 +13,10 @@ Kernels:
     sample_from_logits(logits, temperatures, uniforms)
         one token per row by inverse CDF over the temperature softmax, one uniform draw
         per row. See csrc/sampler.cpp.
+    linear_prepacked, attention_layer, register_kv_cache, unregister_kv_cache
+        a prepacked oneDNN GEMM and a layer's KV write + attention as opaque ops, so
+        torch.compile traces one decoder-layer graph for every layer. See
+        csrc/compile_ops.cpp and engine/compile.py.
     rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul
         the decoder layer's elementwise ops, one pass each, with transformers' arithmetic
         and roundings. See csrc/fused_ops.cpp.
@@ -38,7 +42,8 @@ from .loader import cache_dir
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "sampler.cpp"]
+_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "sampler.cpp",
+            _CSRC / "compile_ops.cpp"]
 _HEADERS = [_CSRC / "cpu_math.h", _CSRC / "cpu_vec.h"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _NAME = "pdserve_cpu_ops"
@@ -74,18 +79,46 @@ def build(verbose: bool = False) -> Path:
     return library_path()
 
 
+loaded = False   # the library is in torch.ops.pdserve_cpu: what traced code checks (a
+                 # module global Dynamo guards on; it cannot trace available()'s cache)
+
+
 @functools.cache
 def available() -> bool:
     """Load the built kernels into torch.ops.pdserve_cpu; False (with a warning, once)
     when they were not built."""
+    global loaded
     path = library_path()
     if not path.is_file():
-        logger.warning("pdserve CPU kernels not built (%s missing): decode attention falls "
-                       "back to gather + SDPA; build them with `make` or `python -m "
-                       "pdserve.engine.cpu_ops`", path)
+        logger.warning("pdserve CPU kernels not built (%s missing): attention falls back to "
+                       "SDPA; build them with `make` or `python -m pdserve.engine.cpu_ops`",
+                       path)
         return False
     torch.ops.load_library(str(path))
+    _register_fakes()
+    loaded = True
     return True
+
+
+def _register_fakes() -> None:
+    """Shapes of each op's outputs for torch.compile's tracing (FakeTensor): Dynamo and
+    Inductor never run the kernels while compiling."""
+    ns = "pdserve_cpu::"
+    fakes = {
+        "paged_attention": lambda q, *_: torch.empty_like(q),
+        "paged_decode_attention": lambda q, *_: torch.empty_like(q),
+        "attention_layer": lambda q, *_: torch.empty_like(q),
+        "reshape_and_cache": lambda *_: None,
+        "rms_norm": lambda x, *_: torch.empty_like(x),
+        "fused_add_rms_norm": lambda *_: None,
+        "rotary_embedding": lambda *_: None,
+        "silu_and_mul": lambda x: x.new_empty(x.shape[0], x.shape[1] // 2),
+        "linear_prepacked": lambda x, packed, bias, out: x.new_empty(x.shape[0], out),
+        "sample_from_logits": lambda logits, *_: logits.new_empty(logits.shape[0],
+                                                                  dtype=torch.long),
+    }
+    for name, fn in fakes.items():
+        torch.library.register_fake(ns + name)(fn)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -155,6 +188,42 @@ def sample_from_logits(logits: torch.Tensor, temperatures: torch.Tensor,
         RuntimeError: a temperature <= 0, a uniform outside [0, 1), wrong shapes.
     """
     return torch.ops.pdserve_cpu.sample_from_logits(logits, temperatures, uniforms)
+
+
+def linear_prepacked(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                     out_features: int) -> torch.Tensor:
+    """x [num_tokens, in] @ W.T (+ bias) through a weight prepacked by
+    torch.ops.mkldnn._reorder_linear_weight (W [out_features, in], fp32/bf16, CPU).
+    Returns [num_tokens, out_features] in x's dtype."""
+    return torch.ops.pdserve_cpu.linear_prepacked(x, packed, bias, out_features)
+
+
+def register_kv_cache(kv_cache: torch.Tensor) -> int:
+    """Register a contiguous KV cache [num_layers, 2, num_blocks, num_kv_heads,
+    block_size, head_dim] for attention_layer; returns its id (held until
+    unregister_kv_cache)."""
+    return torch.ops.pdserve_cpu.register_kv_cache(kv_cache)
+
+
+def unregister_kv_cache(cache_id: int) -> None:
+    torch.ops.pdserve_cpu.unregister_kv_cache(cache_id)
+
+
+def attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                    cache_id: int, layer: int) -> torch.Tensor:
+    """reshape_and_cache of k, v into layer `layer` of the cache registered as
+    `cache_id`, then paged_attention of q over it (shapes as there).
+    Returns [num_tokens, num_heads, head_dim] in q's dtype.
+
+    Raises:
+        RuntimeError: an unknown cache_id, a layer outside the cache, or what
+            reshape_and_cache / paged_attention refuse.
+    """
+    return torch.ops.pdserve_cpu.attention_layer(q, k, v, slot_mapping, block_table,
+                                                 cu_seqlens_q, context_lens, scale, cache_id,
+                                                 layer)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

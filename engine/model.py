@@ -25,7 +25,7 @@ def use_fused_ops(x: torch.Tensor) -> bool:
     """The C++ elementwise kernels (engine/csrc/fused_ops.cpp) run `x`'s op: a CPU fp32 or
     bf16 tensor, kernels built. Elsewhere (CUDA, fp16, no build) the torch ops run."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and cpu_ops.available())
+            and cpu_ops.loaded)
 
 
 class PackedLinear(nn.Module):
@@ -48,6 +48,8 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch_size_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.loaded:   # the same GEMM as an op torch.compile keeps opaque
+            return cpu_ops.linear_prepacked(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -167,7 +169,9 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                layer: int, kv_cache: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; writes the T tokens' K/V into layer `layer` of
+        kv_cache [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]."""
         t = x.shape[0]
         if self.qkv_proj is not None:
             q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -180,6 +184,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
+        if meta.kv_cache_id is not None:   # CPU kernels: the KV write and attention, one op
+            o = cpu_ops.attention_layer(q, k, v, meta.slot_mapping, meta.block_table,
+                                        meta.cu_seqlens_q, meta.context_lens, self.scale,
+                                        meta.kv_cache_id, layer)
+            return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             o = prefill_attention(q, k, v, meta, self.scale, k_cache, v_cache)
@@ -221,13 +231,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, positions, rope, meta, k_cache, v_cache):
+    def forward(self, x, residual, positions, rope, meta, layer: int, kv_cache):
         """x: this layer's input before its residual add (the embeddings for layer 0, with
         residual None), residual: the running hidden state. Returns (the MLP's output,
         residual): the next layer (or the final norm) adds them, fused with its norm, as
         vLLM's layers do; the same sums as transformers' `residual + hidden_states`."""
         x, residual = self.input_layernorm.add_forward(x, residual)
-        x = self.self_attn(x, positions, rope, meta, k_cache, v_cache)
+        x = self.self_attn(x, positions, rope, meta, layer, kv_cache)
         x, residual = self.post_attention_layernorm.add_forward(x, residual)
         return self.mlp(x), residual
 
@@ -249,6 +259,7 @@ class CausalLM(nn.Module):
         self.model = _Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg, device)
+        self.compiled = False   # layers run through torch.compile (engine/compile.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor,
@@ -261,9 +272,10 @@ class CausalLM(nn.Module):
         Returns the final-norm hidden states, [num_tokens, hidden_size].
         """
         x, residual = self.model.embed_tokens(input_ids), None
+        if self.compiled:   # layer 0 in the others' graph: x + 0 is x, bit for bit
+            residual = torch.zeros_like(x)
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, positions, self.rope, meta, kv_cache[i, 0],
-                                kv_cache[i, 1])
+            x, residual = layer(x, residual, positions, self.rope, meta, i, kv_cache)
             if on_layer_done is not None:
                 on_layer_done(i)
         return self.model.norm.add_forward(x, residual)[0]

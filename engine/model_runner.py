@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionMetadata, attention_backend, decode_on_device
+from . import cpu_ops
+from .attention import AttentionMetadata, attention_backend, cpu_kernels_fit, decode_on_device
 from .config import CacheConfig, ModelConfig
 from .loader import resolve_model
 from .model import CausalLM, can_prepack
@@ -60,11 +62,17 @@ class DecodeBatch:
     context_lens: torch.Tensor   # [batch] int32, tokens including the new one
     context_lens_host: tuple[int, ...]  # context_lens on the host
 
-    def metadata(self) -> AttentionMetadata:
+    def metadata(self, kv_cache_id: int | None = None) -> AttentionMetadata:
+        """The step's AttentionMetadata; with `kv_cache_id` (the CPU kernels' one-op
+        attention), cu_seqlens_q = 0, 1, ..., batch as well."""
+        cu = None
+        if kv_cache_id is not None:
+            cu = torch.arange(len(self.context_lens_host) + 1, dtype=torch.int32,
+                              device=self.slot_mapping.device)
         return AttentionMetadata(
             is_prefill=False, slot_mapping=self.slot_mapping, block_table=self.block_table,
             context_lens=self.context_lens, max_context_len=max(self.context_lens_host),
-            context_lens_host=self.context_lens_host)
+            context_lens_host=self.context_lens_host, cu_seqlens_q=cu, kv_cache_id=kv_cache_id)
 
 
 def load_model(model: str | Path | None, dtype: torch.dtype = torch.float32,
@@ -98,14 +106,18 @@ class ModelRunner:
 
     def __init__(self, model: str | Path | None, cache: CacheConfig, num_threads: int | None = None,
                  cpus: Sequence[int] | None = None, *, enforce_eager: bool = True,
-                 max_graph_batch_size: int = 256, prepack_linears: bool = True):
+                 max_graph_batch_size: int = 256, prepack_linears: bool = True,
+                 compile_model: bool = False):
         """num_threads: torch intra-op threads of this process; cpus: CPU ids to pin this
         process to (os.sched_setaffinity), so co-located workers do not share cores.
         enforce_eager=False on CUDA (flash-attn or Triton decode): batches of up to
         max_graph_batch_size sequences replay CUDA graphs captured here (DecodeGraphs,
-        engine/cuda_graphs.py); CPU always runs eagerly. prepack_linears: on CPU, every
-        linear runs as a oneDNN-prepacked GEMM with q/k/v and gate/up fused
-        (CausalLM.prepack); False keeps transformers' nn.Linear modules (F.linear).
+        engine/cuda_graphs.py). compile_model on CPU (prepacked linears, C++ kernels
+        built): the decoder layers run one torch.compile'd graph (engine/compile.py),
+        compiled here before the first step (warm_up); elsewhere it is ignored, with a
+        log line. prepack_linears: on CPU, every linear runs as a oneDNN-prepacked GEMM
+        with q/k/v and gate/up fused (CausalLM.prepack); False keeps transformers'
+        nn.Linear modules (F.linear).
 
         Raises:
             ValueError: a CPU id this process may not run on.
@@ -138,6 +150,15 @@ class ModelRunner:
         self.kv_cache = torch.zeros(c.num_layers, 2, cache.num_blocks + graphs, c.num_kv_heads,
                                     cache.block_size, c.head_dim, dtype=cache.dtype, device=self.device)
         self.block_size = cache.block_size
+        # CPU kernels: each layer's KV write and attention are one op that finds the
+        # cache by this id (cpu_ops.attention_layer); the registry lets go of it when
+        # the runner goes
+        self.kv_cache_id: int | None = None
+        if self.device.type == "cpu" and cpu_ops.available() and cpu_kernels_fit(
+                self.device, cache.dtype, c.head_dim, cache.block_size):
+            self.kv_cache_id = cpu_ops.register_kv_cache(self.kv_cache)
+            weakref.finalize(self, cpu_ops.unregister_kv_cache, self.kv_cache_id)
+        self.attention_kernel = self.kv_cache_id is not None   # (pdserve bench step: off)
         self.decode_graphs = None
         if graphs:
             from .cuda_graphs import DecodeGraphs
@@ -146,17 +167,29 @@ class ModelRunner:
                 max_blocks_per_seq=-(-c.max_model_len // cache.block_size),
                 block_size=cache.block_size, pad_block=cache.num_blocks,
                 vocab_size=c.vocab_size, device=self.device)
-        logger.info("%s on %s (%s attention%s): %d KV blocks x %d tokens, %.1f MiB",
+        self.compiled = False
+        if compile_model:
+            if self.prepacked and self.attention_kernel:
+                from .compile import compile_layers, warm_up
+                compile_layers(self.model)
+                self.compiled = True
+                warm_up(self)
+            else:
+                logger.warning("torch.compile of the model step runs on CPU with the C++ "
+                               "kernels built (make) and prepacked linears; running eagerly")
+        logger.info("%s on %s (%s attention%s%s): %d KV blocks x %d tokens, %.1f MiB",
                     c.architecture, self.device, attention_backend(self.device),
                     ", oneDNN-prepacked linears" if self.prepacked else "",
+                    ", torch.compile" if self.compiled else "",
                     cache.num_blocks, cache.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
     def _block_table(self, tables: Sequence[Sequence[int]], num_tokens: Sequence[int]) -> torch.Tensor:
-        """[len(tables), widest] int32 (host): each row the blocks covering its tokens,
-        padded with 0."""
+        """[len(tables), widest (at least 2)] int32 (host): each row the blocks covering
+        its tokens, padded with 0 (never read). Two columns at least: a width of 1 would
+        be a compiled graph of its own (torch.compile specializes sizes 0 and 1)."""
         bs = self.block_size
         rows = [t[:-(-n // bs)] for t, n in zip(tables, num_tokens)]
-        width = max(len(r) for r in rows)
+        width = max(2, max(len(r) for r in rows))
         return torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
 
     @torch.inference_mode()
@@ -200,7 +233,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             is_prefill=True, slot_mapping=slots.to(dev), cu_seqlens_q=cu.to(dev),
             max_seqlen_q=max(lens), seq_lens=tuple(lens), block_table=table.to(dev),
-            context_lens=torch.tensor(totals, dtype=torch.int32, device=dev), **paged)
+            context_lens=torch.tensor(totals, dtype=torch.int32, device=dev),
+            kv_cache_id=self.kv_cache_id if self.attention_kernel else None, **paged)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev),
                             meta, self.kv_cache, on_layer_done)
         last = (cu[1:] - 1).to(dev).long()
@@ -212,7 +246,8 @@ class ModelRunner:
         batch = self.decode_batch(seqs)
         if self.decode_graphs is not None:
             return self.decode_graphs.run(batch)
-        return self._decode_forward(batch.input_ids, batch.positions, batch.metadata())
+        return self._decode_forward(batch.input_ids, batch.positions, batch.metadata(
+            self.kv_cache_id if self.attention_kernel else None))
 
     def decode_batch(self, seqs: Sequence[DecodeSeq]) -> DecodeBatch:
         """The flat tensors of a decode step over `seqs`, on the runner's device."""

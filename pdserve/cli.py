@@ -55,6 +55,7 @@ def _serve(args) -> int:
             threads_per_worker=args.threads_per_worker, log_level=args.log_level,
             kv_host=args.kv_host, **({"device": "cuda"} if args.gpus_per_worker else {}),
             **({"dtype": args.dtype} if args.dtype else {}),
+            compile=args.compile, enforce_eager=args.enforce_eager,
             **{k: v for k in ("local_prefill_max_tokens", "max_num_batched_tokens")
                if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
             router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
@@ -278,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
                         "prefill worker has more than this many prompt tokens queued, and "
                         "more than that decode worker has queued for its own prefills "
                         "(default 2048; 0: always use a prefill worker)")
+    s.add_argument("--compile", action="store_true",
+                   help="CPU: run the decoder layers through torch.compile (Inductor), "
+                        "compiled at worker start (~4 s, cached in $PDSERVE_CACHE/inductor); "
+                        "measured no faster than the default eager step here")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="vLLM's flag: no torch.compile and no CUDA graphs")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prompt tokens a prefill worker computes per step, all prompts of "
                         "its batch together (vLLM's flag; default 512 on CPU, 2048 on CUDA)")

@@ -33,10 +33,15 @@ class WorkerConfig:
                                      # proving it (HMAC, kv_transfer/auth.py); Cluster.start
                                      # makes one when None; repr=False: never logged
     max_batch_size: int = 256        # decode: running requests per step
-    enforce_eager: bool = True       # decode on CUDA: False replays CUDA graphs captured per
-                                     # batch size up to max_batch_size (engine/cuda_graphs.py);
-                                     # CPU always runs eagerly. True until graphs are
-                                     # measured on a device (`pdserve bench gpu`)
+    enforce_eager: bool = False      # vLLM's flag: no torch.compile, no CUDA graphs, whatever
+                                     # compile / cuda_graphs say
+    compile: bool = False            # CPU: the decoder layers run one torch.compile'd graph
+                                     # (engine/compile.py), compiled at start (~4 s, cached on
+                                     # disk). Off: measured no faster than the eager step over
+                                     # the same C++ kernels here (docs/performance.md)
+    cuda_graphs: bool = False        # decode on CUDA replays CUDA graphs captured per batch
+                                     # size up to max_batch_size (engine/cuda_graphs.py); off
+                                     # until measured on a device (`pdserve bench gpu`)
     max_num_batched_tokens: int | None = None  # prefill: prompt tokens per step (varlen
                                      # batch). None: 512 on CPU (its GEMMs reach the per-core
                                      # peak from M=512, and a prompt's first token waits for

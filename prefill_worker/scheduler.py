@@ -100,9 +100,11 @@ class PrefillScheduler:
         ``[num_computed, chunk_end)`` this step. Partly prefilled prompts continue first
         (oldest first), then waiting ones join in FIFO order, each taking blocks for its
         whole prompt (cached prefix blocks shared, `num_cached` set) when it first runs.
-        With prefill_chunk_size, a prompt computes at most that many tokens a step, so
-        short prompts behind a long one share the next steps instead of waiting for all
-        of it; chunks end on block boundaries (the last one at the prompt's end)."""
+        With prefill_chunk_size, a prompt computes at most that many tokens a step, and
+        a partly prefilled one at most half the step's budget while other prompts wait,
+        so short prompts behind a long one share the next steps instead of waiting for
+        all of it (the budget may be no larger than one chunk); chunks end on block
+        boundaries (the last one at the prompt's end)."""
         batch, budget = [], self.max_num_batched_tokens
         bs = self.block_size
         with self._lock:
@@ -111,7 +113,10 @@ class PrefillScheduler:
                 if req.aborted:
                     self._dropped.append(req)
                     continue
-                take = self._chunk(req, budget, alone=not batch)
+                share = budget
+                if self._waiting and self.prefill_chunk_size is not None:
+                    share = max(bs, self.max_num_batched_tokens // 2 // bs * bs)
+                take = self._chunk(req, min(budget, share), alone=not batch)
                 if take == 0:
                     self._partial.appendleft(req)  # keeps its turn for the next step
                     break

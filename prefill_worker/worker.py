@@ -74,7 +74,8 @@ class PrefillWorker:
         self.worker_id, self.config = worker_id, config
         self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation (new on Ray restart)
         self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
-                                  config.cpus)
+                                  config.cpus,
+                                  compile_model=config.compile and not config.enforce_eager)
         self.num_layers = self.runner.config.num_layers
         self.activity = None      # busy flag a decode worker of this node reads (core_share)
         if config.core_share_dir is not None:

@@ -6,10 +6,12 @@ Variants, each adding to the one before:
                     SDPA per group of similar-length sequences (attention.py fallback)
     +prepacked      every linear a oneDNN-prepacked GEMM, q/k/v and gate/up fused
                     (engine/model.py PackedLinear)
-    +paged_kernel   decode attention by the C++ kernel reading KV blocks in place
-                    (engine/csrc/paged_attention.cpp)
+    +paged_kernel   attention (prefill and decode) and the KV write by the C++ kernels
+                    reading KV blocks in place (engine/csrc/paged_attention.cpp)
     +fused_ops      RMSNorm with the residual add, RoPE and SiLU-and-mul by the C++
-                    kernels of engine/csrc/fused_ops.cpp (one pass each)
+                    kernels of engine/csrc/fused_ops.cpp (one pass each): the serving path
+    +torch.compile  the same, the decoder layers through torch.compile (Inductor, one
+                    graph for every layer: engine/compile.py), a runner of its own
 
 Decode: `batch` sequences of `context` tokens each (random ids; a step's cost does not
 depend on the values), blocks shuffled over the pool as a running server's are. Times
@@ -88,7 +90,7 @@ def run(model: str, dtypes: list[str], batch: int, context: int, prefill_tokens:
 def _run(model, dtypes, batch, context, prefill_tokens, repeats, threads, block_size,
          prefill_prompts) -> list[StepTime]:
     per_seq = -(-(context + 1) // block_size)
-    num_blocks = max(batch * per_seq, -(-prefill_tokens // block_size) + prefill_prompts) + 1
+    num_blocks = max(batch * per_seq, -(-prefill_tokens // block_size) + prefill_prompts, 3) + 1
     rng = random.Random(0)
     results = []
     for name in dtypes:
@@ -115,11 +117,22 @@ def _run(model, dtypes, batch, context, prefill_tokens, repeats, threads, block_
                             (True, True): "+fused_ops"}[kernels])
                 if any(kernels) and not attention.cpu_ops.available():
                     continue
+                runner.attention_kernel = kernels[0] and runner.kv_cache_id is not None
                 with _kernels(*kernels):
                     dec = _median_s(lambda: runner.decode(seqs), repeats)
                     pre = _median_s(lambda: runner.prefill(prompts), max(repeats // 3, 1))
                 results.append(StepTime(name, variant, dec, dec / runner.config.num_layers * 1e3,
                                         pre, prefill_tokens / pre))
+            del runner
+        if attention.cpu_ops.available():
+            runner = ModelRunner(model, CacheConfig(num_blocks, block_size, dtype),
+                                 num_threads=threads, compile_model=True)
+            if runner.compiled:
+                dec = _median_s(lambda: runner.decode(seqs), repeats)
+                pre = _median_s(lambda: runner.prefill(prompts), max(repeats // 3, 1))
+                results.append(StepTime(name, "+torch.compile", dec,
+                                        dec / runner.config.num_layers * 1e3, pre,
+                                        prefill_tokens / pre))
             del runner
     return results
 

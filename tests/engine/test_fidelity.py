@@ -48,8 +48,14 @@ PROMPTS = _prompts()
 # --------------------------------------------------------------------------- helpers
 
 @functools.cache
-def _runner(model_dir: Path, block_size: int, num_blocks: int) -> ModelRunner:
-    return ModelRunner(model_dir, CacheConfig(num_blocks=num_blocks, block_size=block_size))
+def _runner(model_dir: Path, block_size: int, num_blocks: int,
+            compiled: bool = False) -> ModelRunner:
+    """Eager, or with the decoder layers through torch.compile (engine/compile.py; CPU
+    kernels and block_size 16 needed, else the runner stays eager and this fails)."""
+    runner = ModelRunner(model_dir, CacheConfig(num_blocks=num_blocks, block_size=block_size),
+                         compile_model=compiled)
+    assert runner.compiled == compiled
+    return runner
 
 
 @functools.cache
@@ -210,10 +216,12 @@ def test_prefill_after_cached_prefix_matches_hf_forward(family):
     assert pool.all_free()
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_matches_hf_generate(family):
-    """block_size 16, all prompts prefilled and decoded together for NEW_TOKENS steps."""
-    runner = _runner(tiny_model_dir(family), 16, 24)
+def test_greedy_matches_hf_generate(family, compiled):
+    """block_size 16, all prompts prefilled and decoded together for NEW_TOKENS steps;
+    the eager step and the torch.compile'd one."""
+    runner = _runner(tiny_model_dir(family), 16, 24, compiled)
     pool = _make_pool(24)
     tokens, logits, _ = _engine_generate(runner, pool, PROMPTS, [NEW_TOKENS] * len(PROMPTS))
     assert all(len(t) == NEW_TOKENS for t in tokens)
@@ -251,13 +259,15 @@ def test_batch_invariance(family):
         assert pool.all_free()
 
 
-def test_default_model_matches_hf_generate():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_default_model_matches_hf_generate(compiled):
     """SmolLM2-135M-Instruct (30 layers, GQA 9/3, tied): a raw-text prompt and two chat
-    prompts (5, 37, 48 tokens) batched, 16 greedy tokens each, against HF."""
+    prompts (5, 37, 48 tokens) batched, 16 greedy tokens each, against HF; the eager
+    step and the torch.compile'd one."""
     from transformers import AutoModelForCausalLM
 
     model_dir = default_model_dir()
-    runner = ModelRunner(model_dir, CacheConfig(num_blocks=16, block_size=16))
+    runner = _runner(model_dir, 16, 16, compiled)
     tok = runner.tokenizer
     prompts = [tok("The capital of France is").input_ids]
     for q in ("What is 2+2?",

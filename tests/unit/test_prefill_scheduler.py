@@ -333,6 +333,35 @@ def test_chunked_prefill_lets_short_prompts_in_between_chunks():
     assert pool.all_free() and sched.schedule() == []
 
 
+def test_a_chunk_as_large_as_the_budget_leaves_half_of_it_to_waiting_prompts():
+    """Budget == chunk size (a CPU prefill worker's 512 / 512): the long prompt runs
+    whole chunks while alone, half a budget while others wait, so they are not stuck
+    behind all its chunks."""
+    pool, sched = chunked(budget=16, chunk=16)
+    long = _tokens_req("long", list(range(1, 61)))        # 60 tokens
+    sched.add(long)
+    batch = sched.schedule()
+    assert [(r.request_id, r.num_computed, r.chunk_end) for r in batch] == [("long", 0, 16)]
+    sched.advance(batch)
+    short = _tokens_req("short", [5, 6, 7])
+    sched.add(short)
+    batch = sched.schedule()
+    assert [(r.request_id, r.num_computed, r.chunk_end) for r in batch] == [
+        ("long", 16, 24), ("short", 0, 3)]
+    done = sched.advance(batch)
+    assert done == [short]
+    release_all(sched, done)
+    chunks, done = [], []                                  # alone again: whole chunks
+    while not done:
+        batch = sched.schedule()
+        chunks.append([(r.request_id, r.num_computed, r.chunk_end) for r in batch])
+        done = sched.advance(batch)
+    assert chunks == [[("long", 24, 40)], [("long", 40, 56)], [("long", 56, 60)]]
+    assert done == [long]
+    release_all(sched, [long])
+    assert pool.all_free() and sched.schedule() == []
+
+
 def test_chunks_end_on_block_boundaries_within_the_budget():
     pool, sched = chunked(budget=16, chunk=16)
     a, b = _tokens_req("a", list(range(1, 11))), _tokens_req("b", list(range(50, 80)))

@@ -121,6 +121,21 @@ def _register_fakes() -> None:
         torch.library.register_fake(ns + name)(fn)
 
 
+@functools.cache
+def native_bf16() -> bool | None:
+    """Whether this CPU computes bfloat16 in hardware (avx512_bf16 or AMX, which oneDNN's
+    bf16 GEMMs use); None when it cannot tell (no /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), None)
+    except OSError:
+        return None
+    if flags is None:
+        return None
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     seq_lens_k: torch.Tensor, scale: float) -> torch.Tensor:

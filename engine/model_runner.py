@@ -132,6 +132,11 @@ class ModelRunner:
             torch.set_num_threads(num_threads)
         self.cache_config = cache
         self.device = torch.device(cache.device)
+        if (self.device.type == "cpu" and cache.dtype == torch.bfloat16
+                and cpu_ops.native_bf16() is False):
+            logger.warning("bfloat16 on a CPU without avx512_bf16 or AMX: oneDNN emulates its "
+                           "GEMMs in float32 arithmetic, slower than --dtype float32 (which "
+                           "is also what HF's fidelity is checked on)")
         self.config, self.model, self.tokenizer, self.model_dir = load_model(
             model, cache.dtype, self.device)
         self.prepacked = prepack_linears and can_prepack(self.device, cache.dtype)

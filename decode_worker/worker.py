@@ -86,9 +86,13 @@ class DecodeWorker:
         self._wake = threading.Event()
         self._stop = threading.Event()
         # threads of idle prefill workers on this node, borrowed step by step (core_share)
-        self.lent = (LentThreads(config.core_share_dir, config.num_threads,
-                                 len(os.sched_getaffinity(0)))
-                     if config.core_share_dir is not None else None)
+        self.lent = None
+        if config.core_share_dir is not None:
+            try:
+                self.lent = LentThreads(config.core_share_dir, worker_id, config.num_threads,
+                                        len(os.sched_getaffinity(0)))
+            except OSError as e:
+                logger.warning("idle prefill cores not borrowed: %s", e)
         self.peak_batch_size = 0      # largest decode batch so far (tests prove batching)
         self.step_threads = config.num_threads   # torch threads of the latest step
         self.kv_failures = 0          # transfers that failed to arrive (receiver thread)
@@ -212,6 +216,8 @@ class DecodeWorker:
         self._wake.set()
         self._thread.join(timeout=10)
         self.receiver.close()
+        if self.lent is not None:
+            self.lent.close()
 
     # --- threads ------------------------------------------------------------------------
 

@@ -5,10 +5,12 @@ the load moves between them; pdserve's CPU workers do the same with cores. Each 
 worker publishes in shared memory whether it is computing, and how many torch threads it
 runs: a 2-byte file `<worker_id>.prefill` (byte 0: busy, byte 1: threads) in a directory
 under /dev/shm that the cluster names once per start (`WorkerConfig.core_share_dir`).
-Before each step, a decode worker of the same node runs on its own threads plus those of
-every prefill worker there that is idle, and goes back to its own as soon as one is busy
-again; a decode step already running when a prefill starts shares that core until it
-ends (one step, ~0.1 s).
+Before each step, a decode worker of the same node runs on its own threads plus its share
+of those of every prefill worker there that is idle (the idle threads split evenly among
+the node's decode workers, each of which publishes an empty `<worker_id>.decode` file),
+and goes back to its own as soon as one is busy again; a decode step already running
+when a prefill starts shares that core until it ends (one step, ~0.1 s; longer when the
+step also prefills).
 
 Without it, a one-box cluster of 1 prefill + 1 decode worker on 2 cores leaves one core
 idle whenever prompts stop arriving (measured in docs/performance.md). Only for workers
@@ -31,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 RESCAN_S = 1.0          # how often a decode worker lists the directory again (seconds)
 _SUFFIX = ".prefill"
+_DECODE_SUFFIX = ".decode"
 
 
 class PrefillActivity:
@@ -65,11 +68,21 @@ class PrefillActivity:
 
 class LentThreads:
     """A decode worker's view of `directory`: `threads()` is its own thread count plus
-    those of the idle prefill workers there, at most `max_threads`."""
+    its share of the idle prefill workers' threads there (split evenly among the decode
+    workers that publish themselves in it, the first ones by id taking the remainder),
+    at most `max_threads`.
 
-    def __init__(self, directory: str, own_threads: int, max_threads: int):
+    Raises:
+        OSError: the directory cannot be created or written.
+    """
+
+    def __init__(self, directory: str, worker_id: str, own_threads: int, max_threads: int):
         self.directory, self.own, self.max = Path(directory), own_threads, max_threads
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.name = f"{worker_id}{_DECODE_SUFFIX}"
+        (self.directory / self.name).touch()
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}   # name -> (inode, map)
+        self._decoders: list[str] = [self.name]             # the node's decode workers
         self._scanned = float("-inf")
 
     def threads(self) -> int:
@@ -78,12 +91,17 @@ class LentThreads:
             self._scanned = now
             self._rescan()
         lent = sum(m[1] for _, m in self._maps.values() if m[0] == 0)
-        return min(self.max, self.own + lent)
+        n = len(self._decoders)
+        rank = self._decoders.index(self.name) if self.name in self._decoders else n - 1
+        share = lent // n + (rank < lent % n)
+        return min(self.max, self.own + share)
 
     def close(self) -> None:
+        """Unpublish this decode worker and let go of the prefill workers' flags."""
         for _, m in self._maps.values():
             m.close()
         self._maps.clear()
+        (self.directory / self.name).unlink(missing_ok=True)
 
     def _rescan(self) -> None:
         seen = {}
@@ -91,6 +109,8 @@ class LentThreads:
             entries = list(os.scandir(self.directory))
         except FileNotFoundError:
             entries = []
+        self._decoders = sorted({e.name for e in entries if e.name.endswith(_DECODE_SUFFIX)}
+                                | {self.name})
         for e in entries:
             if not e.name.endswith(_SUFFIX):
                 continue

@@ -73,17 +73,19 @@ class PrefillWorker:
         logging.basicConfig(level=config.log_level)
         self.worker_id, self.config = worker_id, config
         self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation (new on Ray restart)
-        self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
-                                  config.cpus,
-                                  compile_model=config.compile and not config.enforce_eager)
-        self.num_layers = self.runner.config.num_layers
-        self.activity = None      # busy flag a decode worker of this node reads (core_share)
+        # busy flag a decode worker of this node reads (core_share): published busy before
+        # the model loads, so a restarted worker's old "idle" file lends nothing meanwhile
+        self.activity = None
         if config.core_share_dir is not None:
             try:
                 self.activity = PrefillActivity(config.core_share_dir, worker_id,
                                                 config.num_threads)
             except OSError as e:
                 logger.warning("idle cores not lent to decode: %s", e)
+        self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
+                                  config.cpus,
+                                  compile_model=config.compile and not config.enforce_eager)
+        self.num_layers = self.runner.config.num_layers
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
                                           config.max_num_batched_tokens,

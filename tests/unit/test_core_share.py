@@ -14,7 +14,7 @@ def rescan_always(monkeypatch):
 
 
 def test_decode_borrows_only_idle_prefill_threads_up_to_its_cap(tmp_path):
-    lent = LentThreads(str(tmp_path), own_threads=1, max_threads=4)
+    lent = LentThreads(str(tmp_path), "decode-0", own_threads=1, max_threads=4)
     assert lent.threads() == 1                       # nothing published yet
     p0 = PrefillActivity(str(tmp_path), "prefill-0", threads=2)
     p1 = PrefillActivity(str(tmp_path), "prefill-1", threads=2)
@@ -32,7 +32,7 @@ def test_decode_borrows_only_idle_prefill_threads_up_to_its_cap(tmp_path):
 
 
 def test_a_restarted_or_stopped_prefill_worker_is_noticed(tmp_path, rescan_always):
-    lent = LentThreads(str(tmp_path), own_threads=1, max_threads=2)
+    lent = LentThreads(str(tmp_path), "decode-0", own_threads=1, max_threads=2)
     old = PrefillActivity(str(tmp_path), "prefill-0", threads=1)
     old.set_busy(False)
     assert lent.threads() == 2
@@ -41,13 +41,36 @@ def test_a_restarted_or_stopped_prefill_worker_is_noticed(tmp_path, rescan_alway
     new.set_busy(False)
     assert lent.threads() == 2
     new.close()                                      # shutdown: its file goes
-    assert lent.threads() == 1 and not list(tmp_path.iterdir())
+    assert lent.threads() == 1
+    lent.close()
+    assert not list(tmp_path.iterdir())              # nothing left behind
+
+
+def test_a_removed_directory_lends_nothing(tmp_path, rescan_always):
+    import shutil
+    lent = LentThreads(str(tmp_path / "share"), "decode-0", own_threads=2, max_threads=8)
+    p = PrefillActivity(str(tmp_path / "share"), "prefill-0", threads=2)
+    p.set_busy(False)
+    assert lent.threads() == 4
+    shutil.rmtree(tmp_path / "share")                # the cluster stopped
+    assert lent.threads() == 2
     lent.close()
 
 
-def test_missing_directory_lends_nothing(tmp_path):
-    lent = LentThreads(str(tmp_path / "gone"), own_threads=2, max_threads=8)
-    assert lent.threads() == 2
+def test_decode_workers_of_a_node_split_the_idle_threads(tmp_path, rescan_always):
+    """Each would otherwise take every idle thread: 3 decode workers of 2 threads on an
+    8-core node with 1 idle prefill worker of 2 threads would run 12 threads on 8 cores."""
+    d = [LentThreads(str(tmp_path), f"decode-{i}", own_threads=2, max_threads=8)
+         for i in range(3)]
+    p = PrefillActivity(str(tmp_path), "prefill-0", threads=2)
+    p.set_busy(False)
+    assert [x.threads() for x in d] == [3, 3, 2]      # 2 idle threads, 3 decode workers
+    d[2].close()
+    assert [x.threads() for x in d[:2]] == [3, 3]
+    p.close()
+    assert [x.threads() for x in d[:2]] == [2, 2]
+    for x in d[:2]:
+        x.close()
 
 
 def test_cluster_lends_only_for_unpinned_cpu_workers():

@@ -17,7 +17,8 @@
 # RATE (inf, or a comma list), DTYPES (fp32,bf16), GOODPUT (the client's --goodput SLOs,
 # "ttft:2000 tpot:250" in ms), MAX_MODEL_LEN (2048), VLLM_CPU_KVCACHE_SPACE (GiB, 4),
 # STARTUP_TIMEOUT (s, 900), RESULT_DIR (bench/results), SYSTEMS (vllm,pdserve: which servers
-# to run, e.g. SYSTEMS=pdserve to rerun only ours against recorded vLLM results).
+# to run, e.g. SYSTEMS=pdserve to rerun only ours against recorded vLLM results),
+# PDSERVE_ARGS (more `pdserve serve` flags, e.g. "--compile"; default none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM=${VLLM:-.venv-vllm/bin/vllm}
@@ -31,6 +32,7 @@ MAX_MODEL_LEN=${MAX_MODEL_LEN:-2048}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-900}
 RESULT_DIR=${RESULT_DIR:-bench/results}
 SYSTEMS=${SYSTEMS:-vllm,pdserve}
+read -ra PDSERVE_EXTRA <<<"${PDSERVE_ARGS:-}"
 LOG_DIR=bench/out
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # vLLM's CPU worker: OpenMP threads on both cores, none held back for the frontend.
@@ -127,7 +129,7 @@ EOF
         extra=(--decode-kv-blocks "$kv_blocks")
         [[ $dtype == fp32 ]] || extra+=(--dtype "$torch_dtype")
         start_server "$LOG_DIR/$name.log" "$PDSERVE" serve --model "$MODEL" --host 127.0.0.1 \
-          --port 0 --metrics-port 0 --http-port "$PORT" "${extra[@]}"
+          --port 0 --metrics-port 0 --http-port "$PORT" "${extra[@]}" ${PDSERVE_EXTRA[@]+"${PDSERVE_EXTRA[@]}"}
       fi
       "$VLLM" bench serve --backend openai --base-url "http://127.0.0.1:$PORT" \
         --model "$MODEL" --dataset-name sharegpt --dataset-path "$DATA" \

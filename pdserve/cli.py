@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens): a decode worker prefills a prompt itself when every "
                         "prefill worker has more than this many prompt tokens queued, and "
                         "more than that decode worker has queued for its own prefills "
-                        "(default 2048; 0: always use a prefill worker)")
+                        "(default: one prefill step, --max-num-batched-tokens; 0: always "
+                        "use a prefill worker)")
     s.add_argument("--compile", action="store_true",
                    help="CPU: run the decoder layers through torch.compile (Inductor), "
                         "compiled at worker start (~4 s, cached in $PDSERVE_CACHE/inductor); "

@@ -120,11 +120,15 @@ class RouterConfig:
     max_queued_tokens: int = 262144  # prompt tokens queued at once: 256 requests x 1024 tokens
     routing_policy: str = "kv_aware"  # prefill worker choice: round_robin | least_loaded | kv_aware
     kv_load_weight: float = 1.0      # kv_aware: cost = uncached tokens + weight * queued tokens
-    max_prefill_queue_tokens: int = 2048  # conditional disaggregation: a prompt is prefilled
-                                     # on its decode worker instead when every prefill worker
-                                     # has more prompt tokens queued than this and than that
-                                     # decode worker has queued for its own prefills
-                                     # (0: always a prefill worker)
+    max_prefill_queue_tokens: int | None = None  # conditional disaggregation: a prompt is
+                                     # prefilled on its decode worker instead when every
+                                     # prefill worker has more prompt tokens queued than this
+                                     # and than that decode worker has queued for its own
+                                     # prefills (0: always a prefill worker). None: one prefill
+                                     # step (the prefill workers' max_num_batched_tokens: 512 on
+                                     # CPU); under load a prompt then waits for no more than a
+                                     # step (2 req/s, 2 cores: mean TTFT 595 -> ~400 ms at a
+                                     # 2048 limit, docs/performance.md)
     cache_sync_interval_s: float = 0.1  # kv_aware: how often prefill caches are mirrored
     max_migrations: int = 3          # retries of a request after a worker died or its KV
                                      # transfer failed (each resumes after the tokens sent)
@@ -155,7 +159,7 @@ class RouterConfig:
                              f"{list(POLICIES)}")
         if self.kv_load_weight < 0:
             raise ValueError(f"kv_load_weight={self.kv_load_weight}: must be >= 0")
-        if self.max_prefill_queue_tokens < 0:
+        if self.max_prefill_queue_tokens is not None and self.max_prefill_queue_tokens < 0:
             raise ValueError(f"max_prefill_queue_tokens={self.max_prefill_queue_tokens}: "
                              "must be >= 0 tokens (0: always prefill on a prefill worker)")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):

@@ -441,8 +441,11 @@ class Router:
         prefill worker has more than router.max_prefill_queue_tokens prompt tokens queued
         and more than D would have queued for its own prefills with this prompt. A burst
         is then split between P and D instead of waiting for P alone, and at any load P
-        keeps up with, every prompt still goes to P."""
+        keeps up with, every prompt still goes to P. The limit defaults to one prefill
+        step's budget (prefill workers' max_num_batched_tokens)."""
         limit = self.config.router.max_prefill_queue_tokens
+        if limit is None:
+            limit = self.config.prefill.max_num_batched_tokens
         queued = [p.load for p in self.prefill if p.available]
         if not limit or not queued:
             return False

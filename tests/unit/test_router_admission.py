@@ -293,3 +293,18 @@ def test_client_cancel_releases_the_queue(stage):
         return r
 
     assert queue(asyncio.run(main())) == (0, 0)
+
+
+def test_the_default_limit_is_one_prefill_step():
+    """max_prefill_queue_tokens unset: D prefills a prompt itself once every prefill
+    worker has more than a step's budget queued (its max_num_batched_tokens)."""
+    r = make_router(FakeDecode(), FakePrefill())
+    step = r.config.prefill.max_num_batched_tokens
+    assert r.config.router.max_prefill_queue_tokens is None and step == 512
+    d, p = r.decode[0], r.prefill[0]
+    p.load = step
+    assert not r._prefill_on_decode(d, 100)          # a step's worth: P keeps it
+    p.load = step + 1
+    assert r._prefill_on_decode(d, 100)
+    d.local_prefill_load = step                       # D's own queue would be longer
+    assert not r._prefill_on_decode(d, 100)

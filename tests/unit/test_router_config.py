@@ -101,7 +101,7 @@ def test_resources_flag_must_be_a_json_object(capsys):
 
 
 def test_max_prefill_queue_tokens_flag_default_and_bound(recording):
-    assert RouterConfig().max_prefill_queue_tokens == 2048
+    assert RouterConfig().max_prefill_queue_tokens is None   # a prefill step's budget
     with pytest.raises(ValueError, match="^max_prefill_queue_tokens=-1: must be >= 0"):
         RouterConfig(max_prefill_queue_tokens=-1)
     assert cli.main(["serve", "--max-prefill-queue-tokens", "0"]) == 1

@@ -29,11 +29,12 @@
 //     lane-wise by a transpose-reduce (45 shuffles and adds for 16 scores, against ~8 per
 //     score for a horizontal add). Two passes: scores of the whole context, softmax, then
 //     V weighted by the probabilities with the g heads' accumulators in registers.
-//   prefill (several new tokens): lanes over 16 query rows (token, head of the group),
-//     FlashAttention's tiling and online softmax (Dao et al. 2022; Milakov & Gimelshein
-//     2018): per 16 keys, S^T = K Q^T by broadcast FMAs (no horizontal operation at all),
-//     causal mask, running max and sum per lane, O^T += V^T P^T.
-// Work items ((sequence, KV head) for decode, (sequence, KV head, 16 query rows) for
+//   prefill (several new tokens): lanes over query rows (token, head of the group), 32
+//     rows (two vectors) a tile, FlashAttention's tiling and online softmax (Dao et al.
+//     2022; Milakov & Gimelshein 2018): per 16 keys, S^T = K Q^T by broadcast FMAs (no
+//     horizontal operation at all), causal mask, running max and sum per lane,
+//     O^T += V^T P^T.
+// Work items ((sequence, KV head) for decode, (sequence, KV head, 32 query rows) for
 // prefill) are taken from a shared counter by each thread, most expensive first.
 // head_dim must be a multiple of 16 and block_size a multiple of 16. Measurements:
 // docs/performance.md.
@@ -42,6 +43,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -91,7 +93,7 @@ struct Shape {
 
 // Per-thread scratch, grown as needed and reused across the items a thread takes.
 struct Scratch {
-  std::vector<float> a, b, c, d, e;
+  std::vector<float> a, b, c, d, e, f, g, h;
   static float* get(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
     return v.data();
@@ -200,38 +202,71 @@ void decode_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   }
 }
 
-// ---- prefill: 16 query rows (row = token * g + head of the group) of one sequence and
-// ---- KV head, lanes over rows, online softmax over tiles of 16 keys.
-template <typename T>
+// ---- prefill: 32 query rows (row = token * g + head of the group) of one sequence and
+// ---- KV head, two vectors of 16 lanes over rows, online softmax over tiles of 16 keys.
+// Each K (V) element broadcast feeds both row vectors, and with head_dim a compile-time
+// constant the 16 key rows are immediate offsets from one pointer: the first version (16
+// rows, runtime head_dim) spent its time reloading row pointers and ran at ~140 GFLOP/s.
+constexpr int kPrefillRows = 2 * kLanes;
+
+template <typename T, int DV>   // DV = head_dim / 16
 void prefill_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
                   int ctx, int n_new, int row0, int kvh, const Shape& s, T* out, Scratch& sc) {
-  const int D = s.head_dim, g = s.group;
-  const int rows = std::min(kLanes, n_new * g - row0);
-  float* qt = Scratch::get(sc.a, static_cast<size_t>(D) * kLanes);   // Q^T [D, 16] scaled
-  float* ot = Scratch::get(sc.b, static_cast<size_t>(D) * kLanes);   // O^T [D, 16]
-  float* pt = Scratch::get(sc.c, static_cast<size_t>(kLanes) * kLanes);  // P^T [16 keys, 16]
-  float* kbuf = Scratch::get(sc.d, static_cast<size_t>(kLanes) * D);     // bf16 widened
+  constexpr int D = DV * kLanes, R = kPrefillRows;
+  const int g = s.group;
+  const int rows = std::min(R, n_new * g - row0);
+  float* qt = Scratch::get(sc.a, static_cast<size_t>(D) * R);        // Q^T [D, 32] scaled
+  float* ot = Scratch::get(sc.b, static_cast<size_t>(D) * R);        // O^T [D, 32]
+  float* pt = Scratch::get(sc.c, static_cast<size_t>(kLanes) * R);   // P^T [16 keys, 32]
+  float* kbuf = Scratch::get(sc.d, static_cast<size_t>(kLanes) * D); // bf16 widened
   float* vbuf = Scratch::get(sc.e, static_cast<size_t>(kLanes) * D);
-  alignas(64) int32_t pos[kLanes];
+#if defined(__AVX512BF16__)
+  // bf16: S = K Q^T by vdpbf16ps (two bf16 products a lane, summed in fp32) straight
+  // from the cache, the scale applied to S: Q^T as pairs of head dims [D/2, 32 rows]
+  constexpr bool kDot = std::is_same_v<T, at::BFloat16>;
+  uint32_t* qt2 = kDot ? reinterpret_cast<uint32_t*>(Scratch::get(sc.f, static_cast<size_t>(D / 2) * R))
+                       : nullptr;
+  // ... and O^T += V^T P^T the same way: P^T as bf16 pairs of keys [8, 32 rows] (P is
+  // rounded to bf16 there, as torch's bf16 flash attention rounds it), V's 16 keys as
+  // pairs [8, D] interleaved per 128-bit quarter (vpunpck*wd), `vpair_at` finding a dim
+  uint32_t* pt2 = kDot ? reinterpret_cast<uint32_t*>(Scratch::get(sc.g, static_cast<size_t>(8) * R))
+                       : nullptr;
+  uint32_t* vp = kDot ? reinterpret_cast<uint32_t*>(Scratch::get(sc.h, static_cast<size_t>(8) * D))
+                      : nullptr;
+#else
+  constexpr bool kDot = false;
+#endif
+  alignas(64) int32_t pos[R];
   const int first_pos = ctx - n_new;   // position of the sequence's first new token
   int max_pos = 0, min_pos = std::numeric_limits<int>::max();
-  for (int r = 0; r < kLanes; ++r) {
+  for (int r = 0; r < R; ++r) {
     if (r < rows) {
       const int row = row0 + r, tok = row / g, head = kvh * g + row % g;
       pos[r] = first_pos + tok;
       const T* qh = q + tok * s.q_stride + static_cast<int64_t>(head) * D;
-      for (int d = 0; d < D; ++d) qt[d * kLanes + r] = to_float(qh[d]) * s.scale;
+      for (int d = 0; d < D; ++d) qt[d * R + r] = to_float(qh[d]) * s.scale;
+#if defined(__AVX512BF16__)
+      if constexpr (kDot) {
+        const auto* qb = reinterpret_cast<const uint16_t*>(qh);
+        for (int j = 0; j < D / 2; ++j) qt2[j * R + r] = qb[2 * j] | (uint32_t{qb[2 * j + 1]} << 16);
+      }
+#endif
       max_pos = std::max(max_pos, pos[r]);
       min_pos = std::min(min_pos, pos[r]);
     } else {                          // padding lanes: zero query, every key masked
       pos[r] = -1;
-      for (int d = 0; d < D; ++d) qt[d * kLanes + r] = 0.f;
+      for (int d = 0; d < D; ++d) qt[d * R + r] = 0.f;
+#if defined(__AVX512BF16__)
+      if constexpr (kDot)
+        for (int j = 0; j < D / 2; ++j) qt2[j * R + r] = 0;
+#endif
     }
   }
-  std::fill(ot, ot + static_cast<size_t>(D) * kLanes, 0.f);
-  vec m = vset1(kNegInf), l = vzero();
+  std::fill(ot, ot + static_cast<size_t>(D) * R, 0.f);
+  vec m[2] = {vset1(kNegInf), vset1(kNegInf)}, l[2] = {vzero(), vzero()};
   const int64_t tile_bytes = s.tile * static_cast<int64_t>(sizeof(T));
   const int num_keys = max_pos + 1;
+  const bool second = rows > kLanes;   // the second row vector holds rows
   for (int key0 = 0; key0 < num_keys; key0 += kLanes) {
     const int blk = key0 / s.block_size, sub = key0 % s.block_size;
     const int64_t tile = (static_cast<int64_t>(table[blk]) * s.num_kv_heads + kvh) * s.tile;
@@ -241,63 +276,166 @@ void prefill_item(const T* q, const T* k_cache, const T* v_cache, const int32_t*
       prefetch(v_cache + next, tile_bytes);
     }
     const int nk = std::min(kLanes, num_keys - key0);
+    vec st[kLanes][2];                 // st[t][v] lane r: score of row 16 v + r, key key0 + t
+#if defined(__AVX512BF16__)
+    if constexpr (kDot) {
+      const auto* kp = reinterpret_cast<const uint32_t*>(k_cache + tile + static_cast<int64_t>(sub) * D);
+      const vec sc_v = vset1(s.scale);
+      for (int h = 0; h < kLanes; h += 8) {
+        vec acc[8][2];
+        for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = vzero();
+        if (h < nk) {
+          for (int j = 0; j < D / 2; ++j) {
+            const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qt2 + j * R);
+            const __m512bh q1 = (__m512bh)_mm512_loadu_si512(qt2 + j * R + kLanes);
+            for (int t = 0; t < 8; ++t) {
+              const __m512bh kb = (__m512bh)_mm512_set1_epi32(kp[(h + t) * (D / 2) + j]);
+              acc[t][0] = _mm512_dpbf16_ps(acc[t][0], q0, kb);
+              acc[t][1] = _mm512_dpbf16_ps(acc[t][1], q1, kb);
+            }
+          }
+        }
+        for (int t = 0; t < 8; ++t) {
+          st[h + t][0] = vmul(acc[t][0], sc_v);
+          st[h + t][1] = vmul(acc[t][1], sc_v);
+        }
+      }
+    } else
+#endif
+    {
     const float* k = rows_f32(k_cache + tile + static_cast<int64_t>(sub) * D, kbuf,
                               static_cast<int64_t>(nk) * D);
-    vec st[kLanes];                    // st[t] lane r: score of row r with key key0 + t
-    for (int t = 0; t < kLanes; ++t) st[t] = vzero();
-    if (nk == kLanes) {
-      for (int d = 0; d < D; ++d) {
-        const vec qd = vload(qt + d * kLanes);
-        for (int t = 0; t < kLanes; ++t) st[t] = vfma(vset1(k[t * D + d]), qd, st[t]);
+    for (int h = 0; h < kLanes; h += 8) {          // keys in halves of 8: 16 accumulators
+      vec acc[8][2];
+      for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = vzero();
+      if (h < nk) {
+        for (int d = 0; d < D; ++d) {
+          const vec q0 = vload(qt + d * R), q1 = vload(qt + d * R + kLanes);
+          for (int t = 0; t < 8; ++t) {   // rows past nk are read (inside the block), masked
+            const vec kb = vset1(k[(h + t) * D + d]);
+            acc[t][0] = vfma(kb, q0, acc[t][0]);
+            acc[t][1] = vfma(kb, q1, acc[t][1]);
+          }
+        }
       }
-    } else {
-      for (int d = 0; d < D; ++d) {
-        const vec qd = vload(qt + d * kLanes);
-        for (int t = 0; t < nk; ++t) st[t] = vfma(vset1(k[t * D + d]), qd, st[t]);
+      for (int t = 0; t < 8; ++t) {
+        st[h + t][0] = acc[t][0];
+        st[h + t][1] = acc[t][1];
       }
+    }
     }
     // causal: key key0 + t is kept for the rows whose position is >= it
-    vec mx = vset1(kNegInf);
     alignas(64) int32_t key[kLanes];
+    vec mx[2] = {vset1(kNegInf), vset1(kNegInf)};
     for (int t = 0; t < kLanes; ++t) {
-      if (t >= nk) { st[t] = vset1(kNegInf); continue; }
-      if (key0 + t > min_pos || rows < kLanes) {
-        for (int r = 0; r < kLanes; ++r) key[r] = key0 + t;
-        st[t] = vmask_neginf(st[t], vle_int(key, pos));
+      for (int v = 0; v < 2; ++v) {
+        if (t >= nk) { st[t][v] = vset1(kNegInf); continue; }
+        if (key0 + t > min_pos || rows < R) {
+          for (int r = 0; r < kLanes; ++r) key[r] = key0 + t;
+          st[t][v] = vmask_neginf(st[t][v], vle_int(key, pos + v * kLanes));
+        }
+        mx[v] = vmax(mx[v], st[t][v]);
       }
-      mx = vmax(mx, st[t]);
     }
-    const vec m_new = vmax(m, mx);
-    const vec m_use = vsel_eq_neginf(m_new, 0.f);   // lanes with no key yet: exp(-inf) = 0
-    const vec alpha = vexp(vsub(m, m_use));
-    vec sum = vzero();
-    for (int t = 0; t < nk; ++t) {
-      const vec p = vexp(vsub(st[t], m_use));
-      vstore(pt + t * kLanes, p);
-      sum = vadd(sum, p);
-    }
-    l = vfma(l, alpha, sum);
-    m = m_new;
-    const float* v = rows_f32(v_cache + tile + static_cast<int64_t>(sub) * D, vbuf,
-                              static_cast<int64_t>(nk) * D);
-    for (int d0 = 0; d0 < D; d0 += kLanes) {      // O^T[d] = O^T[d] alpha + sum_t v_t[d] P^T[t]
-      vec acc[kLanes];
-      for (int i = 0; i < kLanes; ++i) acc[i] = vmul(vload(ot + (d0 + i) * kLanes), alpha);
+    vec alpha[2];
+    for (int v = 0; v < 2; ++v) {
+      const vec m_new = vmax(m[v], mx[v]);
+      const vec m_use = vsel_eq_neginf(m_new, 0.f);   // lanes with no key yet: exp(-inf) = 0
+      alpha[v] = vexp(vsub(m[v], m_use));
+      vec sum = vzero();
       for (int t = 0; t < nk; ++t) {
-        const vec p = vload(pt + t * kLanes);
-        const float* vr = v + t * D + d0;
-        for (int i = 0; i < kLanes; ++i) acc[i] = vfma(vset1(vr[i]), p, acc[i]);
+        const vec p = vexp(vsub(st[t][v], m_use));
+        vstore(pt + t * R + v * kLanes, p);
+        sum = vadd(sum, p);
       }
-      for (int i = 0; i < kLanes; ++i) vstore(ot + (d0 + i) * kLanes, acc[i]);
+      l[v] = vfma(l[v], alpha[v], sum);
+      m[v] = m_new;
+    }
+#if defined(__AVX512BF16__)
+    if constexpr (kDot) {
+      // P^T pairs: lane r of pt2[tp] = (P[r][2tp], P[r][2tp+1]) as bf16
+      const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                             24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                             1, 16, 0);
+      for (int tp = 0; tp < 8; ++tp)
+        for (int v = 0; v < 2; ++v) {
+          const vec a = 2 * tp < nk ? vload(pt + 2 * tp * R + v * kLanes) : vzero();
+          const vec b = 2 * tp + 1 < nk ? vload(pt + (2 * tp + 1) * R + v * kLanes) : vzero();
+          const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);   // [a 0..15 | b 0..15]
+          _mm512_storeu_si512(pt2 + tp * R + v * kLanes, _mm512_permutexvar_epi16(inter, ab));
+        }
+      // V pairs: quarter q of vp[tp] row = keys (2tp, 2tp+1) at dims 8q..8q+3 (unpacklo)
+      // and, 16 uint32 on, 8q+4..8q+7 (unpackhi), per 32 dims
+      const auto* vb16 = reinterpret_cast<const uint16_t*>(v_cache + tile + static_cast<int64_t>(sub) * D);
+      for (int tp = 0; tp < 8; ++tp)
+        for (int d0 = 0; d0 < D; d0 += 32) {
+          const __m512i a = 2 * tp < nk ? _mm512_loadu_si512(vb16 + 2 * tp * D + d0) : _mm512_setzero_si512();
+          const __m512i b = 2 * tp + 1 < nk ? _mm512_loadu_si512(vb16 + (2 * tp + 1) * D + d0)
+                                            : _mm512_setzero_si512();
+          _mm512_storeu_si512(vp + tp * D + d0, _mm512_unpacklo_epi16(a, b));
+          _mm512_storeu_si512(vp + tp * D + d0 + 16, _mm512_unpackhi_epi16(a, b));
+        }
+      auto vpair_at = [](int d) {   // index in a vp row of dim d's pair
+        const int d32 = d & ~31, q = (d & 31) >> 3, i = d & 7;
+        return d32 + (i < 4 ? 0 : 16) + q * 4 + (i & 3);
+      };
+      for (int d0 = 0; d0 < D; d0 += 8) {
+        vec acc[8][2];
+        for (int i = 0; i < 8; ++i) {
+          acc[i][0] = vmul(vload(ot + (d0 + i) * R), alpha[0]);
+          acc[i][1] = second ? vmul(vload(ot + (d0 + i) * R + kLanes), alpha[1]) : vzero();
+        }
+        int at[8];
+        for (int i = 0; i < 8; ++i) at[i] = vpair_at(d0 + i);
+        for (int tp = 0; tp < (nk + 1) / 2; ++tp) {
+          const __m512bh p0 = (__m512bh)_mm512_loadu_si512(pt2 + tp * R);
+          const __m512bh p1 = (__m512bh)_mm512_loadu_si512(pt2 + tp * R + kLanes);
+          const uint32_t* vr = vp + tp * D;
+          for (int i = 0; i < 8; ++i) {
+            const __m512bh vb = (__m512bh)_mm512_set1_epi32(vr[at[i]]);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], p0, vb);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], p1, vb);
+          }
+        }
+        for (int i = 0; i < 8; ++i) {
+          vstore(ot + (d0 + i) * R, acc[i][0]);
+          vstore(ot + (d0 + i) * R + kLanes, acc[i][1]);
+        }
+      }
+      continue;
+    }
+#endif
+    const float* vrow = rows_f32(v_cache + tile + static_cast<int64_t>(sub) * D, vbuf,
+                                 static_cast<int64_t>(nk) * D);
+    for (int d0 = 0; d0 < D; d0 += 8) {  // O^T[d] = O^T[d] alpha + sum_t v_t[d] P^T[t]
+      vec acc[8][2];
+      for (int i = 0; i < 8; ++i) {
+        acc[i][0] = vmul(vload(ot + (d0 + i) * R), alpha[0]);
+        acc[i][1] = second ? vmul(vload(ot + (d0 + i) * R + kLanes), alpha[1]) : vzero();
+      }
+      for (int t = 0; t < nk; ++t) {
+        const vec p0 = vload(pt + t * R), p1 = vload(pt + t * R + kLanes);
+        const float* vr = vrow + t * D + d0;
+        for (int i = 0; i < 8; ++i) {
+          const vec vb = vset1(vr[i]);
+          acc[i][0] = vfma(vb, p0, acc[i][0]);
+          acc[i][1] = vfma(vb, p1, acc[i][1]);
+        }
+      }
+      for (int i = 0; i < 8; ++i) {
+        vstore(ot + (d0 + i) * R, acc[i][0]);
+        vstore(ot + (d0 + i) * R + kLanes, acc[i][1]);
+      }
     }
   }
-  alignas(64) float inv[kLanes];
-  vstore(inv, l);
+  alignas(64) float inv[R];
+  vstore(inv, l[0]);
+  vstore(inv + kLanes, l[1]);
   for (int r = 0; r < rows; ++r) {
     const int row = row0 + r, tok = row / g, head = kvh * g + row % g;
     T* o = out + tok * s.q_stride + static_cast<int64_t>(head) * D;
     const float f = 1.f / inv[r];
-    for (int d = 0; d < D; ++d) o[d] = static_cast<T>(ot[d * kLanes + r] * f);
+    for (int d = 0; d < D; ++d) o[d] = static_cast<T>(ot[d * R + r] * f);
   }
 }
 
@@ -334,8 +472,15 @@ void run_items(std::vector<Item>& items, const T* q, const T* k_cache, const T* 
           default: TORCH_CHECK(false, "paged attention: head_dim ", s.head_dim, " not built");
         }
       } else {
-        prefill_item<T>(qb, k_cache, v_cache, tb, lens_k[b], cu_q[b + 1] - cu_q[b], it.row0,
-                        it.kvh, s, ob, sc);
+        const int n = cu_q[b + 1] - cu_q[b];
+        switch (s.head_dim / kLanes) {
+#define PDSERVE_PREFILL(dv)           case dv: prefill_item<T, dv>(qb, k_cache, v_cache, tb, lens_k[b], n, it.row0, it.kvh, s, ob, sc); break;
+          PDSERVE_PREFILL(1) PDSERVE_PREFILL(2) PDSERVE_PREFILL(3) PDSERVE_PREFILL(4)
+          PDSERVE_PREFILL(5) PDSERVE_PREFILL(6) PDSERVE_PREFILL(7) PDSERVE_PREFILL(8)
+          PDSERVE_PREFILL(16)
+#undef PDSERVE_PREFILL
+          default: TORCH_CHECK(false, "paged attention: head_dim ", s.head_dim, " not built");
+        }
       }
     }
   });
@@ -408,9 +553,9 @@ torch::Tensor attention(torch::Tensor q, const torch::Tensor& k_cache, const tor
         items.push_back({b, h, -1, static_cast<int64_t>(lk[b]) * s.group});
         continue;
       }
-      for (int row0 = 0; row0 < n * s.group; row0 += kLanes) {   // costliest last rows first
-        const int last_tok = std::min(n * s.group, row0 + kLanes) / s.group;
-        items.push_back({b, h, row0, static_cast<int64_t>(lk[b] - n + last_tok) * kLanes});
+      for (int row0 = 0; row0 < n * s.group; row0 += kPrefillRows) {
+        const int last_tok = std::min(n * s.group, row0 + kPrefillRows) / s.group;
+        items.push_back({b, h, row0, static_cast<int64_t>(lk[b] - n + last_tok) * kPrefillRows});
       }
     }
   }

@@ -64,6 +64,11 @@ class WorkerConfig:
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens",
                                2048 if self.device.startswith("cuda") else 512)
+        if (self.prefill_chunk_size is not None and self.max_num_batched_tokens >= self.block_size
+                and self.prefill_chunk_size > self.max_num_batched_tokens):
+            # a chunk is at most one step (e.g. --max-num-batched-tokens 256)
+            object.__setattr__(self, "prefill_chunk_size",
+                               self.max_num_batched_tokens // self.block_size * self.block_size)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(_DTYPES)}")
         if self.host in ("0.0.0.0", "::", ""):

@@ -223,7 +223,8 @@ void prefill_item(const T* q, const T* k_cache, const T* v_cache, const int32_t*
 #if defined(__AVX512BF16__)
   // bf16: S = K Q^T by vdpbf16ps (two bf16 products a lane, summed in fp32) straight
   // from the cache, the scale applied to S: Q^T as pairs of head dims [D/2, 32 rows]
-  constexpr bool kDot = std::is_same_v<T, at::BFloat16>;
+  // (V pairs are built 32 dims at a time: head_dim 16, 48, ... take the fp32 path)
+  constexpr bool kDot = std::is_same_v<T, at::BFloat16> && D % 32 == 0;
   uint32_t* qt2 = kDot ? reinterpret_cast<uint32_t*>(Scratch::get(sc.f, static_cast<size_t>(D / 2) * R))
                        : nullptr;
   // ... and O^T += V^T P^T the same way: P^T as bf16 pairs of keys [8, 32 rows] (P is

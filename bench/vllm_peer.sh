@@ -18,7 +18,9 @@
 # "ttft:2000 tpot:250" in ms), MAX_MODEL_LEN (2048), VLLM_CPU_KVCACHE_SPACE (GiB, 4),
 # STARTUP_TIMEOUT (s, 900), RESULT_DIR (bench/results), SYSTEMS (vllm,pdserve: which servers
 # to run, e.g. SYSTEMS=pdserve to rerun only ours against recorded vLLM results),
-# PDSERVE_ARGS (more `pdserve serve` flags, e.g. "--compile"; default none).
+# PDSERVE_ARGS (more `pdserve serve` flags, e.g. "--compile"; default none), REPEATS (1:
+# with N > 1 each (dtype, rate) runs vLLM, pdserve, vLLM, pdserve, ... N times each, into
+# files suffixed _run<k>, and the table shows each system's median run by throughput).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM=${VLLM:-.venv-vllm/bin/vllm}
@@ -32,6 +34,7 @@ MAX_MODEL_LEN=${MAX_MODEL_LEN:-2048}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-900}
 RESULT_DIR=${RESULT_DIR:-bench/results}
 SYSTEMS=${SYSTEMS:-vllm,pdserve}
+REPEATS=${REPEATS:-1}
 read -ra PDSERVE_EXTRA <<<"${PDSERVE_ARGS:-}"
 LOG_DIR=bench/out
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -107,9 +110,11 @@ for dtype in "${DTYPE_LIST[@]}"; do
     *) echo "DTYPES: fp32 or bf16, got $dtype" >&2; exit 2 ;;
   esac
   for rate in "${RATES[@]}"; do
+   for run in $(seq "$REPEATS"); do
     for system in "${SYSTEM_LIST[@]}"; do
       PORT=$(free_port)
       name=vllm_peer_${system}_${dtype}_${rate}
+      (( REPEATS == 1 )) || name+=_run$run
       echo "=== $system $dtype, rate $rate: 127.0.0.1:$PORT (log $LOG_DIR/$name.log)"
       if [[ $system == vllm ]]; then
         start_server "$LOG_DIR/$name.log" "$VLLM" serve "$MODEL" --host 127.0.0.1 \
@@ -140,6 +145,7 @@ EOF
       stop_server
       RESULTS+=("$RESULT_DIR/$name.json")
     done
+   done
   done
 done
 

@@ -1,6 +1,8 @@
 """The table closing bench/vllm_peer.sh: per rate and dtype, vLLM's and pdserve's output
 tok/s, mean TTFT, mean TPOT (and goodput when the client computed it) from `vllm bench
-serve` result files, then pdserve/vLLM ratios.
+serve` result files, then pdserve/vLLM ratios. Where a system ran several times
+(`..._run<k>.json`, REPEATS=N), its row is its median run by output throughput (the lower
+middle one of an even count) and a line lists every run's throughput.
 
     python bench/vllm_peer_table.py bench/results/vllm_peer_*.json
 """
@@ -17,9 +19,9 @@ COLUMNS = (("done", 7), ("req/s", 7), ("out tok/s", 10), ("goodput", 8),
 
 
 def key(path: Path) -> tuple[str, str, str]:
-    """(system, dtype, rate) from vllm_peer_<system>_<dtype>_<rate>.json."""
+    """(system, dtype, rate) from vllm_peer_<system>_<dtype>_<rate>[_run<k>].json."""
     _, _, system, dtype, rate = path.stem.split("_", 4)
-    return system, dtype, rate
+    return system, dtype, rate.split("_run")[0]
 
 
 def _rate_order(rate: str) -> float:
@@ -34,7 +36,11 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def table(paths: list[Path]) -> str:
-    runs = {key(p): json.loads(p.read_text()) for p in paths}
+    all_runs: dict[tuple[str, str, str], list[dict]] = {}
+    for p in sorted(paths):
+        all_runs.setdefault(key(p), []).append(json.loads(p.read_text()))
+    runs = {k: sorted(v, key=lambda r: r["output_throughput"])[(len(v) - 1) // 2]
+            for k, v in all_runs.items()}
     groups = sorted({(d, r) for _, d, r in runs},      # fp32 first, as the script runs
                     key=lambda g: (g[0] != "fp32", g[0], _rate_order(g[1])))
     head = f"{'rate':>5} {'dtype':>5} {'system':>12}" + "".join(f" {n:>{w}}" for n, w in COLUMNS)
@@ -50,6 +56,9 @@ def table(paths: list[Path]) -> str:
                      f"{r['mean_ttft_ms']:.0f}ms", f"{r['mean_tpot_ms']:.1f}ms")
             lines.append(f"{rate:>5} {dtype:>5} {system:>12}"
                          + "".join(f" {c:>{w}}" for c, (_, w) in zip(cells, COLUMNS)))
+            if len(every := all_runs[(system, dtype, rate)]) > 1:
+                lines.append(f"{'':>24} {len(every)} runs, out tok/s: "
+                             + ", ".join(f"{r['output_throughput']:.1f}" for r in every))
         v, p = got["vllm"], got["pdserve"]
         if v is not None and p is not None:
             cells = ("", _ratio(p["request_throughput"], v["request_throughput"]),

@@ -99,10 +99,12 @@ def _bench_serve(args) -> int:
     try:
         rates = tuple(float(r) for r in args.request_rate.split(","))
         cfg = serve.ServeBenchConfig(
-            model=args.model, modes=tuple(args.modes.split(",")), request_rates=rates,
+            model=args.model, modes=tuple((args.modes or "disagg,colocated,hf"
+                                           + (",vllm" if args.vllm_url else "")).split(",")), request_rates=rates,
             seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
             transport=args.transport, prefill_chunk_size=args.prefill_chunk_size,
-            decode_blocks=args.decode_kv_blocks, hf_batch_size=args.hf_batch_size)
+            decode_blocks=args.decode_kv_blocks, hf_batch_size=args.hf_batch_size,
+            vllm_url=args.vllm_url)
     except ValueError as e:
         print(f"pdserve bench serve: {e}", file=sys.stderr)
         return 2
@@ -215,8 +217,9 @@ def add_bench_parser(sub) -> None:
     bl.set_defaults(fn=_bench_local_prefill)
 
     bs = bsub.add_parser("serve", help="TTFT, TPOT, ITL, throughput and goodput of a "
-                                       "workload served disaggregated, colocated and by HF "
-                                       "generate, side by side, per request rate")
+                                       "workload served disaggregated, colocated, by HF "
+                                       "generate and by a running vLLM, side by side, per "
+                                       "request rate")
     bs.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random"],
                     help="ShareGPT V3 first turns (filtered as vLLM's benchmark) or random ids")
     bs.add_argument("--num-prompts", type=int, default=64)
@@ -224,8 +227,12 @@ def add_bench_parser(sub) -> None:
                     help="requests/s of a Poisson process, or inf (all at once); a "
                          "comma-separated list sweeps them")
     bs.add_argument("--seed", type=int, default=0)
-    bs.add_argument("--modes", default="disagg,colocated,hf",
-                    help="comma-separated, of disagg,colocated,hf")
+    bs.add_argument("--modes", default=None,
+                    help="comma-separated, of disagg,colocated,hf,vllm (default: "
+                         "disagg,colocated,hf, and vllm when --vllm-url is given)")
+    bs.add_argument("--vllm-url", default=None,
+                    help="a running `vllm serve` of the same model (e.g. "
+                         "http://127.0.0.1:8000): the vllm mode, the headline ratios' base")
     bs.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO: TTFT bound")
     bs.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO: TPOT bound")
     bs.add_argument("--prefill-chunk-size", type=int, default=512,

@@ -1,4 +1,4 @@
-"""`pdserve bench serve`: one workload served three ways, side by side, per request rate.
+"""`pdserve bench serve`: one workload served several ways, side by side, per request rate.
 
 Modes, on the same prompts (workload.py) and the same arrival times:
 
@@ -11,6 +11,12 @@ Modes, on the same prompts (workload.py) and the same arrival times:
   The cluster's prefill worker exists but is never called (it only holds its weights).
 - `hf`: HF transformers `generate` in static batches (hf_baseline.py), in this process
   with every CPU: what a user would otherwise write.
+- `vllm`: the peer a user would pick instead: a running `vllm serve` of the same model
+  (`--vllm-url`; `make bench-vllm` builds vLLM's CPU package in .venv-vllm) driven over
+  its OpenAI completions API by the official `openai` client, prompts as token ids,
+  `ignore_eos`, streamed; a token's time is its chunk's arrival (vLLM streams a chunk a
+  token; tokens the usage counts beyond the chunks take the last chunk's time). The
+  table's headline is each pdserve mode's throughput and goodput over this one's.
 
 Each (rate, mode) run starts a fresh cluster (so no prefix-cache state carries over
 between runs), sends one warm-up request, then the workload from a client thread per
@@ -34,14 +40,14 @@ from ..client import Client, make_request
 from ..config import ClusterConfig
 from .workload import BenchRequest, RequestResult, arrival_times, summarize
 
-MODES = ("disagg", "colocated", "hf")
+MODES = ("disagg", "colocated", "hf", "vllm")
 _WARMUP_IDS = list(range(1000, 1040))   # a prompt no workload shares a block with
 
 
 @dataclass(frozen=True)
 class ServeBenchConfig:
     model: str = "default"
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = ("disagg", "colocated", "hf")   # vllm needs vllm_url
     request_rates: tuple[float, ...] = (math.inf,)   # requests/s (Poisson), inf: all at t=0
     seed: int = 0
     slo_ttft_ms: float | None = None
@@ -51,6 +57,7 @@ class ServeBenchConfig:
     decode_blocks: int = 4096                  # 16-token blocks: 64 ShareGPT pairs at once
     prefill_blocks: int = 1024
     hf_batch_size: int = 8
+    vllm_url: str | None = None                # base URL of `vllm serve` (mode vllm)
     cpus: tuple[int, ...] = field(default_factory=lambda: tuple(sorted(os.sched_getaffinity(0))))
 
     def __post_init__(self):
@@ -63,6 +70,9 @@ class ServeBenchConfig:
                              f"process may use only {list(self.cpus)}")
         if self.hf_batch_size < 1:
             raise ValueError(f"hf_batch_size={self.hf_batch_size}: must be >= 1")
+        if "vllm" in self.modes and not self.vllm_url:
+            raise ValueError("mode vllm needs vllm_url (--vllm-url): the address of a running "
+                             "`vllm serve` of the same model, e.g. http://127.0.0.1:8000")
 
     def cluster_config(self, mode: str) -> ClusterConfig:
         """The cluster of `mode` (disagg or colocated); see the module docstring."""
@@ -163,6 +173,64 @@ def run_cluster(cfg: ServeBenchConfig, mode: str, rate: float, requests: list[Be
         return Run(mode, rate, results, duration, _leaked_blocks(client))
 
 
+def _send_openai(client, model: str, req: BenchRequest, at: float, t0: float) -> RequestResult:
+    """_send over an OpenAI completions stream (the `vllm` mode)."""
+    import openai
+
+    time.sleep(max(0.0, t0 + at - time.perf_counter()))
+    res = RequestResult(len(req.prompt_token_ids))
+    sent = time.perf_counter()
+    completion_tokens = None
+    try:
+        stream = client.completions.create(
+            model=model, prompt=req.prompt_token_ids, max_tokens=req.max_tokens,
+            temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                res.token_times.append(time.perf_counter() - sent)
+            if chunk.usage is not None:
+                completion_tokens = chunk.usage.completion_tokens
+        if completion_tokens is not None and res.token_times:
+            n = completion_tokens
+            res.token_times = res.token_times[:n] + [res.token_times[-1]] * (n - len(res.token_times))
+        res.ok = len(res.token_times) == req.max_tokens
+        res.error = "" if res.ok else f"{len(res.token_times)} of {req.max_tokens} tokens"
+    except openai.APIError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    res.e2e = time.perf_counter() - sent
+    return res
+
+
+def run_openai(url: str, rate: float, requests: list[BenchRequest], arrivals: list[float],
+               progress=None, mode: str = "vllm") -> Run:
+    """Serve `requests` on the OpenAI-compatible server at `url` (the first model it lists),
+    each request sent at its arrival time; `progress` (tqdm) ticks per request.
+
+    Raises:
+        openai.APIConnectionError: nothing answers at `url`.
+    """
+    import openai
+
+    with openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="EMPTY", max_retries=0,
+                       timeout=3600) as client:
+        model = client.models.list().data[0].id
+        client.completions.create(model=model, prompt=_WARMUP_IDS, max_tokens=2)   # warm-up
+        lock = threading.Lock()
+
+        def one(i: int) -> RequestResult:
+            r = _send_openai(client, model, requests[i], arrivals[i], t0)
+            if progress is not None:
+                with lock:
+                    progress.update(1)
+            return r
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(requests)) as ex:
+            results = list(ex.map(one, range(len(requests))))
+        return Run(mode, rate, results, time.perf_counter() - t0)
+
+
 def run_hf(cfg: ServeBenchConfig, hf_model, rate: float, requests: list[BenchRequest],
            arrivals: list[float], progress=None) -> Run:
     from .hf_baseline import run_hf as hf
@@ -201,6 +269,8 @@ def run(cfg: ServeBenchConfig, requests: list[BenchRequest], show_progress: bool
                 with bar:
                     if mode == "hf":
                         runs.append(run_hf(cfg, hf_model, rate, requests, arrivals, bar))
+                    elif mode == "vllm":
+                        runs.append(run_openai(cfg.vllm_url, rate, requests, arrivals, bar))
                     else:
                         runs.append(run_cluster(cfg, mode, rate, requests, arrivals, bar))
     finally:
@@ -214,24 +284,27 @@ def _ratio(a: float, b: float) -> str:
 
 
 def table(summaries: list[dict]) -> str:
-    """Per rate, each mode's figures and its output-throughput and goodput ratios to
-    `hf` and to `colocated` (where those ran at the same rate)."""
+    """Per rate, each mode's figures; then its output-throughput and goodput ratios to
+    `vllm` (the headline), and its throughput ratio to `hf` and to `colocated` (each where
+    that mode ran at the same rate)."""
     head = (f"{'rate':>6} {'mode':>10} {'req/s':>7} {'out tok/s':>10} {'goodput':>8} "
             f"{'TTFT p50':>9} {'TTFT p90':>9} {'TPOT p50':>9} {'TPOT p90':>9} {'ITL p90':>8} "
-            f"{'E2E p50':>9} {'tok/s vs hf':>11} {'vs coloc':>9} {'goodput vs coloc':>16}")
+            f"{'E2E p50':>9} {'tok/s vs vllm':>13} {'goodput vs vllm':>15} {'vs hf':>6} "
+            f"{'vs coloc':>9}")
     rows = [head]
     for s in summaries:
         same = {o["mode"]: o for o in summaries if o["request_rate"] == s["request_rate"]}
-        hf, co = same.get("hf"), same.get("colocated")
+        hf, co, vl = same.get("hf"), same.get("colocated"), same.get("vllm")
         rows.append(
             f"{s['request_rate']:>6g} {s['mode']:>10} {s['request_throughput_req_s']:>7.3f} "
             f"{s['output_throughput_tok_s']:>10.1f} {s['goodput_req_s']:>8.3f} "
             f"{s['ttft_ms']['p50']:>7.0f}ms {s['ttft_ms']['p90']:>7.0f}ms "
             f"{s['tpot_ms']['p50']:>7.0f}ms {s['tpot_ms']['p90']:>7.0f}ms "
             f"{s['itl_ms']['p90']:>6.0f}ms {s['e2e_ms']['p50'] / 1e3:>8.1f}s "
-            f"{_ratio(s['output_throughput_tok_s'], hf['output_throughput_tok_s']) if hf else '-':>11} "
-            f"{_ratio(s['output_throughput_tok_s'], co['output_throughput_tok_s']) if co else '-':>9} "
-            f"{_ratio(s['goodput_req_s'], co['goodput_req_s']) if co else '-':>16}")
+            f"{_ratio(s['output_throughput_tok_s'], vl['output_throughput_tok_s']) if vl else '-':>13} "
+            f"{_ratio(s['goodput_req_s'], vl['goodput_req_s']) if vl else '-':>15} "
+            f"{_ratio(s['output_throughput_tok_s'], hf['output_throughput_tok_s']) if hf else '-':>6} "
+            f"{_ratio(s['output_throughput_tok_s'], co['output_throughput_tok_s']) if co else '-':>9}")
         if s["failed"] or s.get("kv_blocks_leaked"):
             rows.append(f"{'':>17} {s['failed']} failed, {s.get('kv_blocks_leaked', 0)} KV "
                         "blocks not freed")

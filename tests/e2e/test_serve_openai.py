@@ -144,3 +144,24 @@ def test_disconnecting_sse_client_frees_its_blocks(served):
             assert sum(d["running_requests"] for d in served.decode_status()) == 1
     # the connection is closed here; uvicorn sees it, the router aborts P and D
     served.assert_all_free(timeout_s=1.0)
+
+
+def test_bench_serve_vllm_mode_times_every_token_of_an_openai_server(served):
+    """`pdserve bench serve`'s vllm mode drives any OpenAI-compatible server; here pdserve's
+    own: token-id prompts, ignore_eos, every token timed from the stream."""
+    import math
+
+    from pdserve.bench.serve import run_openai
+    from pdserve.bench.workload import BenchRequest, summarize
+
+    reqs = [BenchRequest(list(range(200 + 7 * i, 230 + 11 * i)), 6 + i) for i in range(3)]
+    run = run_openai(served.http_url, math.inf, reqs, [0.0] * 3)
+    assert run.mode == "vllm" and run.duration_s > 0
+    for req, res in zip(reqs, run.results):
+        assert res.ok, res.error
+        assert res.prompt_tokens == len(req.prompt_token_ids)
+        assert len(res.token_times) == req.max_tokens                 # ignore_eos honoured
+        assert 0 < res.token_times[0] <= res.e2e
+        assert res.token_times == sorted(res.token_times)
+    s = summarize(run.results, run.duration_s, None, None)
+    assert s["completed"] == 3 and s["total_output_tokens"] == 6 + 7 + 8

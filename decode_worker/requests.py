@@ -4,6 +4,7 @@ pool could never hold. The state machine that moves them is scheduler.py."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from ..engine.block_pool import BlockHash
@@ -40,6 +41,7 @@ class DecodeRequest:
     recompute: bool = False              # KV to compute before its next token (see DecodeBatch)
     num_cached: int = 0                  # leading tokens whose KV is in block_table already
     block_hashes: list[BlockHash] = field(default_factory=list)  # prompt's full blocks
+    arrived: float = field(default_factory=time.monotonic)   # reserved at; schedule policy
 
     @property
     def prompt_len(self) -> int:

@@ -73,6 +73,7 @@ from ..engine.block_pool import (
     blocks_needed,
 )
 from ..engine.request import RequestState, TokenEvent
+from ..engine.schedule_policy import prefill_order
 from ..engine.sampling_params import SamplingParams
 from ..engine.stop import stop_state
 from .requests import DecodeBatch, DecodeRequest, RequestTooLargeError, Reserved
@@ -89,7 +90,7 @@ class DecodeScheduler:
                  eos_token_ids: tuple[int, ...], max_batch_size: int = 256,
                  on_release: Callable[[str, Callable[[], None]], None] | None = None,
                  enable_prefix_caching: bool = False, local_prefill_max_tokens: int = 0,
-                 prefill_chunk_size: int | None = None):
+                 prefill_chunk_size: int | None = None, schedule_policy: str = "fcfs"):
         """`on_release(request_id, free_blocks)` runs (under the lock) when a request
         finishes, instead of freeing its blocks here: the KV receiver stops writing into
         them and calls `free_blocks()` once no write is in flight (KVReceiver.forget),
@@ -100,11 +101,17 @@ class DecodeScheduler:
         uncached prompt tokens are at most this many is prefilled on D (0: never).
         prefill_chunk_size: most prompt tokens D prefills in one step, all prefill rows
         together, less one per decode row of the step (decode first, as vLLM's chunked
-        prefill budgets a step) but at least block_size; None: whole prompts."""
+        prefill budgets a step) but at least block_size; None: whole prompts.
+        schedule_policy: the order of local prefills (engine/schedule_policy.py).
+
+        Raises:
+            ValueError: an unknown schedule_policy."""
+        prefill_order([], len, float, schedule_policy, 0.0)
         self.pool, self.block_size, self.max_model_len = pool, block_size, max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.prefill_chunk_size = prefill_chunk_size
+        self.schedule_policy = schedule_policy
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_batch_size = max_batch_size
         self._on_release = on_release
@@ -298,22 +305,23 @@ class DecodeScheduler:
 
     def _chunk_prefills(self, batch: list[DecodeRequest]
                         ) -> tuple[tuple[DecodeRequest, ...], tuple[int, ...]]:
-        """The step's prefill rows (no output yet), oldest first, and the prompt position
-        each computes up to under prefill_chunk_size; rows left without budget sit this
-        step out (they keep their blocks and their place)."""
+        """The step's prefill rows (no output yet), in batch order, and the prompt position
+        each computes up to under prefill_chunk_size, the budget given out in the schedule
+        policy's order; rows left without budget sit this step out (they keep their
+        blocks)."""
         rows = [r for r in batch if not r.output_ids]
         if self.prefill_chunk_size is None:
             return tuple(rows), tuple(r.prompt_len for r in rows)
         budget = max(self.prefill_chunk_size - (len(batch) - len(rows)), self.block_size)
-        out, ends = [], []
-        for r in rows:
+        end_of: dict[int, int] = {}
+        for r in prefill_order(rows, lambda r: r.prompt_len - r.num_cached,
+                               lambda r: r.arrived, self.schedule_policy, time.monotonic()):
             if budget <= 0:
                 break
-            end = min(r.prompt_len, r.num_cached + budget)
-            budget -= end - r.num_cached
-            out.append(r)
-            ends.append(end)
-        return tuple(out), tuple(ends)
+            end_of[id(r)] = min(r.prompt_len, r.num_cached + budget)
+            budget -= end_of[id(r)] - r.num_cached
+        out = tuple(r for r in rows if id(r) in end_of)
+        return out, tuple(end_of[id(r)] for r in out)
 
     def _preempt(self, req: DecodeRequest) -> None:
         """Free a running request's blocks and queue it to resume by recompute. Its KV

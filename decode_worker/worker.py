@@ -78,7 +78,8 @@ class DecodeWorker:
             on_release=self.receiver.forget,
             enable_prefix_caching=config.enable_prefix_caching,
             local_prefill_max_tokens=config.local_prefill_max_tokens,
-            prefill_chunk_size=config.prefill_chunk_size)
+            prefill_chunk_size=config.prefill_chunk_size,
+            schedule_policy=config.schedule_policy)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: list[TokenEvent] = []          # events not yet streamed (event loop)
         self._outbox_ready: asyncio.Event | None = None

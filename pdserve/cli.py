@@ -56,7 +56,8 @@ def _serve(args) -> int:
             kv_host=args.kv_host, **({"device": "cuda"} if args.gpus_per_worker else {}),
             **({"dtype": args.dtype} if args.dtype else {}),
             compile=args.compile, enforce_eager=args.enforce_eager,
-            **{k: v for k in ("local_prefill_max_tokens", "max_num_batched_tokens")
+            **{k: v for k in ("local_prefill_max_tokens", "max_num_batched_tokens",
+                              "schedule_policy")
                if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
             router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
                                       "routing_policy", "metrics_port", "slo_ttft_ms",
@@ -289,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prompt tokens a prefill worker computes per step, all prompts of "
                         "its batch together (vLLM's flag; default 512 on CPU, 2048 on CUDA)")
+    s.add_argument("--schedule-policy", choices=["sjf", "fcfs"], default=None,
+                   help="order of prompts waiting for prefill (SGLang's flag): fcfs, "
+                        "arrival order (default), or sjf, the shortest prompt first but any "
+                        "prompt waiting over 5 s in arrival order (a burst's mean TTFT "
+                        "about halves, its mean TPOT rises ~10%%)")
     s.add_argument("--local-prefill-max-tokens", type=int, default=None,
                    help="a decode worker prefills a prompt itself, with no transfer, when "
                         "its tokens not in that worker's prefix cache are at most this many "

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .engine.config import CacheConfig
+from .engine.schedule_policy import POLICIES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,6 +54,9 @@ class WorkerConfig:
     local_prefill_max_tokens: int = 0   # decode: prefill on D when the uncached prompt is <= this
                                         # (0 = off: what `pdserve bench local-prefill` picks here)
     prefill_chunk_size: int | None = 512  # prefill: most tokens of one prompt per step
+    schedule_policy: str = "fcfs"    # order of waiting prompts' prefills (P, and D's local
+                                     # ones): fcfs, or sjf shortest first (bounded wait);
+                                     # engine/schedule_policy.py
     metrics_port: int = 0            # Prometheus /metrics on `host`; 0: a free port (in status)
     log_level: str = "WARNING"
     core_share_dir: str | None = None  # set by Cluster.start (ClusterConfig.lend_idle_prefill_cores):
@@ -69,6 +73,9 @@ class WorkerConfig:
             # a chunk is at most one step (e.g. --max-num-batched-tokens 256)
             object.__setattr__(self, "prefill_chunk_size",
                                self.max_num_batched_tokens // self.block_size * self.block_size)
+        if self.schedule_policy not in POLICIES:
+            raise ValueError(f"schedule_policy={self.schedule_policy!r}: choose one of "
+                             f"{', '.join(POLICIES)}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(_DTYPES)}")
         if self.host in ("0.0.0.0", "::", ""):

@@ -1,8 +1,10 @@
-"""Prefill-side scheduler: FIFO queue → varlen batches under a token budget.
+"""Prefill-side scheduler: a queue ordered by the schedule policy (engine/schedule_policy.py:
+arrival order by default, shortest prompt first with `sjf`) → varlen batches under a token
+budget.
 
 Lifecycle of a request on a prefill worker:
 
-    add()        WAITING in the FIFO queue
+    add()        WAITING in the queue
     schedule()   PREFILLING: its prompt's leading full blocks are looked up in the
                  prefix cache (engine/block_pool.py) and shared where found, the rest
                  allocated; joins a batch while the batch's tokens to compute fit
@@ -25,12 +27,14 @@ No model and no sockets here: the worker (worker.py) drives it.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.block_pool import BlockHash, BlockPool, block_hashes, blocks_needed
 from ..engine.request import RequestState
+from ..engine.schedule_policy import prefill_order
 from ..engine.sampling_params import SamplingParams
 
 
@@ -53,16 +57,18 @@ class PrefillRequest:
     state: RequestState = RequestState.WAITING
     aborted: bool = False
     error: str | None = None
+    arrived: float = field(default_factory=time.monotonic)   # schedule policy's clock
 
 
 class PrefillScheduler:
-    """FIFO prefill batches; see the module docstring. With `enable_prefix_caching`
+    """Prefill batches in `schedule_policy` order; see the module docstring. With `enable_prefix_caching`
     False, nothing is looked up or registered. Counters (tokens unless named blocks):
     `computed_tokens`, `cached_tokens` (reused from the cache), and
     `prefix_queries` / `prefix_hits` (blocks looked up / found)."""
 
     def __init__(self, pool: BlockPool, block_size: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool = True, prefill_chunk_size: int | None = None):
+                 enable_prefix_caching: bool = True, prefill_chunk_size: int | None = None,
+                 schedule_policy: str = "fcfs"):
         if prefill_chunk_size is not None and (
                 prefill_chunk_size < block_size or prefill_chunk_size % block_size
                 or prefill_chunk_size > max_num_batched_tokens):
@@ -73,6 +79,8 @@ class PrefillScheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.prefill_chunk_size = prefill_chunk_size
+        prefill_order([], len, float, schedule_policy, 0.0)       # ValueError: unknown policy
+        self.schedule_policy = schedule_policy
         self._partial: deque[PrefillRequest] = deque()   # between chunks, oldest first
         self._dropped: list[PrefillRequest] = []          # aborted between chunks
         self.computed_tokens = self.cached_tokens = 0
@@ -98,7 +106,8 @@ class PrefillScheduler:
     def schedule(self) -> list[PrefillRequest]:
         """Next batch (possibly empty); each member computes tokens
         ``[num_computed, chunk_end)`` this step. Partly prefilled prompts continue first
-        (oldest first), then waiting ones join in FIFO order, each taking blocks for its
+        (oldest first), then waiting ones join in the schedule policy's order (FIFO, or
+        shortest prompt first), each taking blocks for its
         whole prompt (cached prefix blocks shared, `num_cached` set) when it first runs.
         With prefill_chunk_size, a prompt computes at most that many tokens a step, and
         a partly prefilled one at most half the step's budget while other prompts wait,
@@ -123,6 +132,10 @@ class PrefillScheduler:
                 budget -= take
                 self.computed_tokens += take
                 batch.append(req)
+            if len(self._waiting) > 1 and budget > 0:
+                self._waiting = deque(prefill_order(
+                    self._waiting, lambda r: len(r.token_ids), lambda r: r.arrived,
+                    self.schedule_policy, time.monotonic()))
             while self._waiting and budget > 0:
                 req = self._waiting[0]
                 n = len(req.token_ids)
@@ -137,7 +150,7 @@ class PrefillScheduler:
                 take = self._chunk(req, budget, alone=not batch)
                 need = blocks_needed(n, bs) - len(hit)
                 if take == 0 or need > self.pool.num_free:
-                    # FIFO: wait (for room or blocks) rather than let later prompts overtake
+                    # in order: wait (for room or blocks) rather than let later prompts overtake
                     self.pool.free(hit)
                     req.num_computed = 0
                     break

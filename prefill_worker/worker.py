@@ -90,7 +90,8 @@ class PrefillWorker:
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
                                           config.max_num_batched_tokens,
                                           config.enable_prefix_caching,
-                                          config.prefill_chunk_size)
+                                          config.prefill_chunk_size,
+                                          config.schedule_policy)
         layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)
         self.sender = make_sender(config.transport, self.runner.kv_cache, layout,
                                   checksum=config.kv_checksum, secret=config.kv_secret)

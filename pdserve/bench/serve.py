@@ -143,6 +143,32 @@ def _leaked_blocks(client: Client, timeout_s: float = 10.0) -> int:
         time.sleep(0.1)
 
 
+def _send_all(send, n: int, progress=None, on_interrupt=None) -> tuple[list[RequestResult], float]:
+    """`send(i, t0)` for requests 0..n-1, a thread each; returns their results and the
+    seconds from t0 to the last one's end. `progress` (tqdm) ticks per request;
+    `on_interrupt()` runs on Ctrl-C (to cancel the streams) before it propagates."""
+    lock = threading.Lock()
+
+    def one(i: int) -> RequestResult:
+        r = send(i, t0)
+        if progress is not None:
+            with lock:
+                progress.update(1)
+        return r
+
+    t0 = time.perf_counter()
+    ex = ThreadPoolExecutor(n)
+    try:
+        results = list(ex.map(one, range(n)))
+    except BaseException:
+        if on_interrupt is not None:
+            on_interrupt()
+        raise
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+    return results, time.perf_counter() - t0
+
+
 def run_cluster(cfg: ServeBenchConfig, mode: str, rate: float, requests: list[BenchRequest],
                 arrivals: list[float], progress=None) -> Run:
     """Serve `requests` on a fresh `mode` cluster; `progress` (tqdm) ticks per request."""
@@ -151,25 +177,9 @@ def run_cluster(cfg: ServeBenchConfig, mode: str, rate: float, requests: list[Be
     with Cluster(cfg.cluster_config(mode)) as cluster, \
             Client(f"127.0.0.1:{cluster.port}", timeout_s=3600) as client:
         client.generate(make_request(_WARMUP_IDS, max_tokens=2))   # connect, first step
-        lock = threading.Lock()
-
-        def one(i: int) -> RequestResult:
-            r = _send(client, requests[i], arrivals[i], t0)
-            if progress is not None:
-                with lock:
-                    progress.update(1)
-            return r
-
-        t0 = time.perf_counter()
-        ex = ThreadPoolExecutor(len(requests))
-        try:
-            results = list(ex.map(one, range(len(requests))))
-        except BaseException:       # Ctrl-C: cancel every stream so the threads end now
-            client.close()
-            raise
-        finally:
-            ex.shutdown(wait=True, cancel_futures=True)
-        duration = time.perf_counter() - t0
+        results, duration = _send_all(
+            lambda i, t0: _send(client, requests[i], arrivals[i], t0), len(requests), progress,
+            on_interrupt=client.close)   # Ctrl-C: cancel every stream so the threads end now
         return Run(mode, rate, results, duration, _leaked_blocks(client))
 
 
@@ -216,19 +226,10 @@ def run_openai(url: str, rate: float, requests: list[BenchRequest], arrivals: li
                        timeout=3600) as client:
         model = client.models.list().data[0].id
         client.completions.create(model=model, prompt=_WARMUP_IDS, max_tokens=2)   # warm-up
-        lock = threading.Lock()
-
-        def one(i: int) -> RequestResult:
-            r = _send_openai(client, model, requests[i], arrivals[i], t0)
-            if progress is not None:
-                with lock:
-                    progress.update(1)
-            return r
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(len(requests)) as ex:
-            results = list(ex.map(one, range(len(requests))))
-        return Run(mode, rate, results, time.perf_counter() - t0)
+        results, duration = _send_all(
+            lambda i, t0: _send_openai(client, model, requests[i], arrivals[i], t0),
+            len(requests), progress, on_interrupt=client.close)
+        return Run(mode, rate, results, duration)
 
 
 def run_hf(cfg: ServeBenchConfig, hf_model, rate: float, requests: list[BenchRequest],

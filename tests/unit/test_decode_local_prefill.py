@@ -220,6 +220,28 @@ def test_prefill_rows_beyond_the_chunk_budget_wait_their_turn(pool):
     assert pool.all_free() and many.pool.all_free()
 
 
+def test_sjf_gives_the_chunk_budget_to_the_shortest_prompt_but_keeps_batch_order(pool):
+    sched = DecodeScheduler(pool, BS, 128, (EOS,), local_prefill_max_tokens=64,
+                            prefill_chunk_size=8, schedule_policy="sjf")
+    reserve(sched, "long", PROMPT[:20])
+    reserve(sched, "short", PROMPT[20:26])
+    batch = sched.schedule()
+    long, short = sched._requests["long"], sched._requests["short"]
+    # the 6-token prompt first; the 2 tokens left go to the long one; rows in batch order,
+    # as the step's tokens come back
+    assert batch.prefill == (long, short) and batch.prefill_ends == (2, 6)
+    events = sched.update_from_output(batch, [None, 30])
+    assert events == [TokenEvent("short", (30,))] and long.num_cached == 2
+    fcfs = DecodeScheduler(BlockPool(NUM_BLOCKS), BS, 128, (EOS,), local_prefill_max_tokens=64,
+                           prefill_chunk_size=8)                # the default: fcfs
+    reserve(fcfs, "long", PROMPT[:20])
+    reserve(fcfs, "short", PROMPT[20:26])
+    assert fcfs.schedule().prefill_ends == (8,)               # arrival order: long only
+    finish_all(sched)
+    finish_all(fcfs)
+    assert pool.all_free() and fcfs.pool.all_free()
+
+
 def test_a_partly_prefilled_request_preempted_starts_its_prompt_again(pool):
     sched = DecodeScheduler(pool, BS, 128, (EOS,), local_prefill_max_tokens=64,
                             prefill_chunk_size=8)

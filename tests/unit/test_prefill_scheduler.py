@@ -1,7 +1,10 @@
-"""prefill_worker/scheduler.py: FIFO varlen batches under a token budget, blocks, aborts.
+"""prefill_worker/scheduler.py: varlen batches under a token budget, blocks, aborts, in
+arrival order (fcfs, most tests) or shortest prompt first (sjf, the default).
 
 No model, no sockets. Every test ends with the pool free.
 """
+
+import time
 
 import pytest
 
@@ -18,9 +21,10 @@ def req(rid: str, num_tokens: int) -> PrefillRequest:
     return PrefillRequest(rid, list(range(1, num_tokens + 1)), SamplingParams(), KV_ADDRESS, epoch=1)
 
 
-def make(num_blocks=64, budget=16):
+def make(num_blocks=64, budget=16, policy="fcfs"):
     pool = BlockPool(num_blocks)
-    return pool, PrefillScheduler(pool, BLOCK_SIZE, max_num_batched_tokens=budget)
+    return pool, PrefillScheduler(pool, BLOCK_SIZE, max_num_batched_tokens=budget,
+                                  schedule_policy=policy)
 
 
 def rids(batch) -> list[str]:
@@ -48,6 +52,30 @@ def test_fifo_batches_under_token_budget():
         assert sum(len(r.token_ids) for r in batch) <= 16
         release_all(sched, batch)
     assert pool.all_free()
+
+
+def test_sjf_takes_the_shortest_prompts_first_and_a_starved_one_before_them():
+    pool, sched = make(budget=16, policy="sjf")
+    reqs = [req("a", 8), req("b", 6), req("c", 4), req("d", 3), req("e", 16)]
+    for r in reqs:
+        sched.add(r)
+    first = sched.schedule()
+    assert rids(first) == ["d", "c", "b"]            # 13 tokens; +8 would be 21 > 16
+    sched.add(late := req("f", 2))
+    reqs[0].arrived = time.monotonic() - 6.0         # "a" has waited past MAX_WAIT_S
+    second = sched.schedule()
+    assert rids(second) == ["a", "f"]                # the starved one first, then shortest
+    third = sched.schedule()
+    assert rids(third) == ["e"]
+    assert late.state == RequestState.PREFILLING
+    for batch in (first, second, third):
+        release_all(sched, batch)
+    assert pool.all_free()
+
+
+def test_unknown_schedule_policy_is_refused():
+    with pytest.raises(ValueError, match="'lifo'.*sjf, fcfs"):
+        PrefillScheduler(BlockPool(4), BLOCK_SIZE, 16, schedule_policy="lifo")
 
 
 def test_budget_is_inclusive():
@@ -290,7 +318,8 @@ def test_budget_counts_uncached_tokens_and_back_off_drops_the_match():
 
 def test_prefix_caching_off_shares_nothing():
     pool = BlockPool(16)
-    sched = PrefillScheduler(pool, BLOCK_SIZE, 64, enable_prefix_caching=False)
+    sched = PrefillScheduler(pool, BLOCK_SIZE, 64, enable_prefix_caching=False,
+                             schedule_policy="fcfs")
     for rid in "ab":
         sched.add(_tokens_req(rid, list(range(1, 10))))
         [r] = sched.schedule()
@@ -302,7 +331,8 @@ def test_prefix_caching_off_shares_nothing():
 
 def chunked(num_blocks=256, budget=16, chunk=8):
     pool = BlockPool(num_blocks)
-    return pool, PrefillScheduler(pool, BLOCK_SIZE, budget, prefill_chunk_size=chunk)
+    return pool, PrefillScheduler(pool, BLOCK_SIZE, budget, prefill_chunk_size=chunk,
+                                  schedule_policy="fcfs")
 
 
 def test_chunked_prefill_lets_short_prompts_in_between_chunks():

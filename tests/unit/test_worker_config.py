@@ -1,6 +1,8 @@
 """WorkerConfig's resolved defaults: the prefill step budget by device, and a prompt's
 chunk never larger than one step."""
 
+import pytest
+
 from pdserve.config import WorkerConfig
 
 
@@ -17,3 +19,10 @@ def test_a_chunk_is_at_most_one_step_in_whole_blocks():
     assert WorkerConfig(max_num_batched_tokens=4096).prefill_chunk_size == 512   # untouched
     assert WorkerConfig(max_num_batched_tokens=256,
                         prefill_chunk_size=None).prefill_chunk_size is None  # no chunking
+
+
+def test_schedule_policy_is_checked():
+    assert WorkerConfig().schedule_policy == "fcfs"
+    assert WorkerConfig(schedule_policy="sjf").schedule_policy == "sjf"
+    with pytest.raises(ValueError, match="schedule_policy='lifo'"):
+        WorkerConfig(schedule_policy="lifo")

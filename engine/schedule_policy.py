@@ -1,0 +1,38 @@
+"""The order in which prompts waiting for prefill are computed, shared by the prefill
+worker's scheduler and the decode worker's local prefills (`--schedule-policy`).
+
+- ``fcfs`` (default, as vLLM's and SGLang's): arrival order.
+- ``sjf``: shortest remaining prompt first, the shortest-remaining-processing-time rule,
+  which minimises mean response time on one server (Schrage 1968; applied to LLM
+  prefill, whose cost the prompt length gives exactly). No prompt starves: one that has
+  waited longer than `MAX_WAIT_S` goes before every shorter one, oldest first. Measured
+  (docs/performance.md): a burst of 64 ShareGPT prompts (heavy-tailed lengths) reaches
+  its first tokens in about half the mean TTFT, goodput at TTFT <= 2 s 4x, but the
+  requests that start early decode beside the burst's prefills, so mean TPOT rises
+  ~10%: the run ends at the same time either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+POLICIES = ("sjf", "fcfs")
+MAX_WAIT_S = 5.0          # seconds a prompt may wait before it is served in arrival order
+
+R = TypeVar("R")
+
+
+def prefill_order(reqs: Iterable[R], remaining: Callable[[R], int],
+                  arrived: Callable[[R], float], policy: str, now: float,
+                  max_wait_s: float = MAX_WAIT_S) -> list[R]:
+    """`reqs` (given in arrival order) in the order to prefill them under `policy`.
+
+    remaining(r): prompt tokens r still has to compute; arrived(r): its arrival time
+    (time.monotonic() seconds, as `now`). Raises ValueError for an unknown policy."""
+    if policy == "fcfs":
+        return list(reqs)
+    if policy != "sjf":
+        raise ValueError(f"schedule policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    return sorted(reqs, key=lambda r: (0, arrived(r), 0) if now - arrived(r) > max_wait_s
+                  else (1, remaining(r), arrived(r)))

@@ -254,12 +254,19 @@ class DecodeWorker:
             self.peak_batch_size = max(self.peak_batch_size, len(reqs))
             self.metrics.batch_size.labels(phase="decode").observe(len(reqs))
             t0 = time.perf_counter()
-            firsts = iter(self._prefill(batch.prefill, batch.prefill_ends, batch.recompute))
             rows = [r for r in reqs if r.output_ids]       # the rest decode
-            decoded = iter(())
+            dseqs = [DecodeSeq(r.output_ids[-1], r.num_tokens - 1, r.block_table) for r in rows]
+            pseqs = self._prefill_seqs(batch.prefill, batch.prefill_ends, batch.recompute)
+            decoded, logits = iter(()), None
+            if pseqs and dseqs and not batch.recompute and runner.decode_graphs is None:
+                plogits, logits = runner.mixed(pseqs, dseqs)     # one forward for both
+                firsts = iter(self._first_tokens(batch.prefill, batch.prefill_ends, plogits))
+            else:
+                firsts = iter(self._first_tokens(batch.prefill, batch.prefill_ends,
+                                                 runner.prefill(pseqs) if pseqs else None))
+                if dseqs:
+                    logits = runner.decode(dseqs)
             if rows:
-                logits = runner.decode([
-                    DecodeSeq(r.output_ids[-1], r.num_tokens - 1, r.block_table) for r in rows])
                 # step = tokens generated so far, unchanged by preemption: seeded draws repeat
                 decoded = iter(sample(logits, [r.params for r in rows],
                                       [len(r.output_ids) for r in rows]))
@@ -269,18 +276,21 @@ class DecodeWorker:
                          len(reqs), len(batch.prefill), len(batch.recompute),
                          1e3 * (time.perf_counter() - t0))
 
-    def _prefill(self, first: tuple, ends: tuple[int, ...], resumed: tuple) -> list[int | None]:
-        """One prefill pass for a step's `first` rows (no output yet: prompt tokens
-        [num_cached, end), a chunk) and `resumed` rows (recompute the KV of all but their
-        newest token). Returns per first row its first token, sampled at step 0 from the
-        last prompt token's logits as a prefill worker does, or None when its chunk ended
-        short of the prompt."""
+    @staticmethod
+    def _prefill_seqs(first: tuple, ends: tuple[int, ...], resumed: tuple) -> list[PrefillSeq]:
+        """The prefill sequences of a step's `first` rows (no output yet: prompt tokens
+        [num_cached, end), a chunk), then its `resumed` rows (recompute the KV of all but
+        their newest token)."""
         seqs = [PrefillSeq(r.prompt_token_ids[:end], r.block_table, r.num_cached)
                 for r, end in zip(first, ends, strict=True)]
-        seqs += [PrefillSeq(r.recompute_token_ids, r.block_table) for r in resumed]
-        if not seqs:
-            return []
-        logits = self.runner.prefill(seqs)
+        return seqs + [PrefillSeq(r.recompute_token_ids, r.block_table) for r in resumed]
+
+    @staticmethod
+    def _first_tokens(first: tuple, ends: tuple[int, ...],
+                      logits: torch.Tensor | None) -> list[int | None]:
+        """Per `first` row its first token, sampled at step 0 from the last prompt token's
+        logits (`logits` rows in `first` order) as a prefill worker does, or None when its
+        chunk ended short of the prompt."""
         done = [i for i, (r, end) in enumerate(zip(first, ends)) if end == r.prompt_len]
         out: list[int | None] = [None] * len(first)
         if done:

@@ -209,6 +209,23 @@ class ModelRunner:
                 a block table too short for its tokens.
         """
         assert seqs, "empty prefill batch"
+        return self._varlen(seqs, (), on_layer_done)
+
+    @torch.inference_mode()
+    def mixed(self, prefill: Sequence[PrefillSeq], decode: Sequence[DecodeSeq]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill chunks and decode rows in one varlen forward (each decode row a
+        one-token sequence after its context), as vLLM's chunked prefill runs a step:
+        the weights are read once and the decode rows ride in the prefill's large GEMMs
+        instead of a second pass at M = len(decode). Returns (logits [len(prefill),
+        vocab] of each prompt's last computed token, logits [len(decode), vocab]),
+        float32. Raises ValueError as prefill() does."""
+        assert prefill and decode, "mixed() needs prefill and decode rows"
+        logits = self._varlen(prefill, decode, None)
+        return logits[:len(prefill)], logits[len(prefill):]
+
+    def _varlen(self, seqs: Sequence[PrefillSeq], decode: Sequence[DecodeSeq],
+                on_layer_done: Callable[[int], None] | None) -> torch.Tensor:
         bs = self.block_size
         for s in seqs:
             if not 0 <= s.num_cached < len(s.token_ids):
@@ -217,23 +234,24 @@ class ModelRunner:
             if len(s.block_table) * bs < len(s.token_ids):
                 raise ValueError(f"block_table of {len(s.block_table)} blocks cannot hold "
                                  f"{len(s.token_ids)} tokens (block_size {bs})")
-        lens = [len(s.token_ids) - s.num_cached for s in seqs]
-        totals = [len(s.token_ids) for s in seqs]
-        ids = [t for s in seqs for t in s.token_ids[s.num_cached:]]
-        table = self._block_table([s.block_table for s in seqs], totals)     # (batch, width)
+        lens = [len(s.token_ids) - s.num_cached for s in seqs] + [1] * len(decode)
+        totals = [len(s.token_ids) for s in seqs] + [d.position + 1 for d in decode]
+        cached = [s.num_cached for s in seqs] + [d.position for d in decode]
+        ids = [t for s in seqs for t in s.token_ids[s.num_cached:]] + [d.token_id for d in decode]
+        table = self._block_table([s.block_table for s in seqs] + [d.block_table for d in decode],
+                                  totals)                                   # (batch, width)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lens).cumsum(0)
         # each new token's position and cache slot, from the table (no per-token loop)
-        row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))
-        positions = torch.arange(len(ids)) - cu[:-1].long()[row] + torch.tensor(
-            [s.num_cached for s in seqs])[row]
+        row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        positions = torch.arange(len(ids)) - cu[:-1].long()[row] + torch.tensor(cached)[row]
         slots = table[row, positions // bs].long() * bs + positions % bs
         dev = self.device
         paged = {}
-        if any(s.num_cached for s in seqs):
-            cu_k = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        if any(cached):
+            cu_k = torch.zeros(len(lens) + 1, dtype=torch.int32)
             cu_k[1:] = torch.tensor(totals).cumsum(0)
-            paged = dict(cached_lens=tuple(s.num_cached for s in seqs),
+            paged = dict(cached_lens=tuple(cached),
                          cu_seqlens_k=cu_k.to(dev), max_seqlen_k=max(totals))
         meta = AttentionMetadata(
             is_prefill=True, slot_mapping=slots.to(dev), cu_seqlens_q=cu.to(dev),

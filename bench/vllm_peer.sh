@@ -20,7 +20,7 @@
 # to run, e.g. SYSTEMS=pdserve to rerun only ours against recorded vLLM results),
 # PDSERVE_ARGS (more `pdserve serve` flags, e.g. "--compile"; default none), REPEATS (1:
 # with N > 1 each (dtype, rate) runs vLLM, pdserve, vLLM, pdserve, ... N times each, into
-# files suffixed _run<k>, and the table shows each system's median run by throughput).
+# files suffixed _run<k>, and the table shows the median of each figure over the runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM=${VLLM:-.venv-vllm/bin/vllm}

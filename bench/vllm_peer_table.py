@@ -1,8 +1,9 @@
 """The table closing bench/vllm_peer.sh: per rate and dtype, vLLM's and pdserve's output
 tok/s, mean TTFT, mean TPOT (and goodput when the client computed it) from `vllm bench
 serve` result files, then pdserve/vLLM ratios. Where a system ran several times
-(`..._run<k>.json`, REPEATS=N), its row is its median run by output throughput (the lower
-middle one of an even count) and a line lists every run's throughput.
+(`..._run<k>.json`, REPEATS=N), each figure of its row is that figure's median over the
+runs (the lower middle one of an even count), and a line lists every run's throughput,
+mean TTFT and mean TPOT.
 
     python bench/vllm_peer_table.py bench/results/vllm_peer_*.json
 """
@@ -10,6 +11,7 @@ middle one of an even count) and a line lists every run's throughput.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -35,12 +37,23 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "-"
 
 
+def _medians(runs: list[dict]) -> dict:
+    """One result whose every number is its median_low over `runs` (a single run as is)."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and all(
+                isinstance(r.get(k), (int, float)) for r in runs):
+            out[k] = statistics.median_low([r[k] for r in runs])
+    return out
+
+
 def table(paths: list[Path]) -> str:
     all_runs: dict[tuple[str, str, str], list[dict]] = {}
     for p in sorted(paths):
         all_runs.setdefault(key(p), []).append(json.loads(p.read_text()))
-    runs = {k: sorted(v, key=lambda r: r["output_throughput"])[(len(v) - 1) // 2]
-            for k, v in all_runs.items()}
+    runs = {k: _medians(v) for k, v in all_runs.items()}
     groups = sorted({(d, r) for _, d, r in runs},      # fp32 first, as the script runs
                     key=lambda g: (g[0] != "fp32", g[0], _rate_order(g[1])))
     head = f"{'rate':>5} {'dtype':>5} {'system':>12}" + "".join(f" {n:>{w}}" for n, w in COLUMNS)
@@ -57,8 +70,9 @@ def table(paths: list[Path]) -> str:
             lines.append(f"{rate:>5} {dtype:>5} {system:>12}"
                          + "".join(f" {c:>{w}}" for c, (_, w) in zip(cells, COLUMNS)))
             if len(every := all_runs[(system, dtype, rate)]) > 1:
-                lines.append(f"{'':>24} {len(every)} runs, out tok/s: "
-                             + ", ".join(f"{r['output_throughput']:.1f}" for r in every))
+                lines.append(f"{'':>24} {len(every)} runs (tok/s, TTFT, TPOT): " + ", ".join(
+                    f"{r['output_throughput']:.1f} {r['mean_ttft_ms']:.0f}ms "
+                    f"{r['mean_tpot_ms']:.1f}ms" for r in every))
         v, p = got["vllm"], got["pdserve"]
         if v is not None and p is not None:
             cells = ("", _ratio(p["request_throughput"], v["request_throughput"]),

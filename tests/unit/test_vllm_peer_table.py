@@ -1,5 +1,5 @@
-"""bench/vllm_peer_table.py: the ratio table of `make bench-vllm`, a median run per system
-when it ran several times (REPEATS)."""
+"""bench/vllm_peer_table.py: the ratio table of `make bench-vllm`, each figure's median
+over the runs when a system ran several times (REPEATS)."""
 
 import importlib.util
 import json
@@ -19,14 +19,16 @@ def _result(path: Path, tok_s: float, ttft_ms: float) -> Path:
     return path
 
 
-def test_median_run_per_system_and_the_ratio_between_them(tmp_path):
+def test_median_figures_per_system_and_the_ratio_between_them(tmp_path):
     files = [_result(tmp_path / f"vllm_peer_pdserve_fp32_inf_run{k}.json", tok, ttft)
-             for k, (tok, ttft) in enumerate([(440.0, 4000), (400.0, 5000), (420.0, 4500)], 1)]
+             for k, (tok, ttft) in enumerate([(440.0, 4000), (400.0, 4500), (420.0, 5000)], 1)]
     files += [_result(tmp_path / f"vllm_peer_vllm_fp32_inf_run{k}.json", tok, 4200)
               for k, tok in enumerate([350.0, 410.0], 1)]
     lines = vllm_peer_table.table(files).splitlines()
     rows = {line.split()[2]: line.split() for line in lines[1:] if line.split()[0] == "inf"}
-    assert rows["pdserve"][5] == "420.0" and rows["pdserve"][7] == "4500ms"   # the median run
+    # each figure its own median: 420 tok/s (run 3), 4500 ms TTFT (run 2)
+    assert rows["pdserve"][5] == "420.0" and rows["pdserve"][7] == "4500ms"
     assert rows["vllm"][5] == "350.0"                       # even count: the lower middle
     assert rows["pdserve/vllm"][4] == "1.20x"               # 420 / 350
-    assert any("3 runs, out tok/s: 440.0, 400.0, 420.0" in line for line in lines)
+    assert any("3 runs (tok/s, TTFT, TPOT): 440.0 4000ms 100.0ms, 400.0 4500ms 100.0ms, "
+               "420.0 5000ms 100.0ms" in line for line in lines)

@@ -249,7 +249,7 @@ class DecodeScheduler:
             self._grow_batch()
             self._resume()
             batch = self._running[:self.max_batch_size]
-            prefill, ends = self._chunk_prefills(batch)
+            prefill, ends = self._chunk_prefills(batch, now)
             batch = tuple(r for r in batch if r.output_ids or r in prefill)
             return DecodeBatch(batch, tuple(r for r in batch if r.recompute and r.output_ids),
                                prefill, ends)
@@ -303,7 +303,7 @@ class DecodeScheduler:
             if req.state == RequestState.RUNNING and need > 0:
                 req.block_table.extend(self.pool.allocate(need))
 
-    def _chunk_prefills(self, batch: list[DecodeRequest]
+    def _chunk_prefills(self, batch: list[DecodeRequest], now: float
                         ) -> tuple[tuple[DecodeRequest, ...], tuple[int, ...]]:
         """The step's prefill rows (no output yet), in batch order, and the prompt position
         each computes up to under prefill_chunk_size, the budget given out in the schedule
@@ -315,7 +315,7 @@ class DecodeScheduler:
         budget = max(self.prefill_chunk_size - (len(batch) - len(rows)), self.block_size)
         end_of: dict[int, int] = {}
         for r in prefill_order(rows, lambda r: r.prompt_len - r.num_cached,
-                               lambda r: r.arrived, self.schedule_policy, time.monotonic()):
+                               lambda r: r.arrived, self.schedule_policy, now):
             if budget <= 0:
                 break
             end_of[id(r)] = min(r.prompt_len, r.num_cached + budget)

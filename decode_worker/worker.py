@@ -258,8 +258,10 @@ class DecodeWorker:
             dseqs = [DecodeSeq(r.output_ids[-1], r.num_tokens - 1, r.block_table) for r in rows]
             pseqs = self._prefill_seqs(batch.prefill, batch.prefill_ends, batch.recompute)
             decoded, logits = iter(()), None
-            if pseqs and dseqs and not batch.recompute and runner.decode_graphs is None:
-                plogits, logits = runner.mixed(pseqs, dseqs)     # one forward for both
+            # one forward for both where the C++ paged kernel takes one-token rows beside
+            # chunks (measured there); CUDA keeps its decode path (graphs, paged decode)
+            if pseqs and dseqs and not batch.recompute and runner.attention_kernel:
+                plogits, logits = runner.mixed(pseqs, dseqs)
                 firsts = iter(self._first_tokens(batch.prefill, batch.prefill_ends, plogits))
             else:
                 firsts = iter(self._first_tokens(batch.prefill, batch.prefill_ends,

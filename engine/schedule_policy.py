@@ -28,8 +28,9 @@ def prefill_order(reqs: Iterable[R], remaining: Callable[[R], int],
                   max_wait_s: float = MAX_WAIT_S) -> list[R]:
     """`reqs` (given in arrival order) in the order to prefill them under `policy`.
 
-    remaining(r): prompt tokens r still has to compute; arrived(r): its arrival time
-    (time.monotonic() seconds, as `now`). Raises ValueError for an unknown policy."""
+    remaining(r): the tokens that rank r (D: prompt tokens it still has to compute; P:
+    its whole prompt, the cached part being unknown before its turn); arrived(r): its
+    arrival time (time.monotonic() seconds, as `now`). Raises ValueError for an unknown policy."""
     if policy == "fcfs":
         return list(reqs)
     if policy != "sjf":

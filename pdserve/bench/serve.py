@@ -15,8 +15,11 @@ Modes, on the same prompts (workload.py) and the same arrival times:
   (`--vllm-url`; `make bench-vllm` builds vLLM's CPU package in .venv-vllm) driven over
   its OpenAI completions API by the official `openai` client, prompts as token ids,
   `ignore_eos`, streamed; a token's time is its chunk's arrival (vLLM streams a chunk a
-  token; tokens the usage counts beyond the chunks take the last chunk's time). The
-  table's headline is each pdserve mode's throughput and goodput over this one's.
+  token; the usage's count of tokens is what counts, chunks beyond it dropped, tokens
+  beyond the chunks given the last chunk's time). The server outlives the runs: start
+  it with `--no-enable-prefix-caching` for a sweep of several rates, or later rates
+  find the same prompts cached. The table's headline is each pdserve mode's throughput
+  and goodput over this one's.
 
 Each (rate, mode) run starts a fresh cluster (so no prefix-cache state carries over
 between runs), sends one warm-up request, then the workload from a client thread per
@@ -197,7 +200,7 @@ def _send_openai(client, model: str, req: BenchRequest, at: float, t0: float) ->
             temperature=0, stream=True, stream_options={"include_usage": True},
             extra_body={"ignore_eos": True})
         for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
+            if chunk.choices:   # a chunk a token, its text possibly held back (UTF-8)
                 res.token_times.append(time.perf_counter() - sent)
             if chunk.usage is not None:
                 completion_tokens = chunk.usage.completion_tokens

@@ -1,5 +1,5 @@
 """prefill_worker/scheduler.py: varlen batches under a token budget, blocks, aborts, in
-arrival order (fcfs, most tests) or shortest prompt first (sjf, the default).
+arrival order (fcfs, the default) or shortest prompt first (sjf).
 
 No model, no sockets. Every test ends with the pool free.
 """

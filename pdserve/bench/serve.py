@@ -118,22 +118,32 @@ class Run:
                  "e2e_ms": r.e2e * 1e3, "error": r.error} for r in self.results]
 
 
-def _send(client: Client, req: BenchRequest, at: float, t0: float) -> RequestResult:
-    """Sleep until t0 + at, stream the request, and time each token from the send."""
+def _send(req: BenchRequest, at: float, t0: float, stream, errors: tuple) -> RequestResult:
+    """Sleep until t0 + at, then `stream(times, sent)`: send the request and append each
+    output token's arrival to `times`, in seconds from `sent` (perf_counter at the send).
+    The request is ok when it got exactly max_tokens; an exception of `errors` becomes
+    its error (a gRPC status is named by its code)."""
     time.sleep(max(0.0, t0 + at - time.perf_counter()))
     res = RequestResult(len(req.prompt_token_ids))
     sent = time.perf_counter()
     try:
-        for msg in client.stream(make_request(req.prompt_token_ids, max_tokens=req.max_tokens,
-                                              temperature=0, ignore_eos=True)):
-            now = time.perf_counter() - sent
-            res.token_times += [now] * len(msg.token_ids)
+        stream(res.token_times, sent)
         res.ok = len(res.token_times) == req.max_tokens
         res.error = "" if res.ok else f"{len(res.token_times)} of {req.max_tokens} tokens"
-    except grpc.RpcError as e:
-        res.error = f"{e.code().name}: {e.details()}"
+    except errors as e:
+        res.error = (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError)
+                     else f"{type(e).__name__}: {e}")
     res.e2e = time.perf_counter() - sent
     return res
+
+
+def _grpc_stream(client: Client, req: BenchRequest):
+    """_send's `stream` over pdserve's gRPC Generate (a message may carry several tokens)."""
+    def stream(times: list[float], sent: float) -> None:
+        for msg in client.stream(make_request(req.prompt_token_ids, max_tokens=req.max_tokens,
+                                              temperature=0, ignore_eos=True)):
+            times += [time.perf_counter() - sent] * len(msg.token_ids)
+    return stream
 
 
 def _leaked_blocks(client: Client, timeout_s: float = 10.0) -> int:
@@ -181,38 +191,29 @@ def run_cluster(cfg: ServeBenchConfig, mode: str, rate: float, requests: list[Be
             Client(f"127.0.0.1:{cluster.port}", timeout_s=3600) as client:
         client.generate(make_request(_WARMUP_IDS, max_tokens=2))   # connect, first step
         results, duration = _send_all(
-            lambda i, t0: _send(client, requests[i], arrivals[i], t0), len(requests), progress,
+            lambda i, t0: _send(requests[i], arrivals[i], t0, _grpc_stream(client, requests[i]),
+                                (grpc.RpcError,)), len(requests), progress,
             on_interrupt=client.close)   # Ctrl-C: cancel every stream so the threads end now
         return Run(mode, rate, results, duration, _leaked_blocks(client))
 
 
-def _send_openai(client, model: str, req: BenchRequest, at: float, t0: float) -> RequestResult:
-    """_send over an OpenAI completions stream (the `vllm` mode)."""
-    import openai
-
-    time.sleep(max(0.0, t0 + at - time.perf_counter()))
-    res = RequestResult(len(req.prompt_token_ids))
-    sent = time.perf_counter()
-    completion_tokens = None
-    try:
-        stream = client.completions.create(
-            model=model, prompt=req.prompt_token_ids, max_tokens=req.max_tokens,
-            temperature=0, stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True})
-        for chunk in stream:
+def _openai_stream(client, model: str, req: BenchRequest):
+    """_send's `stream` over an OpenAI completions stream (the `vllm` mode): a chunk a
+    token; the usage's token count is what counts (chunks beyond it dropped, tokens
+    beyond the chunks given the last chunk's time)."""
+    def stream(times: list[float], sent: float) -> None:
+        completion_tokens = None
+        for chunk in client.completions.create(
+                model=model, prompt=req.prompt_token_ids, max_tokens=req.max_tokens,
+                temperature=0, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True}):
             if chunk.choices:   # a chunk a token, its text possibly held back (UTF-8)
-                res.token_times.append(time.perf_counter() - sent)
+                times.append(time.perf_counter() - sent)
             if chunk.usage is not None:
                 completion_tokens = chunk.usage.completion_tokens
-        if completion_tokens is not None and res.token_times:
-            n = completion_tokens
-            res.token_times = res.token_times[:n] + [res.token_times[-1]] * (n - len(res.token_times))
-        res.ok = len(res.token_times) == req.max_tokens
-        res.error = "" if res.ok else f"{len(res.token_times)} of {req.max_tokens} tokens"
-    except openai.APIError as e:
-        res.error = f"{type(e).__name__}: {e}"
-    res.e2e = time.perf_counter() - sent
-    return res
+        if completion_tokens is not None and times:
+            times[:] = times[:completion_tokens] + [times[-1]] * (completion_tokens - len(times))
+    return stream
 
 
 def run_openai(url: str, rate: float, requests: list[BenchRequest], arrivals: list[float],
@@ -230,7 +231,8 @@ def run_openai(url: str, rate: float, requests: list[BenchRequest], arrivals: li
         model = client.models.list().data[0].id
         client.completions.create(model=model, prompt=_WARMUP_IDS, max_tokens=2)   # warm-up
         results, duration = _send_all(
-            lambda i, t0: _send_openai(client, model, requests[i], arrivals[i], t0),
+            lambda i, t0: _send(requests[i], arrivals[i], t0,
+                                _openai_stream(client, model, requests[i]), (openai.APIError,)),
             len(requests), progress, on_interrupt=client.close)
         return Run(mode, rate, results, duration)
 

@@ -20,7 +20,9 @@
 # to run, e.g. SYSTEMS=pdserve to rerun only ours against recorded vLLM results),
 # PDSERVE_ARGS (more `pdserve serve` flags, e.g. "--compile"; default none), REPEATS (1:
 # with N > 1 each (dtype, rate) runs vLLM, pdserve, vLLM, pdserve, ... N times each, into
-# files suffixed _run<k>, and the table shows the median of each figure over the runs).
+# files suffixed _run<k>, and the table shows the median of each figure over the runs),
+# CLIENT_ARGS (more `vllm bench serve` flags, e.g. "--save-detailed" for per-request
+# input lengths, TTFTs and ITLs in the result files).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM=${VLLM:-.venv-vllm/bin/vllm}
@@ -36,6 +38,7 @@ RESULT_DIR=${RESULT_DIR:-bench/results}
 SYSTEMS=${SYSTEMS:-vllm,pdserve}
 REPEATS=${REPEATS:-1}
 read -ra PDSERVE_EXTRA <<<"${PDSERVE_ARGS:-}"
+read -ra CLIENT_EXTRA <<<"${CLIENT_ARGS:-}"
 LOG_DIR=bench/out
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # vLLM's CPU worker: OpenMP threads on both cores, none held back for the frontend.
@@ -141,7 +144,7 @@ EOF
         --num-prompts "$NUM_PROMPTS" --sharegpt-output-len "$OUTPUT_LEN" --ignore-eos \
         --request-rate "$rate" --seed 0 --goodput "${GOODPUT_ARGS[@]}" \
         --save-result --result-dir "$RESULT_DIR" --result-filename "$name.json" \
-        --metadata "system=$system" "dtype=$dtype"
+        --metadata "system=$system" "dtype=$dtype" ${CLIENT_EXTRA[@]+"${CLIENT_EXTRA[@]}"}
       stop_server
       RESULTS+=("$RESULT_DIR/$name.json")
     done

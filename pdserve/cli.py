@@ -64,7 +64,8 @@ def _serve(args) -> int:
                                       "slo_tpot_ms", "tls_cert_file", "tls_key_file",
                                       "tls_client_ca_file", "api_key", "max_request_bytes",
                                       "max_migrations", "http_port",
-                                      "max_prefill_queue_tokens")
+                                      "max_prefill_queue_tokens",
+                                      "local_prefill_when_prefill_idle")
                        if (v := getattr(args, k)) is not None})   # unset: RouterConfig's default
     except ValueError as e:   # a setting out of range: the message names it
         print(f"pdserve: {e}", file=sys.stderr)
@@ -281,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
                         "more than that decode worker has queued for its own prefills "
                         "(default: one prefill step, --max-num-batched-tokens; 0: always "
                         "use a prefill worker)")
+    s.add_argument("--local-prefill-when-prefill-idle", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="a decode worker prefills a prompt itself when an idle prefill "
+                        "worker on its node lends it its cores (--lend-idle-prefill-cores) "
+                        "and it has no prefill of its own queued: a lone prompt on a "
+                        "one-box cluster is computed on both workers' cores (default on)")
     s.add_argument("--compile", action="store_true",
                    help="CPU: run the decoder layers through torch.compile (Inductor), "
                         "compiled at worker start (~4 s, cached in $PDSERVE_CACHE/inductor); "

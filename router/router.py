@@ -8,7 +8,8 @@ Lifecycle of one Generate call (ARCHITECTURE.md, "Request lifecycle"):
         (no room anywhere: retry until reserve_timeout_s, then RESOURCE_EXHAUSTED);
         D says how many leading prompt blocks its own prefix cache holds
     if D prefills locally (its uncached part is short, see local_prefill_max_tokens; or
-        every prefill worker's queue is long, see _prefill_on_decode):
+        a prefill worker on D's node is idle and lends D its cores, or every prefill
+        worker's queue is long: see _prefill_on_decode):
         the first token comes on D's stream; no prefill worker is involved
     else pick prefill worker P (routing.py: kv_aware by default, cached prefix vs
         queue) → prefill into D's blocks, skipping the blocks D holds;
@@ -436,14 +437,26 @@ class Router:
             d.local_prefill_load += sign * tokens
 
     def _prefill_on_decode(self, d: Worker, prompt_len: int) -> bool:
-        """Conditional disaggregation (Dynamo's disaggregated router decides the same way,
-        by its max_prefill_queue_size): D prefills the prompt itself when every live
-        prefill worker has more than router.max_prefill_queue_tokens prompt tokens queued
-        and more than D would have queued for its own prefills with this prompt. A burst
-        is then split between P and D instead of waiting for P alone, and at any load P
-        keeps up with, every prompt still goes to P. The limit defaults to one prefill
-        step's budget (prefill workers' max_num_batched_tokens)."""
-        limit = self.config.router.max_prefill_queue_tokens
+        """Conditional disaggregation: whether D prefills the prompt itself.
+
+        - D has no prefill of its own queued and a prefill worker on D's node has none
+          either (router.local_prefill_when_prefill_idle, with core lending on): that
+          idle worker lends D its threads (pdserve/core_share.py), so D computes the
+          prompt on both workers' cores, where the prefill worker would use its own
+          alone. The next prompt, while D is at it, goes to the prefill worker.
+        - Every live prefill worker has more than router.max_prefill_queue_tokens prompt
+          tokens queued, and more than D would have queued for its own prefills with
+          this prompt (Dynamo's disaggregated router decides the same way, by its
+          max_prefill_queue_size). A burst is then split between P and D instead of
+          waiting for P alone. The limit defaults to one prefill step's budget (prefill
+          workers' max_num_batched_tokens)."""
+        rc = self.config.router
+        if (rc.local_prefill_when_prefill_idle and self.config.decode.core_share_dir
+                and d.local_prefill_load == 0
+                and any(p.available and p.load == 0 and p.node_ip == d.node_ip
+                        for p in self.prefill)):
+            return True
+        limit = rc.max_prefill_queue_tokens
         if limit is None:
             limit = self.config.prefill.max_num_batched_tokens
         queued = [p.load for p in self.prefill if p.available]

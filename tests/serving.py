@@ -32,6 +32,11 @@ class Served:
         rest of the keywords to ClusterConfig.local."""
         kw.setdefault("prefill_blocks", 256)
         kw.setdefault("decode_blocks", 256)
+        # Tests follow the prefill worker's path (its transfers, its faults) unless they
+        # ask for D's own prefill of a prompt that arrives while P is idle (router
+        # local_prefill_when_prefill_idle, on for `pdserve serve`; tested in
+        # tests/e2e/test_serve_local_prefill.py and by the CLI tests).
+        kw["router_kw"] = {"local_prefill_when_prefill_idle": False} | (kw.get("router_kw") or {})
         self.cluster = Cluster(ClusterConfig.local(model, port=0, **kw))
         self.port = self.cluster.start()
         self.address = f"127.0.0.1:{self.port}"

@@ -5,6 +5,8 @@ Every answer equals HF transformers' greedy tokens; every pool ends free."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import ray
 from serving import Served, hf_greedy, start_ray
@@ -75,5 +77,31 @@ def test_chunked_local_prefill_beside_running_requests_matches_hf():
         p, d = _counters(served)
         assert d["local_prefills"] == len(prompts) and p["prefill_tokens_computed"] == 0
         assert d["peak_batch_size"] >= 2          # chunks ran beside other rows
+    finally:
+        served.stop()
+
+
+def test_a_prompt_arriving_while_the_prefill_worker_is_idle_is_prefilled_on_decode():
+    """router.local_prefill_when_prefill_idle (on for `pdserve serve`): a lone prompt is
+    computed by D with the idle prefill worker's threads lent to it (both cores); of
+    two prompts sent together, one goes to D and the other to P, which is no longer
+    idle once the first is charged to D. Outputs equal HF greedy."""
+    start_ray()
+    served = Served(router_kw={"local_prefill_when_prefill_idle": True})
+    try:
+        lone = [400 + (i * 11) % 3000 for i in range(150)]
+        got, _, _ = served.generate(lone, max_tokens=MAX_TOKENS, temperature=0,
+                                    ignore_eos=True)
+        assert got == hf_greedy("default", lone, MAX_TOKENS, ignore_eos=True)
+        p, d = _counters(served)
+        assert d["local_prefills"] == 1 and p["prefill_tokens_computed"] == 0
+        assert d["step_threads"] == min(2, len(os.sched_getaffinity(0)))   # P's core lent
+        pair = [[900 + (i * 29 + k * 5) % 4000 for i in range(400)] for k in range(2)]
+        got = served.generate_many(pair, max_tokens=MAX_TOKENS, temperature=0,
+                                   ignore_eos=True)
+        for prompt, (ids, _, _) in zip(pair, got):
+            assert ids == hf_greedy("default", prompt, MAX_TOKENS, ignore_eos=True)
+        p, d = _counters(served)
+        assert d["local_prefills"] == 2 and p["prefill_tokens_computed"] == 400
     finally:
         served.stop()

@@ -7,6 +7,7 @@ no Ray. Every test ends with the router's queue empty.
 """
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -307,4 +308,29 @@ def test_the_default_limit_is_one_prefill_step():
     p.load = step + 1
     assert r._prefill_on_decode(d, 100)
     d.local_prefill_load = step                       # D's own queue would be longer
+    assert not r._prefill_on_decode(d, 100)
+
+
+def test_a_decode_worker_prefills_while_a_prefill_worker_of_its_node_is_idle():
+    """local_prefill_when_prefill_idle: D takes a prompt when it has none of its own
+    queued and a live prefill worker on its node has none (that worker's threads are
+    then lent to D); only with core lending on (a core_share_dir)."""
+    r = make_router(FakeDecode(), FakePrefill(), local_prefill_when_prefill_idle=True)
+    d, p = r.decode[0], r.prefill[0]
+    d.node_ip = p.node_ip = "10.0.0.1"
+    assert not r._prefill_on_decode(d, 100)                  # no lending: P's path
+    lending = replace(r.config, decode=replace(r.config.decode, core_share_dir="/dev/shm/x"))
+    r.config = lending
+    assert r._prefill_on_decode(d, 100)
+    d.local_prefill_load = 1                                  # D prefills one already
+    assert not r._prefill_on_decode(d, 100)
+    d.local_prefill_load, p.load = 0, 1                       # P has one queued
+    assert not r._prefill_on_decode(d, 100)
+    p.load, p.node_ip = 0, "10.0.0.2"                         # P idle on another node
+    assert not r._prefill_on_decode(d, 100)
+    p.node_ip, p.draining = d.node_ip, True                   # draining: lends nothing
+    assert not r._prefill_on_decode(d, 100)
+    p.draining = False
+    r.config = replace(lending, router=replace(lending.router,
+                                               local_prefill_when_prefill_idle=False))
     assert not r._prefill_on_decode(d, 100)

@@ -112,3 +112,9 @@ def test_lend_idle_prefill_cores_is_on_unless_turned_off(recording):
     assert cli.main(["serve"]) == 1 and recording[0].lend_idle_prefill_cores
     assert cli.main(["serve", "--no-lend-idle-prefill-cores"]) == 1
     assert not recording[1].lend_idle_prefill_cores
+
+
+def test_local_prefill_when_prefill_idle_is_on_unless_turned_off(recording):
+    assert cli.main(["serve"]) == 1 and recording[0].router.local_prefill_when_prefill_idle
+    assert cli.main(["serve", "--no-local-prefill-when-prefill-idle"]) == 1
+    assert not recording[1].router.local_prefill_when_prefill_idle

@@ -250,6 +250,16 @@ class DecodeWorker:
                 torch.set_num_threads(n)    # this thread's OpenMP team: the step's ops
                 threads = n
             self.step_threads = threads
+            give_back = None
+            if threads > self.config.num_threads:
+                def give_back(_layer: int) -> None:
+                    # a prefill worker whose threads this step borrowed is busy again:
+                    # its threads go back from the next layer on, not at the step's end
+                    # (two OpenMP teams on one core slow both several-fold)
+                    nonlocal threads
+                    if threads > (n := self.lent.threads()):
+                        torch.set_num_threads(n)
+                        threads = n
             reqs = batch.requests
             self.peak_batch_size = max(self.peak_batch_size, len(reqs))
             self.metrics.batch_size.labels(phase="decode").observe(len(reqs))
@@ -261,13 +271,14 @@ class DecodeWorker:
             # one forward for both where the C++ paged kernel takes one-token rows beside
             # chunks (measured there); CUDA keeps its decode path (graphs, paged decode)
             if pseqs and dseqs and not batch.recompute and runner.attention_kernel:
-                plogits, logits = runner.mixed(pseqs, dseqs)
+                plogits, logits = runner.mixed(pseqs, dseqs, give_back)
                 firsts = iter(self._first_tokens(batch.prefill, batch.prefill_ends, plogits))
             else:
-                firsts = iter(self._first_tokens(batch.prefill, batch.prefill_ends,
-                                                 runner.prefill(pseqs) if pseqs else None))
+                firsts = iter(self._first_tokens(
+                    batch.prefill, batch.prefill_ends,
+                    runner.prefill(pseqs, give_back) if pseqs else None))
                 if dseqs:
-                    logits = runner.decode(dseqs)
+                    logits = runner.decode(dseqs, give_back)
             if rows:
                 # step = tokens generated so far, unchanged by preemption: seeded draws repeat
                 decoded = iter(sample(logits, [r.params for r in rows],

@@ -212,16 +212,18 @@ class ModelRunner:
         return self._varlen(seqs, (), on_layer_done)
 
     @torch.inference_mode()
-    def mixed(self, prefill: Sequence[PrefillSeq], decode: Sequence[DecodeSeq]
+    def mixed(self, prefill: Sequence[PrefillSeq], decode: Sequence[DecodeSeq],
+              on_layer_done: Callable[[int], None] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill chunks and decode rows in one varlen forward (each decode row a
         one-token sequence after its context), as vLLM's chunked prefill runs a step:
         the weights are read once and the decode rows ride in the prefill's large GEMMs
         instead of a second pass at M = len(decode). Returns (logits [len(prefill),
         vocab] of each prompt's last computed token, logits [len(decode), vocab]),
-        float32. Raises ValueError as prefill() does."""
+        float32; `on_layer_done(i)` runs after layer i. Raises ValueError as prefill()
+        does."""
         assert prefill and decode, "mixed() needs prefill and decode rows"
-        logits = self._varlen(prefill, decode, None)
+        logits = self._varlen(prefill, decode, on_layer_done)
         return logits[:len(prefill)], logits[len(prefill):]
 
     def _varlen(self, seqs: Sequence[PrefillSeq], decode: Sequence[DecodeSeq],
@@ -264,13 +266,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last])
 
     @torch.inference_mode()
-    def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
-        """One decode step for a batch; returns logits [len(seqs), vocab] float32."""
+    def decode(self, seqs: Sequence[DecodeSeq],
+               on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """One decode step for a batch; returns logits [len(seqs), vocab] float32.
+        `on_layer_done(i)` runs after layer i (not when a CUDA graph replays the step)."""
         batch = self.decode_batch(seqs)
         if self.decode_graphs is not None:
             return self.decode_graphs.run(batch)
         return self._decode_forward(batch.input_ids, batch.positions, batch.metadata(
-            self.kv_cache_id if self.attention_kernel else None))
+            self.kv_cache_id if self.attention_kernel else None), on_layer_done)
 
     def decode_batch(self, seqs: Sequence[DecodeSeq]) -> DecodeBatch:
         """The flat tensors of a decode step over `seqs`, on the runner's device."""
@@ -287,7 +291,9 @@ class ModelRunner:
             context_lens_host=tuple(ctx))
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                        meta: AttentionMetadata) -> torch.Tensor:
+                        meta: AttentionMetadata,
+                        on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """The model's decode forward over flat [batch] tensors -> logits [batch, vocab]
         float32 (what DecodeGraphs captures)."""
-        return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_cache))
+        return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_cache,
+                                                    on_layer_done))

@@ -8,9 +8,11 @@ under /dev/shm that the cluster names once per start (`WorkerConfig.core_share_d
 Before each step, a decode worker of the same node runs on its own threads plus its share
 of those of every prefill worker there that is idle (the idle threads split evenly among
 the node's decode workers, each of which publishes an empty `<worker_id>.decode` file),
-and goes back to its own as soon as one is busy again; a decode step already running
-when a prefill starts shares that core until it ends (one step, ~0.1 s; longer when the
-step also prefills).
+and goes back to its own as soon as one is busy again: a decode step already running on
+lent threads when a prefill starts gives them back after its current layer (the decode
+worker checks between layers), since two OpenMP teams on one core slow both several-fold
+(an 813 ms decode step with a prefill chunk beside a 106 ms prefill step, traced at 4
+req/s, docs/performance.md section 15).
 
 Without it, a one-box cluster of 1 prefill + 1 decode worker on 2 cores leaves one core
 idle whenever prompts stop arriving (measured in docs/performance.md). Only for workers

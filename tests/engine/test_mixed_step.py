@@ -39,3 +39,35 @@ def test_mixed_equals_prefill_then_decode(dtype, tol):
     assert got_p.shape == want_p.shape and got_d.shape == want_d.shape
     torch.testing.assert_close(got_p, want_p, rtol=0, atol=tol)
     torch.testing.assert_close(got_d, want_d, rtol=0, atol=tol)
+
+
+def test_every_step_kind_calls_back_after_each_layer_and_threads_may_change_there():
+    """The decode worker hands lent threads back between layers (on_layer_done sets
+    fewer torch threads): decode, mixed and prefill call it once a layer, in order, and
+    the logits match those of a step on one thread throughout."""
+    bs, nthreads = 16, torch.get_num_threads()
+    runner = ModelRunner(tiny_model_dir("llama"), CacheConfig(num_blocks=16, block_size=bs))
+    layers, vocab = runner.config.num_layers, runner.config.vocab_size
+    prompt = [i * 7 % vocab for i in range(21)]
+    runner.prefill([PrefillSeq(prompt, [0, 1])])
+    decode = [DecodeSeq(5, 21, [0, 1])]
+    chunk = [PrefillSeq([i * 3 % vocab for i in range(18)], [2, 3])]
+    seen = []
+
+    def give_back(i):
+        seen.append(i)
+        torch.set_num_threads(1)
+
+    try:
+        for step in (lambda cb: runner.decode(decode, cb),
+                     lambda cb: runner.mixed(chunk, decode, cb)[1],
+                     lambda cb: runner.prefill(chunk, cb)):
+            torch.set_num_threads(1)
+            want = step(None)
+            seen.clear()
+            torch.set_num_threads(max(2, nthreads))
+            got = step(give_back)
+            assert seen == list(range(layers))
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    finally:
+        torch.set_num_threads(nthreads)

@@ -105,8 +105,10 @@ def _p90(xs: list[float]) -> float:
 def _measure(threshold: int, lengths: list[int], repeats: int, background: int,
              model: str, transport: str, vocab: int) -> dict[int, tuple[float, float]]:
     """{length: (median TTFT s, p90 background ITL s)} on a fresh cluster."""
+    # only the threshold decides where a prompt is prefilled (not whether P is idle)
     cfg = ClusterConfig.local(model, port=0, transport=transport, prefill_blocks=256,
-                              decode_blocks=512, local_prefill_max_tokens=threshold)
+                              decode_blocks=512, local_prefill_max_tokens=threshold,
+                              router_kw={"local_prefill_when_prefill_idle": False})
     out = {}
     with Cluster(cfg) as cluster, Client(f"127.0.0.1:{cluster.port}") as client:
         g = torch.Generator().manual_seed(0)

@@ -37,8 +37,10 @@ class TTFTResult:
 
 def run(prompt_tokens: int = 1024, repeats: int = 5, transport: str = "tcp",
         model: str = "default") -> TTFTResult:
+    # every prompt through the prefill worker, whose step is the baseline
     cfg = ClusterConfig.local(model, port=0, transport=transport, prefill_blocks=256,
-                              decode_blocks=256)
+                              decode_blocks=256,
+                              router_kw={"local_prefill_when_prefill_idle": False})
     with Cluster(cfg) as cluster, Client(f"127.0.0.1:{cluster.port}") as client:
         prefill = cluster.prefill[0]
         vocab = _vocab_size(model)

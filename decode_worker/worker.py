@@ -95,7 +95,7 @@ class DecodeWorker:
             except OSError as e:
                 logger.warning("idle prefill cores not borrowed: %s", e)
         self.peak_batch_size = 0      # largest decode batch so far (tests prove batching)
-        self.step_threads = config.num_threads   # torch threads of the latest step
+        self.step_threads = config.num_threads   # torch threads the latest step started on
         self.kv_failures = 0          # transfers that failed to arrive (receiver thread)
         self.metrics = WorkerMetrics("decode", self._metric_values)
         self.metrics_address = "%s:%d" % serve_metrics(
@@ -257,7 +257,7 @@ class DecodeWorker:
                     # its threads go back from the next layer on, not at the step's end
                     # (two OpenMP teams on one core slow both several-fold)
                     nonlocal threads
-                    if threads > (n := self.lent.threads()):
+                    if threads > self.config.num_threads and threads > (n := self.lent.threads()):
                         torch.set_num_threads(n)
                         threads = n
             reqs = batch.requests

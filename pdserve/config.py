@@ -142,9 +142,9 @@ class RouterConfig:
                                      # step (2 req/s, 2 cores: mean TTFT 595 -> ~400 ms at a
                                      # 2048 limit, docs/performance.md)
     local_prefill_when_prefill_idle: bool = True  # a decode worker prefills a prompt
-                                     # itself when a prefill worker of its node is idle (no
-                                     # prompt queued) and it has no prefill of its own
-                                     # queued: with core lending (ClusterConfig.
+                                     # itself when the prefill workers of its node (at least
+                                     # as many as its decode workers) are idle (no prompt
+                                     # queued) and it has no prefill of its own queued: with core lending (ClusterConfig.
                                      # lend_idle_prefill_cores) the idle worker's threads
                                      # then compute it too, so a lone prompt gets both
                                      # cores of a 2-core box (0.5 req/s: mean TTFT 316 ->

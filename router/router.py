@@ -439,11 +439,12 @@ class Router:
     def _prefill_on_decode(self, d: Worker, prompt_len: int) -> bool:
         """Conditional disaggregation: whether D prefills the prompt itself.
 
-        - D has no prefill of its own queued and a prefill worker on D's node has none
-          either (router.local_prefill_when_prefill_idle, with core lending on): that
-          idle worker lends D its threads (pdserve/core_share.py), so D computes the
-          prompt on both workers' cores, where the prefill worker would use its own
-          alone. The next prompt, while D is at it, goes to the prefill worker.
+        - D has no prefill of its own queued and prefill workers on D's node, at least
+          as many as its decode workers, have none either
+          (router.local_prefill_when_prefill_idle, with core lending on): the idle
+          workers lend D their threads (pdserve/core_share.py), so D computes the
+          prompt on its cores and theirs, where a prefill worker would use its own
+          alone. The next prompt, while D is at it, goes to a prefill worker.
         - Every live prefill worker has more than router.max_prefill_queue_tokens prompt
           tokens queued, and more than D would have queued for its own prefills with
           this prompt (Dynamo's disaggregated router decides the same way, by its
@@ -452,10 +453,13 @@ class Router:
           workers' max_num_batched_tokens)."""
         rc = self.config.router
         if (rc.local_prefill_when_prefill_idle and self.config.decode.core_share_dir
-                and d.local_prefill_load == 0
-                and any(p.available and p.load == 0 and p.node_ip == d.node_ip
-                        for p in self.prefill)):
-            return True
+                and d.local_prefill_load == 0):
+            # each decode worker of the node gets a share of the idle workers' threads
+            # (core_share), so D gets at least one when they are at least as many
+            idle = sum(p.available and p.load == 0 and p.node_ip == d.node_ip
+                       for p in self.prefill)
+            if idle and idle >= sum(w.node_ip == d.node_ip for w in self.decode):
+                return True
         limit = rc.max_prefill_queue_tokens
         if limit is None:
             limit = self.config.prefill.max_num_batched_tokens

@@ -67,7 +67,7 @@ def test_every_step_kind_calls_back_after_each_layer_and_threads_may_change_ther
             seen.clear()
             torch.set_num_threads(max(2, nthreads))
             got = step(give_back)
-            assert seen == list(range(layers))
+            assert seen == list(range(layers)) and torch.get_num_threads() == 1
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     finally:
         torch.set_num_threads(nthreads)

@@ -17,6 +17,7 @@ from pdserve.client import make_request
 from pdserve.engine.request import TokenEvent
 from pdserve.router.errors import RequestError
 from pdserve.router.router import Router
+from pdserve.router.workers import Worker
 from router_fakes import EventsFromStreams, fake_router
 
 PROMPT = [1, 2, 3, 4]          # token ids
@@ -331,6 +332,9 @@ def test_a_decode_worker_prefills_while_a_prefill_worker_of_its_node_is_idle():
     p.node_ip, p.draining = d.node_ip, True                   # draining: lends nothing
     assert not r._prefill_on_decode(d, 100)
     p.draining = False
+    r.decode.append(Worker(None, "decode-1", 64, 1, node_ip=d.node_ip))
+    assert not r._prefill_on_decode(d, 100)          # 2 decode workers share 1 idle P
+    r.decode.pop()
     r.config = replace(lending, router=replace(lending.router,
                                                local_prefill_when_prefill_idle=False))
     assert not r._prefill_on_decode(d, 100)

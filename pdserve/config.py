@@ -143,13 +143,13 @@ class RouterConfig:
                                      # 2048 limit, docs/performance.md)
     local_prefill_when_prefill_idle: bool = True  # a decode worker prefills a prompt
                                      # itself when the prefill workers of its node (at least
-                                     # as many as its decode workers) are idle (no prompt
-                                     # queued) and it has no prefill of its own queued: with core lending (ClusterConfig.
-                                     # lend_idle_prefill_cores) the idle worker's threads
-                                     # then compute it too, so a lone prompt gets both
-                                     # cores of a 2-core box (0.5 req/s: mean TTFT 316 ->
-                                     # 188 ms, docs/performance.md). No effect without
-                                     # lending (pinned, GPU, or other nodes' workers)
+                                     # as many as its decode workers) have no prompt queued
+                                     # and it has no prefill of its own queued: with core
+                                     # lending (ClusterConfig.lend_idle_prefill_cores) the
+                                     # idle workers' threads compute it too, so a lone prompt
+                                     # gets both cores of a 2-core box (0.5 req/s fp32: mean
+                                     # TTFT 316 -> 188 ms, docs/performance.md section 15).
+                                     # No effect without lending (pinned, GPU, other nodes)
     cache_sync_interval_s: float = 0.1  # kv_aware: how often prefill caches are mirrored
     max_migrations: int = 3          # retries of a request after a worker died or its KV
                                      # transfer failed (each resumes after the tokens sent)

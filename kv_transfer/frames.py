@@ -1,4 +1,4 @@
-"""Wire format shared by every stream transport (TCP now, UCX streams later).
+"""Wire format of the control connection every transport pairs over (and of TCP's KV).
 
 Every frame is a fixed 56-byte little-endian header, the UTF-8 request id, then the
 payload (the 8-byte fields sit on 8-byte offsets)::
@@ -37,17 +37,28 @@ Payload by frame type:
     CHALLENGE      NONCE_BYTES random bytes: D's nonce_d, the first frame   (D -> P)
                    on every connection (auth.py)
     HANDSHAKE      JSON {"layout": <KVLayout>, "epoch": <P's epoch>,        (P -> D)
-                         "nonce": "<nonce_p hex>", "auth": null | "<hex>"}
+                         "nonce": "<nonce_p hex>", "auth": null | "<hex>",
+                         "nixl": null | {...}}  (nixl.py: P's agent name)
     HANDSHAKE_ACK  JSON {"layout": <KVLayout>, "epoch": <D's epoch>,        (D -> P)
-                         "error": null | "<why D refuses>", "auth": null | "<hex>"}
+                         "error": null | "<why D refuses>", "auth": null | "<hex>",
+                         "nixl": null | {...}}  (nixl.py: D's agent metadata and
+                                                 its registered cache)
                    (a refusal for the cluster secret is {"error": AUTH_REFUSED} only:
                    nothing about D goes to a peer that has not proved the secret)
     KV             K/V bytes of a [layer_end - layer_start, 2, num_blocks,
                    num_kv_heads, block_size, head_dim] tensor in the layout
                    dtype, C order; + 4-byte LE CRC32C (Castagnoli,
                    google-crc32c) of them if flag bit 0
-    DONE           empty; first_token set, layer_end = number of layers sent
+    DONE           empty; first_token set, layer_end = number of layers sent,
+                   num_blocks = one-sided writes made for it (nixl.py; 0 on TCP)
     ABORT          UTF-8 reason (<= MAX_REASON_BYTES)
+    BEGIN          empty: P is about to write the request's KV into D's   (P -> D)
+                   blocks with one-sided writes (nixl.py); D answers
+    BEGIN_ACK      JSON {"block_ids": [...]} (D's reserved blocks, in      (D -> P)
+                   block-table order) or {"error": "<why not>"}; <=
+                   MAX_BEGIN_ACK_BYTES. From then until P's DONE or ABORT
+                   (or the connection's end) D keeps those blocks out of
+                   its pool, even if the request is forgotten meanwhile
 
 A KV frame's payload_len is fully determined by its header and the layout, so a
 receiver checks it before reading a single payload byte.
@@ -80,6 +91,7 @@ MAX_HANDSHAKE_BYTES = 64 * 1024  # layout JSON is ~200 bytes; bound what we buff
 NONCE_BYTES = 32  # CHALLENGE payload, and P's nonce in its HANDSHAKE
 AUTH_REFUSED = "cluster secret mismatch"  # D's refusal error when auth fails (auth.py)
 MAX_REASON_BYTES = 4096
+MAX_BEGIN_ACK_BYTES = 1 << 20  # ~90k block ids of JSON: a 1.4M-token prompt at block_size 16
 
 # Codes are part of the protocol: never renumber, only append.
 DTYPE_CODES: dict[str, int] = {
@@ -101,6 +113,8 @@ class FrameType(enum.IntEnum):
     DONE = 4
     ABORT = 5
     CHALLENGE = 6
+    BEGIN = 7
+    BEGIN_ACK = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +255,8 @@ def unpack_header(
 
 def _validate(h: FrameHeader, layout: KVLayout | None, max_blocks: int | None) -> None:
     t = h.frame_type
-    if t in (FrameType.KV, FrameType.DONE, FrameType.ABORT) and not h.request_id:
+    if t in (FrameType.KV, FrameType.DONE, FrameType.ABORT, FrameType.BEGIN,
+             FrameType.BEGIN_ACK) and not h.request_id:
         raise KVFrameError(f"{t.name} frame without request_id")
     if t in (FrameType.HANDSHAKE, FrameType.HANDSHAKE_ACK):
         if not 0 < h.payload_len <= MAX_HANDSHAKE_BYTES:
@@ -251,6 +266,13 @@ def _validate(h: FrameHeader, layout: KVLayout | None, max_blocks: int | None) -
     elif t == FrameType.CHALLENGE:
         if h.payload_len != NONCE_BYTES:
             raise KVFrameError(f"CHALLENGE payload_len {h.payload_len}, expected {NONCE_BYTES}")
+    elif t == FrameType.BEGIN:
+        if h.payload_len != 0:
+            raise KVFrameError(f"BEGIN frame has payload_len {h.payload_len}, expected 0")
+    elif t == FrameType.BEGIN_ACK:
+        if not 0 < h.payload_len <= MAX_BEGIN_ACK_BYTES:
+            raise KVFrameError(
+                f"BEGIN_ACK payload_len {h.payload_len} not in [1, {MAX_BEGIN_ACK_BYTES}]")
     elif t == FrameType.ABORT:
         if h.payload_len > MAX_REASON_BYTES:
             raise KVFrameError(f"ABORT reason {h.payload_len} bytes, limit {MAX_REASON_BYTES}")
@@ -361,14 +383,17 @@ class Handshake(NamedTuple):
     error: str | None  # D's refusal (acks only)
     nonce: bytes = b""  # P's nonce_p (HANDSHAKE); b"" in an ack
     auth: bytes | None = None  # the sender's HMAC proof (auth.py); None: it has no secret
+    nixl: dict | None = None  # one-sided-write pairing fields (nixl.py); None: TCP frames only
 
 
 def encode_handshake(layout: KVLayout, epoch: int, error: str | None = None, *, ack: bool,
-                     nonce: bytes = b"", auth: bytes | None = None) -> bytes:
+                     nonce: bytes = b"", auth: bytes | None = None,
+                     nixl: dict | None = None) -> bytes:
     """Handshake (``ack=False``, with P's ``nonce``) or ack payload JSON, UTF-8;
-    ``auth`` is the sender's proof of the cluster secret (None without one)."""
+    ``auth`` is the sender's proof of the cluster secret (None without one); ``nixl``
+    the NIXL transport's pairing fields (JSON-serializable; nixl.py checks them)."""
     body: dict = {"layout": json.loads(layout.to_json()), "epoch": epoch,
-                  "auth": None if auth is None else auth.hex()}
+                  "auth": None if auth is None else auth.hex(), "nixl": nixl}
     if ack:
         body["error"] = error
     else:
@@ -393,14 +418,17 @@ def decode_handshake(payload: bytes, *, ack: bool) -> Handshake:
         epoch = body.get("epoch", 0) if refusal else body["epoch"]
         nonce = bytes.fromhex(body.get("nonce") or "")
         auth = None if body.get("auth") is None else bytes.fromhex(body["auth"])
+        nixl = None if refusal else body.get("nixl")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise KVFrameError(f"malformed handshake payload: {e}") from e
+    if not (nixl is None or isinstance(nixl, dict)):
+        raise KVFrameError(f"malformed handshake payload: nixl={nixl!r}")
     if not isinstance(epoch, int) or not (error is None or isinstance(error, str)):
         raise KVFrameError(f"malformed handshake payload: epoch={epoch!r} error={error!r}")
     if len(nonce) != (0 if ack else NONCE_BYTES) or (error is not None and not ack):
         raise KVFrameError(f"malformed handshake payload: nonce of {len(nonce)} bytes "
                            f"(expected {0 if ack else NONCE_BYTES}), error={error!r}")
-    return Handshake(layout, epoch, error, nonce, auth)
+    return Handshake(layout, epoch, error, nonce, auth, nixl)
 
 
 def torch_dtype_for_code(code: int) -> torch.dtype:
@@ -427,10 +455,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def done_header(request_id: str, epoch: int, first_token: int, num_layers_sent: int) -> bytes:
-    """DONE frame (header only): the request's KV is complete; carries P's first token."""
+def done_header(request_id: str, epoch: int, first_token: int, num_layers_sent: int,
+                num_writes: int = 0) -> bytes:
+    """DONE frame (header only): the request's KV is complete; carries P's first token
+    and, in num_blocks, how many one-sided writes P made for it (nixl.py; 0 over TCP),
+    so D knows when their notifications are all in."""
     return pack_header(FrameType.DONE, request_id, epoch=epoch, layer_end=num_layers_sent,
-                       first_token=first_token)
+                       num_blocks=num_writes, first_token=first_token)
 
 
 def abort_frame(request_id: str, epoch: int, reason: str) -> tuple[bytes, bytes]:
@@ -438,3 +469,29 @@ def abort_frame(request_id: str, epoch: int, reason: str) -> tuple[bytes, bytes]
     on a character boundary so the receiver can always decode it."""
     payload = reason.encode("utf-8")[:MAX_REASON_BYTES].decode("utf-8", "ignore").encode("utf-8")
     return pack_header(FrameType.ABORT, request_id, epoch=epoch, payload_len=len(payload)), payload
+
+
+def begin_ack_frame(request_id: str, epoch: int, block_ids: list[int] | None = None,
+                    error: str | None = None) -> bytes:
+    """BEGIN_ACK frame (header + JSON payload): D's reserved ``block_ids`` for a BEGIN,
+    or the ``error`` that refuses it (cut to MAX_REASON_BYTES)."""
+    body = {"block_ids": block_ids} if error is None else {"error": error[:MAX_REASON_BYTES]}
+    payload = json.dumps(body).encode("utf-8")
+    return pack_header(FrameType.BEGIN_ACK, request_id, epoch=epoch,
+                       payload_len=len(payload)) + payload
+
+
+def decode_begin_ack(payload: bytes) -> tuple[list[int] | None, str | None]:
+    """(block_ids, None) or (None, error) from a BEGIN_ACK payload; KVFrameError if
+    malformed (block ids must be non-negative ints)."""
+    try:
+        body = json.loads(payload)
+        ids, error = body.get("block_ids"), body.get("error")
+    except (ValueError, AttributeError) as e:
+        raise KVFrameError(f"malformed BEGIN_ACK payload: {e}") from e
+    if error is not None:
+        return None, str(error)
+    if not isinstance(ids, list) or not ids or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
+        raise KVFrameError(f"malformed BEGIN_ACK payload: block_ids={str(ids)[:80]}")
+    return ids, None

@@ -66,9 +66,11 @@ class Reservation:
     # once nothing writes into them, and forget() itself never blocks.
     on_quiescent: Callable[[], None] | None = None
     meta: threading.Lock = field(default_factory=threading.Lock)
-    # Receives posted straight into the blocks and not yet complete (see begin_direct);
-    # on_quiescent waits for them too. Guarded by `lock`.
+    # Writers that may put bytes into the blocks unseen (begin_writer: a one-sided
+    # write's lease); on_quiescent waits for them too. Guarded by `lock`.
     writes_in_flight: int = 0
+    writer_conn: int | None = None  # the connection whose BEGIN leased the blocks (nixl.py)
+    num_writes: int = 0  # notifications of one-sided writes seen (nixl.py's poll thread)
 
     @functools.cached_property
     def runs(self) -> list[tuple[int, int]]:
@@ -89,22 +91,6 @@ class Reservation:
             if pos >= end:
                 break
         return out
-
-    @functools.cached_property
-    def _run_ends(self) -> list[tuple[int, int]]:
-        """For each block-table position: (first block id of the rest of its run, table
-        position where that run ends)."""
-        out, pos = [], 0
-        for first, n in self.runs:
-            out += [(first + i, pos + n) for i in range(n)]
-            pos += n
-        return out
-
-    def consecutive(self, first: int, n: int) -> int | None:
-        """The block id at table position ``first`` if the ``n`` blocks from there are
-        consecutive ids (one region of the cache), else None."""
-        start, end = self._run_ends[first]
-        return start if first + n <= end else None
 
     @property
     def num_blocks(self) -> int:
@@ -224,7 +210,7 @@ class ReservationTable:
     @staticmethod
     def _release(res: Reservation) -> None:
         forgotten = res.request_id  # for the log line only
-        busy = res.writes_in_flight > 0  # then the last end_direct runs on_quiescent
+        busy = res.writes_in_flight > 0  # then the last end_writer runs on_quiescent
         res.lock.release()
         if busy:
             return
@@ -304,51 +290,35 @@ class ReservationTable:
         )
 
     def claim_blocks(self, res: Reservation, h: FrameHeader) -> bool:
-        """Start a KV frame whose payload arrives in pieces (see write_blocks): marks its
-        (layer, block) pairs as arrived now, so a second frame for any of them fails the
-        request even while this one is still arriving. False when the payload must be
-        discarded: the request finished or was forgotten meanwhile, or a pair arrives
-        twice (fails it)."""
+        """Mark a KV frame's (layer, block) pairs arrived whose bytes a one-sided write
+        already put into the blocks (nixl.py). False when the request finished or was
+        forgotten meanwhile, or a pair arrives twice (fails it)."""
         return self._claim_and_write(res, h, None)
 
-    def write_blocks(
-        self, res: Reservation, layer: int, half: int, first: int, data: torch.Tensor
-    ) -> None:
-        """Copy ``data`` [n, heads, block_size, head_dim] (layout dtype, on kv.device) into
-        K (half 0) or V (half 1) of ``layer`` for the reservation's blocks
-        ``first .. first + n - 1`` (positions in its block table, not relative to a
-        frame's block_start), after claim_blocks admitted the frame; a no-op once the
-        request finished or was forgotten."""
+    def begin_writer(self, res: Reservation) -> bool:
+        """A peer may write into the reservation's blocks from now on, unseen by D (a
+        one-sided write). Counted in flight, so forget()'s on_quiescent waits for the
+        matching end_writer; False (nothing counted) once the request finished."""
         with self._hold(res):
             if res.state >= TransferState.DONE:
-                return
-            n = data.shape[0]
-            if len(res.runs) == 1:  # one run of blocks: a plain slice of the cache
-                start = res.runs[0][0] + first
-                self.kv[layer, half, start : start + n].copy_(data)
-            else:
-                self.kv[layer, half].index_copy_(0, res.dst_idx[first : first + n], data)
-
-    def begin_direct(self, res: Reservation, first: int, n: int) -> int | None:
-        """For a transport that receives asynchronously straight into the blocks: the
-        first block id when the reservation's blocks ``first .. first + n - 1`` (table
-        positions) are consecutive and the request is still expected, with one write
-        counted in flight; every such call must be paired with end_direct once the
-        receive is complete or cancelled (forget's on_quiescent waits for it). None
-        otherwise: receive into a staging buffer and write_blocks."""
-        start = res.consecutive(first, n)
-        if start is None:
-            return None
-        with self._hold(res):
-            if res.state >= TransferState.DONE:
-                return None
+                return False
             res.writes_in_flight += 1
-        return start
+        return True
 
-    def end_direct(self, res: Reservation) -> None:
-        """A receive counted by begin_direct is complete (or cancelled)."""
+    def end_writer(self, res: Reservation) -> None:
+        """The writer counted by begin_writer is done (DONE, ABORT, or known gone)."""
         with self._hold(res):
             res.writes_in_flight -= 1
+
+    def all_arrived(self, res: Reservation) -> bool:
+        """Every (layer, block) pair of the reservation has arrived."""
+        with self._hold(res):
+            return res.missing() is None
+
+    def lookup(self, request_id: str, epoch: int, what: str) -> Reservation | None:
+        """The active reservation a ``what`` frame names, or None (unknown or forgotten;
+        a stale epoch also fails the request)."""
+        return self._lookup(request_id, epoch, what)
 
     def write_layers_direct(self, res: Reservation, h: FrameHeader,
                             fill: Callable[[list[memoryview]], None]) -> bool | None:

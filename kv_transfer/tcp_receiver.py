@@ -192,7 +192,26 @@ class TcpKVReceiver(KVReceiver):
                 self._conns.pop(conn_id, None)
             sock.close()
             if not self._closed:
-                self._table.connection_lost(conn_id, why)
+                self._connection_lost(conn_id, why)
+
+    # ---- hooks of a transport that pairs over this control connection (nixl.py) ----
+
+    def _pair_extra(self, conn_id: int, hs: frames.Handshake) -> dict | None:
+        """Called once the peer proved the secret and its layout matched: the ack's
+        "nixl" field (None: this receiver takes KV frames only)."""
+        return None
+
+    def _on_begin(self, conn: "_Connection", h: FrameHeader) -> None:
+        raise KVFrameError("BEGIN frame, but this receiver takes KV frames only (tcp)")
+
+    def _on_done(self, conn_id: int, h: FrameHeader) -> None:
+        self._table.on_done(h)
+
+    def _on_abort(self, conn_id: int, h: FrameHeader, reason: str) -> None:
+        self._table.on_abort(h, reason)
+
+    def _connection_lost(self, conn_id: int, why: str) -> None:
+        self._table.connection_lost(conn_id, why)
 
 
 class _Connection:
@@ -217,9 +236,12 @@ class _Connection:
             if h.frame_type == FrameType.KV:
                 self._on_kv(h)
             elif h.frame_type == FrameType.DONE:
-                self.table.on_done(h)
+                self.rx._on_done(self.conn_id, h)
             elif h.frame_type == FrameType.ABORT:
-                self.table.on_abort(h, self._read_small(h.payload_len).decode("utf-8", "replace"))
+                reason = self._read_small(h.payload_len).decode("utf-8", "replace")
+                self.rx._on_abort(self.conn_id, h, reason)
+            elif h.frame_type == FrameType.BEGIN:
+                self.rx._on_begin(self, h)
             else:
                 raise KVFrameError(f"unexpected {h.frame_type.name} frame after handshake")
 
@@ -257,13 +279,16 @@ class _Connection:
                    "sent a proof, this receiver has no secret" if key is None else
                    "sent a wrong proof"))
         error = hs.layout.mismatch(self.layout)
+        extra = None if error is not None else self.rx._pair_extra(self.conn_id, hs)
         self._send_ack(frames.encode_handshake(
             self.layout, self.rx.epoch, error, ack=True,
-            auth=auth.proof(key, auth.DECODE, nonce_d, hs.nonce)), epoch=self.rx.epoch)
+            auth=auth.proof(key, auth.DECODE, nonce_d, hs.nonce), nixl=extra),
+            epoch=self.rx.epoch)
         if error is not None:
             raise KVLayoutMismatch(error)
         host_io.set_kernel_timeouts(self.sock, self.rx.io_timeout_s)
-        logger.debug("KV connection %d paired (prefill epoch %d)", self.conn_id, hs.epoch)
+        logger.debug("KV connection %d paired (prefill epoch %d%s)", self.conn_id, hs.epoch,
+                     ", nixl" if extra is not None else "")
         return True
 
     def _send_ack(self, payload: bytes, epoch: int) -> None:

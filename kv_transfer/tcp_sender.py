@@ -44,6 +44,7 @@ class _SendConn:
     sock: socket.socket | None = None
     peer_epoch: int | None = None
     host_buf: torch.Tensor | None = None  # pinned uint8 staging, CUDA caches only
+    peer: object = None  # what a one-sided transport learned at pairing (nixl.py)
 
 
 class TcpKVSender(KVSender):
@@ -192,7 +193,8 @@ class TcpKVSender(KVSender):
         nonce_p = auth.new_nonce()
         payload = frames.encode_handshake(
             self.layout, self.epoch, ack=False, nonce=nonce_p,
-            auth=auth.proof(self._secret, auth.PREFILL, nonce_d, nonce_p))
+            auth=auth.proof(self._secret, auth.PREFILL, nonce_d, nonce_p),
+            nixl=self._handshake_extra())
         sock.sendall(
             frames.pack_header(FrameType.HANDSHAKE, epoch=self.epoch, payload_len=len(payload))
             + payload
@@ -205,9 +207,19 @@ class TcpKVSender(KVSender):
         msg = self.layout.mismatch(ack.layout)
         if msg is not None:
             raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]}: {msg}")
+        self._paired(conn, addr, ack)
         conn.peer_epoch = ack.epoch
         host_io.set_kernel_timeouts(sock, self.io_timeout_s)
         logger.debug("connected to decode worker %s:%d epoch %d", addr[0], addr[1], ack.epoch)
+
+    # ---- hooks of a transport that pairs over this connection (nixl.py) -------------
+
+    def _handshake_extra(self) -> dict | None:
+        """The handshake's "nixl" field (None: this sender sends KV frames)."""
+        return None
+
+    def _paired(self, conn: _SendConn, addr: tuple[str, int], ack: frames.Handshake) -> None:
+        """Called once D's ack proved the secret and its layout matched."""
 
     @staticmethod
     def _read_payload(sock: socket.socket, want: FrameType) -> bytes:
@@ -229,4 +241,5 @@ class TcpKVSender(KVSender):
                 logger.debug("closing KV sender socket: %s", e)
         conn.sock = None
         conn.peer_epoch = None
+        conn.peer = None
 

@@ -246,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="model and KV dtype (default float32, the CPU reference)")
     s.add_argument("--prefill-workers", type=int, default=1)
     s.add_argument("--decode-workers", type=int, default=1)
-    s.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "auto"],
-                   help="KV transport between prefill and decode (auto: UCX when importable)")
+    s.add_argument("--transport", default="tcp", choices=["tcp", "nixl", "ucx", "auto"],
+                   help="KV transport between prefill and decode: tcp (frames over a socket), "
+                        "nixl (one-sided RDMA writes over UCX; ucx is an alias), auto (nixl "
+                        "when NIXL imports)")
     s.add_argument("--address", default=None, help="join this Ray cluster ('auto') instead of "
                                                    "starting a local one")
     s.add_argument("--prefill-kv-blocks", type=int, default=512, help="16-token KV blocks per prefill worker")

@@ -46,7 +46,7 @@ class PrefillRequest:
     kv_address: tuple[str, int]          # decode worker's KV receiver
     epoch: int                           # decode worker's epoch, echoed in every frame
     future: Any = None                   # asyncio.Future on the actor loop: first token
-    kv_skip_blocks: int = 0              # leading prompt blocks D holds already: not sent
+    num_cached_blocks: int = 0              # leading prompt blocks D holds already: not sent
     kv_sent_blocks: int = 0              # block-table positions before this are queued to send
     kv_send_started: float | None = None  # perf_counter() of its first KV frame (metrics)
     block_table: list[int] = field(default_factory=list)
@@ -200,9 +200,9 @@ class PrefillScheduler:
     def kv_send_range(self, req: PrefillRequest) -> tuple[int, int]:
         """Block-table positions ``[lo, hi)`` whose K/V this step's chunk makes final and
         D still lacks: from where earlier chunks stopped (at first, after D's
-        kv_skip_blocks; P's own cached blocks included) to the chunk's last block; then
+        num_cached_blocks; P's own cached blocks included) to the chunk's last block; then
         marks them sent. Call once per scheduled step; ``lo == hi`` when D holds them all."""
-        lo = max(req.kv_skip_blocks, req.kv_sent_blocks)
+        lo = max(req.num_cached_blocks, req.kv_sent_blocks)
         hi = max(lo, blocks_needed(req.chunk_end, self.block_size))
         req.kv_sent_blocks = hi
         return lo, hi

@@ -3,7 +3,7 @@ streams each layer's KV to the decode worker that reserved blocks for it.
 
 Request lifecycle here (see scheduler.py):
 
-    router ── prefill(request_id, token_ids, params, kv_address, epoch) ──▶ queue
+    router ── prefill(PrefillOrder) (pdserve/messages.py) ──▶ queue
     step thread:  schedule() (prefix-cache lookup, chunking) → ModelRunner.prefill(
                   batch, on_layer_done), computing each prompt's next uncached chunk
                   on_layer_done(i): layer i of the blocks each chunk completed (that D
@@ -39,8 +39,8 @@ from ..engine.block_pool import BlockPool, blocks_needed
 from ..engine.model_runner import ModelRunner, PrefillSeq
 from ..engine.request import RequestState
 from ..engine.sampler import sample
-from ..engine.sampling_params import SamplingParams
 from ..kv_transfer import KVLayout, KVTransferError, make_sender
+from ..messages import CacheEvents, PrefillOrder, WorkerInfo, WorkerStatus
 from ..metrics import WorkerMetrics, serve as serve_metrics
 from .scheduler import PrefillRequest, PrefillScheduler
 
@@ -94,7 +94,8 @@ class PrefillWorker:
                                           config.schedule_policy)
         layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)
         self.sender = make_sender(config.transport, self.runner.kv_cache, layout,
-                                  checksum=config.kv_checksum, secret=config.kv_secret)
+                                  checksum=config.kv_checksum, secret=config.kv_secret,
+                                  epoch=self.epoch, host=config.node_host())
         self._loop: asyncio.AbstractEventLoop | None = None
         self.kv_bytes_sent = 0          # K/V payload bytes sent to decode workers (send thread)
         self.kv_send_failures = 0       # requests whose KV could not be sent (send thread)
@@ -111,10 +112,10 @@ class PrefillWorker:
 
     # --- RPCs -------------------------------------------------------------------------
 
-    async def ready(self) -> dict:
+    async def ready(self) -> WorkerInfo:
         self._loop = asyncio.get_running_loop()
-        return {"worker_id": self.worker_id, "num_blocks": self.pool.num_blocks,
-                "epoch": self.epoch, "node_ip": ray.util.get_node_ip_address()}
+        return WorkerInfo(self.worker_id, "prefill", self.epoch, self.pool.num_blocks,
+                          self.runner.block_size, ray.util.get_node_ip_address())
 
     async def pair(self, kv_addresses: list[tuple[str, int]]) -> list[int]:
         """Connect to each decode worker's KV receiver and exchange layouts and epochs.
@@ -124,32 +125,33 @@ class PrefillWorker:
         """
         return [await asyncio.to_thread(self.sender.connect, tuple(a)) for a in kv_addresses]
 
-    async def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      kv_address: tuple[str, int], epoch: int, kv_skip_blocks: int = 0) -> int:
-        """Prefill `token_ids` into the decode worker's reserved blocks at `kv_address`;
-        the first `kv_skip_blocks` prompt blocks are not sent (D has them cached: its
-        reserved blocks start after them).
+    async def prefill(self, order: PrefillOrder) -> int:
+        """Prefill `order.token_ids` into the decode worker's reserved blocks at
+        `order.kv_address`; the first `order.num_cached_blocks` prompt blocks are not
+        sent (D has them cached: its reserved blocks start after them).
 
         Returns the first sampled token once every KV frame and the done frame are sent.
         Raises:
             ValueError: the prompt does not fit this worker's block pool, or
-                kv_skip_blocks is not below the prompt's block count.
+                num_cached_blocks is not below the prompt's block count.
             KVTransferError: sending to the decode worker failed.
             PrefillAborted: abort(request_id) was called first.
         """
-        num_blocks = blocks_needed(len(token_ids), self.runner.block_size)
-        if not 0 <= kv_skip_blocks < num_blocks:
-            raise ValueError(f"kv_skip_blocks={kv_skip_blocks} must be in [0, {num_blocks}) "
-                             f"for a prompt of {len(token_ids)} tokens")
+        num_blocks = blocks_needed(len(order.token_ids), self.runner.block_size)
+        if not 0 <= order.num_cached_blocks < num_blocks:
+            raise ValueError(f"num_cached_blocks={order.num_cached_blocks} must be in "
+                             f"[0, {num_blocks}) for a prompt of {len(order.token_ids)} tokens")
         self._loop = asyncio.get_running_loop()
-        req = PrefillRequest(request_id, list(token_ids), params, tuple(kv_address), epoch,
-                             future=self._loop.create_future(), kv_skip_blocks=kv_skip_blocks)
+        req = PrefillRequest(order.request_id, list(order.token_ids), order.params,
+                             tuple(order.kv_address), order.epoch,
+                             future=self._loop.create_future(),
+                             num_cached_blocks=order.num_cached_blocks)
         self.scheduler.add(req)
         self._wake.set()
         try:
             return await req.future
         except asyncio.CancelledError:
-            self._abort(request_id)
+            self._abort(order.request_id)
             raise
 
     async def bench_prefill(self, num_tokens: int, seed: int = 0) -> float:
@@ -175,31 +177,26 @@ class PrefillWorker:
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
 
-    async def cache_events(self, since: int) -> dict:
-        """Prefix-cache changes after event `since` (engine/block_pool.py): ``{"seq": n,
-        "events": [(stored, block_hash), ...]}`` or, when `since` is too old,
-        ``{"seq": n, "snapshot": [block_hash, ...]}``, with this worker's "epoch" (a
-        new one after a restart: the router's mirror then starts over). The router polls
-        it (KV-aware routing); block hashes are 16-byte digests of `block_size`-token
-        blocks."""
+    async def cache_events(self, since: int) -> CacheEvents:
+        """Prefix-cache changes after event `since` (engine/block_pool.py), or a
+        snapshot when `since` is too old; the router polls it (KV-aware routing)."""
         seq, events, snapshot = self.pool.cache_events(since)
-        return {"seq": seq, "epoch": self.epoch} | (
-            {"events": events} if snapshot is None else {"snapshot": snapshot})
+        return CacheEvents(self.epoch, seq, events, snapshot)
 
-    async def status(self) -> dict:
+    async def status(self) -> WorkerStatus:
         running, waiting = self.scheduler.counts()
-        return {"worker_id": self.worker_id, "role": "prefill", "pid": os.getpid(),
-                "node_ip": ray.util.get_node_ip_address(), "state": "ready",
-                "kv_blocks_total": self.pool.num_blocks, "kv_blocks_free": self.pool.num_free,
-                "running_requests": running, "waiting_requests": waiting,
-                "queued_tokens": self.scheduler.queued_tokens(), "epoch": self.epoch,
-                "kv_address": "",
-                "prefill_tokens_computed": self.scheduler.computed_tokens,
-                "prefix_cache_hit_tokens": self.scheduler.cached_tokens,
-                "prefix_cache_queries": self.scheduler.prefix_queries,
-                "prefix_cache_hits": self.scheduler.prefix_hits,
-                "prefix_cache_blocks": self.pool.num_cached,
-                "kv_bytes_sent": self.kv_bytes_sent, "metrics_address": self.metrics_address}
+        return WorkerStatus(
+            worker_id=self.worker_id, role="prefill", pid=os.getpid(),
+            node_ip=ray.util.get_node_ip_address(), state="ready", epoch=self.epoch,
+            kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
+            running_requests=running, waiting_requests=waiting,
+            metrics_address=self.metrics_address,
+            queued_tokens=self.scheduler.queued_tokens(),
+            prefill_tokens_computed=self.scheduler.computed_tokens,
+            prefix_cache_hit_tokens=self.scheduler.cached_tokens,
+            prefix_cache_queries=self.scheduler.prefix_queries,
+            prefix_cache_hits=self.scheduler.prefix_hits,
+            prefix_cache_blocks=self.pool.num_cached, kv_bytes_sent=self.kv_bytes_sent)
 
     def _metric_values(self) -> dict[str, float]:
         """Current gauges and counters for /metrics (pdserve/metrics.py), at scrape time."""
@@ -294,7 +291,7 @@ class PrefillWorker:
                         self.kv_bytes_sent += self.sender.send_layers(req.kv_address, req.request_id, req.epoch,
                                                 task.layer_start, task.layer_end,
                                                 req.block_table[lo:hi],
-                                                block_start=lo - req.kv_skip_blocks)
+                                                block_start=lo - req.num_cached_blocks)
                     continue
                 if req.aborted or req.error or task.first_token is None:
                     if not req.error:

@@ -41,6 +41,7 @@ from ..engine.block_pool import blocks_needed
 from ..engine.loader import resolve_model
 from ..engine.request import TokenEvent
 from ..engine.sampling_params import InvalidRequestError
+from ..messages import PrefillOrder
 from ..metrics import RouterMetrics, serve as serve_metrics
 from ..proto import pdserve_pb2 as pb
 from . import validation
@@ -101,16 +102,15 @@ class Router:
         from .service import build_server
 
         infos = await asyncio.gather(*(h.ready.remote() for h in self._prefill_handles))
-        self.prefill = [Worker(h, i["worker_id"], i["num_blocks"], i["epoch"],
-                                node_ip=i["node_ip"])
+        self.prefill = [Worker(h, i.worker_id, i.num_blocks, i.epoch, node_ip=i.node_ip)
                         for h, i in zip(self._prefill_handles, infos)]
         infos = await asyncio.gather(*(h.ready.remote() for h in self._decode_handles))
-        self.decode = [Worker(h, i["worker_id"], i["num_blocks"], i["epoch"],
-                               free_blocks=i["num_blocks"], node_ip=i["node_ip"])
+        self.decode = [Worker(h, i.worker_id, i.num_blocks, i.epoch, free_blocks=i.num_blocks,
+                              node_ip=i.node_ip)
                        for h, i in zip(self._decode_handles, infos)]
         # Pair every P with every D now, so a layout mismatch fails `serve` at start
         # with a message naming the field, not the first request.
-        await asyncio.gather(*(p.handle.pair.remote([i["kv_address"] for i in infos])
+        await asyncio.gather(*(p.handle.pair.remote([i.kv_address for i in infos])
                                for p in self.prefill))
         rc = self.config.router
         if rc.routing_policy == "kv_aware":
@@ -230,12 +230,13 @@ class Router:
         local_tokens, p_tokens = (0, len(ids)) if p is not None else (len(ids), 0)
         finished = False
         try:
-            self.streams.bind(internal_id, d, res["epoch"])
+            self.streams.bind(internal_id, d, res.epoch)
             if p is not None:
                 try:
                     first = await asyncio.wait_for(
-                        p.handle.prefill.remote(internal_id, ids, params, res["kv_address"],
-                                                res["epoch"], res["cached_blocks"]),
+                        p.handle.prefill.remote(PrefillOrder(
+                            internal_id, ids, params, res.kv_address, res.epoch,
+                            res.num_cached_blocks)),
                         timeout=max(deadline - time.monotonic(), 0.001))
                 except ray.exceptions.RayError as e:
                     raise attempt_failed("prefill", p, e) from e
@@ -327,11 +328,10 @@ class Router:
             info = await asyncio.wait_for(w.handle.ready.remote(), timeout=timeout_s)
         except Exception:  # still down or restarting
             return
-        if info["epoch"] != w.epoch:
-            node_ip = info.get("node_ip", w.node_ip)
-            logger.warning("%s restarted on %s (epoch %x -> %x)", w.worker_id, node_ip,
-                           w.epoch, info["epoch"])
-            w.epoch, w.node_ip, w.draining = info["epoch"], node_ip, False
+        if info.epoch != w.epoch:
+            logger.warning("%s restarted on %s (epoch %x -> %x)", w.worker_id, info.node_ip,
+                           w.epoch, info.epoch)
+            w.epoch, w.node_ip, w.draining = info.epoch, info.node_ip, False
             self.prefill_router.index.forget(w.worker_id)
         w.alive = True
 
@@ -357,9 +357,9 @@ class Router:
                 except Exception as e:  # dead, restarting or slow: try again next round
                     logger.debug("prefix cache of %s not synced: %r", w.worker_id, e)
                     continue
-                if reply["epoch"] != w.epoch:   # restarted: its events restart from 0
+                if reply.epoch != w.epoch:   # restarted: its events restart from 0
                     index.forget(w.worker_id)
-                    w.epoch = reply["epoch"]
+                    w.epoch = reply.epoch
                     continue
                 index.apply(w.worker_id, reply)
             await asyncio.sleep(interval)
@@ -412,8 +412,8 @@ class Router:
                 if res is None:
                     self._charge(d, p, prompt_len, -1)
                     continue
-                d.free_blocks = res["free_blocks"]
-                if res["local_prefill"] and p is not None:   # D's own threshold chose it
+                d.free_blocks = res.free_blocks
+                if res.local_prefill and p is not None:   # D's own threshold chose it
                     self._charge(d, p, prompt_len, -1)
                     self._charge(d, None, prompt_len, 1)
                     p = None
@@ -496,7 +496,7 @@ class Router:
             for w in workers:
                 try:
                     s = await asyncio.wait_for(w.handle.status.remote(), timeout=5)
-                    busy += s["running_requests"] + s["waiting_requests"]
+                    busy += s.running_requests + s.waiting_requests
                 except Exception:    # dead already: nothing of its own to wait for
                     continue
             if busy == 0 or time.monotonic() >= deadline:
@@ -514,7 +514,7 @@ class Router:
                 role = "prefill" if w in self.prefill else "decode"
                 return pb.WorkerStatus(worker_id=w.worker_id, role=role, state=f"dead: {e}"[:200],
                                        kv_blocks_total=w.num_blocks)
-            return pb.WorkerStatus(**{k: v for k, v in s.items() if k in _STATUS_FIELDS})
+            return s.to_proto()
 
         return pb.ClusterStatusResponse(model=self.model_name,
                                         workers=await asyncio.gather(*map(one, workers)),
@@ -523,5 +523,3 @@ class Router:
                                         metrics_address=self.metrics_address,
                                         http_address=self.http_address)
 
-
-_STATUS_FIELDS = set(pb.WorkerStatus.DESCRIPTOR.fields_by_name)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ..engine.block_pool import BlockHash, block_hashes
+from ..messages import CacheEvents
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 
@@ -44,18 +45,18 @@ class PrefixIndex:
         """The event number to ask `worker_id` for changes after."""
         return self._seq.get(worker_id, 0)
 
-    def apply(self, worker_id: str, reply: dict) -> None:
+    def apply(self, worker_id: str, reply: CacheEvents) -> None:
         """Fold in a PrefillWorker.cache_events reply: events, or a full snapshot."""
         held = self._hashes.setdefault(worker_id, set())
-        if "snapshot" in reply:
+        if reply.snapshot is not None:
             held.clear()
-            held.update(reply["snapshot"])
-        for stored, h in reply.get("events") or ():
+            held.update(reply.snapshot)
+        for stored, h in reply.events or ():
             if stored:
                 held.add(h)
             else:
                 held.discard(h)
-        self._seq[worker_id] = reply["seq"]
+        self._seq[worker_id] = reply.seq
 
     def forget(self, worker_id: str) -> None:
         """Drop what `worker_id` held (it restarted with an empty cache); its next

@@ -8,6 +8,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import ray
 import torch
 
@@ -15,6 +16,13 @@ from pdserve.client import Client, make_request
 from pdserve.cluster import Cluster
 from pdserve.config import ClusterConfig
 from pdserve.engine.loader import resolve_model
+from pdserve.kv_transfer.nixl import find_module
+from pdserve.messages import WorkerStatus
+
+# KV transports an e2e module runs over (a module-scoped `served` fixture takes them as
+# params): NIXL where it imports (`make test` installs pdserve[nixl], so in CI it does).
+TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    find_module() is None, reason="NIXL (nixl-cu12) not installed"))]
 
 
 def start_ray() -> None:
@@ -53,7 +61,7 @@ class Served:
         with ThreadPoolExecutor(len(prompts)) as ex:
             return list(ex.map(lambda p: self.generate(p, **kw), prompts))
 
-    def decode_status(self) -> list[dict]:
+    def decode_status(self) -> list[WorkerStatus]:
         return ray.get([d.status.remote() for d in self.cluster.decode])
 
     def assert_all_free(self, timeout_s: float = 5.0) -> None:

@@ -10,7 +10,7 @@ import sys
 def _add_common(p: argparse.ArgumentParser) -> None:
     """--model, --transport and --json, which the serving benchmarks share."""
     p.add_argument("--model", default="default")
-    p.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "auto"])
+    p.add_argument("--transport", default="tcp", choices=["tcp", "nixl", "ucx", "auto"])
     p.add_argument("--json", default=None, help="write the figures to this file")
 
 
@@ -25,7 +25,7 @@ def _bench_transfer(args) -> int:
     print(f"moving the KV of {args.num_requests} x {args.prompt_tokens}-token prompts "
           f"(block_size {args.block_size}, {args.repeats} repeats, median) ...", flush=True)
     results = transfer.run(kinds, args.model, args.num_requests, args.prompt_tokens,
-                           args.block_size, args.repeats)
+                           args.block_size, args.repeats, idle_s=args.idle_s)
     print(transfer.table(results))
     if args.json:
         with open(args.json, "w") as f:
@@ -190,12 +190,15 @@ def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks, each against its baseline in the same run")
     bsub = b.add_subparsers(dest="bench", required=True)
     bt = bsub.add_parser("transfer", help="KV transfer GB/s per transport vs its raw baseline")
-    bt.add_argument("--transports", default="tcp,ucx", help="comma-separated: tcp,ucx")
+    bt.add_argument("--transports", default="tcp,nixl", help="comma-separated: tcp,nixl")
     bt.add_argument("--model", default="default", help="geometry source (layers, heads, head_dim)")
     bt.add_argument("--num-requests", type=int, default=4)
     bt.add_argument("--prompt-tokens", type=int, default=512)
     bt.add_argument("--block-size", type=int, default=16)
     bt.add_argument("--repeats", type=int, default=5)
+    bt.add_argument("--idle-s", type=float, default=10.0,
+                    help="then measure the paired receiver's CPU time over this many idle "
+                         "seconds (0: skip)")
     bt.add_argument("--json", default=None, help="write results to this file")
     bt.set_defaults(fn=_bench_transfer)
     bf = bsub.add_parser("ttft", help="disaggregated TTFT vs prefill alone on the same worker")
@@ -283,7 +286,7 @@ def add_bench_parser(sub) -> None:
                          "need a multiple of 256; else 16)")
     bg.add_argument("--enforce-eager", action="store_true",
                     help="decode without CUDA graphs (eager figures are reported anyway)")
-    bg.add_argument("--transports", default="ucx,tcp",
+    bg.add_argument("--transports", default="nixl,tcp",
                     help="KV transfer transports, comma-separated ('' skips the transfer)")
     bg.add_argument("--kv-requests", type=int, default=4)
     bg.add_argument("--kv-prompt-tokens", type=int, default=4096)

@@ -271,7 +271,7 @@ class GpuBenchConfig:
     decode_steps: int = 50
     block_size: int | None = None     # tokens; None: default_block_size() on the device
     enforce_eager: bool = False       # decode replays CUDA graphs where they can be captured
-    transports: tuple[str, ...] = ("ucx", "tcp")
+    transports: tuple[str, ...] = ("nixl", "tcp")
     kv_requests: int = 4
     kv_prompt_tokens: int = 4096
 
@@ -285,8 +285,8 @@ class GpuBenchConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size={self.block_size}: must be >= 1 (or None)")
-        if unknown := set(self.transports) - {"tcp", "ucx"}:
-            raise ValueError(f"transports: {sorted(unknown)} unknown; choose from tcp, ucx")
+        if unknown := set(self.transports) - {"tcp", "nixl"}:
+            raise ValueError(f"transports: {sorted(unknown)} unknown; choose from tcp, nixl")
 
 
 def default_block_size(device: torch.device) -> int:

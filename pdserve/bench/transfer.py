@@ -6,12 +6,13 @@ default model's geometry: layers, KV heads, head_dim, dtype) moves from this pro
 (sender) to a spawned receiver process, layer by layer as prefill sends it: pdserve's
 transport (framing, handshake done beforehand, gather from the paged cache, scatter into
 reserved blocks) against the same bytes in the same message sizes through
-- tcp: a raw blocking socket (`sendall` from / `recv_into` into buffers of the full size,
-  so both sides touch as much distinct memory as a real transfer);
-- ucx: raw ucxx `send` / `recv` (pdserve/bench/raw_ucx.py), no framing.
-A run is timed from the first send to the receiver's report that everything arrived
-(every done frame for pdserve; every byte for raw). Repeats are interleaved
-(raw, pdserve, raw, ...) and the median is reported.
+a raw blocking socket (`sendall` from / `recv_into` into buffers of the full size, so
+both sides touch as much distinct memory as a real transfer): the baseline of both tcp
+and nixl, since a socket is what a transfer without RDMA falls back to. A run is timed
+from the first send to the receiver's report that everything arrived (every done frame
+for pdserve; every byte for raw). Repeats are interleaved (raw, pdserve, raw, ...) and
+the median is reported. Afterwards the receiver, paired and idle, reports the CPU time
+it used over `idle_s` seconds (a transport whose progress loop spins shows ~1.0).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class Geometry:
 
 @dataclass(frozen=True)
 class Result:
-    transport: str          # "tcp" | "ucx"
+    transport: str          # "tcp" | "nixl"
     bytes: int              # KV payload bytes moved per run
     seconds: float          # median over repeats
     gbps: float             # GB/s (1e9 bytes/s)
@@ -81,6 +82,8 @@ class Result:
     per_request_mib: float
     seconds_all: list[float]            # every timed run, in order
     baseline_seconds_all: list[float]
+    idle_s: float = 0.0                 # idle window after the runs (0: not measured)
+    idle_cpu_fraction: float | None = None  # receiver CPU seconds / idle_s (1.0 = a core)
 
 
 # --- receiver process ---------------------------------------------------------------------
@@ -110,6 +113,11 @@ def _pdserve_receiver(kind: str, geo: Geometry, num_blocks: int, ctl, out) -> No
     rx = make_receiver(kind, kv, geo.layout(), epoch=7, on_complete=on_complete)
     out.put(rx.start())
     while (cmd := ctl.get()) is not None:
+        if cmd[0] == "idle":     # CPU seconds over an idle window, every thread included
+            t0 = time.process_time()
+            time.sleep(cmd[1])
+            out.put(("idle", time.process_time() - t0))
+            continue
         rids, tables = cmd
         with lock:
             done["n"], done["failed"], expected["n"] = 0, [], len(rids)
@@ -182,25 +190,6 @@ class _RawTcp:
         self.proc.join(_TIMEOUT_S)
 
 
-class _RawUcx:
-    def __init__(self, sizes: list[int]):
-        self.sizes = sizes
-
-    def once(self) -> float:
-        from .raw_ucx import raw_ucx_receiver, raw_ucx_sender
-        ports, done = _CTX.Queue(), _CTX.Queue()
-        proc = _CTX.Process(target=raw_ucx_receiver, args=(ports, self.sizes, done), daemon=True)
-        proc.start()
-        try:
-            return raw_ucx_sender("127.0.0.1", ports.get(timeout=_TIMEOUT_S), self.sizes)
-        finally:
-            done.get(timeout=_TIMEOUT_S)
-            proc.join(_TIMEOUT_S)
-
-    def close(self) -> None:
-        pass
-
-
 class _Pdserve:
     """pdserve's transport: handshake once, then per run every layer of every request
     (layer-major, as a prefill batch sends) and a done frame each."""
@@ -236,6 +225,13 @@ class _Pdserve:
             raise RuntimeError(f"{self.kind} transfer failed: {failed or 'timed out'}")
         return elapsed
 
+    def idle_cpu(self, seconds: float) -> float:
+        """Receiver CPU seconds over ``seconds`` of idling, paired."""
+        self.ctl.put(("idle", seconds))
+        tag, cpu_s = self.out.get(timeout=_TIMEOUT_S + seconds)
+        assert tag == "idle", tag
+        return cpu_s
+
     def close(self) -> None:
         self.ctl.put(None)
         self.tx.close()
@@ -244,39 +240,45 @@ class _Pdserve:
 
 def run(transports: list[str], model: str = "default", num_requests: int = 4,
         prompt_tokens: int = 512, block_size: int = 16, repeats: int = 5,
-        dtype: str = "float32") -> list[Result]:
+        dtype: str = "float32", idle_s: float = 0.0) -> list[Result]:
     """Measure each transport and its raw baseline; returns one Result per transport.
 
     Both sides keep one receiver process for all runs and do one untimed warm-up run,
     then runs alternate raw / pdserve so drift hits both alike; medians are reported.
+    idle_s > 0: then the receiver's CPU time over that many idle seconds.
     """
     geo = Geometry.of_model(model, block_size, dtype)
     per_req, _ = _plan(geo, num_requests, prompt_tokens)
     sizes = [geo.layer_bytes(per_req)] * (geo.num_layers * num_requests)
     total = sum(sizes)
-    raw_cls = {"tcp": _RawTcp, "ucx": _RawUcx}
     results = []
     for kind in transports:
-        raw, ours = raw_cls[kind](sizes), _Pdserve(kind, geo, num_requests, prompt_tokens)
+        raw, ours = _RawTcp(sizes), _Pdserve(kind, geo, num_requests, prompt_tokens)
+        idle_cpu = None
         try:
             raw.once(), ours.once()                      # warm-up, not counted
             base_t, ours_t = [], []
             for _ in range(repeats):
                 base_t.append(raw.once())
                 ours_t.append(ours.once())
+            if idle_s > 0:
+                idle_cpu = ours.idle_cpu(idle_s) / idle_s
         finally:
             raw.close()
             ours.close()
         base, mine = statistics.median(base_t), statistics.median(ours_t)
         results.append(Result(kind, total, mine, total / mine / 1e9, total / base / 1e9,
-                              base / mine, total / num_requests / 2**20, ours_t, base_t))
+                              base / mine, total / num_requests / 2**20, ours_t, base_t,
+                              idle_s, idle_cpu))
     return results
 
 
 def table(results: list[Result]) -> str:
-    rows = [("transport", "bytes", "seconds", "GB/s", "raw GB/s", "ratio", "MiB/request")]
+    rows = [("transport", "bytes", "seconds", "GB/s", "raw GB/s", "ratio", "MiB/request",
+             "idle CPU")]
     rows += [(r.transport, f"{r.bytes:,}", f"{r.seconds:.4f}", f"{r.gbps:.2f}",
-              f"{r.baseline_gbps:.2f}", f"{r.ratio:.2f}", f"{r.per_request_mib:.1f}")
+              f"{r.baseline_gbps:.2f}", f"{r.ratio:.2f}", f"{r.per_request_mib:.1f}",
+              "-" if r.idle_cpu_fraction is None else f"{100 * r.idle_cpu_fraction:.1f}%")
              for r in results]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows)

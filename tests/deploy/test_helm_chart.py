@@ -356,7 +356,7 @@ def test_mutual_tls_passes_client_certificates(chart, monkeypatch):
 
 def test_gpu_rdma_values_file_turns_everything_on():
     v = VALUE_SETS["gpu-rdma"]
-    assert v["transport"] == "ucx" and v["rdma"]["enabled"]
+    assert v["transport"] == "nixl" and v["rdma"]["enabled"]
     assert v["tls"]["enabled"] and v["apiKey"]["existingSecret"]
     assert v["metrics"]["serviceMonitor"]["enabled"]
     for role in ("prefill", "decode"):

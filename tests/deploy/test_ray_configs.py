@@ -241,7 +241,11 @@ def test_setup_installs_pdserve_with_the_image_versions(path):
     assert f"torch=={dockerfile_arg('TORCH_VERSION')}" == torch_pin
     assert f"flash-attn=={dockerfile_arg('FLASH_ATTN_VERSION')}" in setup
     assert f"ray[default]=={dockerfile_arg('RAY_VERSION')}" in setup
-    assert '"$HOME/pdserve[gpu,ucx]"' in setup
-    assert setup.index("torch==") < setup.index("flash-attn==") < setup.index("pdserve[gpu,ucx]")
+    assert '"$HOME/pdserve[gpu,nixl]"' in setup
+    assert setup.index("torch==") < setup.index("flash-attn==") < setup.index("pdserve[gpu,nixl]")
+    # the check that skips the installs names the nixl extra's distribution
+    pyproject = (REPO / "pyproject.toml").read_text()
+    (nixl_dist,) = re.findall(r'^nixl = \["([A-Za-z0-9_.-]+?)[<>=!~\[;"]', pyproject, re.MULTILINE)
+    assert f"'{nixl_dist}')]" in setup
     mounts = load(path)["file_mounts"]
     assert mounts.get("~/pdserve") == "."

@@ -46,6 +46,6 @@ def test_short_prompt_is_not_stuck_behind_a_long_one():
         assert long_got == hf_greedy("default", long, 4)
         [p] = served.cluster.prefill
         s = ray.get(p.status.remote())
-        assert s["prefill_tokens_computed"] == len(long) + len(short)
+        assert s.prefill_tokens_computed == len(long) + len(short)
     finally:
         served.stop()

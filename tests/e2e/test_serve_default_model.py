@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from serving import Served, hf_greedy, start_ray
+from serving import TRANSPORTS, Served, hf_greedy, start_ray
 
 from pdserve.client import make_request
 from pdserve.proto import pdserve_pb2 as pb
@@ -20,10 +20,10 @@ from pdserve.sharegpt import sample_prompts
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def served():
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def served(request):
     start_ray()
-    s = Served()
+    s = Served(transport=request.param)
     yield s
     s.stop()
 
@@ -51,9 +51,13 @@ def test_concurrent_real_prompts_match_hf(served):
         assert text == tok.decode(ids, skip_special_tokens=True)
     assert len(lengths) == len(prompts)          # really different lengths
     status = served.decode_status()
-    assert max(d["peak_batch_size"] for d in status) > 1  # decode batched them
+    assert max(d.peak_batch_size for d in status) > 1  # decode batched them
+    # the KV came by NIXL's one-sided writes exactly when the cluster runs that transport
+    nixl = served.cluster.config.decode.transport == "nixl"
+    assert [d.kv_transport for d in status] == [served.cluster.config.decode.transport]
+    assert all((d.kv_one_sided_writes > 0) == nixl for d in status), status
     # the last steps ran with the prefill worker idle: its core lent (core_share.py)
-    assert [d["step_threads"] for d in status] == [min(2, len(os.sched_getaffinity(0)))]
+    assert [d.step_threads for d in status] == [min(2, len(os.sched_getaffinity(0)))]
 
 
 def test_chat_messages_use_chat_template(served):

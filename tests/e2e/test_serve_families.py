@@ -26,6 +26,6 @@ def test_family_matches_hf_through_the_cluster(family):
         for prompt, (ids, _, reason) in zip(PROMPTS, results):
             assert ids == hf_greedy(model, prompt, NEW_TOKENS, ignore_eos=True), family
             assert reason == "length"
-        assert max(d["peak_batch_size"] for d in served.decode_status()) > 1
+        assert max(d.peak_batch_size for d in served.decode_status()) > 1
     finally:
         served.stop()          # asserts every KV block on every worker is free

@@ -22,7 +22,7 @@ def _prompt(topic: str, n: int, question: str) -> list[int]:
 
 
 def _hits(served: Served) -> dict[str, int]:
-    return {s["worker_id"]: s["prefix_cache_hit_tokens"]
+    return {s.worker_id: s.prefix_cache_hit_tokens
             for s in ray.get([p.status.remote() for p in served.cluster.prefill])}
 
 
@@ -38,8 +38,8 @@ def test_repeat_goes_to_the_prefill_worker_holding_its_prefix():
         served.generate_many([a, b], max_tokens=2, temperature=0)
         holder = {}
         for s in ray.get([p.status.remote() for p in served.cluster.prefill]):
-            assert s["prefill_tokens_computed"] in (len(a), len(b)), s
-            holder["a" if s["prefill_tokens_computed"] == len(a) else "b"] = s["worker_id"]
+            assert s.prefill_tokens_computed in (len(a), len(b)), s
+            holder["a" if s.prefill_tokens_computed == len(a) else "b"] = s.worker_id
         assert len(set(holder.values())) == 2, holder       # one prefix on each worker
         time.sleep(0.5)                                       # > cache_sync_interval_s
         for name, prompt in (("b", b[:480] + [9, 9, 9]), ("a", a[:480] + [8, 8])):

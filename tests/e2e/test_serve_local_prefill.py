@@ -42,22 +42,22 @@ def test_local_prefill_and_only_missing_blocks_sent():
         (_, p0, d0), (_, p1, d1), (_, p2, d2), (_, p3, d3) = steps
 
         # short: prefilled on D, the prefill worker never saw it
-        assert d0["local_prefills"] == 1
-        assert p0["prefill_tokens_computed"] == 0 and p0["kv_bytes_sent"] == 0
+        assert d0.local_prefills == 1
+        assert p0.prefill_tokens_computed == 0 and p0.kv_bytes_sent == 0
         # long: remote, every block sent; D caches its 18 full prompt blocks
-        assert d1["local_prefills"] == 1
-        assert p1["prefill_tokens_computed"] == len(long)
-        per_block = p1["kv_bytes_sent"] / 19
-        assert per_block > 0 and d1["prefix_cache_blocks"] >= 18
+        assert d1.local_prefills == 1
+        assert p1.prefill_tokens_computed == len(long)
+        per_block = p1.kv_bytes_sent / 19
+        assert per_block > 0 and d1.prefix_cache_blocks >= 18
         # longer: 112 uncached > 64, remote; D holds 18 blocks, so only 7 of 25 are sent
-        assert d2["prefix_cache_hit_tokens"] - d1["prefix_cache_hit_tokens"] == 18 * BLOCK_SIZE
-        assert p2["kv_bytes_sent"] - p1["kv_bytes_sent"] == 7 * per_block
-        assert d2["local_prefills"] == 1
+        assert d2.prefix_cache_hit_tokens - d1.prefix_cache_hit_tokens == 18 * BLOCK_SIZE
+        assert p2.kv_bytes_sent - p1.kv_bytes_sent == 7 * per_block
+        assert d2.local_prefills == 1
         # follow: 42 uncached after D's 18 cached blocks: prefilled on D
-        assert d3["local_prefills"] == 2
-        assert d3["prefix_cache_hit_tokens"] - d2["prefix_cache_hit_tokens"] == 18 * BLOCK_SIZE
-        assert (p3["prefill_tokens_computed"], p3["kv_bytes_sent"]) == \
-            (p2["prefill_tokens_computed"], p2["kv_bytes_sent"])
+        assert d3.local_prefills == 2
+        assert d3.prefix_cache_hit_tokens - d2.prefix_cache_hit_tokens == 18 * BLOCK_SIZE
+        assert (p3.prefill_tokens_computed, p3.kv_bytes_sent) == \
+            (p2.prefill_tokens_computed, p2.kv_bytes_sent)
     finally:
         served.stop()
 
@@ -75,8 +75,8 @@ def test_chunked_local_prefill_beside_running_requests_matches_hf():
         for prompt, (ids, _, _) in zip(prompts, got):
             assert ids == hf_greedy("default", prompt, MAX_TOKENS, ignore_eos=True)
         p, d = _counters(served)
-        assert d["local_prefills"] == len(prompts) and p["prefill_tokens_computed"] == 0
-        assert d["peak_batch_size"] >= 2          # chunks ran beside other rows
+        assert d.local_prefills == len(prompts) and p.prefill_tokens_computed == 0
+        assert d.peak_batch_size >= 2          # chunks ran beside other rows
     finally:
         served.stop()
 
@@ -94,15 +94,15 @@ def test_a_prompt_arriving_while_the_prefill_worker_is_idle_is_prefilled_on_deco
                                     ignore_eos=True)
         assert got == hf_greedy("default", lone, MAX_TOKENS, ignore_eos=True)
         p, d = _counters(served)
-        assert d["local_prefills"] == 1 and p["prefill_tokens_computed"] == 0
+        assert d.local_prefills == 1 and p.prefill_tokens_computed == 0
         own = max(1, (os.cpu_count() or 1) // 2)                           # per worker
-        assert d["step_threads"] == min(2 * own, len(os.sched_getaffinity(0)))  # P's lent
+        assert d.step_threads == min(2 * own, len(os.sched_getaffinity(0)))  # P's lent
         pair = [[900 + (i * 29 + k * 5) % 4000 for i in range(400)] for k in range(2)]
         got = served.generate_many(pair, max_tokens=MAX_TOKENS, temperature=0,
                                    ignore_eos=True)
         for prompt, (ids, _, _) in zip(pair, got):
             assert ids == hf_greedy("default", prompt, MAX_TOKENS, ignore_eos=True)
         p, d = _counters(served)
-        assert d["local_prefills"] == 2 and p["prefill_tokens_computed"] == 400
+        assert d.local_prefills == 2 and p.prefill_tokens_computed == 400
     finally:
         served.stop()

@@ -141,7 +141,7 @@ def test_disconnecting_sse_client_frees_its_blocks(served):
                 if events == 3:     # role, then two tokens' text: the request is decoding
                     break
             # 400 tokens take seconds here: it still holds its blocks on D
-            assert sum(d["running_requests"] for d in served.decode_status()) == 1
+            assert sum(d.running_requests for d in served.decode_status()) == 1
     # the connection is closed here; uvicorn sees it, the router aborts P and D
     served.assert_all_free(timeout_s=1.0)
 

@@ -39,7 +39,7 @@ def test_small_decode_pool_preempts_and_answers_match_hf():
     try:
         results = served.generate_many(prompt_ids, max_tokens=MAX_TOKENS, temperature=0)
         [status] = served.decode_status()
-        assert status["num_preemptions"] > 0, status
+        assert status.num_preemptions > 0, status
         for prompt, ids, (got, _, reason) in zip(PROMPTS, prompt_ids, results):
             ref = hf_greedy("default", ids, MAX_TOKENS)
             assert got == ref, f"prompt {prompt[:30]!r}: got {got}, HF {ref}"

@@ -70,15 +70,15 @@ def test_repeated_system_prompt_computes_only_the_suffix():
         after = _prefill_counters(served)
 
         # the first computes everything; the second only what follows the cached blocks
-        assert mid["prefill_tokens_computed"] - before["prefill_tokens_computed"] == len(prompts[0])
+        assert mid.prefill_tokens_computed - before.prefill_tokens_computed == len(prompts[0])
         cached = common // BLOCK_SIZE * BLOCK_SIZE
-        assert after["prefix_cache_hit_tokens"] - mid["prefix_cache_hit_tokens"] == cached
-        assert after["prefill_tokens_computed"] - mid["prefill_tokens_computed"] == \
+        assert after.prefix_cache_hit_tokens - mid.prefix_cache_hit_tokens == cached
+        assert after.prefill_tokens_computed - mid.prefill_tokens_computed == \
             len(prompts[1]) - cached
         assert ttft_warm <= 0.5 * ttft_cold, (ttft_warm, ttft_cold)
 
         assert got_cold == hf_greedy("default", prompts[0], MAX_TOKENS)
         assert got_warm == hf_greedy("default", prompts[1], MAX_TOKENS)
-        assert after["prefix_cache_blocks"] >= cached // BLOCK_SIZE
+        assert after.prefix_cache_blocks >= cached // BLOCK_SIZE
     finally:
         served.stop()

@@ -1,4 +1,4 @@
-"""Helpers shared by the transport tests (TCP and UCX run the same scenarios)."""
+"""Helpers shared by the transport tests (TCP and NIXL run the same scenarios)."""
 
 import itertools
 import random
@@ -6,6 +6,12 @@ import threading
 
 import pytest
 import torch
+
+# Every scenario runs over each transport; NIXL's only where it imports (CI installs
+# pdserve[nixl], so there it always does).
+TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    __import__("pdserve.kv_transfer.nixl", fromlist=["x"]).find_module() is None,
+    reason="NIXL (nixl-cu12) not installed"))]
 
 MODEL = "cfg-test"
 NUM_LAYERS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 4, 3, 8
@@ -19,6 +25,35 @@ def make_cache(num_blocks, dtype=torch.float32, seed=0, block_size=BLOCK_SIZE):
     g = torch.Generator().manual_seed(seed)
     shape = (NUM_LAYERS, 2, num_blocks, HEADS, block_size, HEAD_DIM)
     return torch.randn(shape, generator=g).to(dtype)  # [L, 2, N, H, bs, D]
+
+
+class TransportEnv:
+    """Receivers and senders of one transport `kind` for a test (short timeouts);
+    close() closes them all and checks that no receiver thread is left."""
+
+    def __init__(self, kind):
+        self.kind, self.made = kind, []
+
+    def receiver(self, kv, epoch=EPOCH, kind=None, **kw):
+        from pdserve.kv_transfer import KVLayout, make_receiver
+        done = Completions()
+        rx = make_receiver(kind or self.kind, kv, KVLayout.for_cache(kv, MODEL), epoch, done,
+                           io_timeout_s=2.0, **kw)
+        self.made.append(rx)
+        return rx, rx.start(), done
+
+    def sender(self, kv, kind=None, **kw):
+        from pdserve.kv_transfer import KVLayout, make_sender
+        tx = make_sender(kind or self.kind, kv, KVLayout.for_cache(kv, MODEL),
+                         connect_timeout_s=2.0, io_timeout_s=2.0, **kw)
+        self.made.append(tx)
+        return tx
+
+    def close(self):
+        from pdserve.kv_transfer.tcp import THREAD_PREFIX
+        for obj in self.made:
+            obj.close()
+        assert not [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
 
 
 class Completions:

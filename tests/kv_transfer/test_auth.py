@@ -1,9 +1,8 @@
 """Who may pair with a KV port: only a peer proving the cluster's shared secret
-(kv_transfer/auth.py), over TCP and UCX; and the TCP receiver binds only the host given."""
+(kv_transfer/auth.py), over TCP and NIXL; and the TCP receiver binds only the host given."""
 
 import logging
 import socket
-import threading
 
 import pytest
 
@@ -18,44 +17,28 @@ from pdserve.kv_transfer import (
 )
 from pdserve.kv_transfer.frames import FrameType
 from kvtest import (  # noqa: E402  (shared with the other transport's tests)
-    DST_IDS, EPOCH, MODEL, PER_LAYER, TIMEOUT_S, Completions, assert_copied, make_cache,
-    send_request,
+    DST_IDS, EPOCH, MODEL, PER_LAYER, TIMEOUT_S, TRANSPORTS, Completions, TransportEnv,
+    assert_copied, make_cache, send_request,
 )
 from tcp_client import handshake_bytes, read_frame, wait_closed  # noqa: E402
 
 SECRET = "4f2a" * 16
-TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
-    __import__("importlib").util.find_spec("ucxx") is None, reason="ucxx not installed"))]
 
 
 @pytest.fixture
 def env(request):
-    """make(kind-specific) receivers and senders; closes them, and for UCX checks that
-    the last close stopped the shared runtime."""
-    made = []
-
-    class Env:
-        kind = request.param
-
+    """Receivers and senders of the transport named by the test's param, each with the
+    secret it is given (senders checksum where the transport can)."""
+    class Env(TransportEnv):
         def receiver(self, kv, secret):
-            done = Completions()
-            rx = make_receiver(self.kind, kv, KVLayout.for_cache(kv, MODEL), EPOCH, done,
-                               secret=secret, io_timeout_s=2.0)
-            made.append(rx)
-            return rx, rx.start(), done
+            return super().receiver(kv, secret=secret)
 
         def sender(self, kv, secret):
-            tx = make_sender(self.kind, kv, KVLayout.for_cache(kv, MODEL), secret=secret,
-                             checksum=True, connect_timeout_s=2.0, io_timeout_s=2.0)
-            made.append(tx)
-            return tx
+            return super().sender(kv, secret=secret, checksum=True)
 
-    yield Env()
-    for obj in made:
-        obj.close()
-    if request.param == "ucx":
-        from pdserve.kv_transfer import ucx
-        assert not [t for t in threading.enumerate() if t.name.startswith(ucx.THREAD_PREFIX)]
+    e = Env(request.param)
+    yield e
+    e.close()
 
 
 @pytest.mark.parametrize("env", TRANSPORTS, indirect=True)

@@ -64,7 +64,7 @@ def test_header_layout_is_56_bytes_little_endian():
         FrameType.KV, "r", epoch=2**40 + 1, layer_start=1, layer_end=2, block_start=0x01020304,
         num_blocks=6, dtype_code=1, first_token=9, payload_len=123, flags=frames.FLAG_CRC32C,
     )
-    assert len(buf) == 56 + 1 and buf[:4] == b"PDKV" and buf[4] == 4  # protocol version
+    assert len(buf) == 56 + 1 and buf[:4] == b"PDKV" and buf[4] == 5  # protocol version
     assert struct.unpack_from("<QIIIIqQH", buf, 8) == (
         2**40 + 1, 1, 2, 0x01020304, 6, 9, 123, 1)
     assert buf[50:56] == bytes(6) and buf[56:] == b"r"
@@ -143,10 +143,10 @@ def test_read_header_from_socket():
 
 def test_handshake_payload_round_trip():
     p = frames.encode_handshake(LAYOUT, 9, "nope", ack=True, auth=b"\x01" * 32)
-    assert frames.decode_handshake(p, ack=True) == (LAYOUT, 9, "nope", b"", b"\x01" * 32)
+    assert frames.decode_handshake(p, ack=True) == (LAYOUT, 9, "nope", b"", b"\x01" * 32, None)
     nonce = bytes(range(frames.NONCE_BYTES))
     p = frames.encode_handshake(LAYOUT, 3, ack=False, nonce=nonce)
-    assert frames.decode_handshake(p, ack=False) == (LAYOUT, 3, None, nonce, None)
+    assert frames.decode_handshake(p, ack=False) == (LAYOUT, 3, None, nonce, None, None)
     refusal = frames.decode_handshake(frames.encode_auth_refusal(), ack=True)
     assert (refusal.layout, refusal.error) == (None, frames.AUTH_REFUSED)
     for bad, ack in [(b"{not json", True), (b"[1, 2]", True), (b'"x"', False),
@@ -202,3 +202,39 @@ def test_crc32c_is_castagnoli_over_pieces_without_copies():
     assert host_io.crc32c([wire]) == want
     assert host_io.crc32c([wire[:100], wire[100:100], wire[100:333], wire[333:]]) == want
     assert host_io.crc32c([wire[1:]], crc=host_io.crc32c([wire[:1]])) == want
+
+
+def test_handshake_carries_the_nixl_fields():
+    extra = {"agent": "pdserve-prefill-1", "num_blocks": 8}
+    p = frames.encode_handshake(LAYOUT, 3, ack=False, nonce=bytes(frames.NONCE_BYTES),
+                                nixl=extra)
+    assert frames.decode_handshake(p, ack=False).nixl == extra
+    with pytest.raises(KVFrameError, match="nixl"):
+        frames.decode_handshake(p.replace(b'"nixl": {', b'"nixl": [{').replace(b"8}", b"8}]"),
+                                ack=False)
+
+
+def test_begin_and_its_ack():
+    h = frames.unpack_header(frames.pack_header(FrameType.BEGIN, "r", epoch=4), LAYOUT, 10)
+    assert (h.frame_type, h.request_id, h.epoch) == (FrameType.BEGIN, "r", 4)
+    with pytest.raises(KVFrameError, match="BEGIN frame has payload_len 3"):
+        frames.unpack_header(frames.pack_header(FrameType.BEGIN, "r", payload_len=3))
+    with pytest.raises(KVFrameError, match="BEGIN frame without request_id"):
+        frames.unpack_header(frames.pack_header(FrameType.BEGIN))
+    ack = frames.begin_ack_frame("r", 4, [7, 2, 9])
+    h = frames.unpack_header(ack)
+    assert h.frame_type == FrameType.BEGIN_ACK
+    payload = ack[frames.HEADER_SIZE + 1:]
+    assert len(payload) == h.payload_len
+    assert frames.decode_begin_ack(payload) == ([7, 2, 9], None)
+    refused = frames.begin_ack_frame("r", 4, error="x" * 10_000)
+    body = frames.decode_begin_ack(refused[frames.HEADER_SIZE + 1:])
+    assert body == (None, "x" * frames.MAX_REASON_BYTES)
+    for bad in [b"{", b'{"block_ids": []}', b'{"block_ids": [1, -2]}',
+                b'{"block_ids": [true]}', b'{"block_ids": "1"}', b"[]"]:
+        with pytest.raises(KVFrameError, match="malformed BEGIN_ACK"):
+            frames.decode_begin_ack(bad)
+    too_big = frames.pack_header(FrameType.BEGIN_ACK, "r",
+                                 payload_len=frames.MAX_BEGIN_ACK_BYTES + 1)
+    with pytest.raises(KVFrameError, match="BEGIN_ACK payload_len"):
+        frames.unpack_header(too_big)

@@ -1,7 +1,7 @@
 """ReservationTable's bookkeeping: which (layer, block) pairs arrived, frames that
-carry part of the block table (block_start), and for transports that receive
-asynchronously straight into the reserved blocks (UCX), writes in flight holding back
-forget's release."""
+carry part of the block table (block_start), and for transports whose peer writes
+straight into the reserved blocks unseen (NIXL's one-sided writes), the writer's lease
+holding back forget's release."""
 
 import itertools
 import threading
@@ -44,36 +44,27 @@ def done_header(rid, layers_sent=NUM_LAYERS):
     return frames.unpack_header(memoryview(buf))
 
 
-def test_consecutive_blocks_by_table_position(table):
-    table.expect("r", [4, 5, 6, 2, 3, 9])
-    res, _ = admit(table, "r", 6)
-    assert [res.consecutive(0, n) for n in (1, 3, 4)] == [4, 4, None]
-    assert (res.consecutive(1, 2), res.consecutive(2, 2), res.consecutive(3, 2)) == (5, None, 2)
-    assert (res.consecutive(5, 1), res.consecutive(4, 2)) == (9, None)
-
-
-def test_forget_waits_for_direct_receives_in_flight(table):
+def test_forget_waits_for_the_writers_lease(table):
     table.expect("r", [4, 5, 6])
     res, h = admit(table, "r", 3)
+    assert table.begin_writer(res)
     assert table.claim_blocks(res, h)
-    assert table.begin_direct(res, 0, 3) == 4
-    assert table.begin_direct(res, 1, 2) == 5
+    assert table.all_arrived(res)
     released = threading.Event()
     table.forget("r", released.set)
-    assert not released.is_set()  # two receives may still write into blocks 4..6
-    assert table.begin_direct(res, 0, 1) is None  # forgotten: nothing new goes direct
-    table.end_direct(res)
-    assert not released.is_set()
-    table.end_direct(res)
+    assert not released.is_set()  # the writer may still put bytes into blocks 4..6
+    assert not table.begin_writer(res)  # forgotten: no new lease
+    table.end_writer(res)
     assert released.is_set()
 
 
-def test_forget_without_receives_in_flight_releases_at_once(table):
+def test_forget_after_the_lease_ended_releases_at_once(table):
     table.expect("r", [4, 5, 6])
-    res, h = admit(table, "r", 3)
+    res, h = admit(table, "r", 3, layers=(0, 1))
+    assert table.begin_writer(res)
     assert table.claim_blocks(res, h)
-    assert table.begin_direct(res, 0, 2) is not None
-    table.end_direct(res)
+    assert not table.all_arrived(res)
+    table.end_writer(res)
     released = threading.Event()
     table.forget("r", released.set)
     assert released.is_set()

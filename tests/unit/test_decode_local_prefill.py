@@ -53,12 +53,12 @@ PROMPT = list(range(100, 130))           # 30 tokens: 7 full blocks + 2 tokens
 def test_second_request_fills_only_the_blocks_d_lacks(pool):
     sched = make_sched(pool)
     first = serve_remote(sched, "a", PROMPT)
-    assert first.cached_blocks == 0 and len(first.block_ids) == 8
+    assert first.num_cached_blocks == 0 and len(first.block_ids) == 8
     assert pool.num_cached == 7 and pool.all_free()       # full prompt blocks, evictable
 
     shared = PROMPT[:22] + [7, 7, 7, 7, 7]                # 5 full blocks in common
     r = reserve(sched, "b", shared)
-    assert r.cached_blocks == 5 and not r.local_prefill
+    assert r.num_cached_blocks == 5 and not r.local_prefill
     req = sched._requests["b"]
     assert req.block_table[:5] == first.block_ids[:5]     # shared, read only
     assert r.block_ids == req.block_table[5:] and len(r.block_ids) == 2
@@ -73,7 +73,7 @@ def test_the_last_tokens_block_is_never_taken_from_the_cache(pool):
     ids = PROMPT[:16]                                     # exactly 4 full blocks
     serve_remote(sched, "a", ids)
     r = reserve(sched, "b", ids)
-    assert r.cached_blocks == 3 and len(r.block_ids) == 1
+    assert r.num_cached_blocks == 3 and len(r.block_ids) == 1
     finish_all(sched)
     assert pool.all_free()
 
@@ -82,7 +82,7 @@ def test_without_prefix_caching_nothing_is_shared(pool):
     sched = make_sched(pool, caching=False)
     serve_remote(sched, "a", PROMPT)
     r = reserve(sched, "b", PROMPT)
-    assert r.cached_blocks == 0 and len(r.block_ids) == 8 and pool.num_cached == 0
+    assert r.num_cached_blocks == 0 and len(r.block_ids) == 8 and pool.num_cached == 0
     finish_all(sched)
     assert pool.all_free()
 
@@ -100,7 +100,7 @@ def test_local_prefill_computes_the_prompt_and_samples_the_first_token(pool):
     sched = make_sched(pool, local=8)
     ids = PROMPT[:6]
     r = reserve(sched, "a", ids, max_tokens=3)
-    assert r.local_prefill and r.block_ids == [] and r.cached_blocks == 0
+    assert r.local_prefill and r.block_ids == [] and r.num_cached_blocks == 0
     assert sched.num_local_prefills == 1
     batch = sched.schedule()
     (req,) = batch.requests
@@ -121,7 +121,7 @@ def test_local_prefill_after_a_prefix_cache_hit(pool):
     serve_remote(sched, "a", PROMPT)                      # 30 tokens: remote (> 8)
     ids = PROMPT[:28] + [5, 6, 7]                         # 7 blocks cached, 3 tokens new
     r = reserve(sched, "b", ids)
-    assert r.local_prefill and r.cached_blocks == 7
+    assert r.local_prefill and r.num_cached_blocks == 7
     (req,) = sched.schedule().prefill
     assert req.num_cached == 28 and req.prompt_token_ids[28:] == [5, 6, 7]
     finish_all(sched)

@@ -64,7 +64,7 @@ def test_reserve_takes_only_the_prompt_blocks(pool):
     sched = make_sched(pool)
     r = sched.reserve("a", 10, params(max_tokens=7), LEASE_S, prompt_token_ids=prompt(10))
     prompt_blocks = r.block_ids
-    assert r.cached_blocks == 0 and not r.local_prefill
+    assert r.num_cached_blocks == 0 and not r.local_prefill
     assert len(prompt_blocks) == blocks_needed(10, BLOCK_SIZE) == 3
     assert pool.num_free == NUM_BLOCKS - 3               # not prompt + max_tokens (5)
     req = sched._requests["a"]

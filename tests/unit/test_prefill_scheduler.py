@@ -448,9 +448,9 @@ def test_kv_is_sent_per_chunk_and_never_the_blocks_d_holds():
     sched.advance(sched.schedule())
     sched.cache_computed(w)
     sched.release(w, RequestState.FINISHED_STOPPED)
-    # 30 tokens = 8 blocks; P has blocks 0-1 cached, D holds blocks 0 (kv_skip_blocks=1)
+    # 30 tokens = 8 blocks; P has blocks 0-1 cached, D holds blocks 0 (num_cached_blocks=1)
     r = _tokens_req("r", list(range(1, 9)) + list(range(100, 122)))
-    r.kv_skip_blocks = 1
+    r.num_cached_blocks = 1
     sched.add(r)
     sent = []
     while True:

@@ -20,6 +20,8 @@ from pdserve.router.router import Router
 from pdserve.router.workers import Worker
 from router_fakes import EventsFromStreams, fake_router
 
+from pdserve.messages import DecodeReservation
+
 PROMPT = [1, 2, 3, 4]          # token ids
 FIRST_TOKEN = 10               # what the fake prefill worker samples
 
@@ -42,8 +44,8 @@ class FakeDecode(EventsFromStreams):
         if not self.room:
             return None
         self.reserved.append(rid)
-        return {"kv_address": ("127.0.0.1", 1), "epoch": 1, "free_blocks": 60,
-                "cached_blocks": 0, "local_prefill": self.local}
+        return DecodeReservation(("127.0.0.1", 1), 1, num_blocks=1, num_cached_blocks=0,
+                                 local_prefill=self.local, free_blocks=60)
 
     def stream(self, rid):
         async def value(v):
@@ -65,8 +67,8 @@ class FakePrefill:
         self.error = error
         self.aborted: list[str] = []
 
-    async def prefill(self, rid, ids, params, kv_address, epoch, kv_skip_blocks):
-        assert kv_skip_blocks == 0
+    async def prefill(self, order):
+        assert order.num_cached_blocks == 0
         self.started.set()
         await self.go.wait()
         if self.error is not None:

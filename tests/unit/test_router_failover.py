@@ -22,6 +22,8 @@ from pdserve.router.errors import RequestError
 from pdserve.router.router import Router
 from router_fakes import EOS, EventsFromStreams, fake_router
 
+from pdserve.messages import DecodeReservation, WorkerInfo
+
 PROMPT = [1, 2, 3, 4]
 MAX_TOKENS = 8
 
@@ -57,9 +59,9 @@ class Restartable:
         if self.dead:
             raise ray.exceptions.ActorUnavailableError("restarting", None)
 
-    async def ready(self) -> dict:
+    async def ready(self) -> WorkerInfo:
         self.check()
-        return {"epoch": self.epoch}
+        return WorkerInfo("fake", "fake", self.epoch, 64, 4, "127.0.0.1")
 
 
 class FakePrefill(Restartable):
@@ -74,8 +76,9 @@ class FakePrefill(Restartable):
         self.calls: list[str] = []
         self.aborted: list[str] = []
 
-    async def prefill(self, rid, ids, params, kv_address, epoch, kv_skip_blocks):
+    async def prefill(self, order):
         self.check()
+        rid, ids = order.request_id, order.token_ids
         self.calls.append(rid)
         await asyncio.sleep(0.01)
         if len(self.calls) <= self.die_on:
@@ -111,8 +114,8 @@ class FakeDecode(EventsFromStreams, Restartable):
         assert len(ids) == prompt_len and 0 < lease_s <= 60
         self.reserved[rid] = (list(ids), params)
         self.first[rid] = asyncio.get_running_loop().create_future()
-        return {"kv_address": ("127.0.0.1", 1), "epoch": self.epoch, "free_blocks": 60,
-                "cached_blocks": 0, "local_prefill": False}
+        return DecodeReservation(("127.0.0.1", 1), self.epoch, num_blocks=1,
+                                 num_cached_blocks=0, local_prefill=False, free_blocks=60)
 
     def stream(self, rid):
         async def value(v):
@@ -366,7 +369,7 @@ def test_drain_sends_no_new_requests_to_the_node_and_waits_for_its_own():
 
         def status_of(name):
             async def status():
-                return {"running_requests": busy.get(name, 0), "waiting_requests": 0}
+                return SimpleNamespace(running_requests=busy.get(name, 0), waiting_requests=0)
             return SimpleNamespace(remote=status)
         for w in r.decode:
             w.handle.status = status_of(w.worker_id)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import pytest
 
 from pdserve.engine.block_pool import BlockPool, block_hashes
+from pdserve.messages import CacheEvents
 from pdserve.router.routing import PrefillRouter, PrefixIndex
 
 BS = 4
@@ -22,7 +23,7 @@ def holding(router: PrefillRouter, worker_id: str, tokens: list[int]) -> None:
     hashes = block_hashes(tokens, BS)
     pool.cache_blocks(pool.allocate(len(hashes)), hashes)
     seq, events, _ = pool.cache_events(0)
-    router.index.apply(worker_id, {"seq": seq, "events": events})
+    router.index.apply(worker_id, CacheEvents(0, seq, events=events))
 
 
 def test_kv_aware_prefers_the_worker_holding_the_prefix():
@@ -60,10 +61,10 @@ def test_load_weight_zero_ignores_queues_and_other_policies():
 def test_prefix_index_follows_events_and_snapshots():
     idx = PrefixIndex()
     h = block_hashes(list(range(12)), BS)
-    idx.apply("p", {"seq": 3, "events": [(True, x) for x in h]})
+    idx.apply("p", CacheEvents(0, 3, events=[(True, x) for x in h]))
     assert idx.since("p") == 3 and idx.matched_blocks("p", h) == 3
-    idx.apply("p", {"seq": 4, "events": [(False, h[1])]})
+    idx.apply("p", CacheEvents(0, 4, events=[(False, h[1])]))
     assert idx.matched_blocks("p", h) == 1                # a gap ends the run
-    idx.apply("p", {"seq": 9, "snapshot": [h[2]]})
+    idx.apply("p", CacheEvents(0, 9, snapshot=[h[2]]))
     assert idx.matched_blocks("p", h) == 0 and idx.matched_blocks("p", h[2:]) == 1
     assert idx.matched_blocks("unknown", h) == 0 and idx.since("unknown") == 0

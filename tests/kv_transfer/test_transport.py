@@ -1,9 +1,13 @@
-"""TCP transport end to end over loopback, sender and receiver in one process."""
+"""Each transport end to end over loopback, sender and receiver in one process: every
+scenario runs over TCP (KV frames on the socket) and NIXL (one-sided writes into D's
+cache, the same control connection); the few that speak raw TCP KV frames run on tcp
+only."""
 
 import logging
 import random
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -18,38 +22,30 @@ from pdserve.kv_transfer import (
     make_sender,
 )
 from pdserve.kv_transfer.frames import FrameType
-from pdserve.kv_transfer.tcp import THREAD_PREFIX, TcpKVReceiver, TcpKVSender
+from pdserve.kv_transfer.tcp import THREAD_PREFIX
 from kvtest import (  # noqa: E402  (shared with the other transport's tests)
     BLOCK_SIZE, DST_IDS, EPOCH, HEAD_DIM, HEADS, MODEL, NUM_LAYERS, PER_LAYER, SRC_IDS,
-    TIMEOUT_S, Completions, assert_copied, make_cache, send_request,
+    TIMEOUT_S, TRANSPORTS, Completions, TransportEnv, assert_copied, make_cache, send_request,
     CHUNK_CASES, INCONSISTENT_CASES, check_chunked_round_trip, check_inconsistent_frames_fail,
 )
 from tcp_client import kv_frame as raw_kv_frame, raw_connect, wait_closed  # noqa: E402
 
 
-@pytest.fixture
-def env():
-    made = []
+TCP_ONLY = pytest.mark.parametrize("env", ["tcp"], indirect=True)  # raw TCP KV frames
 
-    class Env:
-        def receiver(self, kv, epoch=EPOCH, **kw):
-            done = Completions()
-            rx = TcpKVReceiver(
-                kv, KVLayout.for_cache(kv, MODEL), epoch, on_complete=done, io_timeout_s=2.0, **kw
-            )
-            made.append(rx)
-            return rx, rx.start(), done
 
-        def sender(self, kv, **kw):
-            tx = TcpKVSender(
-                kv, KVLayout.for_cache(kv, MODEL), connect_timeout_s=2.0, io_timeout_s=2.0, **kw
-            )
-            made.append(tx)
-            return tx
+@pytest.fixture(params=TRANSPORTS)
+def env(request):
+    e = TransportEnv(request.param)
+    yield e
+    e.close()
 
-    yield Env()
-    for obj in made:
-        obj.close()
+
+def wait_state(rx, rid, state):
+    deadline = time.monotonic() + TIMEOUT_S
+    while rx.state(rid) != state:
+        assert time.monotonic() < deadline, f"{rid} still {rx.state(rid).name}"
+        time.sleep(0.005)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -144,6 +140,7 @@ def test_parallel_senders(env, shared):
     assert torch.equal(dst[:, :, others], before[:, :, others])
 
 
+@TCP_ONLY
 def test_checksum_corruption_fails_request_and_keeps_serving(env):
     src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
     before = dst.clone()
@@ -189,8 +186,12 @@ def test_unexpected_and_forgotten_frames_are_discarded(env):
     rx.forget("gone")
     with pytest.raises(KeyError):
         rx.state("gone")
-    send_request(tx, addr, "ghost", PER_LAYER)  # never expected
-    send_request(tx, addr, "gone", [(0, NUM_LAYERS)])
+    for rid, ranges in [("ghost", PER_LAYER), ("gone", [(0, NUM_LAYERS)])]:  # never/no more expected
+        if env.kind == "nixl":  # refused at BEGIN, before a byte is written
+            with pytest.raises(KVTransferError, match=f"refused KV of request {rid}: not expected"):
+                send_request(tx, addr, rid, ranges)
+        else:                   # read and dropped
+            send_request(tx, addr, rid, ranges)
     tx.send_abort(addr, "ghost", EPOCH, "whatever")
     # a valid request after them on the same connection proves they were read fully
     rx.expect("real", [0])
@@ -206,7 +207,11 @@ def test_stale_epoch_fails(env):
     before = dst.clone()
     rx, addr, done = env.receiver(dst)
     rx.expect("r", DST_IDS)
-    send_request(env.sender(src), addr, "r", PER_LAYER, epoch=EPOCH - 1)
+    if env.kind == "nixl":  # refused at BEGIN: nothing is written
+        with pytest.raises(KVTransferError, match="not expected.*stale"):
+            send_request(env.sender(src), addr, "r", PER_LAYER, epoch=EPOCH - 1)
+    else:
+        send_request(env.sender(src), addr, "r", PER_LAYER, epoch=EPOCH - 1)
     c = done.wait("r")
     assert not c.ok and "stale epoch" in c.error
     assert torch.equal(dst, before)
@@ -233,6 +238,10 @@ def test_garbage_connection_is_closed_and_others_unaffected(env, caplog):
 
 @pytest.mark.parametrize("ranges, src_ids, match", INCONSISTENT_CASES)
 def test_inconsistent_frames_fail(env, ranges, src_ids, match):
+    if env.kind == "nixl" and "reservation has" in match:  # P has D's block ids: refused on P
+        with pytest.raises(KVTransferError, match=r"blocks \[2, 4\) beyond D's reservation of 3"):
+            check_inconsistent_frames_fail(env, ranges, src_ids, match)
+        return
     check_inconsistent_frames_fail(env, ranges, src_ids, match)
 
 
@@ -247,7 +256,9 @@ def test_abort_and_connection_loss_fail(env):
     c = done.wait("ab")
     assert not c.ok and "prefill OOM" in c.error
     tx.send_layers(addr, "lost", EPOCH, 0, 1, SRC_IDS)
-    assert rx.state("lost") == TransferState.TRANSFERRING or done.ids() == ["ab"]
+    if env.kind == "tcp":   # a NIXL write is seen at D once P's later progress sends it
+        wait_state(rx, "lost", TransferState.TRANSFERRING)
+    assert done.ids() == ["ab"]
     tx.close()
     c = done.wait("lost")
     assert not c.ok and "connection lost" in c.error
@@ -274,6 +285,7 @@ def test_close_is_idempotent_and_stops_threads(env):
         env.sender(src).send_layers(addr, "x", EPOCH, 0, 1, [0])
 
 
+@TCP_ONLY
 def test_forget_during_a_direct_write_defers_release_until_the_write_ends(env):
     """A frame half-received straight into the reserved blocks when D forgets the
     request: forget() returns at once, but the blocks are released (on_quiescent) only

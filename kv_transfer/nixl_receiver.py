@@ -1,0 +1,208 @@
+"""NIXL receiver (decode worker D side); the transport is described in ``nixl.py``.
+
+D registers its whole cache with its agent once; the TCP receiver (tcp_receiver.py)
+pairs peers and reads BEGIN / DONE / ABORT (and plain TCP KV frames, from a tcp
+sender); one poll thread takes the notifications of P's WRITEs and marks the
+(layer, block) pairs they name as arrived in the ReservationTable::
+
+    BEGIN(rid)   -> lease D's blocks to this connection, answer with their ids
+    notification -> ReservationTable.claim_blocks (as a KV frame whose bytes landed)
+    DONE(rid, n) -> end the lease; finish once n notifications are in (DONE_GRACE_S)
+    ABORT / connection lost -> end the lease (lost: LOST_WRITER_GRACE_S later); fail
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from . import frames
+from .base import KVCompletion, KVFrameError, KVLayout
+from .frames import FrameHeader, FrameType
+from .nixl import (BUSY_POLL_S, BUSY_WINDOW_S, DONE_GRACE_S, IDLE_POLL_S, LOST_WRITER_GRACE_S,
+                   MAX_AGENT_NAME_BYTES, MAX_LANES, make_agent, memory_of)
+from .reservations import Reservation
+from .tcp_receiver import THREAD_PREFIX, TcpKVReceiver, _Connection
+
+logger = logging.getLogger(__name__)
+
+
+class NixlKVReceiver(TcpKVReceiver):
+    """D side: registers the whole cache with NIXL at construction; pairs and takes
+    BEGIN / DONE / ABORT over TCP (a peer may also send plain TCP KV frames); one
+    thread polls NIXL notifications and marks what landed.
+
+    host: the worker's address (TCP binds it; UCX_NET_DEVICES its interface).
+    """
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, epoch: int,
+                 host: str = "127.0.0.1", *, on_complete: Callable[[KVCompletion], None],
+                 **kw: Any) -> None:
+        super().__init__(kv, layout, epoch, host, on_complete=on_complete, **kw)
+        self._agent = make_agent("decode", host)
+        self._mem, self._device_id = memory_of(kv)
+        self._registered = self._agent.register_memory([kv])
+        self._metadata = base64.b64encode(self._agent.get_agent_metadata()).decode("ascii")
+        self._nlock = threading.Lock()     # guards the four fields below
+        self._agents: dict[str, int] = {}  # P's agent name -> its control connection id
+        self._writers: dict[int, dict[str, Reservation]] = {}  # conn id -> rid -> leased
+        self._pending_done: dict[str, tuple[FrameHeader, float]] = {}  # rid -> (DONE, deadline)
+        self._lost: list[tuple[float, Reservation]] = []  # (release time, lease to end)
+        self.num_writes = 0   # notifications of one-sided writes taken (poll thread)
+        self._poller = threading.Thread(target=self._poll_loop, daemon=True)
+
+    def start(self) -> tuple[str, int]:
+        addr = super().start()
+        if not self._poller.is_alive() and not self._closed:
+            self._poller.name = f"{THREAD_PREFIX}-poll-{self.port}"
+            self._poller.start()
+        return addr
+
+    def close(self, join_timeout_s: float = 5.0) -> None:
+        super().close(join_timeout_s)
+        if self._poller.is_alive():
+            self._poller.join(join_timeout_s)
+        with self._nlock:
+            lost, self._lost = self._lost, []
+            for leases in self._writers.values():
+                lost += [(0.0, res) for res in leases.values()]
+            self._writers.clear()
+        for _, res in lost:
+            self._table.end_writer(res)
+        if self._registered is not None:
+            self._agent.deregister_memory(self._registered)
+            self._registered = None
+
+    # ---- control connection hooks (connection threads) ---------------------------
+
+    def _pair_extra(self, conn_id: int, hs: frames.Handshake) -> dict | None:
+        if hs.nixl is None:
+            return None   # a tcp sender: KV frames over the connection, as tcp.py
+        names = hs.nixl.get("agents")
+        if not isinstance(names, list) or not 0 < len(names) <= MAX_LANES or not all(
+                isinstance(n, str) and 0 < len(n.encode()) <= MAX_AGENT_NAME_BYTES
+                for n in names):
+            raise KVFrameError(f"malformed nixl agent names in handshake: {str(names)[:80]}")
+        with self._nlock:
+            self._agents.update((name, conn_id) for name in names)
+            self._writers.setdefault(conn_id, {})
+        return {"metadata": self._metadata, "kv_ptr": self.kv.data_ptr(),
+                "num_blocks": self.kv.shape[2], "mem_type": self._mem,
+                "device_id": self._device_id}
+
+    def _on_begin(self, conn: _Connection, h: FrameHeader) -> None:
+        rid, error = h.request_id, None
+        with self._nlock:
+            leases = self._writers.get(conn.conn_id)
+            taken = any(rid in w for w in self._writers.values())
+        res = self._table.lookup(rid, h.epoch, "BEGIN")
+        if leases is None:
+            error = "this connection did not pair for NIXL writes"
+        elif res is None:
+            error = ("not expected: never reserved, forgotten, or its epoch is stale "
+                     f"(receiver epoch {self.epoch})")
+        elif taken:
+            error = "another prefill worker is writing it"
+        elif not self._table.begin_writer(res):
+            error = "already finished"
+        else:
+            with self._nlock:
+                leases[rid] = res
+            res.conn_ids.add(conn.conn_id)
+            res.writer_conn = conn.conn_id
+        ack = frames.begin_ack_frame(rid, h.epoch, None if error else res.block_ids, error)
+        conn.sock.sendall(ack)
+
+    def _on_done(self, conn_id: int, h: FrameHeader) -> None:
+        self._end_lease(conn_id, h.request_id)
+        res = self._table.lookup(h.request_id, h.epoch, "DONE")
+        if res is None or res.num_writes >= h.num_blocks:
+            super()._on_done(conn_id, h)
+            return
+        with self._nlock:   # the poll thread finishes it once its notifications are in
+            self._pending_done[h.request_id] = (h, time.monotonic() + DONE_GRACE_S)
+
+    def _on_abort(self, conn_id: int, h: FrameHeader, reason: str) -> None:
+        self._end_lease(conn_id, h.request_id)
+        with self._nlock:
+            self._pending_done.pop(h.request_id, None)
+        super()._on_abort(conn_id, h, reason)
+
+    def _connection_lost(self, conn_id: int, why: str) -> None:
+        release_at = time.monotonic() + LOST_WRITER_GRACE_S
+        with self._nlock:
+            leases = self._writers.pop(conn_id, {})
+            self._agents = {a: c for a, c in self._agents.items() if c != conn_id}
+            self._lost += [(release_at, res) for res in leases.values()]
+        super()._connection_lost(conn_id, why)
+
+    def _end_lease(self, conn_id: int, request_id: str) -> None:
+        with self._nlock:
+            res = self._writers.get(conn_id, {}).pop(request_id, None)
+        if res is not None:
+            self._table.end_writer(res)
+
+    # ---- poll thread -------------------------------------------------------------
+
+    def _poll_loop(self) -> None:
+        last_busy = 0.0
+        while not self._closed:
+            try:
+                busy = self._poll_once()
+            except Exception:  # a bug here must not stop every later transfer silently
+                logger.exception("NIXL notification poll failed")
+                busy = False
+            now = time.monotonic()
+            last_busy = now if busy else last_busy
+            time.sleep(BUSY_POLL_S if now - last_busy < BUSY_WINDOW_S else IDLE_POLL_S)
+
+    def _poll_once(self) -> bool:
+        notifs = self._agent.get_new_notifs()
+        for agent, messages in notifs.items():
+            agent = agent.decode() if isinstance(agent, bytes) else agent
+            for msg in messages:
+                self._on_notif(agent, msg)
+        now = time.monotonic()
+        with self._nlock:
+            pending = list(self._pending_done.items())
+            due = [res for t, res in self._lost if t <= now]
+            self._lost = [(t, res) for t, res in self._lost if t > now]
+        for res in due:
+            self._table.end_writer(res)
+        for rid, (h, deadline) in pending:
+            res = self._table.lookup(rid, h.epoch, "DONE")
+            if res is None or res.num_writes >= h.num_blocks or now > deadline:
+                with self._nlock:
+                    self._pending_done.pop(rid, None)
+                if res is not None:
+                    self._table.on_done(h)   # fails it, naming what is missing, if late
+        return bool(notifs) or bool(pending)
+
+    def _on_notif(self, agent: str, msg: bytes) -> None:
+        with self._nlock:
+            conn_id = self._agents.get(agent)
+        if conn_id is None:
+            logger.warning("dropping NIXL notification from unpaired agent %s", agent[:64])
+            return
+        try:
+            h = frames.unpack_header(msg, self.layout, self.kv.shape[2])
+        except KVFrameError as e:
+            logger.warning("dropping malformed NIXL notification from %s: %s", agent[:64], e)
+            return
+        if h.frame_type != FrameType.KV:
+            logger.warning("dropping NIXL notification of type %s", h.frame_type.name)
+            return
+        self.num_writes += 1
+        res = self._table.admit_kv(h, conn_id)
+        if res is None:
+            return
+        res.num_writes += 1   # only this thread writes it; DONE handling reads it
+        if res.writer_conn != conn_id:
+            self._table.fail(res, "KV written without a BEGIN on its connection")
+            return
+        self._table.claim_blocks(res, h)

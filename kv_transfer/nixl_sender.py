@@ -1,0 +1,323 @@
+"""NIXL sender (prefill worker P side); the transport is described in ``nixl.py``.
+
+P pairs over the TCP control connection (tcp_sender.py), loads D's agent metadata into
+each lane's agent, BEGINs a request once (D's block ids come back), then cuts each
+send_layers into one contiguous share of the blocks per lane, each its own WRITE, and
+returns; send_done / send_abort wait for the request's WRITEs first::
+
+    send_layers(rid, layers, src blocks [b0 .. bn))
+      -> lane 1: WRITE rows of blocks [bk, bn)                          (its thread)
+      -> lane 0: WRITE rows of blocks [b0, bk) + notif KV(layers, b0, n) (this thread)
+"""
+
+from __future__ import annotations
+
+import base64
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from . import frames
+from .base import KVFrameError, KVLayout, KVLayoutMismatch, KVTransferError
+from .frames import FrameType
+from .nixl import (BUSY_POLL_S, LANE_MIN_BYTES, LANE_POLL_S, LANES, MAX_LANES, block_descs,
+                   desc_rows, make_agent, memory_of)
+from .tcp_sender import TcpKVSender, _SendConn
+
+
+class _Begun:
+    """One request P has BEGUN on a decode worker: D's blocks, and its WRITEs."""
+
+    def __init__(self, dst_block_ids: np.ndarray) -> None:
+        self.dst_block_ids = dst_block_ids  # [n] int64, D's reserved blocks (BEGIN_ACK)
+        self.num_writes = 0                 # WRITEs handed to lanes (DONE tells D)
+        self.pending = 0                    # ... not yet seen complete
+        self.error: str | None = None       # the first WRITE that failed
+        self.cond = threading.Condition()
+
+    def finished_one(self, error: str | None = None) -> None:
+        with self.cond:
+            self.pending -= 1
+            self.error = self.error or error
+            self.cond.notify_all()
+
+    def wait(self, timeout_s: float) -> str | None:
+        """Wait for every WRITE; None when all completed, else why not."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.pending == 0, timeout_s):
+                return f"{self.pending} WRITEs not done in {timeout_s:.0f}s"
+            return self.error
+
+
+@dataclass(eq=False)
+class _Peer:
+    """A decode worker as P's agents know it (one per control connection)."""
+
+    agent: str                 # D's agent name
+    dst: list                  # per lane: the prepared descriptor list of D's whole cache
+    num_blocks: int            # D's cache size in blocks
+    begun: dict[tuple[str, int], _Begun] = field(default_factory=dict)  # by (rid, epoch)
+
+
+class _Lane:
+    """One NIXL agent (its own UCX worker) posting WRITEs and driving their progress.
+    With cma the copy runs inside ``transfer()`` on the posting thread, so lanes copy
+    in parallel. Lane 0 posts on the caller's thread; the others have a thread each,
+    fed by a queue (idle: blocked on it, not spinning)."""
+
+    def __init__(self, index: int, kv: torch.Tensor, layout: KVLayout, host: str,
+                 mem: str, device_id: int, unit: int) -> None:
+        self.agent = make_agent(f"prefill{index}", host)
+        self.agent.register_memory([kv])
+        self.src = self.agent.prep_xfer_dlist(
+            "", block_descs(kv.data_ptr(), layout.num_layers, kv.shape[2], unit, device_id),
+            mem)
+        self.remote: dict[str, Any] = {}    # D's agent name -> prepared dst list
+        self.lock = threading.Lock()        # the agent, and in_flight
+        self.in_flight: list[tuple[_Begun, Any]] = []
+        self.jobs: queue.SimpleQueue | None = None
+        self.thread = None
+        if index > 0:
+            self.jobs = queue.SimpleQueue()
+            self.thread = threading.Thread(target=self._run, name=f"kvsend-nixl-{index}",
+                                           daemon=True)
+            self.thread.start()
+
+    def pair(self, metadata: bytes, base: int, num_blocks: int, num_layers: int,
+             unit: int, mem: str, device_id: int) -> tuple[str, Any]:
+        with self.lock:
+            name = self.agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            if name not in self.remote:  # a reconnect to the same D reuses its list
+                self.remote[name] = self.agent.prep_xfer_dlist(
+                    name, block_descs(base, num_layers, num_blocks, unit, device_id), mem)
+                self.agent.make_connection(name)
+        return name, self.remote[name]
+
+    def submit(self, job: tuple) -> None:
+        """Post ``(begun, dst list, src rows, dst rows, notif)``: on this thread for
+        lane 0, else on the lane's own."""
+        if self.jobs is None:
+            self.post(*job)
+            self.reap()
+        else:
+            self.jobs.put(job)
+
+    def post(self, begun: _Begun, dst: Any, src_rows: np.ndarray, dst_rows: np.ndarray,
+             notif: bytes) -> None:
+        try:
+            with self.lock:
+                handle = self.agent.make_prepped_xfer("WRITE", self.src, src_rows, dst,
+                                                      dst_rows, notif_msg=notif)
+                if self.agent.transfer(handle) != "ERR":
+                    self.in_flight.append((begun, handle))
+                    return
+                handle.release()
+            begun.finished_one("NIXL refused to post a WRITE")
+        except Exception as e:  # nixl raises its own error types; this WRITE fails
+            begun.finished_one(f"NIXL WRITE failed to post: {type(e).__name__}: {e}")
+
+    def reap(self) -> bool:
+        """One progress pass: completed WRITEs, oldest first up to the first still in
+        progress (they complete in order; checking all would make a long queue cost
+        a call per WRITE per pass), are released and counted on their request. True
+        while some are still in flight."""
+        with self.lock:
+            done = []
+            while self.in_flight:
+                state = self.agent.check_xfer_state(self.in_flight[0][1])
+                if state == "PROC":
+                    break
+                begun, handle = self.in_flight.pop(0)
+                handle.release()
+                done.append((begun, handle, state))
+            busy = bool(self.in_flight)
+        for begun, _, state in done:
+            begun.finished_one(None if state == "DONE" else "a NIXL WRITE failed")
+        return busy
+
+    def close(self) -> None:
+        if self.jobs is not None:
+            self.jobs.put(None)
+            self.thread.join(5.0)
+        with self.lock:
+            for begun, handle in self.in_flight:
+                begun.finished_one("sender closed")
+            self.in_flight = []
+            for handle in [self.src, *self.remote.values()]:
+                handle.release()
+            self.remote.clear()
+
+    def _run(self) -> None:
+        # No spinning: a progress pass after each post, and every LANE_POLL_S while
+        # WRITEs are in flight; whoever waits for a request's WRITEs (_end) drives
+        # every lane's progress itself.
+        while True:
+            try:
+                job = self.jobs.get(timeout=LANE_POLL_S if self.in_flight else None)
+            except queue.Empty:
+                job = False
+            if job is None:
+                return
+            if job:
+                self.post(*job)
+            self.reap()
+
+
+class NixlKVSender(TcpKVSender):
+    """P side: pairs over TCP, then hands each send_layers' WRITE to its lanes (one
+    contiguous share of the blocks each, each share its own WRITE and notification)
+    and returns; DONE and ABORT go over TCP once every WRITE of the request completed.
+    The source blocks must stay as they are until then, which they do: P frees a
+    request's blocks after send_done / send_abort.
+
+    lanes: NIXL agents posting in parallel (LANES). host: this worker's address
+    (UCX_NET_DEVICES). io_timeout_s also bounds the wait for a request's WRITEs.
+    """
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, *, secret: str | None = None,
+                 epoch: int = 0, host: str = "127.0.0.1", lanes: int = LANES,
+                 connect_timeout_s: float = 5.0, io_timeout_s: float = 30.0) -> None:
+        super().__init__(kv, layout, checksum=False, secret=secret, epoch=epoch,
+                         connect_timeout_s=connect_timeout_s, io_timeout_s=io_timeout_s)
+        if not 1 <= lanes <= MAX_LANES:
+            raise ValueError(f"lanes={lanes}: must be in [1, {MAX_LANES}]")
+        self._mem, self._device_id = memory_of(kv)
+        self._unit = kv[0, 0, 0].numel() * kv.element_size()  # one block of one layer's K
+        self._lanes = [_Lane(i, kv, layout, host, self._mem, self._device_id, self._unit)
+                       for i in range(lanes)]
+
+    def _handshake_extra(self) -> dict | None:
+        return {"agents": [lane.agent.name for lane in self._lanes]}
+
+    def _paired(self, conn: _SendConn, addr: tuple[str, int], ack: frames.Handshake) -> None:
+        if ack.nixl is None:
+            raise KVLayoutMismatch(
+                f"decode worker at {addr[0]}:{addr[1]} takes no NIXL writes (it runs the tcp "
+                "transport): start every worker with the same --transport")
+        try:
+            md = base64.b64decode(ack.nixl["metadata"], validate=True)
+            base, num_blocks = int(ack.nixl["kv_ptr"]), int(ack.nixl["num_blocks"])
+            mem, device_id = str(ack.nixl["mem_type"]), int(ack.nixl["device_id"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise KVFrameError(f"malformed nixl handshake fields from {addr}: {e}") from e
+        if mem != self._mem or num_blocks <= 0:
+            raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]}: cache in {mem} "
+                                   f"({num_blocks} blocks), this prefill worker's in {self._mem}")
+        paired = [lane.pair(md, base, num_blocks, self.layout.num_layers, self._unit, mem,
+                            device_id) for lane in self._lanes]
+        conn.peer = _Peer(paired[0][0], [dst for _, dst in paired], num_blocks)
+
+    def send_layers(self, addr: tuple[str, int], request_id: str, epoch: int,
+                    layer_start: int, layer_end: int, src_block_ids: Sequence[int],
+                    block_start: int = 0) -> int:
+        ids, nbytes = self._check_send(layer_start, layer_end, src_block_ids, block_start)
+        # One notification for the whole call, on lane 0's share: D only judges a request
+        # at DONE, which P sends once every lane's WRITEs completed (landed at D), so a
+        # notification naming blocks another lane carries is never read too early.
+        notif = frames.pack_header(
+            FrameType.KV, request_id, epoch=epoch, layer_start=layer_start,
+            layer_end=layer_end, block_start=block_start, num_blocks=len(ids),
+            dtype_code=self._dtype_code, payload_len=nbytes)
+
+        def write(conn: _SendConn) -> None:
+            peer: _Peer = conn.peer
+            begun = peer.begun.get((request_id, epoch))
+            if begun is None:
+                begun = peer.begun[(request_id, epoch)] = _Begun(
+                    self._begin(conn, request_id, epoch))
+            if begun.error is not None:
+                raise ConnectionError(f"request {request_id}: {begun.error}")
+            dst_ids = begun.dst_block_ids
+            if block_start + len(ids) > len(dst_ids):
+                raise KVTransferError(
+                    f"request {request_id}: blocks [{block_start}, {block_start + len(ids)}) "
+                    f"beyond D's reservation of {len(dst_ids)}")
+            src = np.asarray(ids, dtype=np.int64)
+            dst = dst_ids[block_start:block_start + len(ids)]
+            lanes = max(1, min(len(self._lanes), len(ids), nbytes // LANE_MIN_BYTES))
+            cuts = [len(ids) * k // lanes for k in range(lanes + 1)]
+            with begun.cond:
+                begun.num_writes += 1      # notifications: lane 0's share carries the one
+                begun.pending += lanes
+            # the other lanes first, so they copy while this thread posts lane 0's share
+            for k in reversed(range(lanes)):
+                a, b = cuts[k], cuts[k + 1]
+                self._lanes[k].submit((
+                    begun, peer.dst[k],
+                    desc_rows(layer_start, layer_end, src[a:b], self.kv.shape[2]),
+                    desc_rows(layer_start, layer_end, dst[a:b], peer.num_blocks),
+                    notif if k == 0 else b""))
+
+        self._with_conn(addr, write)
+        return nbytes
+
+    def send_done(self, addr: tuple[str, int], request_id: str, epoch: int,
+                  first_token: int, num_layers_sent: int) -> None:
+        def done(conn: _SendConn) -> None:
+            begun = self._end(conn, request_id, epoch)
+            conn.sock.sendall(frames.done_header(request_id, epoch, first_token,
+                                                 num_layers_sent, begun.num_writes if begun else 0))
+
+        self._with_conn(addr, done)
+
+    def send_abort(self, addr: tuple[str, int], request_id: str, epoch: int, reason: str) -> None:
+        header, payload = frames.abort_frame(request_id, epoch, reason)
+
+        def abort(conn: _SendConn) -> None:
+            self._end(conn, request_id, epoch)   # D frees the blocks at ABORT: writes first
+            conn.sock.sendall(header + payload)
+
+        self._with_conn(addr, abort)
+
+    def close(self) -> None:
+        super().close()
+        for lane in self._lanes:
+            lane.close()
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _begin(self, conn: _SendConn, request_id: str, epoch: int) -> np.ndarray:
+        """BEGIN round trip: D's reserved block ids for the request [n] int64.
+        KVTransferError when D refuses (the connection stays up)."""
+        conn.sock.sendall(frames.pack_header(FrameType.BEGIN, request_id, epoch=epoch))
+        try:
+            h = frames.read_header(conn.sock)
+        except (TimeoutError, BlockingIOError) as e:   # the socket's kernel timeout
+            raise TimeoutError(f"no BEGIN_ACK for request {request_id} within "
+                               f"{self.io_timeout_s:.0f}s: decode worker stalled") from e
+        if h.frame_type != FrameType.BEGIN_ACK or h.request_id != request_id:
+            raise KVFrameError(f"expected BEGIN_ACK for {request_id}, got "
+                               f"{h.frame_type.name} for {h.request_id}")
+        body = bytearray(h.payload_len)
+        frames.recv_exact(conn.sock, memoryview(body))
+        block_ids, error = frames.decode_begin_ack(bytes(body))
+        if error is not None:
+            raise KVTransferError(f"decode worker refused KV of request {request_id}: {error}")
+        if max(block_ids) >= conn.peer.num_blocks:
+            raise KVFrameError(f"BEGIN_ACK block ids beyond D's {conn.peer.num_blocks} blocks")
+        return np.asarray(block_ids, dtype=np.int64)
+
+    def _end(self, conn: _SendConn, request_id: str, epoch: int) -> _Begun | None:
+        """Forget a request's BEGIN once every WRITE it posted completed (the caller
+        holds conn.lock). ConnectionError when one failed or they outlast io_timeout_s:
+        the connection is then dropped, and D holds the blocks a grace period past that."""
+        begun = conn.peer.begun.pop((request_id, epoch), None) if conn.peer else None
+        if begun is None:
+            return None
+        deadline, polls = time.monotonic() + self.io_timeout_s, 0
+        while begun.pending > 0 and time.monotonic() < deadline:
+            for lane in self._lanes:      # drive every lane's progress from here
+                lane.reap()
+            polls += 1
+            if polls > 100:               # past the first progress calls, yield the core
+                time.sleep(BUSY_POLL_S)
+        error = begun.wait(max(0.0, deadline - time.monotonic()))
+        if error is not None:
+            raise ConnectionError(f"request {request_id} to {conn.peer.agent}: {error}")
+        return begun

@@ -1,0 +1,125 @@
+"""What crosses a Ray call between the router and the workers, one frozen dataclass per
+message (STYLE rule 2: typed boundaries, no dicts read by key).
+
+    router ── ready() ──────────────────────▶ P, D   ◀── WorkerInfo
+    router ── reserve(...) ─────────────────▶ D      ◀── DecodeReservation | None
+    router ── prefill(PrefillOrder) ────────▶ P      ◀── first token (int)
+    router ── events(epoch) ────────────────▶ D      ◀── [TokenEvent, ...] (engine/request.py)
+    router ── cache_events(since) ──────────▶ P      ◀── CacheEvents
+    router ── status() ─────────────────────▶ P, D   ◀── WorkerStatus
+
+One name per quantity on both sides: the leading prompt blocks D already holds in its
+prefix cache are ``num_cached_blocks`` in D's reservation and in P's order (P computes
+them, but does not send them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from .engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A worker's answer to ready(), once its model is loaded and its KV port is up."""
+
+    worker_id: str
+    role: str                  # "prefill" | "decode"
+    epoch: int                 # this incarnation of the process (new after a restart)
+    num_blocks: int            # KV blocks in its pool
+    block_size: int            # tokens per KV block
+    node_ip: str
+    kv_address: tuple[str, int] | None = None   # decode: where its KV receiver listens
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeReservation:
+    """D's blocks for one request's prompt KV (DecodeWorker.reserve), held under a lease.
+
+    num_blocks: prompt blocks reserved, the cached ones included. num_cached_blocks: the
+    leading ones D holds already (prefix cache): the prefill worker does not send them.
+    local_prefill: D computes the prompt itself (no prefill worker is called; the first
+    token comes on D's event stream). free_blocks: D's free pool after this reservation.
+    """
+
+    kv_address: tuple[str, int]
+    epoch: int
+    num_blocks: int
+    num_cached_blocks: int
+    local_prefill: bool
+    free_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillOrder:
+    """What the router asks a prefill worker to do for one request: compute the KV of
+    ``token_ids``, send the blocks past the first ``num_cached_blocks`` into D's
+    reservation at ``kv_address`` (D's ``epoch``), and return the first sampled token."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    kv_address: tuple[str, int]
+    epoch: int                 # D's epoch, carried by every KV frame
+    num_cached_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvents:
+    """A prefill worker's prefix-cache changes after event ``since`` (engine/block_pool.py)
+    for the router's mirror (KV-aware routing): ``events`` as (stored, block_hash) in
+    order, or, when ``since`` is too old, a full ``snapshot`` of its cached block hashes
+    (16-byte digests of block_size-token blocks). A new ``epoch`` (the worker restarted)
+    means the mirror starts over."""
+
+    epoch: int
+    seq: int                   # the worker's latest event number
+    events: list[tuple[bool, bytes]] | None = None
+    snapshot: list[bytes] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """A worker's status() (pdserve status, Admin.ClusterStatus, tests). The fields the
+    public WorkerStatus proto has go out through to_proto; the rest are for tests and
+    the bench."""
+
+    worker_id: str
+    role: str                         # "prefill" | "decode"
+    pid: int
+    node_ip: str
+    state: str                        # "ready"
+    epoch: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    running_requests: int
+    waiting_requests: int
+    metrics_address: str              # host:port of its Prometheus /metrics
+    kv_address: str = ""              # decode: host:port of its KV receiver
+    prefix_cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache
+    prefix_cache_blocks: int = 0      # blocks held by the prefix cache now
+    # prefill
+    queued_tokens: int = 0            # prompt tokens waiting or in progress
+    prefill_tokens_computed: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_bytes_sent: int = 0            # K/V payload bytes sent to decode workers
+    # decode
+    kv_transport: str = ""            # "tcp" | "nixl"
+    kv_one_sided_writes: int = 0      # NIXL writes whose notification D took
+    peak_batch_size: int = 0
+    step_threads: int = 0             # torch threads the latest step started on
+    num_preemptions: int = 0
+    kv_reservations_leased: int = 0
+    kv_reservations_reclaimed: int = 0
+    preempted_requests: int = 0       # waiting to resume by recompute
+    local_prefills: int = 0           # prompts D prefilled itself
+
+    def to_proto(self):
+        """The public pdserve.v1.WorkerStatus: the fields it has."""
+        from .proto import pdserve_pb2 as pb
+
+        names = set(pb.WorkerStatus.DESCRIPTOR.fields_by_name)
+        return pb.WorkerStatus(**{f.name: getattr(self, f.name) for f in fields(self)
+                                  if f.name in names})

@@ -1,0 +1,124 @@
+"""What only the NIXL transport has: the BEGIN lease that keeps a forgotten request's
+blocks out of D's pool while P may still write them unseen, DONE waiting for the
+notifications of P's writes, pairing with a TCP-only peer, and an idle receiver that
+does not spin. The scenarios both transports share are in test_transport.py."""
+
+import logging
+import threading
+import time
+
+import pytest
+
+from pdserve.kv_transfer import KVLayout, KVLayoutMismatch, frames, nixl
+from pdserve.kv_transfer import nixl_receiver
+from pdserve.kv_transfer.frames import FrameType
+from kvtest import (  # noqa: E402
+    DST_IDS, EPOCH, MODEL, NUM_LAYERS, PER_LAYER, SRC_IDS, TIMEOUT_S, TRANSPORTS,
+    assert_copied, make_cache, send_request,
+)
+from test_transport import env  # noqa: F401  (the fixture, parametrized below)
+
+pytestmark = pytest.mark.parametrize("env", [p for p in TRANSPORTS if "nixl" in str(p)],
+                                     indirect=True)
+
+
+@pytest.mark.parametrize("end", ["done", "abort", "connection-lost"])
+def test_forgotten_request_keeps_its_blocks_until_the_writer_ends(env, end, monkeypatch):
+    monkeypatch.setattr(nixl_receiver, "LOST_WRITER_GRACE_S", 0.2)
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    rx, addr, done = env.receiver(dst)
+    tx = env.sender(src)
+    rx.expect("r", DST_IDS)
+    tx.send_layers(addr, "r", EPOCH, 0, 1, SRC_IDS)   # BEGIN: P holds a lease on the blocks
+    released = threading.Event()
+    rx.forget("r", released.set)
+    assert not released.wait(0.3)                     # P may still write: not yet
+    if end == "done":
+        tx.send_layers(addr, "r", EPOCH, 1, NUM_LAYERS, SRC_IDS)  # lands in held blocks
+        tx.send_done(addr, "r", EPOCH, 42, NUM_LAYERS)
+    elif end == "abort":
+        tx.send_abort(addr, "r", EPOCH, "cancelled")
+    else:
+        tx.close()
+    t0 = time.monotonic()
+    assert released.wait(TIMEOUT_S)
+    if end == "connection-lost":   # held a grace period past the loss, for a WRITE in flight
+        assert time.monotonic() - t0 >= 0.15
+    assert done.ids() == []                           # forget() never reports a completion
+
+
+def test_done_waits_for_the_notifications_of_every_write(env, monkeypatch):
+    """A DONE on the control connection can overtake the notifications of P's last
+    WRITEs: D counts them against the DONE's write count before judging the request."""
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    before = dst.clone()
+    rx, addr, done = env.receiver(dst)
+    tx = env.sender(src)
+    held, gate = [], threading.Event()
+    real = rx._agent.get_new_notifs
+
+    def late_notifs():           # notifications reach the poll thread only once `gate` is set
+        for agent, msgs in real().items():
+            held.extend((agent, m) for m in msgs)
+        if not gate.is_set():
+            return {}
+        out = {}
+        for agent, msg in held:
+            out.setdefault(agent, []).append(msg)
+        held.clear()
+        return out
+
+    monkeypatch.setattr(rx._agent, "get_new_notifs", late_notifs)
+    rx.expect("r", DST_IDS)
+    send_request(tx, addr, "r", PER_LAYER)
+    assert not done.events.get("r", threading.Event()).wait(0.3)  # DONE in, writes not counted
+    gate.set()
+    c = done.wait("r")
+    assert (c.ok, c.first_token) == (True, 42), c
+    assert_copied(src, dst, before)
+
+
+def test_pairs_only_with_a_nixl_receiver_and_takes_tcp_frames(env):
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    _, tcp_addr, _ = env.receiver(make_cache(10), kind="tcp")
+    with pytest.raises(KVLayoutMismatch, match="takes no NIXL writes.*same --transport"):
+        env.sender(src).connect(tcp_addr)
+    before = dst.clone()
+    rx, addr, done = env.receiver(dst)        # a NIXL receiver still takes TCP KV frames
+    rx.expect("r", DST_IDS)
+    send_request(env.sender(src, kind="tcp"), addr, "r", PER_LAYER)
+    assert done.wait("r").ok
+    assert_copied(src, dst, before)
+
+
+def test_notifications_of_unpaired_or_unbegun_writers_change_nothing(env, caplog):
+    caplog.set_level(logging.WARNING, logger="pdserve.kv_transfer")
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    rx, addr, done = env.receiver(dst)
+    layout = KVLayout.for_cache(dst, MODEL)
+    rx.expect("r", DST_IDS)
+    notif = frames.pack_header(
+        FrameType.KV, "r", epoch=EPOCH, layer_start=0, layer_end=1, num_blocks=3,
+        dtype_code=frames.dtype_code(layout.dtype), payload_len=layout.payload_bytes(1, 3))
+    rx._on_notif("stranger", notif)
+    assert "unpaired agent" in caplog.text
+    tx = env.sender(src)
+    tx.connect(addr)                            # paired, but no BEGIN for "r"
+    rx._on_notif(tx._lanes[0].agent.name, notif)
+    c = done.wait("r")
+    assert not c.ok and "without a BEGIN" in c.error
+
+
+def test_a_paired_idle_receiver_does_not_spin(env):
+    """The poll thread sleeps when nothing arrives (NIXL's own progress thread, which
+    spins a core, is off): well under a tenth of a core over an idle second."""
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    rx, addr, done = env.receiver(dst)
+    tx = env.sender(src)
+    rx.expect("r", DST_IDS)
+    send_request(tx, addr, "r", PER_LAYER)
+    assert done.wait("r").ok
+    time.sleep(nixl.BUSY_WINDOW_S)
+    t0 = time.process_time()      # every thread of this process: the poll thread included
+    time.sleep(1.0)
+    assert time.process_time() - t0 < 0.1

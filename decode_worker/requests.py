@@ -1,5 +1,5 @@
 """Decode-side request types: one request's state (DecodeRequest), what reserve()
-returns (Reserved), one step's batch (DecodeBatch), and the refusal of a request the
+returns (Reserved), one step's work (SchedulerOutput), and the refusal of a request the
 pool could never hold. The state machine that moves them is scheduler.py."""
 
 from __future__ import annotations
@@ -26,7 +26,18 @@ class RequestTooLargeError(ValueError):
 
 @dataclass(slots=True, eq=False)
 class DecodeRequest:
-    """One request on the decode worker. Compared by identity (it is mutable state)."""
+    """One request on the decode worker. Compared by identity (it is mutable state).
+
+    Progress is one counter, as in vLLM: ``num_computed_tokens``, the leading tokens of
+    ``all_token_ids`` (prompt + output) whose K/V is in ``block_table``. Every step
+    computes tokens from there towards ``num_tokens`` and samples a token once it gets
+    there, whatever brought the request here::
+
+        remote KV arrived     num_computed_tokens = prompt_len, output = [P's token]
+        local prefill         num_computed_tokens = prefix-cache hit, output = []
+        resumed (preempted)   num_computed_tokens = 0, output kept
+        running               num_computed_tokens = num_tokens - 1 (one token a step)
+    """
 
     request_id: str
     prompt_token_ids: list[int]          # kept to recompute the KV after preemption
@@ -35,11 +46,11 @@ class DecodeRequest:
     lease_deadline: float                # time.monotonic() seconds; WAITING_FOR_REMOTE_KV only
     state: RequestState = RequestState.WAITING_FOR_REMOTE_KV
     output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0         # leading tokens whose K/V is in block_table
+    num_cached_blocks: int = 0           # leading prompt blocks D's prefix cache had (reserve)
     abort_reason: str | None = None      # set by abort(); applied by schedule()
     error: str | None = None
     admitted_seq: int = -1               # order of first admission into RUNNING (resume order)
-    recompute: bool = False              # KV to compute before its next token (see DecodeBatch)
-    num_cached: int = 0                  # leading tokens whose KV is in block_table already
     block_hashes: list[BlockHash] = field(default_factory=list)  # prompt's full blocks
     arrived: float = field(default_factory=time.monotonic)   # reserved at; schedule policy
 
@@ -49,15 +60,17 @@ class DecodeRequest:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt + generated tokens; the next decode step writes position num_tokens - 1."""
+        """Prompt + generated tokens; the step that computes the last one samples."""
         return self.prompt_len + len(self.output_ids)
 
-    @property
-    def recompute_token_ids(self) -> list[int]:
-        """Tokens whose KV a request resumed after preemption recomputes: all but the
-        newest, which the next decode step feeds (its KV is written by that step, as for
-        any running request)."""
-        return self.prompt_token_ids + self.output_ids[:-1]
+    def token_id(self, i: int) -> int:
+        """Token ``i`` of prompt + output."""
+        n = self.prompt_len
+        return self.prompt_token_ids[i] if i < n else self.output_ids[i - n]
+
+    def token_ids(self, end: int) -> list[int]:
+        """The first ``end`` tokens of prompt + output."""
+        return (self.prompt_token_ids + self.output_ids)[:end]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,21 +89,18 @@ class Reserved:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeBatch:
-    """One step; one sampled token per row of `requests`, in order. Rows in `prefill`
-    have no output yet (local prefill, or preempted before their first token): prefill
-    prompt_token_ids[num_cached:] into the block_table and sample from the last prompt
-    token's logits. Every other row decodes: rows in `recompute` (resumed after
-    preemption) first prefill recompute_token_ids into the new block_table; then each
-    feeds output_ids[-1] at position num_tokens - 1. `prefill` and `recompute` are
-    subsets of `requests`.
+class SchedulerOutput:
+    """One step's work (vLLM's SchedulerOutput): per row of `requests`, compute the K/V
+    of tokens [num_computed_tokens, num_computed_tokens + its `num_scheduled_tokens`
+    entry) of prompt + output, and sample the next token when that reaches num_tokens.
+    A row of one token is a decode row; a longer one is a prefill (a local prompt, or a
+    chunk of one, or a preempted request's recompute) and, under prefill_chunk_size,
+    may stop short of num_tokens (nothing sampled for it this step)."""
 
-    Chunked prefill: a `prefill` row computes only prompt tokens [num_cached, its
-    `prefill_ends` entry) this step (vLLM's chunked prefill, so one long prompt cannot
-    stall the running rows for its whole length); a row whose end is short of its prompt
-    samples nothing (the worker passes None for it to update_from_output)."""
+    requests: tuple[DecodeRequest, ...] = ()
+    num_scheduled_tokens: tuple[int, ...] = ()
 
-    requests: tuple[DecodeRequest, ...]
-    recompute: tuple[DecodeRequest, ...] = ()
-    prefill: tuple[DecodeRequest, ...] = ()
-    prefill_ends: tuple[int, ...] = ()   # per `prefill` row: prompt tokens computed after the step
+    def samples(self, i: int) -> bool:
+        """Whether row ``i`` samples a token this step."""
+        r = self.requests[i]
+        return r.num_computed_tokens + self.num_scheduled_tokens[i] == r.num_tokens

@@ -16,13 +16,16 @@ Lifecycle of a request on a decode worker (pure state; no model, no sockets):
         ▼
     schedule()           applies aborts and lease expiry; admits arrived requests into
         │   ▲            RUNNING; grows a block_table by one block when the request's
-        │   │            next position enters a new block; returns the batch for one
-        │   │            decode step
-        │   └── PREEMPTED: blocks freed, tokens kept; resumed (oldest first, before
-        │                  new arrivals) by recomputing the KV of prompt + output[:-1]
+        │   │            next position enters a new block; returns the SchedulerOutput
+        │   │            of one step: per request, the tokens to compute from its
+        │   │            num_computed_tokens on
+        │   └── PREEMPTED: blocks freed, tokens kept, num_computed_tokens = 0; resumed
+        │                  (oldest first, before new arrivals) by computing its tokens
+        │                  again, as a prefill
         ▼
-    update_from_output() appends each sampled token, checks EOS / stop_token_ids /
-                         max_tokens / context length, frees finished requests' blocks
+    update_from_output() advances num_computed_tokens, appends each sampled token,
+                         checks EOS / stop_token_ids / max_tokens / context length,
+                         frees finished requests' blocks
 
 Blocks are taken on demand (vLLM's policy): the prompt's blocks at reserve(), then one
 block whenever a running request's next token position enters a new block. Priority is
@@ -30,20 +33,20 @@ the order of first admission into RUNNING (kept across preemption). When the poo
 give a running request its next block, the newest running request (perhaps the
 requester itself) is **preempted**: its blocks go back to the pool, and it waits with
 its prompt_token_ids and output_ids until enough blocks are free to hold them again.
-It then rejoins the batch with `recompute` set: the step thread prefills
-`prompt + output_ids[:-1]` into its new block_table and decodes `output_ids[-1]` at its
-position as if never preempted. The sampler's step index is len(output_ids), unchanged
-by preemption, so greedy and seeded outputs are too.
+It then rejoins the batch with num_computed_tokens = 0: the step computes the K/V of
+prompt + output as a prefill and samples the next token from the last one's logits,
+as if never preempted. The sampler's step index is len(output_ids), unchanged by
+preemption, so greedy and seeded outputs are too.
 
-Local prefill reuses that path: a request with no output yet (a local prefill, or one
-preempted before its first token) is a batch row of `prefill` instead: the step thread
-prefills `prompt[num_cached:]` (after the blocks found in D's prefix cache) and samples
-the first token from the last prompt token's logits (step index 0, exactly as a prefill
-worker does). Short uncached prompts thus skip the round trip to a prefill worker and
-the KV transfer (Dynamo's conditional disaggregation). With prefill_chunk_size set, a
-step computes at most that many prompt tokens (decode rows counted first), so a long
-local prompt is prefilled over several steps while the running rows keep decoding
-(vLLM's chunked prefill; this is how `pdserve bench serve` runs its colocated mode).
+Every case is "compute tokens from num_computed_tokens to num_tokens" (vLLM's one
+progress counter): a local prefill starts after the blocks found in D's prefix cache
+and samples the first token from the last prompt token's logits (step index 0, exactly
+as a prefill worker does), so short uncached prompts skip the round trip to a prefill
+worker and the KV transfer (Dynamo's conditional disaggregation). With
+prefill_chunk_size set, a step computes at most that many tokens (decode rows counted
+first), so a long local prompt, or a long recompute, runs over several steps while the
+running rows keep decoding (vLLM's chunked prefill; this is how `pdserve bench serve`
+runs its colocated mode).
 
 Why this always makes progress: the oldest running request is preempted only when it is
 alone and reservations still waiting for KV hold the rest; a request that could not fit
@@ -76,7 +79,7 @@ from ..engine.request import RequestState, TokenEvent
 from ..engine.schedule_policy import prefill_order
 from ..engine.sampling_params import SamplingParams
 from ..engine.stop import stop_state
-from .requests import DecodeBatch, DecodeRequest, RequestTooLargeError, Reserved
+from .requests import DecodeRequest, RequestTooLargeError, Reserved, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +165,7 @@ class DecodeScheduler:
             if req is None:
                 req = self._new_request(request_id, list(prompt_token_ids), params, lease_s,
                                         prefill_locally)
-            cached = req.num_cached // bs
+            cached = req.num_cached_blocks
             if req.state == RequestState.WAITING:
                 return Reserved([], cached, True)
             return Reserved(req.block_table[cached:blocks_needed(req.prompt_len, bs)], cached,
@@ -186,13 +189,13 @@ class DecodeScheduler:
             self.pool.free(hit)
             raise NoFreeBlocksError(need, max(free, 0), self.pool.num_blocks)
         req = DecodeRequest(request_id, prompt, params, hit + self.pool.allocate(need),
-                            time.monotonic() + lease_s, num_cached=len(hit) * bs,
-                            block_hashes=hashes)
-        self.cached_tokens += req.num_cached
+                            time.monotonic() + lease_s, num_computed_tokens=len(hit) * bs,
+                            num_cached_blocks=len(hit), block_hashes=hashes)
+        self.cached_tokens += req.num_computed_tokens
         self.prefix_queries += len(lookup)
         self.prefix_hits += len(hit)
-        if prefill_locally or n - req.num_cached <= self.local_prefill_max_tokens:
-            req.state, req.recompute = RequestState.WAITING, True
+        if prefill_locally or n - req.num_computed_tokens <= self.local_prefill_max_tokens:
+            req.state = RequestState.WAITING
             self._arrived.append(request_id)
             self.num_local_prefills += 1
         self._requests[request_id] = req
@@ -206,6 +209,7 @@ class DecodeScheduler:
             if req is None or req.state != RequestState.WAITING_FOR_REMOTE_KV:
                 return
             if ok:
+                req.num_computed_tokens = req.prompt_len
                 req.output_ids.append(first_token)
                 self._arrived.append(request_id)
                 self._cache_prompt(req)
@@ -221,7 +225,7 @@ class DecodeScheduler:
 
     # --- called from the step thread ----------------------------------------------
 
-    def schedule(self, now: float | None = None) -> DecodeBatch:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
         """Admit arrived requests; apply aborts and expired leases; give each request of
         the batch the block its next position needs, preempting the newest running
         requests while the pool is short; then resume preempted requests that fit
@@ -248,31 +252,28 @@ class DecodeScheduler:
                     self._finish(req, RequestState.FINISHED_ERROR)
             self._grow_batch()
             self._resume()
-            batch = self._running[:self.max_batch_size]
-            prefill, ends = self._chunk_prefills(batch, now)
-            batch = tuple(r for r in batch if r.output_ids or r in prefill)
-            return DecodeBatch(batch, tuple(r for r in batch if r.recompute and r.output_ids),
-                               prefill, ends)
+            return self._schedule_tokens(self._running[:self.max_batch_size], now)
 
-    def update_from_output(self, batch: DecodeBatch,
+    def update_from_output(self, output: SchedulerOutput,
                            token_ids: list[int | None]) -> list[TokenEvent]:
-        """Append one sampled token per batch row (None for a prefill row whose chunk
-        ended short of its prompt: it advances num_cached to its end instead); returns
-        the step's events (and any finishes recorded since the last call)."""
+        """Advance each row's num_computed_tokens by what the step computed and append
+        its sampled token (None for a row that did not reach num_tokens: a chunk);
+        returns the step's events (and any finishes recorded since the last call)."""
         with self._lock:
             events = self._events
             self._events = []
-            for req, tok in zip(batch.requests, token_ids, strict=True):
+            for req, n, tok in zip(output.requests, output.num_scheduled_tokens, token_ids,
+                                   strict=True):
                 if req.state != RequestState.RUNNING or req.abort_reason is not None:
                     continue  # aborted mid-step: schedule() finishes it
-                if tok is None:                 # a chunk of its prompt, not the last
-                    end = batch.prefill_ends[batch.prefill.index(req)]
-                    assert not req.output_ids and end < req.prompt_len, (req.request_id, end)
-                    req.num_cached = end
+                was = req.num_computed_tokens
+                req.num_computed_tokens += n
+                if was < req.prompt_len <= req.num_computed_tokens:
+                    self._cache_prompt(req)     # the step completed the prompt's K/V here
+                if tok is None:                 # a chunk, short of num_tokens
+                    assert req.num_computed_tokens < req.num_tokens, (req.request_id, n)
                     continue
-                if req.recompute:               # the step computed its KV
-                    req.recompute, req.num_cached = False, 0
-                    self._cache_prompt(req)
+                assert req.num_computed_tokens == req.num_tokens, (req.request_id, n)
                 req.output_ids.append(tok)
                 if self._check_stop(req, emit=False):
                     events.append(TokenEvent(req.request_id, (tok,), req.state.finish_reason))
@@ -303,25 +304,27 @@ class DecodeScheduler:
             if req.state == RequestState.RUNNING and need > 0:
                 req.block_table.extend(self.pool.allocate(need))
 
-    def _chunk_prefills(self, batch: list[DecodeRequest], now: float
-                        ) -> tuple[tuple[DecodeRequest, ...], tuple[int, ...]]:
-        """The step's prefill rows (no output yet), in batch order, and the prompt position
-        each computes up to under prefill_chunk_size, the budget given out in the schedule
-        policy's order; rows left without budget sit this step out (they keep their
-        blocks)."""
-        rows = [r for r in batch if not r.output_ids]
+    def _schedule_tokens(self, batch: list[DecodeRequest], now: float) -> SchedulerOutput:
+        """Tokens each row computes this step, in batch order: one for a decode row
+        (num_computed_tokens == num_tokens - 1); for the others (prefills: local,
+        chunked, recompute) the rest, or under prefill_chunk_size as much as the step's
+        budget gives, handed out in the schedule policy's order. A row left without
+        budget sits this step out (it keeps its blocks)."""
+        want = {id(r): r.num_tokens - r.num_computed_tokens for r in batch}
+        rows = [r for r in batch if want[id(r)] > 1]
+        got = {id(r): 1 for r in batch if want[id(r)] == 1}
         if self.prefill_chunk_size is None:
-            return tuple(rows), tuple(r.prompt_len for r in rows)
-        budget = max(self.prefill_chunk_size - (len(batch) - len(rows)), self.block_size)
-        end_of: dict[int, int] = {}
-        for r in prefill_order(rows, lambda r: r.prompt_len - r.num_cached,
-                               lambda r: r.arrived, self.schedule_policy, now):
-            if budget <= 0:
-                break
-            end_of[id(r)] = min(r.prompt_len, r.num_cached + budget)
-            budget -= end_of[id(r)] - r.num_cached
-        out = tuple(r for r in rows if id(r) in end_of)
-        return out, tuple(end_of[id(r)] for r in out)
+            got.update((id(r), want[id(r)]) for r in rows)
+        else:
+            budget = max(self.prefill_chunk_size - len(got), self.block_size)
+            for r in prefill_order(rows, lambda r: want[id(r)], lambda r: r.arrived,
+                                   self.schedule_policy, now):
+                if budget <= 0:
+                    break
+                got[id(r)] = min(want[id(r)], budget)
+                budget -= got[id(r)]
+        out = tuple(r for r in batch if id(r) in got)
+        return SchedulerOutput(out, tuple(got[id(r)] for r in out))
 
     def _preempt(self, req: DecodeRequest) -> None:
         """Free a running request's blocks and queue it to resume by recompute. Its KV
@@ -332,7 +335,7 @@ class DecodeScheduler:
         logger.debug("preempted request %s at %d tokens (%d blocks freed)",
                      req.request_id, req.num_tokens, len(req.block_table))
         req.block_table = []
-        req.state, req.recompute, req.num_cached = RequestState.PREEMPTED, False, 0
+        req.state, req.num_computed_tokens = RequestState.PREEMPTED, 0
         bisect.insort(self._preempted, req, key=_by_admission)
         self.num_preemptions += 1
 
@@ -348,7 +351,7 @@ class DecodeScheduler:
                 return
             self._preempted.pop(0)
             req.block_table = self.pool.allocate(need)
-            req.state, req.recompute = RequestState.RUNNING, True
+            req.state = RequestState.RUNNING
             bisect.insort(self._running, req, key=_by_admission)
 
     def _cache_prompt(self, req: DecodeRequest) -> None:

@@ -9,9 +9,11 @@ Request lifecycle here (see scheduler.py for the state machine):
               local_prefill: D computes the prompt itself
     prefill ══ KV frames of the blocks D lacks, per chunk and layer, then
                done(first token) ══▶ KV receiver
-    step thread: schedule() → [ModelRunner.prefill() of local prefills and of resumed
-                 requests' KV (recompute after preemption)] → ModelRunner.decode() →
-                 sample() → update_from_output()
+    step thread: schedule() → SchedulerOutput: per request, the tokens to compute
+                 from its num_computed_tokens (one: decode; more: a local prefill, a
+                 chunk of one, or a preempted request's recompute) →
+                 ModelRunner.mixed() / prefill() + decode() → sample() the rows that
+                 reach num_tokens → update_from_output()
     router ◀── events(epoch): one stream per worker, each item the TokenEvents of every
                request since the last (a step's worth, one Ray message, where a stream
                per request costs one per request and step); a request's events end
@@ -243,8 +245,8 @@ class DecodeWorker:
         runner, sched = self.runner, self.scheduler
         threads = self.config.num_threads
         while not self._stop.is_set():
-            batch = sched.schedule()
-            if not batch.requests:
+            out = sched.schedule()
+            if not out.requests:
                 self._publish(sched.drain_events())
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()
@@ -263,54 +265,38 @@ class DecodeWorker:
                     if threads > self.config.num_threads and threads > (n := self.lent.threads()):
                         torch.set_num_threads(n)
                         threads = n
-            reqs = batch.requests
+            reqs, counts = out.requests, out.num_scheduled_tokens
             self.peak_batch_size = max(self.peak_batch_size, len(reqs))
             self.metrics.batch_size.labels(phase="decode").observe(len(reqs))
             t0 = time.perf_counter()
-            rows = [r for r in reqs if r.output_ids]       # the rest decode
-            dseqs = [DecodeSeq(r.output_ids[-1], r.num_tokens - 1, r.block_table) for r in rows]
-            pseqs = self._prefill_seqs(batch.prefill, batch.prefill_ends, batch.recompute)
-            decoded, logits = iter(()), None
+            # a row of one token decodes (the paged decode path); longer rows prefill
+            # tokens [num_computed_tokens, + count) of prompt + output
+            drows = [i for i, n in enumerate(counts) if n == 1]
+            prows = [i for i, n in enumerate(counts) if n > 1]
+            dseqs = [DecodeSeq(reqs[i].token_id(reqs[i].num_computed_tokens),
+                               reqs[i].num_computed_tokens, reqs[i].block_table) for i in drows]
+            pseqs = [PrefillSeq(reqs[i].token_ids(reqs[i].num_computed_tokens + counts[i]),
+                                reqs[i].block_table, reqs[i].num_computed_tokens) for i in prows]
+            plogits = dlogits = None
             # one forward for both where the C++ paged kernel takes one-token rows beside
             # chunks (measured there); CUDA keeps its decode path (graphs, paged decode)
-            if pseqs and dseqs and not batch.recompute and runner.attention_kernel:
-                plogits, logits = runner.mixed(pseqs, dseqs, give_back)
-                firsts = iter(self._first_tokens(batch.prefill, batch.prefill_ends, plogits))
+            if pseqs and dseqs and runner.attention_kernel:
+                plogits, dlogits = runner.mixed(pseqs, dseqs, give_back)
             else:
-                firsts = iter(self._first_tokens(
-                    batch.prefill, batch.prefill_ends,
-                    runner.prefill(pseqs, give_back) if pseqs else None))
-                if dseqs:
-                    logits = runner.decode(dseqs, give_back)
-            if rows:
-                # step = tokens generated so far, unchanged by preemption: seeded draws repeat
-                decoded = iter(sample(logits, [r.params for r in rows],
-                                      [len(r.output_ids) for r in rows]))
-            tokens = [next(decoded) if r.output_ids else next(firsts) for r in reqs]
-            self._publish(sched.update_from_output(batch, tokens))
-            logger.debug("decode step: batch %d (%d prefilled, %d recomputed), %.1f ms",
-                         len(reqs), len(batch.prefill), len(batch.recompute),
-                         1e3 * (time.perf_counter() - t0))
-
-    @staticmethod
-    def _prefill_seqs(first: tuple, ends: tuple[int, ...], resumed: tuple) -> list[PrefillSeq]:
-        """The prefill sequences of a step's `first` rows (no output yet: prompt tokens
-        [num_cached, end), a chunk), then its `resumed` rows (recompute the KV of all but
-        their newest token)."""
-        seqs = [PrefillSeq(r.prompt_token_ids[:end], r.block_table, r.num_cached)
-                for r, end in zip(first, ends, strict=True)]
-        return seqs + [PrefillSeq(r.recompute_token_ids, r.block_table) for r in resumed]
-
-    @staticmethod
-    def _first_tokens(first: tuple, ends: tuple[int, ...],
-                      logits: torch.Tensor | None) -> list[int | None]:
-        """Per `first` row its first token, sampled at step 0 from the last prompt token's
-        logits (`logits` rows in `first` order) as a prefill worker does, or None when its
-        chunk ended short of the prompt."""
-        done = [i for i, (r, end) in enumerate(zip(first, ends)) if end == r.prompt_len]
-        out: list[int | None] = [None] * len(first)
-        if done:
-            toks = sample(logits[done], [first[i].params for i in done], [0] * len(done))
-            for i, t in zip(done, toks):
-                out[i] = t
-        return out
+                plogits = runner.prefill(pseqs, give_back) if pseqs else None
+                dlogits = runner.decode(dseqs, give_back) if dseqs else None
+            tokens: list[int | None] = [None] * len(reqs)
+            for rows, logits in ((drows, dlogits), (prows, plogits)):
+                # rows that reach num_tokens sample; the step index is the tokens
+                # generated so far, unchanged by preemption: seeded draws repeat
+                hit = [k for k, i in enumerate(rows) if out.samples(i)]
+                if hit:
+                    if len(hit) < len(rows):
+                        logits = logits[hit]
+                    drawn = sample(logits, [reqs[rows[k]].params for k in hit],
+                                   [len(reqs[rows[k]].output_ids) for k in hit])
+                    for k, t in zip(hit, drawn):
+                        tokens[rows[k]] = t
+            self._publish(sched.update_from_output(out, tokens))
+            logger.debug("decode step: %d rows (%d prefill, %d tokens), %.1f ms", len(reqs),
+                         len(prows), sum(counts), 1e3 * (time.perf_counter() - t0))

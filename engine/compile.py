@@ -93,7 +93,7 @@ def warm_up(runner) -> float:
         lambda: runner.decode([DecodeSeq(1, bs, [0, 1]), DecodeSeq(2, 3, [2])]),   # 2 seqs
         lambda: runner.prefill([PrefillSeq([1] * (bs + 3), [0, 1])]),          # 1 seq, T > 1
         lambda: runner.prefill([PrefillSeq([1, 2, 3], [2]),                    # 2 seqs, with
-                                PrefillSeq([1] * (bs + 2), [0, 1], num_cached=bs)]),  # a prefix
+                                PrefillSeq([1] * (bs + 2), [0, 1], num_computed_tokens=bs)]),  # a prefix
     ]
     for i, step in enumerate(steps, 1):
         step()

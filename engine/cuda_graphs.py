@@ -43,7 +43,7 @@ import torch
 from .attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from .model_runner import DecodeBatch
+    from .model_runner import InputBatch
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class DecodeGraphs:
         return next((b for b in self.batch_sizes if b >= num_seqs), None)
 
     @torch.inference_mode()
-    def run(self, batch: DecodeBatch) -> torch.Tensor:
+    def run(self, batch: InputBatch) -> torch.Tensor:
         """Logits [batch size, vocab] float32 of one decode step, the batch's K/V written;
         a fresh tensor (the static one is overwritten by the next replay)."""
         n = batch.input_ids.shape[0]

@@ -29,16 +29,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class PrefillSeq:
-    """One prompt of a prefill batch: all its tokens, and the blocks that hold them.
+    """One sequence of a prefill batch: its tokens up to the last one to compute, and
+    the blocks that hold them.
 
-    The first `num_cached` tokens' K/V are already in the blocks (a prefix-cache hit, or
-    an earlier chunk of a chunked prefill): only the rest are computed, attending to
-    them. 0 <= num_cached < len(token_ids).
+    The first `num_computed_tokens` tokens' K/V are already in the blocks (a prefix-cache
+    hit, an earlier chunk of a chunked prefill): only the rest are computed, attending
+    to them. 0 <= num_computed_tokens < len(token_ids).
     """
 
     token_ids: Sequence[int]
     block_table: Sequence[int]   # block ids; len >= ceil(len(token_ids) / block_size)
-    num_cached: int = 0
+    num_computed_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +52,7 @@ class DecodeSeq:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeBatch:
+class InputBatch:
     """The flat tensors of one decode step, as ModelRunner.decode builds them (on the
     runner's device); what the model's decode forward and DecodeGraphs consume."""
 
@@ -200,12 +201,12 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seqs: Sequence[PrefillSeq],
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Prefill a varlen batch: each prompt's tokens from `num_cached` on; returns
+        """Prefill a varlen batch: each sequence's tokens from `num_computed_tokens` on; returns
         logits [len(seqs), vocab] float32 of each prompt's last token. K/V of every
         computed token land in its blocks; `on_layer_done(i)` runs once layer i's are in.
 
         Raises:
-            ValueError: a sequence has nothing to compute (num_cached >= its length) or
+            ValueError: a sequence has nothing to compute (num_computed_tokens >= its length) or
                 a block table too short for its tokens.
         """
         assert seqs, "empty prefill batch"
@@ -230,16 +231,16 @@ class ModelRunner:
                 on_layer_done: Callable[[int], None] | None) -> torch.Tensor:
         bs = self.block_size
         for s in seqs:
-            if not 0 <= s.num_cached < len(s.token_ids):
-                raise ValueError(f"num_cached={s.num_cached} must be in [0, "
+            if not 0 <= s.num_computed_tokens < len(s.token_ids):
+                raise ValueError(f"num_computed_tokens={s.num_computed_tokens} must be in [0, "
                                  f"{len(s.token_ids)}) (prompt tokens)")
             if len(s.block_table) * bs < len(s.token_ids):
                 raise ValueError(f"block_table of {len(s.block_table)} blocks cannot hold "
                                  f"{len(s.token_ids)} tokens (block_size {bs})")
-        lens = [len(s.token_ids) - s.num_cached for s in seqs] + [1] * len(decode)
+        lens = [len(s.token_ids) - s.num_computed_tokens for s in seqs] + [1] * len(decode)
         totals = [len(s.token_ids) for s in seqs] + [d.position + 1 for d in decode]
-        cached = [s.num_cached for s in seqs] + [d.position for d in decode]
-        ids = [t for s in seqs for t in s.token_ids[s.num_cached:]] + [d.token_id for d in decode]
+        cached = [s.num_computed_tokens for s in seqs] + [d.position for d in decode]
+        ids = [t for s in seqs for t in s.token_ids[s.num_computed_tokens:]] + [d.token_id for d in decode]
         table = self._block_table([s.block_table for s in seqs] + [d.block_table for d in decode],
                                   totals)                                   # (batch, width)
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
@@ -276,14 +277,14 @@ class ModelRunner:
         return self._decode_forward(batch.input_ids, batch.positions, batch.metadata(
             self.kv_cache_id if self.attention_kernel else None), on_layer_done)
 
-    def decode_batch(self, seqs: Sequence[DecodeSeq]) -> DecodeBatch:
+    def decode_batch(self, seqs: Sequence[DecodeSeq]) -> InputBatch:
         """The flat tensors of a decode step over `seqs`, on the runner's device."""
         assert seqs, "empty decode batch"
         dev, bs = self.device, self.block_size
         ctx = [s.position + 1 for s in seqs]
         table = self._block_table([s.block_table for s in seqs], ctx)
         slots = [s.block_table[s.position // bs] * bs + s.position % bs for s in seqs]
-        return DecodeBatch(
+        return InputBatch(
             input_ids=torch.tensor([s.token_id for s in seqs], dtype=torch.long, device=dev),
             positions=torch.tensor([s.position for s in seqs], dtype=torch.long, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),

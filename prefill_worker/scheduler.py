@@ -46,13 +46,13 @@ class PrefillRequest:
     kv_address: tuple[str, int]          # decode worker's KV receiver
     epoch: int                           # decode worker's epoch, echoed in every frame
     future: Any = None                   # asyncio.Future on the actor loop: first token
-    num_cached_blocks: int = 0              # leading prompt blocks D holds already: not sent
+    num_cached_blocks: int = 0           # leading prompt blocks D holds already: not sent
     kv_sent_blocks: int = 0              # block-table positions before this are queued to send
     kv_send_started: float | None = None  # perf_counter() of its first KV frame (metrics)
     block_table: list[int] = field(default_factory=list)
-    num_cached: int = 0                  # leading prompt tokens found in the prefix cache
-    num_computed: int = 0                # tokens whose K/V is in the blocks (cached included)
-    chunk_end: int = 0                   # this step computes tokens [num_computed, chunk_end)
+    num_cached: int = 0                  # leading prompt tokens found in P's prefix cache
+    num_computed_tokens: int = 0         # tokens whose K/V is in the blocks (cached included)
+    chunk_end: int = 0                   # this step computes [num_computed_tokens, chunk_end)
     block_hashes: list[BlockHash] | None = None  # of its full blocks, computed once
     state: RequestState = RequestState.WAITING
     aborted: bool = False
@@ -105,7 +105,7 @@ class PrefillScheduler:
 
     def schedule(self) -> list[PrefillRequest]:
         """Next batch (possibly empty); each member computes tokens
-        ``[num_computed, chunk_end)`` this step. Partly prefilled prompts continue first
+        ``[num_computed_tokens, chunk_end)`` this step. Partly prefilled prompts continue first
         (oldest first), then waiting ones join in the schedule policy's order (FIFO, or
         shortest prompt first), each taking blocks for its
         whole prompt (cached prefix blocks shared, `num_cached` set) when it first runs.
@@ -146,16 +146,16 @@ class PrefillScheduler:
                         req.block_hashes = block_hashes(req.token_ids, bs)
                     lookup = req.block_hashes[: (n - 1) // bs]  # not the last token's block
                     hit = self.pool.match_prefix(lookup)
-                req.num_computed = len(hit) * bs
+                req.num_computed_tokens = len(hit) * bs
                 take = self._chunk(req, budget, alone=not batch)
                 need = blocks_needed(n, bs) - len(hit)
                 if take == 0 or need > self.pool.num_free:
                     # in order: wait (for room or blocks) rather than let later prompts overtake
                     self.pool.free(hit)
-                    req.num_computed = 0
+                    req.num_computed_tokens = 0
                     break
                 req.block_table = hit + self.pool.allocate(need)
-                req.num_cached = req.num_computed
+                req.num_cached = req.num_computed_tokens
                 req.state = RequestState.PREFILLING
                 self._waiting.popleft()
                 batch.append(req)
@@ -169,18 +169,18 @@ class PrefillScheduler:
     def _chunk(self, req: PrefillRequest, budget: int, alone: bool) -> int:
         """Tokens `req` computes this step within `budget` (0: none fit); sets chunk_end.
         Without chunking, a prompt over the budget runs whole, alone."""
-        remaining = len(req.token_ids) - req.num_computed
+        remaining = len(req.token_ids) - req.num_computed_tokens
         take = min(remaining, self.prefill_chunk_size or remaining)
         if take > budget:
             if self.prefill_chunk_size is None:
                 take = remaining if alone else 0    # whole prompts only
             else:
                 take = budget
-        end = req.num_computed + take
+        end = req.num_computed_tokens + take
         if end < len(req.token_ids):
             end -= end % self.block_size          # later chunks start on a block boundary
-        take = max(end - req.num_computed, 0)
-        req.chunk_end = req.num_computed + take
+        take = max(end - req.num_computed_tokens, 0)
+        req.chunk_end = req.num_computed_tokens + take
         return take
 
     def advance(self, batch: list[PrefillRequest], ok: bool = True) -> list[PrefillRequest]:
@@ -190,8 +190,8 @@ class PrefillScheduler:
         done = []
         with self._lock:
             for req in batch:
-                req.num_computed = req.chunk_end
-                if req.num_computed == len(req.token_ids):
+                req.num_computed_tokens = req.chunk_end
+                if req.num_computed_tokens == len(req.token_ids):
                     done.append(req)
                 elif ok:
                     self._partial.append(req)

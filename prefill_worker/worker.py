@@ -261,7 +261,7 @@ class PrefillWorker:
 
             try:
                 logits = self.runner.prefill(
-                    [PrefillSeq(r.token_ids[:r.chunk_end], r.block_table, r.num_computed)
+                    [PrefillSeq(r.token_ids[:r.chunk_end], r.block_table, r.num_computed_tokens)
                      for r in batch], on_layer_done)
                 done = self.scheduler.advance(batch)
                 for r in done:

@@ -32,7 +32,7 @@ def test_no_step_compiles_after_the_warm_up_and_logits_equal_eager():
         runner.kv_cache.zero_()
     steps = [   # shapes the warm-up did not run: other sizes, a prefix, one token
         lambda r: r.prefill([PrefillSeq(p, t) for p, t in zip(prompts, tables)]),
-        lambda r: r.prefill([PrefillSeq(prompts[1] + [5, 6, 7], tables[1], num_cached=40)]),
+        lambda r: r.prefill([PrefillSeq(prompts[1] + [5, 6, 7], tables[1], num_computed_tokens=40)]),
         lambda r: r.decode([DecodeSeq(3, len(p), t) for p, t in zip(prompts, tables)]),
         lambda r: r.decode([DecodeSeq(9, 101, tables[3])]),
         lambda r: r.prefill([PrefillSeq([8, 9], tables[0][:1])]),

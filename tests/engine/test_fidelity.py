@@ -204,13 +204,13 @@ def test_prefill_after_cached_prefix_matches_hf_forward(family):
     cuts = [1, 8, 9, 28, 39]    # tokens already cached, per prompt in PROMPTS
     tables = [pool.allocate(blocks_needed(len(p), 4)) for p in PROMPTS]
     runner.prefill([PrefillSeq(list(p[:c]), tuple(t)) for p, c, t in zip(PROMPTS, cuts, tables)])
-    logits = runner.prefill([PrefillSeq(list(p), tuple(t), num_cached=c)
+    logits = runner.prefill([PrefillSeq(list(p), tuple(t), num_computed_tokens=c)
                              for p, c, t in zip(PROMPTS, cuts, tables)])
     for i, (row, (fwd, _, _)) in enumerate(zip(logits, _tiny_reference(family))):
         torch.testing.assert_close(row, fwd, atol=TINY_ATOL, rtol=0,
                                    msg=lambda m: f"prompt {i} (cut {cuts[i]}): {m}")
-    with pytest.raises(ValueError, match="num_cached"):
-        runner.prefill([PrefillSeq(list(PROMPTS[0]), tuple(tables[0]), num_cached=3)])
+    with pytest.raises(ValueError, match="num_computed_tokens"):
+        runner.prefill([PrefillSeq(list(PROMPTS[0]), tuple(tables[0]), num_computed_tokens=3)])
     for t in tables:
         pool.free(t)
     assert pool.all_free()

@@ -31,7 +31,7 @@ def test_mixed_equals_prefill_then_decode(dtype, tol):
     # a whole prompt and a chunk after 16 cached tokens
     long = [rng.randrange(vocab) for _ in range(40)]
     prefill = [PrefillSeq([rng.randrange(vocab) for _ in range(23)], ids[10:12]),
-               PrefillSeq(long, ids[12:15], num_cached=16)]
+               PrefillSeq(long, ids[12:15], num_computed_tokens=16)]
     runner.prefill([PrefillSeq(long[:16], ids[12:15])])             # the chunk's prefix
     want_p = runner.prefill(prefill)
     want_d = runner.decode(decode)

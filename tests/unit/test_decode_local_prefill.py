@@ -22,6 +22,17 @@ def pool():
     return BlockPool(NUM_BLOCKS)
 
 
+def prefills(out):
+    """Rows of a SchedulerOutput computing more than one token (prefill rows)."""
+    return tuple(r for r, n in zip(out.requests, out.num_scheduled_tokens) if n > 1)
+
+
+def ends(out):
+    """Where each prefill row's tokens end after the step (call before the update)."""
+    return tuple(r.num_computed_tokens + n for r, n in zip(out.requests, out.num_scheduled_tokens)
+                 if n > 1)
+
+
 def make_sched(pool, local=0, caching=True) -> DecodeScheduler:
     return DecodeScheduler(pool, BS, 128, (EOS,), enable_prefix_caching=caching,
                            local_prefill_max_tokens=local)
@@ -105,12 +116,12 @@ def test_local_prefill_computes_the_prompt_and_samples_the_first_token(pool):
     batch = sched.schedule()
     (req,) = batch.requests
     # the step prefills the prompt and samples its first token: a prefill row, no decode
-    assert batch.prefill == (req,) and batch.recompute == ()
-    assert req.num_cached == 0 and req.output_ids == []
+    assert prefills(batch) == (req,)
+    assert req.num_computed_tokens == 0 and req.output_ids == []
     events = sched.update_from_output(batch, [11])
     assert events == [TokenEvent("a", (11,))]             # the first token, on D's stream
     batch = sched.schedule()
-    assert batch.prefill == batch.recompute == () and batch.requests[0].output_ids == [11]
+    assert prefills(batch) == () and batch.requests[0].output_ids == [11]
     assert pool.num_cached == 1                           # its one full prompt block
     finish_all(sched)
     assert pool.all_free()
@@ -122,8 +133,8 @@ def test_local_prefill_after_a_prefix_cache_hit(pool):
     ids = PROMPT[:28] + [5, 6, 7]                         # 7 blocks cached, 3 tokens new
     r = reserve(sched, "b", ids)
     assert r.local_prefill and r.num_cached_blocks == 7
-    (req,) = sched.schedule().prefill
-    assert req.num_cached == 28 and req.prompt_token_ids[28:] == [5, 6, 7]
+    (req,) = prefills(sched.schedule())
+    assert req.num_computed_tokens == 28 and req.prompt_token_ids[28:] == [5, 6, 7]
     finish_all(sched)
     assert pool.all_free()
 
@@ -156,9 +167,9 @@ def test_local_prefill_preempted_before_its_first_token_prefills_again(pool):
     req = sched._requests["a"]
     with sched._lock:
         sched._preempt(req)                               # as if the pool ran short
-    assert req.num_cached == 0 and req.block_table == []
+    assert req.num_computed_tokens == 0 and req.block_table == []
     batch = sched.schedule()                              # resumes: prefill row again
-    assert batch.prefill == (req,) and req.num_cached == 0 and len(req.block_table) == 8
+    assert prefills(batch) == (req,) and req.num_computed_tokens == 0 and len(req.block_table) == 8
     sched.update_from_output(batch, [9])
     assert req.output_ids == [9]
     finish_all(sched)
@@ -183,18 +194,18 @@ def test_chunked_local_prefill_spreads_a_prompt_over_steps_beside_decode(pool):
     batch = sched.schedule()
     run, long = sched._requests["run"], sched._requests["long"]
     # the decode row counts first: 12 - 1 = 11 prompt tokens this step
-    assert batch.requests == (run, long) and batch.prefill == (long,)
-    assert batch.prefill_ends == (11,)
+    assert batch.requests == (run, long) and prefills(batch) == (long,)
+    assert ends(batch) == (11,)
     events = sched.update_from_output(batch, [12, None])  # no token for a partial chunk
-    assert events == [TokenEvent("run", (12,))] and long.num_cached == 11
+    assert events == [TokenEvent("run", (12,))] and long.num_computed_tokens == 11
     batch = sched.schedule()
-    assert batch.prefill_ends == (22,)
+    assert ends(batch) == (22,)
     sched.update_from_output(batch, [13, None])
     batch = sched.schedule()
-    assert batch.prefill_ends == (25,)                    # the rest; then its first token
+    assert ends(batch) == (25,)                    # the rest; then its first token
     events = sched.update_from_output(batch, [14, 40])
     assert TokenEvent("long", (40,)) in events and long.output_ids == [40]
-    assert long.num_cached == 0 and not long.recompute    # a decode row from now on
+    assert long.num_computed_tokens == 25 == long.num_tokens - 1   # a decode row from now on
     finish_all(sched)
     assert pool.all_free()
 
@@ -206,15 +217,15 @@ def test_prefill_rows_beyond_the_chunk_budget_wait_their_turn(pool):
     reserve(sched, "b", PROMPT[10:16])
     batch = sched.schedule()
     a, b = sched._requests["a"], sched._requests["b"]
-    assert batch.prefill == (a, b) and batch.prefill_ends == (6, 2)
+    assert prefills(batch) == (a, b) and ends(batch) == (6, 2)
     sched.update_from_output(batch, [20, None])
-    assert a.output_ids == [20] and b.num_cached == 2
+    assert a.output_ids == [20] and b.num_computed_tokens == 2
     many = DecodeScheduler(BlockPool(NUM_BLOCKS), BS, 128, (EOS,),
                            local_prefill_max_tokens=64, prefill_chunk_size=8)
     for i in range(3):
         reserve(many, f"r{i}", PROMPT[4 * i:4 * i + 8])
     batch = many.schedule()                               # the budget covers r0 only
-    assert [r.request_id for r in batch.requests] == ["r0"] and batch.prefill_ends == (8,)
+    assert [r.request_id for r in batch.requests] == ["r0"] and ends(batch) == (8,)
     finish_all(sched)
     finish_all(many)
     assert pool.all_free() and many.pool.all_free()
@@ -229,14 +240,14 @@ def test_sjf_gives_the_chunk_budget_to_the_shortest_prompt_but_keeps_batch_order
     long, short = sched._requests["long"], sched._requests["short"]
     # the 6-token prompt first; the 2 tokens left go to the long one; rows in batch order,
     # as the step's tokens come back
-    assert batch.prefill == (long, short) and batch.prefill_ends == (2, 6)
+    assert prefills(batch) == (long, short) and ends(batch) == (2, 6)
     events = sched.update_from_output(batch, [None, 30])
-    assert events == [TokenEvent("short", (30,))] and long.num_cached == 2
+    assert events == [TokenEvent("short", (30,))] and long.num_computed_tokens == 2
     fcfs = DecodeScheduler(BlockPool(NUM_BLOCKS), BS, 128, (EOS,), local_prefill_max_tokens=64,
                            prefill_chunk_size=8)                # the default: fcfs
     reserve(fcfs, "long", PROMPT[:20])
     reserve(fcfs, "short", PROMPT[20:26])
-    assert fcfs.schedule().prefill_ends == (8,)               # arrival order: long only
+    assert ends(fcfs.schedule()) == (8,)               # arrival order: long only
     finish_all(sched)
     finish_all(fcfs)
     assert pool.all_free() and fcfs.pool.all_free()
@@ -249,10 +260,10 @@ def test_a_partly_prefilled_request_preempted_starts_its_prompt_again(pool):
     batch = sched.schedule()
     sched.update_from_output(batch, [None])
     req = sched._requests["a"]
-    assert req.num_cached == 8
+    assert req.num_computed_tokens == 8
     with sched._lock:
         sched._preempt(req)
     batch = sched.schedule()
-    assert batch.prefill == (req,) and req.num_cached == 0 and batch.prefill_ends == (8,)
+    assert prefills(batch) == (req,) and req.num_computed_tokens == 0 and ends(batch) == (8,)
     finish_all(sched)
     assert pool.all_free()

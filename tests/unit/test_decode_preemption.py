@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pdserve.decode_worker.scheduler import DecodeBatch, DecodeScheduler
+from pdserve.decode_worker.scheduler import DecodeScheduler, SchedulerOutput
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
 from pdserve.engine.request import RequestState, TokenEvent
 from pdserve.engine.sampling_params import SamplingParams
@@ -43,7 +43,7 @@ def arrive(sched, rid, prompt_len, first_token=10, **kw):
     sched.on_kv_complete(rid, True, first_token)
 
 
-def step(sched, batch: DecodeBatch, token=TOKEN) -> DecodeBatch:
+def step(sched, batch: SchedulerOutput, token=TOKEN) -> SchedulerOutput:
     """The step thread: one token for every row, then the next schedule()."""
     sched.update_from_output(batch, [token] * len(batch.requests))
     return sched.schedule()
@@ -51,6 +51,16 @@ def step(sched, batch: DecodeBatch, token=TOKEN) -> DecodeBatch:
 
 def ids(rows) -> list[str]:
     return [r.request_id for r in rows]
+
+
+def recomputing(out: SchedulerOutput) -> list[str]:
+    """Rows computing their tokens again after preemption (a prefill with output)."""
+    return [r.request_id for r, n in zip(out.requests, out.num_scheduled_tokens)
+            if n > 1 and r.output_ids]
+
+
+def counts(out: SchedulerOutput) -> dict[str, int]:
+    return {r.request_id: n for r, n in zip(out.requests, out.num_scheduled_tokens)}
 
 
 def req(sched, rid):
@@ -183,17 +193,19 @@ def test_resume_is_oldest_first_recomputes_and_keeps_every_token():
     sched.update_from_output(batch, [EOS])         # a finishes: 4 blocks back
     batch = sched.schedule()
     assert ids(batch.requests) == ["b", "c"]       # resumed in admission order
-    assert ids(batch.recompute) == ["b", "c"]
+    assert recomputing(batch) == ["b", "c"]
     assert b.output_ids == b_tokens and c.output_ids == [10]
-    assert b.recompute_token_ids == prompt(7) + b_tokens[:-1]
-    assert c.recompute_token_ids == prompt(7)
+    assert b.num_computed_tokens == c.num_computed_tokens == 0
+    assert counts(batch) == {"b": 12, "c": 8}      # every token again, then sample
+    assert b.token_ids(12) == prompt(7) + b_tokens
     assert len(b.block_table) == blocks_needed(12, BLOCK_SIZE) and covers_next_position(b)
     assert len(c.block_table) == blocks_needed(8, BLOCK_SIZE) and covers_next_position(c)
     assert pool.num_free == 1 and sched.num_waiting_to_resume() == 0
     events = sched.update_from_output(batch, [61, 62])
     assert events == [TokenEvent("b", (61,)), TokenEvent("c", (62,))]
-    assert not b.recompute and not c.recompute
-    assert sched.schedule().recompute == ()        # recomputed once, then plain decode
+    assert (b.num_computed_tokens, c.num_computed_tokens) == (12, 8)
+    out = sched.schedule()                         # recomputed once, then decode (c, the
+    assert counts(out)["b"] == 1 and recomputing(out) == []   # newest, preempted again)
     finish_all(sched)
     assert pool.all_free()
 
@@ -231,7 +243,7 @@ def late_arrival(max_batch_size: int = 256):
 def test_a_resumed_request_goes_before_requests_admitted_after_it():
     pool, sched, batch = late_arrival()
     assert ids(batch.requests) == ["b", "c", "d"]  # c by its first admission, not last
-    assert ids(batch.recompute) == ["c"] and pool.num_free == 1
+    assert recomputing(batch) == ["c"] and pool.num_free == 1
     for _ in range(4):                             # until b, c or d runs short of blocks
         batch = step(sched, batch)
         if sched.num_preemptions > 1:
@@ -252,7 +264,7 @@ def test_resume_order_is_first_admission_not_preemption_order():
     batch = step(sched, batch)                     # d's position 8: d preempts itself,
     assert req(sched, "d").state == RequestState.PREEMPTED   # freeing 2 blocks, which
     assert ids(batch.requests) == ["a", "b", "c"]  # go to c: admitted before d
-    assert ids(batch.recompute) == ["c"] and sched.num_preemptions == 2
+    assert recomputing(batch) == ["c"] and sched.num_preemptions == 2
     finish_all(sched)
     assert pool.all_free()
 
@@ -264,7 +276,7 @@ def test_resume_waits_for_a_slot_in_the_batch():
     assert c.state == RequestState.PREEMPTED and c.block_table == [] and pool.num_free == 3
     sched.update_from_output(batch, [TOKEN, EOS])  # d finishes
     batch = sched.schedule()
-    assert ids(batch.requests) == ["b", "c"] and ids(batch.recompute) == ["c"]
+    assert ids(batch.requests) == ["b", "c"] and recomputing(batch) == ["c"]
     finish_all(sched)
     assert pool.all_free()
 
@@ -300,7 +312,7 @@ def test_abort_of_a_resumed_request_before_its_recompute_frees_its_new_blocks_on
     sched.abort("a")
     batch = sched.schedule()
     c = req(sched, "c")
-    assert ids(batch.recompute) == ["c"] and len(c.block_table) == 2
+    assert recomputing(batch) == ["c"] and len(c.block_table) == 2
     sched.abort("c")                               # arrives while the recompute step runs
     events = sched.update_from_output(batch, [TOKEN, TOKEN])
     assert events == [TokenEvent("a", (), "cancelled"), TokenEvent("b", (TOKEN,))]
@@ -331,7 +343,7 @@ def test_expired_lease_returns_blocks_that_a_preempted_request_resumes_in():
     (ev,) = sched.drain_events()
     assert ev.request_id == "w" and ev.finish_reason == "error" and "lease" in ev.error
     assert sched.num_reclaimed == 1
-    assert ids(batch.requests) == ["a", "b", "c"] and ids(batch.recompute) == ["c"]
+    assert ids(batch.requests) == ["a", "b", "c"] and recomputing(batch) == ["c"]
     assert pool.num_free == 1
     finish_all(sched)
     assert pool.all_free()
@@ -374,7 +386,7 @@ def test_overloaded_pool_preempts_and_still_finishes_every_request_with_every_to
                        and before[r.request_id] == RequestState.RUNNING]
             assert min(v.admitted_seq for v in victims) > max(
                 (r.admitted_seq for r in batch.requests), default=-1)
-        resumed = [r.admitted_seq for r in batch.recompute]
+        resumed = [req(sched, rid).admitted_seq for rid in recomputing(batch)]
         waiting = [r.admitted_seq for r in sched._preempted]
         if resumed and waiting:                    # oldest first: a prefix of the queue
             assert max(resumed) < min(waiting)
@@ -406,5 +418,4 @@ def _check_invariants(sched, pool, batch):
     for r in batch.requests:
         assert r.state == RequestState.RUNNING and covers_next_position(r), r.request_id
     for r in sched._running:                       # resumed only with a slot in the batch
-        assert not r.recompute or r in batch.requests, r.request_id
-    assert set(batch.recompute) <= set(batch.requests)
+        assert r.num_computed_tokens == r.num_tokens - 1 or r in batch.requests, r.request_id

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pdserve.decode_worker.scheduler import DecodeBatch, DecodeScheduler, RequestTooLargeError
+from pdserve.decode_worker.scheduler import DecodeScheduler, SchedulerOutput, RequestTooLargeError
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
 from pdserve.engine.request import RequestState, TokenEvent
 from pdserve.engine.sampling_params import SamplingParams
@@ -46,7 +46,7 @@ def admit(sched, rid, prompt_len=8, first_token=10, **kw):
     return sched.schedule()
 
 
-def ids(batch: DecodeBatch) -> list[str]:
+def ids(batch: SchedulerOutput) -> list[str]:
     return [r.request_id for r in batch.requests]
 
 

@@ -343,7 +343,7 @@ def test_chunked_prefill_lets_short_prompts_in_between_chunks():
 
     def step():
         batch = sched.schedule()
-        steps.append([(r.request_id, r.num_computed, r.chunk_end) for r in batch])
+        steps.append([(r.request_id, r.num_computed_tokens, r.chunk_end) for r in batch])
         return batch, sched.advance(batch)
 
     _, done = step()
@@ -357,7 +357,7 @@ def test_chunked_prefill_lets_short_prompts_in_between_chunks():
     _, done = step()
     _, done = step()
     assert steps[-2:] == [[("long", 16, 24)], [("long", 24, 30)]]
-    assert done == [long] and long.num_computed == 30
+    assert done == [long] and long.num_computed_tokens == 30
     assert sched.computed_tokens == 33
     release_all(sched, done)
     assert pool.all_free() and sched.schedule() == []
@@ -371,12 +371,12 @@ def test_a_chunk_as_large_as_the_budget_leaves_half_of_it_to_waiting_prompts():
     long = _tokens_req("long", list(range(1, 61)))        # 60 tokens
     sched.add(long)
     batch = sched.schedule()
-    assert [(r.request_id, r.num_computed, r.chunk_end) for r in batch] == [("long", 0, 16)]
+    assert [(r.request_id, r.num_computed_tokens, r.chunk_end) for r in batch] == [("long", 0, 16)]
     sched.advance(batch)
     short = _tokens_req("short", [5, 6, 7])
     sched.add(short)
     batch = sched.schedule()
-    assert [(r.request_id, r.num_computed, r.chunk_end) for r in batch] == [
+    assert [(r.request_id, r.num_computed_tokens, r.chunk_end) for r in batch] == [
         ("long", 16, 24), ("short", 0, 3)]
     done = sched.advance(batch)
     assert done == [short]
@@ -384,7 +384,7 @@ def test_a_chunk_as_large_as_the_budget_leaves_half_of_it_to_waiting_prompts():
     chunks, done = [], []                                  # alone again: whole chunks
     while not done:
         batch = sched.schedule()
-        chunks.append([(r.request_id, r.num_computed, r.chunk_end) for r in batch])
+        chunks.append([(r.request_id, r.num_computed_tokens, r.chunk_end) for r in batch])
         done = sched.advance(batch)
     assert chunks == [[("long", 24, 40)], [("long", 40, 56)], [("long", 56, 60)]]
     assert done == [long]
@@ -399,14 +399,14 @@ def test_chunks_end_on_block_boundaries_within_the_budget():
     sched.add(b)
     batch = sched.schedule()
     # a: 10 tokens; b gets the 6 left, cut to a block boundary: 4
-    assert [(r.request_id, r.num_computed, r.chunk_end) for r in batch] == \
+    assert [(r.request_id, r.num_computed_tokens, r.chunk_end) for r in batch] == \
         [("a", 0, 10), ("b", 0, 4)]
     assert sched.advance(batch) == [a]
     sched.release(a, RequestState.FINISHED_STOPPED)
     batch = sched.schedule()
-    assert [(r.num_computed, r.chunk_end) for r in batch] == [(4, 20)]
+    assert [(r.num_computed_tokens, r.chunk_end) for r in batch] == [(4, 20)]
     sched.advance(batch)
-    assert [(r.num_computed, r.chunk_end) for r in sched.schedule()] == [(20, 30)]
+    assert [(r.num_computed_tokens, r.chunk_end) for r in sched.schedule()] == [(20, 30)]
     release_all(sched, [b])
     assert pool.all_free()
 
@@ -461,6 +461,6 @@ def test_kv_is_sent_per_chunk_and_never_the_blocks_d_holds():
     # first chunk computes tokens 8..15 (blocks 2-3) and sends P's cached block 1 too;
     # block 0 is D's; the last chunk ends mid-block 7
     assert sent == [(1, 4), (4, 6), (6, 8)]
-    assert r.num_cached == 8 and r.num_computed == 30
+    assert r.num_cached == 8 and r.num_computed_tokens == 30
     sched.release(r, RequestState.FINISHED_STOPPED)
     assert pool.all_free()

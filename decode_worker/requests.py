@@ -48,6 +48,7 @@ class DecodeRequest:
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0         # leading tokens whose K/V is in block_table
     num_cached_blocks: int = 0           # leading prompt blocks D's prefix cache had (reserve)
+    remote_kv: bool = True               # a KV receiver fills its prompt blocks (not local)
     abort_reason: str | None = None      # set by abort(); applied by schedule()
     error: str | None = None
     admitted_seq: int = -1               # order of first admission into RUNNING (resume order)

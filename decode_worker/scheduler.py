@@ -67,7 +67,6 @@ import bisect
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 from ..engine.block_pool import (
     BlockPool,
@@ -79,6 +78,7 @@ from ..engine.request import RequestState, TokenEvent
 from ..engine.schedule_policy import prefill_order
 from ..engine.sampling_params import SamplingParams
 from ..engine.stop import stop_state
+from ..kv_transfer.base import KVFinished
 from .requests import DecodeRequest, RequestTooLargeError, Reserved, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -91,13 +91,14 @@ def _by_admission(req: DecodeRequest) -> int:
 class DecodeScheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], max_batch_size: int = 256,
-                 on_release: Callable[[str, Callable[[], None]], None] | None = None,
+                 kv_connector: bool = False,
                  enable_prefix_caching: bool = False, local_prefill_max_tokens: int = 0,
                  prefill_chunk_size: int | None = None, schedule_policy: str = "fcfs"):
-        """`on_release(request_id, free_blocks)` runs (under the lock) when a request
-        finishes, instead of freeing its blocks here: the KV receiver stops writing into
-        them and calls `free_blocks()` once no write is in flight (KVReceiver.forget),
-        so a block is never reused while prefill's KV still lands in it.
+        """kv_connector: a KV receiver fills the blocks of requests prefilled elsewhere.
+        Such a request's blocks then go back to the pool only once the receiver reports
+        it released (update_from_connector), after the worker told it to forget the
+        request (take_forgotten), so a block is never reused while prefill's KV may still
+        land in it. False (no receiver: tests, a colocated engine): freed at once.
 
         enable_prefix_caching: share the prompt's leading full blocks from D's prefix
         cache (they are then not transferred). local_prefill_max_tokens: a request whose
@@ -117,7 +118,9 @@ class DecodeScheduler:
         self.schedule_policy = schedule_policy
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_batch_size = max_batch_size
-        self._on_release = on_release
+        self.kv_connector = kv_connector
+        self._forget: list[str] = []                 # finished; the receiver must forget them
+        self._releasing: dict[str, list[int]] = {}   # their blocks, until it released them
         self._lock = threading.Lock()
         self._requests: dict[str, DecodeRequest] = {}
         self._arrived: list[str] = []
@@ -195,7 +198,7 @@ class DecodeScheduler:
         self.prefix_queries += len(lookup)
         self.prefix_hits += len(hit)
         if prefill_locally or n - req.num_computed_tokens <= self.local_prefill_max_tokens:
-            req.state = RequestState.WAITING
+            req.state, req.remote_kv = RequestState.WAITING, False
             self._arrived.append(request_id)
             self.num_local_prefills += 1
         self._requests[request_id] = req
@@ -216,6 +219,25 @@ class DecodeScheduler:
             else:
                 req.abort_reason = error or "KV transfer failed"
                 req.error = req.abort_reason
+
+    def update_from_connector(self, finished: KVFinished) -> None:
+        """Apply what the KV receiver reported (KVReceiver.get_finished): transfers done
+        or failed (on_kv_complete), and forgotten requests whose blocks no write can
+        touch any more: freed here, the one place blocks of a KV transfer go back."""
+        for c in finished.completions:
+            self.on_kv_complete(c.request_id, c.ok, c.first_token, c.error)
+        with self._lock:
+            for rid in finished.released:
+                blocks = self._releasing.pop(rid, None)
+                if blocks is not None:
+                    self.pool.free(blocks)
+
+    def take_forgotten(self) -> list[str]:
+        """Requests finished since the last call that the KV receiver must forget (its
+        release of each comes back through update_from_connector)."""
+        with self._lock:
+            forget, self._forget = self._forget, []
+            return forget
 
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
         with self._lock:
@@ -329,7 +351,7 @@ class DecodeScheduler:
     def _preempt(self, req: DecodeRequest) -> None:
         """Free a running request's blocks and queue it to resume by recompute. Its KV
         transfer is DONE, so the receiver no longer writes into these blocks: they go
-        straight back to the pool (no on_release)."""
+        straight back to the pool (nothing to wait for from the receiver)."""
         self._running.remove(req)
         self.pool.free(req.block_table)
         logger.debug("preempted request %s at %d tokens (%d blocks freed)",
@@ -379,11 +401,11 @@ class DecodeScheduler:
             self._preempted.remove(req)         # holds no blocks: nothing to free twice
         req.state = state
         del self._requests[req.request_id]
-        blocks = req.block_table
-        if self._on_release is not None:
-            self._on_release(req.request_id, lambda: self.pool.free(blocks))
+        if self.kv_connector and req.remote_kv:
+            self._releasing[req.request_id] = req.block_table
+            self._forget.append(req.request_id)
         else:
-            self.pool.free(blocks)
+            self.pool.free(req.block_table)
         if emit:
             self._events.append(TokenEvent(req.request_id, (), state.finish_reason, req.error))
 
@@ -408,6 +430,7 @@ class DecodeScheduler:
     def has_work(self) -> bool:
         with self._lock:
             return bool(self._arrived or self._events or self._running or self._preempted
+                        or self._forget
                         or any(r.abort_reason for r in self._requests.values()))
 
     def next_lease_deadline(self) -> float | None:

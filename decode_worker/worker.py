@@ -20,8 +20,10 @@ Request lifecycle here (see scheduler.py for the state machine):
                with the one carrying finish_reason
 
 The step thread owns the model; the actor's event loop serves RPCs; the KV receiver
-has its own threads. Events cross to the event loop through one outbox
-(`call_soon_threadsafe`), so a slow client never blocks the step loop.
+has its own threads, and the step loop polls it (get_finished: transfers done or
+failed, forgotten requests' blocks released; the receiver only wakes the loop). Events
+cross to the event loop through one outbox (`call_soon_threadsafe`), so a slow client
+never blocks the step loop.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from ..engine.model_runner import DecodeSeq, ModelRunner, PrefillSeq
 from ..engine.request import TokenEvent
 from ..engine.sampler import sample
 from ..engine.sampling_params import SamplingParams
-from ..kv_transfer import KVCompletion, KVLayout, make_receiver
+from ..kv_transfer import KVLayout, make_receiver
 from ..messages import DecodeReservation, WorkerInfo, WorkerStatus
 from ..metrics import WorkerMetrics, serve as serve_metrics
 from ..config import WorkerConfig
@@ -72,14 +74,15 @@ class DecodeWorker:
                                   max_graph_batch_size=min(config.max_batch_size, 512))
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
         layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)
+        self._wake = threading.Event()   # the step loop's: new work, or the receiver has news
         self.receiver = make_receiver(config.transport, self.runner.kv_cache, layout, self.epoch,
-                                      on_complete=self._on_kv_complete, host=config.node_host(),
+                                      notify=self._wake.set, host=config.node_host(),
                                       secret=config.kv_secret)
         self.kv_address = self.receiver.start()
         self.scheduler = DecodeScheduler(
             self.pool, self.runner.block_size, self.runner.config.max_model_len,
             self.runner.config.eos_token_ids, config.max_batch_size,
-            on_release=self.receiver.forget,
+            kv_connector=True,
             enable_prefix_caching=config.enable_prefix_caching,
             local_prefill_max_tokens=config.local_prefill_max_tokens,
             prefill_chunk_size=config.prefill_chunk_size,
@@ -88,7 +91,6 @@ class DecodeWorker:
         self._outbox: list[TokenEvent] = []          # events not yet streamed (event loop)
         self._outbox_ready: asyncio.Event | None = None
         self._subscriber = 0                         # the latest events() call
-        self._wake = threading.Event()
         self._stop = threading.Event()
         # threads of idle prefill workers on this node, borrowed step by step (core_share)
         self.lent = None
@@ -227,10 +229,15 @@ class DecodeWorker:
 
     # --- threads ------------------------------------------------------------------------
 
-    def _on_kv_complete(self, c: KVCompletion) -> None:
-        self.kv_failures += not c.ok
-        self.scheduler.on_kv_complete(c.request_id, c.ok, c.first_token, c.error)
-        self._wake.set()
+    def _sync_kv(self) -> None:
+        """The KV connector, polled: tell the receiver which finished requests to
+        forget, then apply what it reports (transfers done or failed, blocks released)."""
+        for rid in self.scheduler.take_forgotten():
+            self.receiver.forget(rid)
+        finished = self.receiver.get_finished()
+        if finished.completions or finished.released:
+            self.kv_failures += sum(not c.ok for c in finished.completions)
+            self.scheduler.update_from_connector(finished)
 
     def _publish(self, events: list[TokenEvent]) -> None:
         if events and self._loop is not None:
@@ -245,6 +252,7 @@ class DecodeWorker:
         runner, sched = self.runner, self.scheduler
         threads = self.config.num_threads
         while not self._stop.is_set():
+            self._sync_kv()
             out = sched.schedule()
             if not out.requests:
                 self._publish(sched.drain_events())

@@ -15,6 +15,7 @@ from .base import (
     PROTOCOL_VERSION,
     KVAuthError,
     KVCompletion,
+    KVFinished,
     KVFrameError,
     KVLayout,
     KVLayoutMismatch,
@@ -28,6 +29,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "KVAuthError",
     "KVCompletion",
+    "KVFinished",
     "KVFrameError",
     "KVLayout",
     "KVLayoutMismatch",
@@ -93,18 +95,19 @@ def make_receiver(
     kv: torch.Tensor,
     layout: KVLayout,
     epoch: int,
-    on_complete: Callable[[KVCompletion], None],
     host: str = "127.0.0.1",
     *,
+    notify: Callable[[], None] | None = None,
     secret: str | None = None,
     **kw: Any,
 ) -> KVReceiver:
     """Construct (not start) the ``kind`` receiver writing into ``kv``, listening on
     ``host`` (the worker's cluster address: its control connection binds only it) and
     pairing only with senders that prove ``secret`` (auth.py; None: senders without
-    one). ValueError for an unknown kind."""
+    one). ``notify`` runs when get_finished() has news (KVReceiver). ValueError for an
+    unknown kind."""
     kind = ALIASES.get(kind, kind)
-    return _load(RECEIVERS, kind, "receiver")(kv, layout, epoch, host, on_complete=on_complete,
+    return _load(RECEIVERS, kind, "receiver")(kv, layout, epoch, host, notify=notify,
                                               secret=secret, **kw)
 
 

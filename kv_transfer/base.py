@@ -14,8 +14,8 @@ Lifecycle of one request's KV, seen from both ends::
                                                send_layers(addr, rid, epoch, 0, k, src)
       state TRANSFERRING   <-- KV frames --    send_layers(addr, rid, epoch, k, L, src)
                            <-- DONE frame --   send_done(addr, rid, epoch, first_token, L)
-      state DONE, on_complete(ok=True)
-    (or FAILED, on_complete(ok=False, error) on abort, stale epoch, lost connection,
+      state DONE: get_finished() lists KVCompletion(ok=True, first_token)
+    (or FAILED, KVCompletion(ok=False, error), on abort, stale epoch, lost connection,
      a (layer, block) missing or sent twice, blocks beyond the reservation, a checksum
      mismatch)
 
@@ -186,7 +186,7 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class KVCompletion:
-    """Outcome of one expected request, handed to the receiver's ``on_complete``.
+    """Outcome of one expected request, as the receiver's ``get_finished()`` lists it.
 
     first_token is the token P sampled (set when ok); error says what went wrong
     (set when not ok).
@@ -196,6 +196,16 @@ class KVCompletion:
     ok: bool
     first_token: int | None
     error: str | None
+
+
+@dataclass(frozen=True)
+class KVFinished:
+    """What a receiver's ``get_finished()`` returns (vLLM's connector is polled the same
+    way): the expected requests whose transfer finished since the last call, and the
+    forgotten ones whose blocks no write can touch any more (D frees those now)."""
+
+    completions: list[KVCompletion]
+    released: list[str]
 
 
 def check_cache(kv: torch.Tensor, layout: KVLayout) -> None:
@@ -286,9 +296,11 @@ class KVSender(ABC):
 
 
 class KVReceiver(ABC):
-    """Decode side: receives K/V frames into blocks reserved with :meth:`expect` and
-    reports each expected request once through ``on_complete`` (from the receiver's
-    own thread; the callback must be thread-safe and quick)."""
+    """Decode side: receives K/V into blocks reserved with :meth:`expect`; D's step loop
+    polls :meth:`get_finished` for finished transfers and released blocks (a connector
+    that is polled, not called back). ``notify`` (e.g. ``threading.Event.set``) runs
+    from the receiver's threads whenever there is something new to poll; it must be
+    quick and thread-safe."""
 
     def __init__(
         self,
@@ -297,20 +309,19 @@ class KVReceiver(ABC):
         epoch: int,
         host: str = "127.0.0.1",
         *,
-        on_complete: Callable[[KVCompletion], None],
+        notify: Callable[[], None] | None = None,
     ) -> None:
         check_cache(kv, layout)
         if not isinstance(epoch, int) or not 0 <= epoch < 2**64:
             raise ValueError(f"epoch must be an int in [0, 2**64), got {epoch!r}")
-        if not callable(on_complete):
-            raise ValueError("on_complete must be callable")
+        if notify is not None and not callable(notify):
+            raise ValueError("notify must be callable")
         self.kv = kv  # [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]
         self.layout = layout
         self.epoch = epoch
         self.host = host
-        self.on_complete = on_complete
         from .reservations import ReservationTable  # shared state machine of every transport
-        self._table = ReservationTable(kv, layout, epoch, on_complete)
+        self._table = ReservationTable(kv, layout, epoch, notify)
 
     @abstractmethod
     def start(self) -> tuple[str, int]:
@@ -321,12 +332,16 @@ class KVReceiver(ABC):
         ValueError for bad ids or a re-expect with other blocks."""
         self._table.expect(request_id, dst_block_ids)
 
-    def forget(self, request_id: str, on_quiescent: Callable[[], None] | None = None) -> None:
+    def forget(self, request_id: str) -> None:
         """Drop a reservation (or a finished record); later frames are discarded.
-        Never blocks: `on_quiescent()` runs once no write into its blocks is in flight
-        (at once, or from the receiving thread when the write in flight ends); only
-        then may D hand those blocks to another request."""
-        self._table.forget(request_id, on_quiescent)
+        Never blocks: get_finished() lists the request as released once no write into
+        its blocks is in flight; only then may D hand those blocks to another request."""
+        self._table.forget(request_id)
+
+    def get_finished(self) -> KVFinished:
+        """Transfers finished (done or failed) and forgotten requests released since
+        the last call; each reported once."""
+        return self._table.get_finished()
 
     def state(self, request_id: str) -> TransferState:
         """State of an expected request; KeyError if unknown or forgotten."""

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from . import frames
-from .base import KVCompletion, KVFrameError, KVLayout
+from .base import KVFrameError, KVLayout
 from .frames import FrameHeader, FrameType
 from .nixl import (BUSY_POLL_S, BUSY_WINDOW_S, DONE_GRACE_S, IDLE_POLL_S, LOST_WRITER_GRACE_S,
                    MAX_AGENT_NAME_BYTES, MAX_LANES, make_agent, memory_of)
@@ -41,9 +41,9 @@ class NixlKVReceiver(TcpKVReceiver):
     """
 
     def __init__(self, kv: torch.Tensor, layout: KVLayout, epoch: int,
-                 host: str = "127.0.0.1", *, on_complete: Callable[[KVCompletion], None],
+                 host: str = "127.0.0.1", *, notify: Callable[[], None] | None = None,
                  **kw: Any) -> None:
-        super().__init__(kv, layout, epoch, host, on_complete=on_complete, **kw)
+        super().__init__(kv, layout, epoch, host, notify=notify, **kw)
         self._agent = make_agent("decode", host)
         self._mem, self._device_id = memory_of(kv)
         self._registered = self._agent.register_memory([kv])

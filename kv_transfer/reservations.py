@@ -1,6 +1,6 @@
 """Receiver-side state machine, shared by every transport: which requests D expects,
-into which blocks, which (layer, block) pairs have arrived, and when to call
-``on_complete``.
+into which blocks, which (layer, block) pairs have arrived, and what D's step loop
+learns when it polls ``get_finished()``.
 
 Per expected request::
 
@@ -9,10 +9,12 @@ Per expected request::
                    +-----------------------------+--abort / stale epoch / lost
                                                      connection / bad frame--> FAILED
 
-Every transition into DONE or FAILED calls ``on_complete`` exactly once, outside the
-table's locks. ``forget`` removes a request without a callback; once it returns, no
-frame writes into that request's blocks any more (it waits out a scatter in flight),
-so D may hand those blocks to someone else.
+Every transition into DONE or FAILED is reported exactly once by ``get_finished()``
+(a KVCompletion). ``forget`` removes a request and reports nothing for it but its
+release: ``get_finished()`` lists it as released once no write into its blocks is in
+flight any more (a scatter, or a one-sided writer's lease), and only then may D hand
+those blocks to someone else. ``notify`` (a wake-up, e.g. ``threading.Event.set``) runs
+whenever there is something new to poll.
 
 A KV frame fills a rectangle of the reservation: layers [layer_start, layer_end) x
 block-table positions [block_start, block_start + num_blocks) (frames.py). Arrival is
@@ -37,7 +39,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .base import MAX_REQUEST_ID_BYTES, KVCompletion, KVLayout, TransferState
+from .base import MAX_REQUEST_ID_BYTES, KVCompletion, KVFinished, KVLayout, TransferState
 from . import host_io
 from .frames import FrameHeader
 
@@ -61,13 +63,13 @@ class Reservation:
     state: TransferState = TransferState.WAITING
     conn_ids: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # Two-phase forget: set when forget() found a write in flight; whoever releases
-    # `lock` next runs it (guarded by `meta`), so the blocks go back to D's pool only
-    # once nothing writes into them, and forget() itself never blocks.
-    on_quiescent: Callable[[], None] | None = None
+    # Two-phase forget: set by forget(); whoever releases `lock` next with no write in
+    # flight reports the request released (guarded by `meta`), so the blocks go back to
+    # D's pool only once nothing writes into them, and forget() itself never blocks.
+    forgotten: bool = False
     meta: threading.Lock = field(default_factory=threading.Lock)
     # Writers that may put bytes into the blocks unseen (begin_writer: a one-sided
-    # write's lease); on_quiescent waits for them too. Guarded by `lock`.
+    # write's lease); the release waits for them too. Guarded by `lock`.
     writes_in_flight: int = 0
     writer_conn: int | None = None  # the connection whose BEGIN leased the blocks (nixl.py)
     num_writes: int = 0  # notifications of one-sided writes seen (nixl.py's poll thread)
@@ -132,12 +134,14 @@ class ReservationTable:
         kv: torch.Tensor,
         layout: KVLayout,
         epoch: int,
-        on_complete: Callable[[KVCompletion], None],
+        notify: Callable[[], None] | None = None,
     ) -> None:
         self.kv = kv  # [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]
         self.layout = layout
         self.epoch = epoch
-        self._on_complete = on_complete
+        self._notify = notify
+        self._completions: list[KVCompletion] = []   # not yet polled; guarded by _lock
+        self._released: list[str] = []               # forgotten, quiescent, not yet polled
         self._host_view = host_io.HostCacheView(kv)
         self._lock = threading.Lock()
         self._active: dict[str, Reservation] = {}
@@ -177,51 +181,67 @@ class ReservationTable:
                 arrived=bytearray(self.layout.num_layers * len(ids)),
             )
 
-    def forget(self, request_id: str, on_quiescent: Callable[[], None] | None = None) -> None:
+    def forget(self, request_id: str) -> None:
         """Stop expecting a request; no later frame writes into its blocks.
 
-        Never blocks. `on_quiescent()` runs once no write into the blocks is in flight:
-        at once when none is, else from the receiving thread when its write ends. D
-        frees the blocks there, so a block is never handed out while still written.
+        Never blocks. The request is listed as released by get_finished() once no write
+        into its blocks is in flight: at once when none is, else when its write ends (or
+        its writer's lease does). D frees the blocks then, so a block is never handed
+        out while still written. A request never expected is released at once.
         """
         with self._lock:
             res = self._active.pop(request_id, None)
             self._finished.pop(request_id, None)
         if res is None:
-            if on_quiescent is not None:
-                on_quiescent()
+            self._report(released=request_id)
             return
         with res.meta:
-            res.on_quiescent = on_quiescent
+            res.forgotten = True
         if res.lock.acquire(blocking=False):   # no write in flight (or it just ended)
             res.state = TransferState.FAILED
             self._release(res)
-        # else: the writer's _release runs on_quiescent
+        # else: the writer's _release reports it
 
     @contextlib.contextmanager
     def _hold(self, res: Reservation):
-        """Hold `res.lock` (writes, state changes); on exit run a pending on_quiescent."""
+        """Hold `res.lock` (writes, state changes); on exit report a pending release."""
         res.lock.acquire()
         try:
             yield
         finally:
             self._release(res)
 
-    @staticmethod
-    def _release(res: Reservation) -> None:
-        forgotten = res.request_id  # for the log line only
-        busy = res.writes_in_flight > 0  # then the last end_writer runs on_quiescent
+    def _release(self, res: Reservation) -> None:
+        busy = res.writes_in_flight > 0  # then the last end_writer reports the release
         res.lock.release()
         if busy:
             return
         with res.meta:
-            cb, res.on_quiescent = res.on_quiescent, None
-        if cb is not None:
+            forgotten, res.forgotten = res.forgotten, False
+        if forgotten:
             res.state = TransferState.FAILED
+            self._report(released=res.request_id)
+
+    def get_finished(self) -> KVFinished:
+        """What happened since the last call: transfers done or failed, and forgotten
+        requests whose blocks no write can touch any more. Each reported once."""
+        with self._lock:
+            done, self._completions = self._completions, []
+            released, self._released = self._released, []
+        return KVFinished(done, released)
+
+    def _report(self, completion: KVCompletion | None = None, released: str | None = None
+                ) -> None:
+        with self._lock:
+            if completion is not None:
+                self._completions.append(completion)
+            if released is not None:
+                self._released.append(released)
+        if self._notify is not None:
             try:
-                cb()
-            except Exception:  # a buggy callback must not kill the receiver thread
-                logger.exception("on_quiescent raised for request %s", forgotten)
+                self._notify()
+            except Exception:  # a buggy wake-up must not kill the receiver thread
+                logger.exception("KV receiver notify raised")
 
     def state(self, request_id: str) -> TransferState:
         with self._lock:
@@ -297,7 +317,7 @@ class ReservationTable:
 
     def begin_writer(self, res: Reservation) -> bool:
         """A peer may write into the reservation's blocks from now on, unseen by D (a
-        one-sided write). Counted in flight, so forget()'s on_quiescent waits for the
+        one-sided write). Counted in flight, so forget()'s release waits for the
         matching end_writer; False (nothing counted) once the request finished."""
         with self._hold(res):
             if res.state >= TransferState.DONE:
@@ -395,7 +415,4 @@ class ReservationTable:
             res.state = new
         if not completion.ok:
             logger.warning("KV transfer of request %s failed: %s", res.request_id, completion.error)
-        try:
-            self._on_complete(completion)
-        except Exception:  # a buggy callback must not kill the receiver thread
-            logger.exception("on_complete raised for request %s", res.request_id)
+        self._report(completion)

@@ -37,7 +37,6 @@ import torch
 from . import auth, frames, host_io
 from .base import (
     KVAuthError,
-    KVCompletion,
     KVFrameError,
     KVLayout,
     KVLayoutMismatch,
@@ -69,12 +68,12 @@ class TcpKVReceiver(KVReceiver):
         epoch: int,
         host: str = "127.0.0.1",
         *,
-        on_complete: Callable[[KVCompletion], None],
+        notify: Callable[[], None] | None = None,
         port: int = 0,
         io_timeout_s: float = 30.0,
         secret: str | None = None,
     ) -> None:
-        super().__init__(kv, layout, epoch, host, on_complete=on_complete)
+        super().__init__(kv, layout, epoch, host, notify=notify)
         self._secret = auth.secret_bytes(secret)
         self.port = port
         self.io_timeout_s = io_timeout_s

@@ -98,19 +98,8 @@ def _pdserve_receiver(kind: str, geo: Geometry, num_blocks: int, ctl, out) -> No
     from ..kv_transfer import make_receiver
 
     kv = geo.cache(num_blocks, fill=False)
-    done = {"n": 0, "failed": []}
-    lock, all_done = threading.Lock(), threading.Event()
-    expected = {"n": 0}
-
-    def on_complete(c):
-        with lock:
-            done["n"] += 1
-            if not c.ok:
-                done["failed"].append(c.error)
-            if done["n"] == expected["n"]:
-                all_done.set()
-
-    rx = make_receiver(kind, kv, geo.layout(), epoch=7, on_complete=on_complete)
+    news = threading.Event()
+    rx = make_receiver(kind, kv, geo.layout(), epoch=7, notify=news.set)
     out.put(rx.start())
     while (cmd := ctl.get()) is not None:
         if cmd[0] == "idle":     # CPU seconds over an idle window, every thread included
@@ -119,14 +108,20 @@ def _pdserve_receiver(kind: str, geo: Geometry, num_blocks: int, ctl, out) -> No
             out.put(("idle", time.process_time() - t0))
             continue
         rids, tables = cmd
-        with lock:
-            done["n"], done["failed"], expected["n"] = 0, [], len(rids)
-            all_done.clear()
         for rid, table in zip(rids, tables):
             rx.expect(rid, table)
         out.put("ready")
-        ok = all_done.wait(_TIMEOUT_S)
-        out.put(("done", ok, list(done["failed"])))
+        # the receiver polled as D's step loop polls it, woken by its notify
+        pending, failed = set(rids), []
+        deadline = time.monotonic() + _TIMEOUT_S
+        while pending and time.monotonic() < deadline:
+            news.wait(0.05)
+            news.clear()
+            for c in rx.get_finished().completions:
+                pending.discard(c.request_id)
+                if not c.ok:
+                    failed.append(c.error)
+        out.put(("done", not pending, failed))
         for rid in rids:
             rx.forget(rid)
     rx.close()

@@ -3,6 +3,7 @@
 import itertools
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -37,10 +38,10 @@ class TransportEnv:
     def receiver(self, kv, epoch=EPOCH, kind=None, **kw):
         from pdserve.kv_transfer import KVLayout, make_receiver
         done = Completions()
-        rx = make_receiver(kind or self.kind, kv, KVLayout.for_cache(kv, MODEL), epoch, done,
-                           io_timeout_s=2.0, **kw)
+        rx = make_receiver(kind or self.kind, kv, KVLayout.for_cache(kv, MODEL), epoch,
+                           notify=done, io_timeout_s=2.0, **kw)
         self.made.append(rx)
-        return rx, rx.start(), done
+        return rx, rx.start(), done.attach(rx)
 
     def sender(self, kv, kind=None, **kw):
         from pdserve.kv_transfer import KVLayout, make_sender
@@ -57,30 +58,61 @@ class TransportEnv:
 
 
 class Completions:
-    """on_complete callback that records every call and lets a test wait for one."""
+    """A receiver's (or a ReservationTable's) get_finished(), polled as D's step loop
+    polls it: records every completion and released request id, and lets a test wait.
+    Pass it as the receiver's ``notify`` (it wakes the waits), then ``attach`` the
+    receiver."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.calls = []
-        self.events = {}
+        self.calls = []         # KVCompletion, in the order polled
+        self.released = []      # forgotten request ids whose blocks were released
+        self.changed = threading.Event()
+        self.source = None
 
-    def _event(self, rid):
-        with self.lock:
-            return self.events.setdefault(rid, threading.Event())
+    def attach(self, source):
+        self.source = source
+        return self
 
-    def __call__(self, c):
-        with self.lock:
-            self.calls.append(c)
-        self._event(c.request_id).set()
+    def __call__(self):         # notify: something new to poll
+        self.changed.set()
+
+    def _poll(self):
+        if self.source is not None:
+            f = self.source.get_finished()
+            with self.lock:
+                self.calls += f.completions
+                self.released += f.released
+
+    def _until(self, found, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._poll()
+            with self.lock:
+                if found():
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            self.changed.wait(min(0.05, max(deadline - time.monotonic(), 0)))
+            self.changed.clear()
 
     def wait(self, rid):
-        assert self._event(rid).wait(TIMEOUT_S), f"no completion for {rid}"
-        with self.lock:
-            got = [c for c in self.calls if c.request_id == rid]
-        assert len(got) == 1, got
-        return got[0]
+        """The one completion of ``rid`` (fails the test after TIMEOUT_S)."""
+        got = lambda: [c for c in self.calls if c.request_id == rid]
+        assert self._until(got, TIMEOUT_S), f"no completion for {rid}"
+        assert len(got()) == 1, got()
+        return got()[0]
+
+    def none_within(self, rid, seconds):
+        """No completion of ``rid`` comes within ``seconds``."""
+        return not self._until(lambda: any(c.request_id == rid for c in self.calls), seconds)
+
+    def released_within(self, rid, seconds):
+        """``rid`` (forgotten) is released within ``seconds``."""
+        return self._until(lambda: rid in self.released, seconds)
 
     def ids(self):
+        self._poll()
         with self.lock:
             return [c.request_id for c in self.calls]
 

@@ -7,11 +7,10 @@ import socket
 import google_crc32c
 import torch
 
-from pdserve.kv_transfer import KVLayout, auth, frames
+from pdserve.kv_transfer import auth, frames
 from pdserve.kv_transfer.frames import FrameType
-from pdserve.kv_transfer.tcp import TcpKVReceiver, TcpKVSender
 
-from kvtest import EPOCH, MODEL, TIMEOUT_S, Completions
+from kvtest import EPOCH, TIMEOUT_S
 
 
 def read_frame(s):
@@ -75,28 +74,3 @@ def wait_closed(s):
     except TimeoutError:
         return False
     return True
-
-
-
-class TcpEnv:
-    """Receivers and senders a test makes, closed by :meth:`close` (fixture teardown)."""
-
-    def __init__(self):
-        self.made = []
-
-    def receiver(self, kv, epoch=EPOCH, **kw):
-        done = Completions()
-        rx = TcpKVReceiver(kv, KVLayout.for_cache(kv, MODEL), epoch, on_complete=done,
-                           io_timeout_s=2.0, **kw)
-        self.made.append(rx)
-        return rx, rx.start(), done
-
-    def sender(self, kv, **kw):
-        tx = TcpKVSender(kv, KVLayout.for_cache(kv, MODEL), connect_timeout_s=2.0,
-                         io_timeout_s=2.0, **kw)
-        self.made.append(tx)
-        return tx
-
-    def close(self):
-        for obj in self.made:
-            obj.close()

@@ -92,7 +92,8 @@ def test_tcp_refusal_tells_nothing_and_closes(monkeypatch):
     dst = make_cache(10)
     layout = KVLayout.for_cache(dst, MODEL)
     done = Completions()
-    rx = make_receiver("tcp", dst, layout, EPOCH, done, secret=SECRET)
+    rx = make_receiver("tcp", dst, layout, EPOCH, notify=done, secret=SECRET)
+    done.attach(rx)
     tx = make_sender("tcp", make_cache(8), layout, secret=SECRET)
     try:
         addr = rx.start()
@@ -137,8 +138,7 @@ def test_tcp_receiver_binds_only_the_host_given():
     """The KV port listens on the worker's cluster address, never a wildcard: here
     127.0.0.2, so 127.0.0.1 on the same port finds nothing."""
     dst = make_cache(10)
-    rx = make_receiver("tcp", dst, KVLayout.for_cache(dst, MODEL), EPOCH, Completions(),
-                       host="127.0.0.2")
+    rx = make_receiver("tcp", dst, KVLayout.for_cache(dst, MODEL), EPOCH, host="127.0.0.2")
     try:
         host, port = rx.start()
         assert (host, port) == ("127.0.0.2", port)

@@ -30,9 +30,8 @@ def test_forgotten_request_keeps_its_blocks_until_the_writer_ends(env, end, monk
     tx = env.sender(src)
     rx.expect("r", DST_IDS)
     tx.send_layers(addr, "r", EPOCH, 0, 1, SRC_IDS)   # BEGIN: P holds a lease on the blocks
-    released = threading.Event()
-    rx.forget("r", released.set)
-    assert not released.wait(0.3)                     # P may still write: not yet
+    rx.forget("r")
+    assert not done.released_within("r", 0.3)         # P may still write: not yet
     if end == "done":
         tx.send_layers(addr, "r", EPOCH, 1, NUM_LAYERS, SRC_IDS)  # lands in held blocks
         tx.send_done(addr, "r", EPOCH, 42, NUM_LAYERS)
@@ -41,7 +40,7 @@ def test_forgotten_request_keeps_its_blocks_until_the_writer_ends(env, end, monk
     else:
         tx.close()
     t0 = time.monotonic()
-    assert released.wait(TIMEOUT_S)
+    assert done.released_within("r", TIMEOUT_S)
     if end == "connection-lost":   # held a grace period past the loss, for a WRITE in flight
         assert time.monotonic() - t0 >= 0.15
     assert done.ids() == []                           # forget() never reports a completion
@@ -71,7 +70,7 @@ def test_done_waits_for_the_notifications_of_every_write(env, monkeypatch):
     monkeypatch.setattr(rx._agent, "get_new_notifs", late_notifs)
     rx.expect("r", DST_IDS)
     send_request(tx, addr, "r", PER_LAYER)
-    assert not done.events.get("r", threading.Event()).wait(0.3)  # DONE in, writes not counted
+    assert done.none_within("r", 0.3)                  # DONE in, writes not counted
     gate.set()
     c = done.wait("r")
     assert (c.ok, c.first_token) == (True, 42), c

@@ -4,7 +4,6 @@ straight into the reserved blocks unseen (NIXL's one-sided writes), the writer's
 holding back forget's release."""
 
 import itertools
-import threading
 
 import pytest
 import torch
@@ -19,7 +18,10 @@ from kvtest import EPOCH, MODEL, NUM_LAYERS, Completions, make_cache
 @pytest.fixture
 def table():
     kv = make_cache(10)
-    return ReservationTable(kv, KVLayout.for_cache(kv, MODEL), EPOCH, Completions())
+    done = Completions()
+    table = ReservationTable(kv, KVLayout.for_cache(kv, MODEL), EPOCH, done)
+    table.done = done.attach(table)
+    return table
 
 
 def kv_header(table, rid, num_blocks, layers=(0, NUM_LAYERS), block_start=0):
@@ -50,12 +52,11 @@ def test_forget_waits_for_the_writers_lease(table):
     assert table.begin_writer(res)
     assert table.claim_blocks(res, h)
     assert table.all_arrived(res)
-    released = threading.Event()
-    table.forget("r", released.set)
-    assert not released.is_set()  # the writer may still put bytes into blocks 4..6
+    table.forget("r")
+    assert table.get_finished().released == []  # the writer may still write blocks 4..6
     assert not table.begin_writer(res)  # forgotten: no new lease
     table.end_writer(res)
-    assert released.is_set()
+    assert table.get_finished().released == ["r"]
 
 
 def test_forget_after_the_lease_ended_releases_at_once(table):
@@ -65,13 +66,12 @@ def test_forget_after_the_lease_ended_releases_at_once(table):
     assert table.claim_blocks(res, h)
     assert not table.all_arrived(res)
     table.end_writer(res)
-    released = threading.Event()
-    table.forget("r", released.set)
-    assert released.is_set()
+    table.forget("r")
+    assert table.get_finished().released == ["r"]
 
 
 def test_claimed_blocks_refuse_a_second_frame(table):
-    done = table._on_complete
+    done = table.done
     table.expect("r", [4, 5, 6])
     res, h = admit(table, "r", 3, layers=(0, 2))
     assert table.claim_blocks(res, h)
@@ -92,7 +92,7 @@ def test_runs_of_a_block_table_range_match_block_runs(table):
 def test_chunks_fill_the_table_and_done_counts_every_pair(table):
     """Three chunks of blocks, layers interleaved: each claims its rectangle only; DONE
     before the last one names what is missing."""
-    done = table._on_complete
+    done = table.done
     table.expect("r", [4, 5, 6, 2, 3])
     res, h = admit(table, "r", 2, layers=(0, 2), block_start=3)
     assert table.claim_blocks(res, h)
@@ -116,7 +116,7 @@ def test_chunks_fill_the_table_and_done_counts_every_pair(table):
 
 
 def test_done_before_every_pair_arrived_fails(table):
-    done = table._on_complete
+    done = table.done
     table.expect("r", [4, 5, 6])
     res, h = admit(table, "r", 2)  # blocks 0, 1 of every layer; block 2 never comes
     assert table.claim_blocks(res, h)
@@ -129,7 +129,7 @@ def test_done_before_every_pair_arrived_fails(table):
 
 
 def test_done_claiming_fewer_layers_fails_even_when_all_arrived(table):
-    done = table._on_complete
+    done = table.done
     table.expect("r", [4, 5])
     res, h = admit(table, "r", 2)
     assert table.claim_blocks(res, h)
@@ -139,7 +139,7 @@ def test_done_claiming_fewer_layers_fails_even_when_all_arrived(table):
 
 
 def test_frame_beyond_the_reservation_fails_and_is_discarded(table):
-    done = table._on_complete
+    done = table.done
     table.expect("r", [4, 5, 6])
     assert table.admit_kv(kv_header(table, "r", 3, (0, 1), block_start=2), conn_id=0) is None
     c = done.wait("r")
@@ -158,7 +158,7 @@ def test_write_layers_scatters_into_the_chunk_positions(table):
     touched[1:3, :, [8, 6]] = True
     assert torch.equal(kv[~touched], before[~touched])
     table.write_layers(res, kv_header(table, "r", 1, (2, 3), block_start=2), staged[:1, :, :1])
-    c = table._on_complete.wait("r")
+    c = table.done.wait("r")
     assert not c.ok and "layer 2 block 2 received twice" in c.error
     assert torch.equal(kv[1:3, :, [8, 6]], staged)  # the duplicate was not written
 

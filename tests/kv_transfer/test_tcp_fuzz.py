@@ -44,7 +44,8 @@ def port():
     expected = dst.clone()
     expected[:, :, VALID_DST] = src[:, :, VALID_SRC]
     done = Completions()
-    rx = TcpKVReceiver(dst, LAYOUT, EPOCH, on_complete=done, io_timeout_s=2.0, secret=SECRET)
+    rx = TcpKVReceiver(dst, LAYOUT, EPOCH, notify=done, io_timeout_s=2.0, secret=SECRET)
+    done.attach(rx)
     tx = TcpKVSender(src, LAYOUT, secret=SECRET, checksum=True, io_timeout_s=2.0)
     addr = rx.start()
     rx.expect(SENTINEL, SENTINEL_IDS)

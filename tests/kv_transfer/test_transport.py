@@ -77,7 +77,8 @@ def test_registry_and_checksum_round_trip(env):
     src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
     before = dst.clone()
     done = Completions()
-    rx = make_receiver("tcp", dst, KVLayout.for_cache(dst, MODEL), EPOCH, done)
+    rx = make_receiver("tcp", dst, KVLayout.for_cache(dst, MODEL), EPOCH, notify=done)
+    done.attach(rx)
     tx = make_sender("tcp", src, KVLayout.for_cache(src, MODEL), checksum=True)
     try:
         addr = rx.start()
@@ -288,7 +289,7 @@ def test_close_is_idempotent_and_stops_threads(env):
 @TCP_ONLY
 def test_forget_during_a_direct_write_defers_release_until_the_write_ends(env):
     """A frame half-received straight into the reserved blocks when D forgets the
-    request: forget() returns at once, but the blocks are released (on_quiescent) only
+    request: forget() returns at once, but the blocks are released (get_finished) only
     after the write ends, so D never hands them to another request mid-write."""
     dst = torch.zeros(NUM_LAYERS, 2, 12, HEADS, BLOCK_SIZE, HEAD_DIM)
     layout = KVLayout.for_cache(dst, MODEL)
@@ -301,10 +302,9 @@ def test_forget_during_a_direct_write_defers_release_until_the_write_ends(env):
         dtype_code=frames.dtype_code(layout.dtype), payload_len=len(payload))
     s.sendall(header + payload[:100])                # the receiver is now mid-write
     threading.Event().wait(0.3)                      # let it block inside recv_into
-    released = threading.Event()
-    rx.forget("r", released.set)
-    assert not released.is_set()                     # write in flight: not yet
+    rx.forget("r")
+    assert not done.released_within("r", 0.2)        # write in flight: not yet
     s.sendall(payload[100:])
-    assert released.wait(TIMEOUT_S)                  # the write ended: blocks released
+    assert done.released_within("r", TIMEOUT_S)      # the write ended: blocks released
     s.close()
     assert done.ids() == []                          # forget() never reports a completion

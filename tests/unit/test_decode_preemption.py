@@ -15,6 +15,7 @@ from pdserve.decode_worker.scheduler import DecodeScheduler, SchedulerOutput
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
 from pdserve.engine.request import RequestState, TokenEvent
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import KVFinished
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64
@@ -284,26 +285,22 @@ def test_resume_waits_for_a_slot_in_the_batch():
 # --- aborts and leases --------------------------------------------------------------------------
 
 def test_abort_of_a_preempted_request_frees_nothing_twice():
-    released = []
-
-    def on_release(rid, free_blocks):
-        released.append(rid)
-        free_blocks()
-
-    pool, sched, _ = preempt_c(on_release=on_release)
+    pool, sched, _ = preempt_c(kv_connector=True)
     assert pool.num_free == 1
     sched.abort("c")
     batch = sched.schedule()
     assert ids(batch.requests) == ["a", "b"]
     assert sched.drain_events() == [TokenEvent("c", (), "cancelled")]
-    assert released == ["c"]                       # the receiver forgets it; no block freed
-    assert pool.num_free == 1
+    assert sched.take_forgotten() == ["c"]         # the receiver forgets it ...
+    sched.update_from_connector(KVFinished([], ["c"]))
+    assert pool.num_free == 1                      # ... and no block is freed: it held none
     assert sched.counts() == (2, 0) and sched.num_waiting_to_resume() == 0
     sched.abort("c")                               # gone: ignored
     sched.on_kv_complete("c", True, 10)
     assert ids(sched.schedule().requests) == ["a", "b"] and sched.drain_events() == []
     finish_all(sched)
-    assert released == ["c", "a", "b"]
+    assert sched.take_forgotten() == ["a", "b"]
+    sched.update_from_connector(KVFinished([], ["a", "b"]))
     assert pool.all_free()
 
 

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from pdserve.decode_worker.scheduler import DecodeScheduler, SchedulerOutput, RequestTooLargeError
+from pdserve.kv_transfer import KVCompletion, KVFinished
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
 from pdserve.engine.request import RequestState, TokenEvent
 from pdserve.engine.sampling_params import SamplingParams
@@ -395,48 +396,41 @@ def test_lease_does_not_apply_once_running(pool):
     assert pool.all_free()
 
 
-# --- on_release ------------------------------------------------------------------------------
+# --- the KV connector (kv_connector=True): forget, then release ----------------------------
 
-def test_on_release_runs_with_request_id_before_blocks_are_freed(pool):
-    calls = []
-
-    def on_release(rid, free_blocks):
-        calls.append((rid, pool.num_free))
-        free_blocks()
-
-    sched = make_sched(pool, on_release=on_release)
+def test_finished_remote_requests_are_forgotten_and_freed_only_when_released(pool):
+    sched = make_sched(pool, kv_connector=True)
     # 7-token prompts: 2 blocks each, enough for the first decode position (7) too
     sched.reserve("err", 7, params(max_tokens=8), LEASE_S, prompt_token_ids=prompt(7))
     sched.reserve("cancel", 7, params(max_tokens=8), LEASE_S, prompt_token_ids=prompt(7))
     batch = admit(sched, "stop", prompt_len=7, max_tokens=8)
     sched.reserve("lease", 7, params(max_tokens=8), lease_s=1.0, prompt_token_ids=prompt(7))
     assert pool.num_free == NUM_BLOCKS - 8
-    sched.on_kv_complete("err", False, None, error="x")
+    sched.update_from_connector(KVFinished([KVCompletion("err", False, None, "x")], []))
     sched.abort("cancel")
 
     sched.schedule(now=time.monotonic() + 10.0)
-    assert [rid for rid, _ in calls] == ["err", "cancel", "lease"]
-    # each call saw the pool before that request's blocks came back
-    assert [free for _, free in calls] == [NUM_BLOCKS - 8, NUM_BLOCKS - 6, NUM_BLOCKS - 4]
+    assert sched.take_forgotten() == ["err", "cancel", "lease"]
+    assert sched.take_forgotten() == []
+    assert pool.num_free == NUM_BLOCKS - 8             # nothing back before the release
+    sched.update_from_connector(KVFinished([], ["cancel", "nobody"]))
+    assert pool.num_free == NUM_BLOCKS - 6             # an unknown id changes nothing
+    sched.update_from_connector(KVFinished([], ["err", "lease"]))
+    assert pool.num_free == NUM_BLOCKS - 2
 
     sched.update_from_output(batch, [EOS])
-    assert calls[-1] == ("stop", NUM_BLOCKS - 2)
-    assert len(calls) == 4
+    assert sched.take_forgotten() == ["stop"] and pool.num_free == NUM_BLOCKS - 2
+    sched.update_from_connector(KVFinished([], ["stop"]))
     assert pool.all_free()
 
 
-def test_on_release_defers_freeing_until_the_receiver_is_quiescent(pool):
-    """A KV write still in flight when a request is aborted: its blocks come back only
-    when the receiver says so, never while they may still be written."""
-    deferred = []
-    sched = make_sched(pool, on_release=lambda rid, free_blocks: deferred.append(free_blocks))
-    sched.reserve("r", 8, params(max_tokens=8), LEASE_S, prompt_token_ids=prompt(8))   # 2 blocks
-    sched.abort("r")
+def test_local_prefills_are_freed_at_once_with_a_connector(pool):
+    sched = DecodeScheduler(pool, BLOCK_SIZE, MAX_MODEL_LEN, (EOS,), kv_connector=True,
+                            local_prefill_max_tokens=16)
+    sched.reserve("local", 8, params(max_tokens=8), LEASE_S, prompt_token_ids=prompt(8))
+    sched.abort("local")
     sched.schedule()
-    assert [e.finish_reason for e in sched.drain_events()] == ["cancelled"]
-    assert pool.num_free == NUM_BLOCKS - 2 and sched.counts() == (0, 0)
-    deferred.pop()()
-    assert pool.all_free()
+    assert sched.take_forgotten() == [] and pool.all_free()
 
 
 # --- counts ------------------------------------------------------------------------------------

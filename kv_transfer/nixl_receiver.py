@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import frames
+from . import control, frames
 from .base import KVFrameError, KVLayout
 from .frames import FrameHeader, FrameType
 from .nixl import (BUSY_POLL_S, BUSY_WINDOW_S, DONE_GRACE_S, IDLE_POLL_S, LOST_WRITER_GRACE_S,
@@ -80,7 +80,7 @@ class NixlKVReceiver(TcpKVReceiver):
 
     # ---- control connection hooks (connection threads) ---------------------------
 
-    def _pair_extra(self, conn_id: int, hs: frames.Handshake) -> dict | None:
+    def _pair_extra(self, conn_id: int, hs: control.Handshake) -> dict | None:
         if hs.nixl is None:
             return None   # a tcp sender: KV frames over the connection, as tcp.py
         names = hs.nixl.get("agents")
@@ -115,7 +115,7 @@ class NixlKVReceiver(TcpKVReceiver):
                 leases[rid] = res
             res.conn_ids.add(conn.conn_id)
             res.writer_conn = conn.conn_id
-        ack = frames.begin_ack_frame(rid, h.epoch, None if error else res.block_ids, error)
+        ack = control.begin_ack_frame(rid, h.epoch, None if error else res.block_ids, error)
         conn.sock.sendall(ack)
 
     def _on_done(self, conn_id: int, h: FrameHeader) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from . import frames
+from . import control, frames
 from .base import KVFrameError, KVLayout, KVLayoutMismatch, KVTransferError
 from .frames import FrameType
 from .nixl import (BUSY_POLL_S, LANE_MIN_BYTES, LANE_POLL_S, LANES, MAX_LANES, block_descs,
@@ -195,7 +195,7 @@ class NixlKVSender(TcpKVSender):
     def _handshake_extra(self) -> dict | None:
         return {"agents": [lane.agent.name for lane in self._lanes]}
 
-    def _paired(self, conn: _SendConn, addr: tuple[str, int], ack: frames.Handshake) -> None:
+    def _paired(self, conn: _SendConn, addr: tuple[str, int], ack: control.Handshake) -> None:
         if ack.nixl is None:
             raise KVLayoutMismatch(
                 f"decode worker at {addr[0]}:{addr[1]} takes no NIXL writes (it runs the tcp "
@@ -296,7 +296,7 @@ class NixlKVSender(TcpKVSender):
                                f"{h.frame_type.name} for {h.request_id}")
         body = bytearray(h.payload_len)
         frames.recv_exact(conn.sock, memoryview(body))
-        block_ids, error = frames.decode_begin_ack(bytes(body))
+        block_ids, error = control.decode_begin_ack(bytes(body))
         if error is not None:
             raise KVTransferError(f"decode worker refused KV of request {request_id}: {error}")
         if max(block_ids) >= conn.peer.num_blocks:

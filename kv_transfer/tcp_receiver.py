@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from . import auth, frames, host_io
+from . import auth, control, frames, host_io
 from .base import (
     KVAuthError,
     KVFrameError,
@@ -195,7 +195,7 @@ class TcpKVReceiver(KVReceiver):
 
     # ---- hooks of a transport that pairs over this control connection (nixl.py) ----
 
-    def _pair_extra(self, conn_id: int, hs: frames.Handshake) -> dict | None:
+    def _pair_extra(self, conn_id: int, hs: control.Handshake) -> dict | None:
         """Called once the peer proved the secret and its layout matched: the ack's
         "nixl" field (None: this receiver takes KV frames only)."""
         return None
@@ -268,10 +268,10 @@ class _Connection:
             return False
         if h.frame_type != FrameType.HANDSHAKE:
             raise KVFrameError(f"expected HANDSHAKE, got {h.frame_type.name}")
-        hs = frames.decode_handshake(self._read_small(h.payload_len), ack=False)
+        hs = control.decode_handshake(self._read_small(h.payload_len), ack=False)
         key = self.rx._secret
         if not auth.verify(key, auth.PREFILL, nonce_d, hs.nonce, hs.auth):
-            self._send_ack(frames.encode_auth_refusal(), epoch=0)  # nothing about D
+            self._send_ack(control.encode_auth_refusal(), epoch=0)  # nothing about D
             raise KVAuthError(
                 f"{frames.AUTH_REFUSED}: the peer "
                 + ("proved no cluster secret" if hs.auth is None else
@@ -279,7 +279,7 @@ class _Connection:
                    "sent a wrong proof"))
         error = hs.layout.mismatch(self.layout)
         extra = None if error is not None else self.rx._pair_extra(self.conn_id, hs)
-        self._send_ack(frames.encode_handshake(
+        self._send_ack(control.encode_handshake(
             self.layout, self.rx.epoch, error, ack=True,
             auth=auth.proof(key, auth.DECODE, nonce_d, hs.nonce), nixl=extra),
             epoch=self.rx.epoch)

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import auth, frames, host_io
+from . import auth, control, frames, host_io
 from .base import (
     KVAuthError,
     KVFrameError,
@@ -191,7 +191,7 @@ class TcpKVSender(KVSender):
         sock.settimeout(self.io_timeout_s)
         nonce_d = self._read_payload(sock, FrameType.CHALLENGE)
         nonce_p = auth.new_nonce()
-        payload = frames.encode_handshake(
+        payload = control.encode_handshake(
             self.layout, self.epoch, ack=False, nonce=nonce_p,
             auth=auth.proof(self._secret, auth.PREFILL, nonce_d, nonce_p),
             nixl=self._handshake_extra())
@@ -199,7 +199,7 @@ class TcpKVSender(KVSender):
             frames.pack_header(FrameType.HANDSHAKE, epoch=self.epoch, payload_len=len(payload))
             + payload
         )
-        ack = frames.decode_handshake(
+        ack = control.decode_handshake(
             self._read_payload(sock, FrameType.HANDSHAKE_ACK), ack=True)
         auth.check_ack(self._secret, addr, nonce_d, nonce_p, ack.error, ack.auth)
         if ack.error is not None:
@@ -218,7 +218,7 @@ class TcpKVSender(KVSender):
         """The handshake's "nixl" field (None: this sender sends KV frames)."""
         return None
 
-    def _paired(self, conn: _SendConn, addr: tuple[str, int], ack: frames.Handshake) -> None:
+    def _paired(self, conn: _SendConn, addr: tuple[str, int], ack: control.Handshake) -> None:
         """Called once D's ack proved the secret and its layout matched."""
 
     @staticmethod

@@ -57,6 +57,7 @@ class PrefillRequest:
     state: RequestState = RequestState.WAITING
     aborted: bool = False
     error: str | None = None
+    model_fault: bool = False            # error is the model step's, not the transfer's
     arrived: float = field(default_factory=time.monotonic)   # schedule policy's clock
 
 

@@ -51,6 +51,11 @@ class PrefillAborted(RuntimeError):
     """The request was aborted before its prefill finished."""
 
 
+class PrefillFailed(RuntimeError):
+    """The model step that computed the request's prompt raised (not a transfer
+    failure: its KV was never complete)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _SendLayers:
     req: PrefillRequest
@@ -135,6 +140,7 @@ class PrefillWorker:
             ValueError: the prompt does not fit this worker's block pool, or
                 num_cached_blocks is not below the prompt's block count.
             KVTransferError: sending to the decode worker failed.
+            PrefillFailed: the model step computing the prompt raised.
             PrefillAborted: abort(request_id) was called first.
         """
         num_blocks = blocks_needed(len(order.token_ids), self.runner.block_size)
@@ -273,7 +279,8 @@ class PrefillWorker:
                 logger.exception("prefill batch of %d failed", len(batch))
                 self.scheduler.advance(batch, ok=False)
                 for r in batch:
-                    r.error = f"prefill failed: {e}"
+                    r.error = f"prefill failed: {type(e).__name__}: {e}"
+                    r.model_fault = True
                 done, tokens = batch, [None] * len(batch)
             for r, tok in zip(done, tokens):
                 r.state = RequestState.SENDING_KV
@@ -325,5 +332,6 @@ class PrefillWorker:
             return
         self.scheduler.release(req, RequestState.FINISHED_ERROR if not req.aborted
                                else RequestState.FINISHED_ABORTED)
-        err = PrefillAborted(req.error) if req.aborted else KVTransferError(req.error)
+        err = (PrefillAborted(req.error) if req.aborted else
+               PrefillFailed(req.error) if req.model_fault else KVTransferError(req.error))
         self._resolve(req, error=err)

@@ -9,7 +9,7 @@ Lifecycle of one Generate call (ARCHITECTURE.md, "Request lifecycle"):
         D says how many leading prompt blocks its own prefix cache holds
     if D prefills locally (its uncached part is short, see local_prefill_max_tokens; or
         the prefill workers on D's node are idle and lend D their cores, or every
-        prefill worker's queue is long: see _prefill_on_decode):
+        prefill worker's queue is long: see placement.py):
         the first token comes on D's stream; no prefill worker is involved
     else pick prefill worker P (routing.py: kv_aware by default, cached prefix vs
         queue) → prefill into D's blocks, skipping the blocks D holds;
@@ -37,7 +37,6 @@ import grpc
 import ray
 
 from ..config import ClusterConfig
-from ..engine.block_pool import blocks_needed
 from ..engine.loader import resolve_model
 from ..engine.request import TokenEvent
 from ..engine.sampling_params import InvalidRequestError
@@ -49,6 +48,7 @@ from .admission import Admission
 from .detokenizer import Detokenizer
 from .errors import RequestError
 from .relay import Relay
+from .placement import Placement
 from .routing import PrefillRouter
 from .streams import DecodeStreams
 from .workers import AttemptFailed, Worker, attempt_failed
@@ -74,13 +74,12 @@ class Router:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model_name = str(config.prefill.model)
         self._prefill_handles, self._decode_handles = prefill, decode
-        self.prefill: list[Worker] = []
-        self.decode: list[Worker] = []
         self._server: grpc.aio.Server | None = None
         rc = config.router
         self.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
         self.prefill_router = PrefillRouter(rc.routing_policy, config.prefill.block_size,
                                             rc.kv_load_weight)
+        self.placement = Placement(config, self.prefill_router)   # workers from start() on
         self._cache_sync: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None
         self._pending: set[asyncio.Task] = set()    # fire-and-forget calls in flight
@@ -90,6 +89,14 @@ class Router:
         self.metrics_address = ""
         self._http = None               # http_api.HTTPServer when router.http_port is set
         self.http_address = ""
+
+    @property
+    def prefill(self) -> list[Worker]:
+        return self.placement.prefill
+
+    @property
+    def decode(self) -> list[Worker]:
+        return self.placement.decode
 
     async def start(self) -> int:
         """Wait for every worker, then serve gRPC (and the OpenAI-compatible HTTP API
@@ -102,12 +109,13 @@ class Router:
         from .service import build_server
 
         infos = await asyncio.gather(*(h.ready.remote() for h in self._prefill_handles))
-        self.prefill = [Worker(h, i.worker_id, i.num_blocks, i.epoch, node_ip=i.node_ip)
-                        for h, i in zip(self._prefill_handles, infos)]
+        self.placement.prefill = [Worker(h, i.worker_id, i.num_blocks, i.epoch,
+                                         node_ip=i.node_ip)
+                                  for h, i in zip(self._prefill_handles, infos)]
         infos = await asyncio.gather(*(h.ready.remote() for h in self._decode_handles))
-        self.decode = [Worker(h, i.worker_id, i.num_blocks, i.epoch, free_blocks=i.num_blocks,
-                              node_ip=i.node_ip)
-                       for h, i in zip(self._decode_handles, infos)]
+        self.placement.decode = [Worker(h, i.worker_id, i.num_blocks, i.epoch,
+                                        free_blocks=i.num_blocks, node_ip=i.node_ip)
+                                 for h, i in zip(self._decode_handles, infos)]
         # Pair every P with every D now, so a layout mismatch fails `serve` at start
         # with a message naming the field, not the first request.
         await asyncio.gather(*(p.handle.pair.remote([i.kv_address for i in infos])
@@ -173,7 +181,7 @@ class Router:
             _TOKENIZE, validation.prompt_token_ids, req, self.tokenizer, cfg.vocab_size,
             cfg.max_model_len)
         params = validation.sampling_params(req, len(ids), cfg.max_model_len)
-        self._check_fits(len(ids), params.max_tokens)
+        self.placement.check_fits(len(ids), params.max_tokens)
         rid = client_id or uuid.uuid4().hex
         deadline = time.monotonic() + (deadline_s or self.config.router.request_timeout_s)
         relay = Relay(rid, Detokenizer(self.tokenizer, ids, params.stop), len(ids), params,
@@ -221,7 +229,7 @@ class Router:
         internal_id = f"{rid}#{uuid.uuid4().hex[:8]}"   # unique per attempt and client id
         self.streams.open(internal_id)   # before D may produce a token (a local prefill)
         try:
-            d, res, p = await self._reserve(internal_id, len(ids), params, deadline, ids)
+            d, res, p = await self.placement.reserve(internal_id, len(ids), params, deadline, ids)
         except BaseException:
             self.streams.close(internal_id)
             raise
@@ -298,49 +306,12 @@ class Router:
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _available(self, workers: list[Worker], role: str, deadline: float
-                         ) -> list[Worker]:
-        """The workers of a role not known to be dead nor draining. When none is, wait
-        for Ray to restart one (probing them with ready()) until `deadline`.
-
-        Raises:
-            RequestError: UNAVAILABLE, none came back before the deadline.
-        """
-        delay = 0.05
-        while True:
-            live = [w for w in workers if w.available]
-            if live:
-                return live
-            await asyncio.gather(*(self._probe(w) for w in workers if not w.alive))
-            if any(w.available for w in workers):
-                continue
-            if time.monotonic() + delay >= deadline:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                                   f"no {role} worker is available: all {len(workers)} are "
-                                   "down and none restarted within the request's deadline")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
-
-    async def _probe(self, w: Worker, timeout_s: float = 1.0) -> None:
-        """Mark `w` alive again once it answers ready(); a new epoch (Ray restarted it)
-        resets the router's mirror of its prefix cache."""
-        try:
-            info = await asyncio.wait_for(w.handle.ready.remote(), timeout=timeout_s)
-        except Exception:  # still down or restarting
-            return
-        if info.epoch != w.epoch:
-            logger.warning("%s restarted on %s (epoch %x -> %x)", w.worker_id, info.node_ip,
-                           w.epoch, info.epoch)
-            w.epoch, w.node_ip, w.draining = info.epoch, info.node_ip, False
-            self.prefill_router.index.forget(w.worker_id)
-        w.alive = True
-
     async def _watch_workers(self) -> None:
         """Probe the workers marked dead every worker_probe_interval_s, so one that Ray
         restarted takes requests again while others of its role are serving."""
         while True:
             await asyncio.sleep(self.config.router.worker_probe_interval_s)
-            await asyncio.gather(*(self._probe(w) for w in self.prefill + self.decode
+            await asyncio.gather(*(self.placement.probe(w) for w in self.prefill + self.decode
                                    if not w.alive))
 
     async def _sync_prefix_caches(self) -> None:
@@ -363,111 +334,6 @@ class Router:
                     continue
                 index.apply(w.worker_id, reply)
             await asyncio.sleep(interval)
-
-    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
-        bs = self.config.decode.block_size
-        need = blocks_needed(prompt_len + max_tokens, bs)
-        most = max(w.num_blocks for w in self.decode)
-        if need > most:
-            raise InvalidRequestError(
-                "sampling.max_tokens", f"prompt ({prompt_len}) + max_tokens ({max_tokens}) needs "
-                                       f"{need} KV blocks; the largest decode worker has {most}")
-        if blocks_needed(prompt_len, bs) > max(w.num_blocks for w in self.prefill):
-            raise InvalidRequestError("prompt", f"{prompt_len} tokens exceed every prefill "
-                                                "worker's KV pool")
-
-    async def _reserve(self, rid: str, prompt_len: int, params, deadline: float,
-                       ids: list[int]) -> tuple[Worker, dict, Worker | None]:
-        """Reserve on the best live decode worker with room, waiting for room (or for
-        Ray to restart a dead one) until reserve_timeout_s, and choose who prefills:
-        returns (D, D's reservation, P), P None when D prefills the prompt itself. The
-        prompt's tokens are charged to P's queue (P.load) or D's own
-        (D.local_prefill_load) when the choice is made, before the reserve call is
-        awaited: the requests of a burst, whose choices are made while the first
-        reservations are in flight, see each other's load. The caller releases the
-        charge. The reservation's lease ends with the request's deadline at the
-        latest, so D reclaims it even if this router goes away."""
-        give_up = min(deadline, time.monotonic() + self.config.router.reserve_timeout_s)
-        delay = 0.01
-        while True:
-            live = await self._available(self.decode, "decode", give_up)
-            live_p = await self._available(self.prefill, "prefill", deadline)
-            lease_s = min(self.config.decode.lease_s, max(deadline - time.monotonic(), 0.001))
-            for d in sorted(live, key=lambda w: (w.load, -w.free_blocks)):
-                # choose and charge with no await in between
-                local = self._prefill_on_decode(d, prompt_len)
-                p = None if local else self.prefill_router.pick(
-                    [w for w in live_p if w.available] or live_p, ids)[0]
-                self._charge(d, p, prompt_len, 1)
-                try:
-                    res = await d.handle.reserve.remote(rid, prompt_len, params, ids, lease_s,
-                                                        local)
-                except ray.exceptions.RayActorError:   # dead or restarting: try the next
-                    self._charge(d, p, prompt_len, -1)
-                    d.alive = False
-                    continue
-                except BaseException:
-                    self._charge(d, p, prompt_len, -1)
-                    raise
-                if res is None:
-                    self._charge(d, p, prompt_len, -1)
-                    continue
-                d.free_blocks = res.free_blocks
-                if res.local_prefill and p is not None:   # D's own threshold chose it
-                    self._charge(d, p, prompt_len, -1)
-                    self._charge(d, None, prompt_len, 1)
-                    p = None
-                return d, res, p
-            if not any(d.available for d in live):
-                continue          # every one died meanwhile: wait for a restart above
-            if time.monotonic() + delay > give_up:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   "no decode worker has free KV blocks for this request; "
-                                   "retry later or lower max_tokens")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.2)
-
-    @staticmethod
-    def _charge(d: Worker, p: Worker | None, tokens: int, sign: int) -> None:
-        """Add (sign 1) or take back (-1) a prompt's tokens on the queue of whoever
-        prefills it: P, or D itself when p is None."""
-        if p is not None:
-            p.load += sign * tokens
-        else:
-            d.local_prefill_load += sign * tokens
-
-    def _prefill_on_decode(self, d: Worker, prompt_len: int) -> bool:
-        """Conditional disaggregation: whether D prefills the prompt itself.
-
-        - D has no prefill of its own queued and prefill workers on D's node, at least
-          as many as its decode workers, have none either
-          (router.local_prefill_when_prefill_idle, with core lending on): the idle
-          workers lend D their threads (pdserve/core_share.py), so D computes the
-          prompt on its cores and theirs, where a prefill worker would use its own
-          alone. The next prompt, while D is at it, goes to a prefill worker.
-        - Every live prefill worker has more than router.max_prefill_queue_tokens prompt
-          tokens queued, and more than D would have queued for its own prefills with
-          this prompt (Dynamo's disaggregated router decides the same way, by its
-          max_prefill_queue_size). A burst is then split between P and D instead of
-          waiting for P alone. The limit defaults to one prefill step's budget (prefill
-          workers' max_num_batched_tokens)."""
-        rc = self.config.router
-        if (rc.local_prefill_when_prefill_idle and self.config.decode.core_share_dir
-                and d.local_prefill_load == 0):
-            # each decode worker of the node gets a share of the idle workers' threads
-            # (core_share), so D gets at least one when they are at least as many
-            idle = sum(p.available and p.load == 0 and p.node_ip == d.node_ip
-                       for p in self.prefill)
-            if idle and idle >= sum(w.node_ip == d.node_ip for w in self.decode):
-                return True
-        limit = rc.max_prefill_queue_tokens
-        if limit is None:
-            limit = self.config.prefill.max_num_batched_tokens
-        queued = [p.load for p in self.prefill if p.available]
-        if not limit or not queued:
-            return False
-        shortest = min(queued)
-        return shortest > limit and shortest > d.local_prefill_load + prompt_len
 
     # --- Admin ------------------------------------------------------------------------
 

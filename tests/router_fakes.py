@@ -17,6 +17,7 @@ from pdserve.config import ClusterConfig, RouterConfig
 from pdserve.metrics import RouterMetrics
 from pdserve.router.admission import Admission
 from pdserve.router.router import Router
+from pdserve.router.placement import Placement
 from pdserve.router.routing import PrefillRouter
 from pdserve.router.streams import DecodeStreams
 from pdserve.router.workers import Worker
@@ -39,9 +40,6 @@ def fake_router(prefills: list, decodes: list, **router_kw) -> Router:
     r.config = ClusterConfig(router=RouterConfig(port=0, **router_kw))
     r.model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=256, eos_token_ids=(EOS,))
     r.tokenizer = SimpleNamespace(backend_tokenizer=TOKENIZER)
-    r.prefill = [Worker(actor(p), f"prefill-{i}", 64, 1) for i, p in enumerate(prefills)]
-    r.decode = [Worker(actor(d), f"decode-{i}", 64, 1, free_blocks=64)
-                for i, d in enumerate(decodes)]
     rc = r.config.router
     r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
     r.metrics = RouterMetrics(lambda: r.admission.queued_requests)
@@ -49,6 +47,11 @@ def fake_router(prefills: list, decodes: list, **router_kw) -> Router:
     r.streams = DecodeStreams()
     r.prefill_router = PrefillRouter(rc.routing_policy, r.config.prefill.block_size,
                                      rc.kv_load_weight)
+    r.placement = Placement(
+        r.config, r.prefill_router,
+        prefill=[Worker(actor(p), f"prefill-{i}", 64, 1) for i, p in enumerate(prefills)],
+        decode=[Worker(actor(d), f"decode-{i}", 64, 1, free_blocks=64)
+                for i, d in enumerate(decodes)])
     return r
 
 

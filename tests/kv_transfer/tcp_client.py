@@ -7,7 +7,7 @@ import socket
 import google_crc32c
 import torch
 
-from pdserve.kv_transfer import auth, frames
+from pdserve.kv_transfer import auth, control, frames
 from pdserve.kv_transfer.frames import FrameType
 
 from kvtest import EPOCH, TIMEOUT_S
@@ -25,7 +25,7 @@ def handshake_bytes(layout, nonce_d, secret=None, nonce_p=None):
     """P's HANDSHAKE frame answering D's challenge ``nonce_d``."""
     nonce_p = nonce_p or auth.new_nonce()
     key = auth.secret_bytes(secret)
-    p = frames.encode_handshake(layout, 0, ack=False, nonce=nonce_p,
+    p = control.encode_handshake(layout, 0, ack=False, nonce=nonce_p,
                                auth=auth.proof(key, auth.PREFILL, nonce_d, nonce_p))
     return frames.pack_header(FrameType.HANDSHAKE, payload_len=len(p)) + p
 
@@ -38,7 +38,7 @@ def raw_connect(addr, layout, secret=None):
     s.sendall(handshake_bytes(layout, nonce_d, secret))
     h, body = read_frame(s)
     assert h.frame_type == FrameType.HANDSHAKE_ACK, h
-    assert frames.decode_handshake(body, ack=True).error is None
+    assert control.decode_handshake(body, ack=True).error is None
     return s
 
 

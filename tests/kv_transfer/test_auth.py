@@ -11,6 +11,7 @@ from pdserve.kv_transfer import (
     KVLayout,
     TransferState,
     auth,
+    control,
     frames,
     make_receiver,
     make_sender,
@@ -104,7 +105,7 @@ def test_tcp_refusal_tells_nothing_and_closes(monkeypatch):
             assert h.frame_type == FrameType.CHALLENGE and len(nonce_d) == frames.NONCE_BYTES
             s.sendall(handshake_bytes(layout, nonce_d, secret="guess"))
             h, body = read_frame(s)
-            ack = frames.decode_handshake(body, ack=True)
+            ack = control.decode_handshake(body, ack=True)
             assert (h.epoch, ack.layout, ack.error) == (0, None, frames.AUTH_REFUSED)
             try:
                 s.sendall(frames.done_header("r", EPOCH, 1, 4))

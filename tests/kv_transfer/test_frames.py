@@ -7,7 +7,7 @@ import google_crc32c
 import pytest
 import torch
 
-from pdserve.kv_transfer import KVFrameError, KVLayout, make_receiver, make_sender
+from pdserve.kv_transfer import KVFrameError, KVLayout, control, make_receiver, make_sender
 from pdserve.kv_transfer import frames, host_io
 from pdserve.kv_transfer.frames import FrameType
 
@@ -142,20 +142,20 @@ def test_read_header_from_socket():
 
 
 def test_handshake_payload_round_trip():
-    p = frames.encode_handshake(LAYOUT, 9, "nope", ack=True, auth=b"\x01" * 32)
-    assert frames.decode_handshake(p, ack=True) == (LAYOUT, 9, "nope", b"", b"\x01" * 32, None)
+    p = control.encode_handshake(LAYOUT, 9, "nope", ack=True, auth=b"\x01" * 32)
+    assert control.decode_handshake(p, ack=True) == (LAYOUT, 9, "nope", b"", b"\x01" * 32, None)
     nonce = bytes(range(frames.NONCE_BYTES))
-    p = frames.encode_handshake(LAYOUT, 3, ack=False, nonce=nonce)
-    assert frames.decode_handshake(p, ack=False) == (LAYOUT, 3, None, nonce, None, None)
-    refusal = frames.decode_handshake(frames.encode_auth_refusal(), ack=True)
+    p = control.encode_handshake(LAYOUT, 3, ack=False, nonce=nonce)
+    assert control.decode_handshake(p, ack=False) == (LAYOUT, 3, None, nonce, None, None)
+    refusal = control.decode_handshake(control.encode_auth_refusal(), ack=True)
     assert (refusal.layout, refusal.error) == (None, frames.AUTH_REFUSED)
     for bad, ack in [(b"{not json", True), (b"[1, 2]", True), (b'"x"', False),
-                     (frames.encode_auth_refusal(), False),  # P's handshake needs a layout
-                     (frames.encode_handshake(LAYOUT, 3, ack=False), False),  # and a nonce
-                     (frames.encode_handshake(LAYOUT, 3, ack=False, nonce=b"ab"), False),
+                     (control.encode_auth_refusal(), False),  # P's handshake needs a layout
+                     (control.encode_handshake(LAYOUT, 3, ack=False), False),  # and a nonce
+                     (control.encode_handshake(LAYOUT, 3, ack=False, nonce=b"ab"), False),
                      (p.replace(b'"auth": null', b'"auth": "zz"'), False)]:
         with pytest.raises(KVFrameError, match="malformed"):
-            frames.decode_handshake(bad, ack=ack)
+            control.decode_handshake(bad, ack=ack)
 
 
 def test_layout_mismatch_names_fields():
@@ -206,11 +206,11 @@ def test_crc32c_is_castagnoli_over_pieces_without_copies():
 
 def test_handshake_carries_the_nixl_fields():
     extra = {"agent": "pdserve-prefill-1", "num_blocks": 8}
-    p = frames.encode_handshake(LAYOUT, 3, ack=False, nonce=bytes(frames.NONCE_BYTES),
+    p = control.encode_handshake(LAYOUT, 3, ack=False, nonce=bytes(frames.NONCE_BYTES),
                                 nixl=extra)
-    assert frames.decode_handshake(p, ack=False).nixl == extra
+    assert control.decode_handshake(p, ack=False).nixl == extra
     with pytest.raises(KVFrameError, match="nixl"):
-        frames.decode_handshake(p.replace(b'"nixl": {', b'"nixl": [{').replace(b"8}", b"8}]"),
+        control.decode_handshake(p.replace(b'"nixl": {', b'"nixl": [{').replace(b"8}", b"8}]"),
                                 ack=False)
 
 
@@ -221,19 +221,19 @@ def test_begin_and_its_ack():
         frames.unpack_header(frames.pack_header(FrameType.BEGIN, "r", payload_len=3))
     with pytest.raises(KVFrameError, match="BEGIN frame without request_id"):
         frames.unpack_header(frames.pack_header(FrameType.BEGIN))
-    ack = frames.begin_ack_frame("r", 4, [7, 2, 9])
+    ack = control.begin_ack_frame("r", 4, [7, 2, 9])
     h = frames.unpack_header(ack)
     assert h.frame_type == FrameType.BEGIN_ACK
     payload = ack[frames.HEADER_SIZE + 1:]
     assert len(payload) == h.payload_len
-    assert frames.decode_begin_ack(payload) == ([7, 2, 9], None)
-    refused = frames.begin_ack_frame("r", 4, error="x" * 10_000)
-    body = frames.decode_begin_ack(refused[frames.HEADER_SIZE + 1:])
+    assert control.decode_begin_ack(payload) == ([7, 2, 9], None)
+    refused = control.begin_ack_frame("r", 4, error="x" * 10_000)
+    body = control.decode_begin_ack(refused[frames.HEADER_SIZE + 1:])
     assert body == (None, "x" * frames.MAX_REASON_BYTES)
     for bad in [b"{", b'{"block_ids": []}', b'{"block_ids": [1, -2]}',
                 b'{"block_ids": [true]}', b'{"block_ids": "1"}', b"[]"]:
         with pytest.raises(KVFrameError, match="malformed BEGIN_ACK"):
-            frames.decode_begin_ack(bad)
+            control.decode_begin_ack(bad)
     too_big = frames.pack_header(FrameType.BEGIN_ACK, "r",
                                  payload_len=frames.MAX_BEGIN_ACK_BYTES + 1)
     with pytest.raises(KVFrameError, match="BEGIN_ACK payload_len"):

@@ -14,7 +14,7 @@ import torch
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from pdserve.kv_transfer import KVLayout, TransferState, frames  # noqa: E402
+from pdserve.kv_transfer import KVLayout, TransferState, control, frames  # noqa: E402
 from pdserve.kv_transfer.frames import FrameType  # noqa: E402
 from kvtest import (  # noqa: E402
     EPOCH, MODEL, NUM_LAYERS, PER_LAYER, TIMEOUT_S, Completions, make_cache, send_request,
@@ -143,7 +143,7 @@ def attack(addr, mode, data):
                 else:
                     s.sendall(hs)
                     h, body = read_frame(s)
-                    ack = frames.decode_handshake(body, ack=True)
+                    ack = control.decode_handshake(body, ack=True)
                     assert (ack.error is None) == (mode == "paired"), ack
                     s.sendall(data)
             s.shutdown(socket.SHUT_WR)

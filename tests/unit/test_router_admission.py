@@ -307,11 +307,11 @@ def test_the_default_limit_is_one_prefill_step():
     assert r.config.router.max_prefill_queue_tokens is None and step == 512
     d, p = r.decode[0], r.prefill[0]
     p.load = step
-    assert not r._prefill_on_decode(d, 100)          # a step's worth: P keeps it
+    assert not r.placement.prefill_on_decode(d, 100)          # a step's worth: P keeps it
     p.load = step + 1
-    assert r._prefill_on_decode(d, 100)
+    assert r.placement.prefill_on_decode(d, 100)
     d.local_prefill_load = step                       # D's own queue would be longer
-    assert not r._prefill_on_decode(d, 100)
+    assert not r.placement.prefill_on_decode(d, 100)
 
 
 def test_a_decode_worker_prefills_while_a_prefill_worker_of_its_node_is_idle():
@@ -321,22 +321,22 @@ def test_a_decode_worker_prefills_while_a_prefill_worker_of_its_node_is_idle():
     r = make_router(FakeDecode(), FakePrefill(), local_prefill_when_prefill_idle=True)
     d, p = r.decode[0], r.prefill[0]
     d.node_ip = p.node_ip = "10.0.0.1"
-    assert not r._prefill_on_decode(d, 100)                  # no lending: P's path
+    assert not r.placement.prefill_on_decode(d, 100)                  # no lending: P's path
     lending = replace(r.config, decode=replace(r.config.decode, core_share_dir="/dev/shm/x"))
-    r.config = lending
-    assert r._prefill_on_decode(d, 100)
+    r.config = r.placement.config = lending
+    assert r.placement.prefill_on_decode(d, 100)
     d.local_prefill_load = 1                                  # D prefills one already
-    assert not r._prefill_on_decode(d, 100)
+    assert not r.placement.prefill_on_decode(d, 100)
     d.local_prefill_load, p.load = 0, 1                       # P has one queued
-    assert not r._prefill_on_decode(d, 100)
+    assert not r.placement.prefill_on_decode(d, 100)
     p.load, p.node_ip = 0, "10.0.0.2"                         # P idle on another node
-    assert not r._prefill_on_decode(d, 100)
+    assert not r.placement.prefill_on_decode(d, 100)
     p.node_ip, p.draining = d.node_ip, True                   # draining: lends nothing
-    assert not r._prefill_on_decode(d, 100)
+    assert not r.placement.prefill_on_decode(d, 100)
     p.draining = False
     r.decode.append(Worker(None, "decode-1", 64, 1, node_ip=d.node_ip))
-    assert not r._prefill_on_decode(d, 100)          # 2 decode workers share 1 idle P
+    assert not r.placement.prefill_on_decode(d, 100)          # 2 decode workers share 1 idle P
     r.decode.pop()
-    r.config = replace(lending, router=replace(lending.router,
-                                               local_prefill_when_prefill_idle=False))
-    assert not r._prefill_on_decode(d, 100)
+    r.config = r.placement.config = replace(
+        lending, router=replace(lending.router, local_prefill_when_prefill_idle=False))
+    assert not r.placement.prefill_on_decode(d, 100)

@@ -387,7 +387,7 @@ def test_drain_sends_no_new_requests_to_the_node_and_waits_for_its_own():
         d0.die()
         r.decode[0].alive = False
         await asyncio.sleep(0.2)
-        await r._probe(r.decode[0])
+        await r.placement.probe(r.decode[0])
         assert r.decode[0].available
         return r
 

@@ -1,0 +1,180 @@
+"""Placement: where one request runs. The decode worker D that reserves its KV (fewest
+active requests, then most free blocks), and who prefills it: a prefill worker P
+(routing.py's policy), or D itself (conditional disaggregation, prefill_on_decode).
+Each worker's load, as the router counts it, is charged when the choice is made.
+Workers found dead are probed back (Ray restarts them) within a request's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import ray
+
+from ..config import ClusterConfig
+from ..engine.block_pool import blocks_needed
+from ..engine.sampling_params import InvalidRequestError
+from ..messages import DecodeReservation
+from .errors import RequestError
+from .routing import PrefillRouter
+from .workers import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class Placement:
+    """The router's workers of both roles and the choice of D and P for each request.
+    Runs on the router's event loop (no locks: a choice and its charge happen with no
+    await in between)."""
+
+    def __init__(self, config: ClusterConfig, prefill_router: PrefillRouter,
+                 prefill: list[Worker] | None = None, decode: list[Worker] | None = None):
+        self.config = config
+        self.prefill_router = prefill_router
+        self.prefill: list[Worker] = prefill or []
+        self.decode: list[Worker] = decode or []
+
+    async def available(self, workers: list[Worker], role: str, deadline: float
+                         ) -> list[Worker]:
+        """The workers of a role not known to be dead nor draining. When none is, wait
+        for Ray to restart one (probing them with ready()) until `deadline`.
+
+        Raises:
+            RequestError: UNAVAILABLE, none came back before the deadline.
+        """
+        delay = 0.05
+        while True:
+            live = [w for w in workers if w.available]
+            if live:
+                return live
+            await asyncio.gather(*(self.probe(w) for w in workers if not w.alive))
+            if any(w.available for w in workers):
+                continue
+            if time.monotonic() + delay >= deadline:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                   f"no {role} worker is available: all {len(workers)} are "
+                                   "down and none restarted within the request's deadline")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def probe(self, w: Worker, timeout_s: float = 1.0) -> None:
+        """Mark `w` alive again once it answers ready(); a new epoch (Ray restarted it)
+        resets the router's mirror of its prefix cache."""
+        try:
+            info = await asyncio.wait_for(w.handle.ready.remote(), timeout=timeout_s)
+        except Exception:  # still down or restarting
+            return
+        if info.epoch != w.epoch:
+            logger.warning("%s restarted on %s (epoch %x -> %x)", w.worker_id, info.node_ip,
+                           w.epoch, info.epoch)
+            w.epoch, w.node_ip, w.draining = info.epoch, info.node_ip, False
+            self.prefill_router.index.forget(w.worker_id)
+        w.alive = True
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        bs = self.config.decode.block_size
+        need = blocks_needed(prompt_len + max_tokens, bs)
+        most = max(w.num_blocks for w in self.decode)
+        if need > most:
+            raise InvalidRequestError(
+                "sampling.max_tokens", f"prompt ({prompt_len}) + max_tokens ({max_tokens}) needs "
+                                       f"{need} KV blocks; the largest decode worker has {most}")
+        if blocks_needed(prompt_len, bs) > max(w.num_blocks for w in self.prefill):
+            raise InvalidRequestError("prompt", f"{prompt_len} tokens exceed every prefill "
+                                                "worker's KV pool")
+
+    async def reserve(self, rid: str, prompt_len: int, params, deadline: float,
+                       ids: list[int]) -> tuple[Worker, DecodeReservation, Worker | None]:
+        """Reserve on the best live decode worker with room, waiting for room (or for
+        Ray to restart a dead one) until reserve_timeout_s, and choose who prefills:
+        returns (D, D's reservation, P), P None when D prefills the prompt itself. The
+        prompt's tokens are charged to P's queue (P.load) or D's own
+        (D.local_prefill_load) when the choice is made, before the reserve call is
+        awaited: the requests of a burst, whose choices are made while the first
+        reservations are in flight, see each other's load. The caller releases the
+        charge. The reservation's lease ends with the request's deadline at the
+        latest, so D reclaims it even if this router goes away."""
+        give_up = min(deadline, time.monotonic() + self.config.router.reserve_timeout_s)
+        delay = 0.01
+        while True:
+            live = await self.available(self.decode, "decode", give_up)
+            live_p = await self.available(self.prefill, "prefill", deadline)
+            lease_s = min(self.config.decode.lease_s, max(deadline - time.monotonic(), 0.001))
+            for d in sorted(live, key=lambda w: (w.load, -w.free_blocks)):
+                # choose and charge with no await in between
+                local = self.prefill_on_decode(d, prompt_len)
+                p = None if local else self.prefill_router.pick(
+                    [w for w in live_p if w.available] or live_p, ids)[0]
+                self.charge(d, p, prompt_len, 1)
+                try:
+                    res = await d.handle.reserve.remote(rid, prompt_len, params, ids, lease_s,
+                                                        local)
+                except ray.exceptions.RayActorError:   # dead or restarting: try the next
+                    self.charge(d, p, prompt_len, -1)
+                    d.alive = False
+                    continue
+                except BaseException:
+                    self.charge(d, p, prompt_len, -1)
+                    raise
+                if res is None:
+                    self.charge(d, p, prompt_len, -1)
+                    continue
+                d.free_blocks = res.free_blocks
+                if res.local_prefill and p is not None:   # D's own threshold chose it
+                    self.charge(d, p, prompt_len, -1)
+                    self.charge(d, None, prompt_len, 1)
+                    p = None
+                return d, res, p
+            if not any(d.available for d in live):
+                continue          # every one died meanwhile: wait for a restart above
+            if time.monotonic() + delay > give_up:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   "no decode worker has free KV blocks for this request; "
+                                   "retry later or lower max_tokens")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    @staticmethod
+    def charge(d: Worker, p: Worker | None, tokens: int, sign: int) -> None:
+        """Add (sign 1) or take back (-1) a prompt's tokens on the queue of whoever
+        prefills it: P, or D itself when p is None."""
+        if p is not None:
+            p.load += sign * tokens
+        else:
+            d.local_prefill_load += sign * tokens
+
+    def prefill_on_decode(self, d: Worker, prompt_len: int) -> bool:
+        """Conditional disaggregation: whether D prefills the prompt itself.
+
+        - D has no prefill of its own queued and prefill workers on D's node, at least
+          as many as its decode workers, have none either
+          (router.local_prefill_when_prefill_idle, with core lending on): the idle
+          workers lend D their threads (pdserve/core_share.py), so D computes the
+          prompt on its cores and theirs, where a prefill worker would use its own
+          alone. The next prompt, while D is at it, goes to a prefill worker.
+        - Every live prefill worker has more than router.max_prefill_queue_tokens prompt
+          tokens queued, and more than D would have queued for its own prefills with
+          this prompt (Dynamo's disaggregated router decides the same way, by its
+          max_prefill_queue_size). A burst is then split between P and D instead of
+          waiting for P alone. The limit defaults to one prefill step's budget (prefill
+          workers' max_num_batched_tokens)."""
+        rc = self.config.router
+        if (rc.local_prefill_when_prefill_idle and self.config.decode.core_share_dir
+                and d.local_prefill_load == 0):
+            # each decode worker of the node gets a share of the idle workers' threads
+            # (core_share), so D gets at least one when they are at least as many
+            idle = sum(p.available and p.load == 0 and p.node_ip == d.node_ip
+                       for p in self.prefill)
+            if idle and idle >= sum(w.node_ip == d.node_ip for w in self.decode):
+                return True
+        limit = rc.max_prefill_queue_tokens
+        if limit is None:
+            limit = self.config.prefill.max_num_batched_tokens
+        queued = [p.load for p in self.prefill if p.available]
+        if not limit or not queued:
+            return False
+        shortest = min(queued)
+        return shortest > limit and shortest > d.local_prefill_load + prompt_len

@@ -21,12 +21,13 @@ def read_frame(s):
     return h, bytes(body)
 
 
-def handshake_bytes(layout, nonce_d, secret=None, nonce_p=None):
-    """P's HANDSHAKE frame answering D's challenge ``nonce_d``."""
+def handshake_bytes(layout, nonce_d, secret=None, nonce_p=None, nixl=None):
+    """P's HANDSHAKE frame answering D's challenge ``nonce_d`` (``nixl``: the NIXL
+    pairing fields, e.g. {"agents": [...]})."""
     nonce_p = nonce_p or auth.new_nonce()
     key = auth.secret_bytes(secret)
     p = control.encode_handshake(layout, 0, ack=False, nonce=nonce_p,
-                               auth=auth.proof(key, auth.PREFILL, nonce_d, nonce_p))
+                                 auth=auth.proof(key, auth.PREFILL, nonce_d, nonce_p), nixl=nixl)
     return frames.pack_header(FrameType.HANDSHAKE, payload_len=len(p)) + p
 
 

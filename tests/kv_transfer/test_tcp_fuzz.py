@@ -1,9 +1,11 @@
-"""Raw bytes at a live TCP KV port (hypothesis): random bytes, cut-off handshakes, a
-handshake with a wrong secret, a good handshake followed by garbage or forged frames
-(huge length fields included). After every example the receiver's accept thread is
-alive, its one standing reservation is untouched, no other reservation was left
-behind, staging never grew past a reservation's bytes, and a valid transfer on the
-sender's connection still lands exact bytes."""
+"""Raw bytes at a live KV port (hypothesis), of each transport's receiver (both pair
+over the same TCP control port): random bytes, cut-off handshakes, a handshake with a
+wrong secret, a good handshake (as a TCP peer, or with NIXL pairing fields naming
+made-up agents) followed by garbage or forged frames (huge length fields, BEGINs for
+requests nobody expects included). After every example the receiver's accept thread is
+alive, its one standing reservation is untouched, no other reservation or writer's
+lease was left behind, staging never grew past a reservation's bytes, and a valid
+transfer on the sender's connection still lands exact bytes."""
 
 import itertools
 import socket
@@ -14,14 +16,15 @@ import torch
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from pdserve.kv_transfer import KVLayout, TransferState, control, frames  # noqa: E402
+from pdserve.kv_transfer import (  # noqa: E402
+    KVLayout, TransferState, control, frames, make_receiver, make_sender,
+)
 from pdserve.kv_transfer.frames import FrameType  # noqa: E402
 from kvtest import (  # noqa: E402
-    EPOCH, MODEL, NUM_LAYERS, PER_LAYER, TIMEOUT_S, Completions, make_cache, send_request,
+    EPOCH, MODEL, NUM_LAYERS, PER_LAYER, TIMEOUT_S, TRANSPORTS, Completions, make_cache,
+    send_request,
 )
 from tcp_client import handshake_bytes, read_frame, wait_closed  # noqa: E402
-
-from pdserve.kv_transfer.tcp import TcpKVReceiver, TcpKVSender  # noqa: E402
 
 SECRET = "fuzz-secret"
 NUM_BLOCKS = 12
@@ -32,8 +35,8 @@ DTYPE = frames.dtype_code(LAYOUT.dtype)
 _valid_ids = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def port():
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def port(request):
     """One receiver (with a secret) and one paired sender for every example; grow_buffer
     spied so the test can bound what staging ever asked for."""
     staged = []
@@ -44,9 +47,11 @@ def port():
     expected = dst.clone()
     expected[:, :, VALID_DST] = src[:, :, VALID_SRC]
     done = Completions()
-    rx = TcpKVReceiver(dst, LAYOUT, EPOCH, notify=done, io_timeout_s=2.0, secret=SECRET)
+    rx = make_receiver(request.param, dst, LAYOUT, EPOCH, notify=done, io_timeout_s=2.0,
+                       secret=SECRET)
     done.attach(rx)
-    tx = TcpKVSender(src, LAYOUT, secret=SECRET, checksum=True, io_timeout_s=2.0)
+    tx = make_sender(request.param, src, LAYOUT, secret=SECRET, checksum=True,
+                     io_timeout_s=2.0)
     addr = rx.start()
     rx.expect(SENTINEL, SENTINEL_IDS)
     tx.connect(addr)
@@ -91,8 +96,10 @@ def plausible_frame(draw):
     """A well-formed frame for a request nobody expects (so it must be read and
     dropped), with a random payload."""
     rid = draw(rids) or "ghost"
-    kind = draw(st.sampled_from(["kv", "kv-crc", "done", "abort"]))
+    kind = draw(st.sampled_from(["kv", "kv-crc", "done", "abort", "begin"]))
     epoch = draw(st.sampled_from([EPOCH, EPOCH - 1]))
+    if kind == "begin":
+        return frames.pack_header(FrameType.BEGIN, rid, epoch=epoch)
     if kind == "done":
         return frames.done_header(rid, epoch, draw(st.integers(0, 2**31)), NUM_LAYERS)
     if kind == "abort":
@@ -121,6 +128,7 @@ attacks = st.one_of(
     st.tuples(st.just("no-secret"), frames_after_handshake),
     st.tuples(st.just("paired"), frames_after_handshake),
     st.tuples(st.just("paired"), frames_after_handshake),
+    st.tuples(st.just("paired-nixl"), frames_after_handshake),
 )
 
 
@@ -137,14 +145,15 @@ def attack(addr, mode, data):
                 h, nonce_d = read_frame(s)
                 assert h.frame_type == FrameType.CHALLENGE
                 secret = {"wrong-secret": "guess", "no-secret": None}.get(mode, SECRET)
-                hs = handshake_bytes(LAYOUT, nonce_d, secret)
+                nixl = {"agents": ["made-up-agent"]} if mode == "paired-nixl" else None
+                hs = handshake_bytes(LAYOUT, nonce_d, secret, nixl=nixl)
                 if mode == "cut-handshake":
                     s.sendall(hs[: data % len(hs)])
                 else:
                     s.sendall(hs)
                     h, body = read_frame(s)
                     ack = control.decode_handshake(body, ack=True)
-                    assert (ack.error is None) == (mode == "paired"), ack
+                    assert (ack.error is None) == mode.startswith("paired"), ack
                     s.sendall(data)
             s.shutdown(socket.SHUT_WR)
         except OSError:
@@ -162,6 +171,7 @@ def test_garbage_at_the_kv_port(port, case):
     assert accept and accept[0].is_alive()
     table = rx._table
     assert set(table._active) == {SENTINEL}  # nothing left behind, nothing of ours failed
+    assert not any(getattr(rx, "_writers", {}).values())   # and no writer's lease
     assert rx.state(SENTINEL) == TransferState.WAITING
     assert not any(table._active[SENTINEL].arrived)
     assert max(port["staged"], default=0) <= LAYOUT.payload_bytes(1, len(VALID_DST))

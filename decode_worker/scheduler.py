@@ -67,6 +67,7 @@ import bisect
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from ..engine.block_pool import (
     BlockPool,
@@ -140,7 +141,8 @@ class DecodeScheduler:
 
     def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
                 lease_s: float, prompt_token_ids: list[int],
-                prefill_locally: bool = False) -> Reserved:
+                prefill_locally: bool = False,
+                expect: Callable[[str, list[int]], None] | None = None) -> Reserved:
         """Reserve the blocks for the prompt's KV. Idempotent per request_id.
 
         With prefix caching, the prompt's leading full blocks found in D's cache are
@@ -149,7 +151,9 @@ class DecodeScheduler:
         local_prefill_max_tokens, or with `prefill_locally` (the router's choice), D
         prefills them itself, from its next step on. The prompt
         (`prompt_token_ids`, len == prompt_len) is kept to recompute the KV if the
-        request is preempted.
+        request is preempted. `expect(request_id, block_ids)` (KVReceiver.expect) runs
+        under the lock for a request prefilled elsewhere, so its lease cannot expire
+        and the request be forgotten before the receiver expects it.
 
         Raises:
             ValueError: len(prompt_token_ids) != prompt_len.
@@ -171,8 +175,10 @@ class DecodeScheduler:
             cached = req.num_cached_blocks
             if req.state == RequestState.WAITING:
                 return Reserved([], cached, True)
-            return Reserved(req.block_table[cached:blocks_needed(req.prompt_len, bs)], cached,
-                            False)
+            blocks = req.block_table[cached:blocks_needed(req.prompt_len, bs)]
+            if expect is not None:
+                expect(request_id, blocks)
+            return Reserved(blocks, cached, False)
 
     def _new_request(self, request_id: str, prompt: list[int], params: SamplingParams,
                      lease_s: float, prefill_locally: bool) -> DecodeRequest:

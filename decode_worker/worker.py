@@ -142,14 +142,12 @@ class DecodeWorker:
         try:
             r = self.scheduler.reserve(request_id, prompt_len, params,
                                        lease_s or self.config.lease_s, prompt_token_ids,
-                                       prefill_locally)
+                                       prefill_locally, expect=self.receiver.expect)
         except (NoFreeBlocksError, RequestTooLargeError) as e:
             logger.debug("reserve %s refused: %s", request_id, e)
             return None
         if r.local_prefill:
             self._wake.set()
-        else:
-            self.receiver.expect(request_id, r.block_ids)
         return DecodeReservation(tuple(self.kv_address), self.epoch, len(r.block_ids),
                                  r.num_cached_blocks, r.local_prefill, self.pool.num_free)
 

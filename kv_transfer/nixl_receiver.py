@@ -97,10 +97,12 @@ class NixlKVReceiver(TcpKVReceiver):
 
     def _on_begin(self, conn: _Connection, h: FrameHeader) -> None:
         rid, error = h.request_id, None
-        with self._nlock:
+        res = self._table.lookup(rid, h.epoch, "BEGIN")
+        with self._nlock:   # check and take in one step: one writer per request
             leases = self._writers.get(conn.conn_id)
             taken = any(rid in w for w in self._writers.values())
-        res = self._table.lookup(rid, h.epoch, "BEGIN")
+            if leases is not None and res is not None and not taken:
+                leases[rid] = res
         if leases is None:
             error = "this connection did not pair for NIXL writes"
         elif res is None:
@@ -109,10 +111,10 @@ class NixlKVReceiver(TcpKVReceiver):
         elif taken:
             error = "another prefill worker is writing it"
         elif not self._table.begin_writer(res):
+            with self._nlock:
+                leases.pop(rid, None)
             error = "already finished"
         else:
-            with self._nlock:
-                leases[rid] = res
             res.conn_ids.add(conn.conn_id)
             res.writer_conn = conn.conn_id
         ack = control.begin_ack_frame(rid, h.epoch, None if error else res.block_ids, error)

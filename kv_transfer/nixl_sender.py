@@ -13,7 +13,9 @@ returns; send_done / send_abort wait for the request's WRITEs first::
 from __future__ import annotations
 
 import base64
+import logging
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +31,8 @@ from .nixl import (BUSY_POLL_S, LANE_MIN_BYTES, LANE_POLL_S, LANES, MAX_LANES, b
                    desc_rows, make_agent, memory_of)
 from .tcp_sender import TcpKVSender, _SendConn
 
+logger = logging.getLogger(__name__)
+
 
 class _Begun:
     """One request P has BEGUN on a decode worker: D's blocks, and its WRITEs."""
@@ -38,6 +42,7 @@ class _Begun:
         self.num_writes = 0                 # WRITEs handed to lanes (DONE tells D)
         self.pending = 0                    # ... not yet seen complete
         self.error: str | None = None       # the first WRITE that failed
+        self.cancelled = False              # its connection dropped: post nothing more
         self.cond = threading.Condition()
 
     def finished_one(self, error: str | None = None) -> None:
@@ -110,6 +115,9 @@ class _Lane:
 
     def post(self, begun: _Begun, dst: Any, src_rows: np.ndarray, dst_rows: np.ndarray,
              notif: bytes) -> None:
+        if begun.cancelled:           # D may have handed these blocks on already
+            begun.finished_one("connection dropped before the WRITE was posted")
+            return
         try:
             with self.lock:
                 handle = self.agent.make_prepped_xfer("WRITE", self.src, src_rows, dst,
@@ -130,11 +138,18 @@ class _Lane:
         with self.lock:
             done = []
             while self.in_flight:
-                state = self.agent.check_xfer_state(self.in_flight[0][1])
+                try:
+                    state = self.agent.check_xfer_state(self.in_flight[0][1])
+                except Exception as e:  # NIXL raises its own errors for a failed transfer
+                    logger.warning("NIXL WRITE failed: %s: %s", type(e).__name__, e)
+                    state = "ERR"
                 if state == "PROC":
                     break
                 begun, handle = self.in_flight.pop(0)
-                handle.release()
+                try:
+                    handle.release()
+                except Exception as e:  # a failed transfer's handle may refuse; NIXL logs it
+                    logger.debug("NIXL handle release: %s", e)
                 done.append((begun, handle, state))
             busy = bool(self.in_flight)
         for begun, _, state in done:
@@ -164,9 +179,23 @@ class _Lane:
                 job = False
             if job is None:
                 return
-            if job:
-                self.post(*job)
-            self.reap()
+            try:
+                if job:
+                    self.post(*job)
+                self.reap()
+            except Exception:  # a bug here must cost its requests, not every later one
+                logger.exception("NIXL lane %s failed a pass", self.agent.name)
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """Whether D closed the control connection (a pending EOF or error), without
+    blocking or consuming anything (D sends nothing unasked)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
 
 
 class NixlKVSender(TcpKVSender):
@@ -209,9 +238,21 @@ class NixlKVSender(TcpKVSender):
         if mem != self._mem or num_blocks <= 0:
             raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]}: cache in {mem} "
                                    f"({num_blocks} blocks), this prefill worker's in {self._mem}")
-        paired = [lane.pair(md, base, num_blocks, self.layout.num_layers, self._unit, mem,
-                            device_id) for lane in self._lanes]
+        try:
+            paired = [lane.pair(md, base, num_blocks, self.layout.num_layers, self._unit, mem,
+                                device_id) for lane in self._lanes]
+        except Exception as e:  # NIXL's own error types; the connection is dropped
+            raise ConnectionError(f"NIXL pairing with {addr[0]}:{addr[1]} failed: "
+                                  f"{type(e).__name__}: {e}") from e
         conn.peer = _Peer(paired[0][0], [dst for _, dst in paired], num_blocks)
+
+    def _drop(self, conn: _SendConn) -> None:
+        """Also stop the dropped connection's requests: their queued shares are never
+        posted (D releases their blocks a grace period after the loss)."""
+        if conn.peer is not None:
+            for begun in conn.peer.begun.values():
+                begun.cancelled = True
+        super()._drop(conn)
 
     def send_layers(self, addr: tuple[str, int], request_id: str, epoch: int,
                     layer_start: int, layer_end: int, src_block_ids: Sequence[int],
@@ -233,6 +274,10 @@ class NixlKVSender(TcpKVSender):
                     self._begin(conn, request_id, epoch))
             if begun.error is not None:
                 raise ConnectionError(f"request {request_id}: {begun.error}")
+            if _peer_closed(conn.sock):   # D dropped us: its grace period is running
+                raise ConnectionError("decode worker closed the control connection")
+            if self.kv.is_cuda:  # on_layer_done fires when the layer is queued, not done
+                torch.cuda.current_stream(self.kv.device).synchronize()
             dst_ids = begun.dst_block_ids
             if block_start + len(ids) > len(dst_ids):
                 raise KVTransferError(

@@ -145,6 +145,9 @@ class ReservationTable:
         self._host_view = host_io.HostCacheView(kv)
         self._lock = threading.Lock()
         self._active: dict[str, Reservation] = {}
+        # finished while a one-sided writer still held its lease: forget() must wait for
+        # that writer too (end_writer removes them)
+        self._leased: dict[str, Reservation] = {}
         self._finished: OrderedDict[str, TransferState] = OrderedDict()
 
     # ---- decode-worker side -------------------------------------------------------
@@ -190,7 +193,7 @@ class ReservationTable:
         out while still written. A request never expected is released at once.
         """
         with self._lock:
-            res = self._active.pop(request_id, None)
+            res = self._active.pop(request_id, None) or self._leased.get(request_id)
             self._finished.pop(request_id, None)
         if res is None:
             self._report(released=request_id)
@@ -287,7 +290,7 @@ class ReservationTable:
         reservation's lock. False when the payload must be discarded: the request
         finished or was forgotten meanwhile, or a pair arrives twice (fails it)."""
         with self._hold(res):
-            if res.state >= TransferState.DONE:
+            if res.state >= TransferState.DONE or res.forgotten:
                 logger.debug("request %s finished; dropping KV frame", res.request_id)
                 return False
             dup = res.claim(h)
@@ -320,7 +323,7 @@ class ReservationTable:
         one-sided write). Counted in flight, so forget()'s release waits for the
         matching end_writer; False (nothing counted) once the request finished."""
         with self._hold(res):
-            if res.state >= TransferState.DONE:
+            if res.state >= TransferState.DONE or res.forgotten:
                 return False
             res.writes_in_flight += 1
         return True
@@ -329,6 +332,9 @@ class ReservationTable:
         """The writer counted by begin_writer is done (DONE, ABORT, or known gone)."""
         with self._hold(res):
             res.writes_in_flight -= 1
+            if res.writes_in_flight == 0:
+                with self._lock:
+                    self._leased.pop(res.request_id, None)
 
     def all_arrived(self, res: Reservation) -> bool:
         """Every (layer, block) pair of the reservation has arrived."""
@@ -413,6 +419,9 @@ class ReservationTable:
                 self._finished.popitem(last=False)
         with self._hold(res):  # also waits out a write in flight before reporting
             res.state = new
+            if res.writes_in_flight:    # a one-sided writer still holds its lease
+                with self._lock:
+                    self._leased[res.request_id] = res
         if not completion.ok:
             logger.warning("KV transfer of request %s failed: %s", res.request_id, completion.error)
         self._report(completion)

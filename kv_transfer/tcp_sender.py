@@ -232,8 +232,7 @@ class TcpKVSender(KVSender):
         frames.recv_exact(sock, memoryview(body))
         return bytes(body)
 
-    @staticmethod
-    def _drop(conn: _SendConn) -> None:
+    def _drop(self, conn: _SendConn) -> None:
         if conn.sock is not None:
             try:
                 conn.sock.close()

@@ -310,7 +310,9 @@ class PrefillWorker:
                     if req.kv_send_started is not None:
                         self.metrics.kv_transfer_seconds.observe(
                             time.perf_counter() - req.kv_send_started)
-            except KVTransferError as e:
+            except Exception as e:  # KVTransferError, or a bug: it fails this request only
+                if not isinstance(e, KVTransferError):
+                    logger.exception("KV send of %s failed unexpectedly", req.request_id)
                 if req.error is None:
                     self.kv_send_failures += 1
                 req.error = f"KV transfer to {req.kv_address[0]}:{req.kv_address[1]} failed: {e}"

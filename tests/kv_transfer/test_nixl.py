@@ -4,13 +4,14 @@ notifications of P's writes, pairing with a TCP-only peer, and an idle receiver 
 does not spin. The scenarios both transports share are in test_transport.py."""
 
 import logging
+import socket
 import threading
 import time
 
 import pytest
 
-from pdserve.kv_transfer import KVLayout, KVLayoutMismatch, frames, nixl
-from pdserve.kv_transfer import nixl_receiver
+from pdserve.kv_transfer import KVLayout, KVLayoutMismatch, KVTransferError, frames, nixl
+from pdserve.kv_transfer import nixl_receiver, nixl_sender
 from pdserve.kv_transfer.frames import FrameType
 from kvtest import (  # noqa: E402
     DST_IDS, EPOCH, MODEL, NUM_LAYERS, PER_LAYER, SRC_IDS, TIMEOUT_S, TRANSPORTS,
@@ -121,3 +122,41 @@ def test_a_paired_idle_receiver_does_not_spin(env):
     t0 = time.process_time()      # every thread of this process: the poll thread included
     time.sleep(1.0)
     assert time.process_time() - t0 < 0.1
+
+
+def test_a_nixl_error_fails_that_request_and_the_lanes_go_on(env, monkeypatch):
+    """NIXL reports a failed WRITE by raising (not only by "ERR"): that request fails on
+    P (its connection dropped, so D fails it too), and the next one goes through."""
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    rx, addr, done = env.receiver(dst)
+    tx = env.sender(src)
+    lane = tx._lanes[0]
+    real, calls = lane.agent.check_xfer_state, []
+
+    def fails_once(handle):
+        calls.append(handle)
+        if len(calls) == 1:
+            raise RuntimeError("nixlBackendError: transfer failed")
+        return real(handle)
+
+    monkeypatch.setattr(lane.agent, "check_xfer_state", fails_once)
+    rx.expect("bad", DST_IDS)
+    rx.expect("good", [0, 3, 8])
+    with pytest.raises(KVTransferError, match="NIXL WRITE failed"):
+        send_request(tx, addr, "bad", PER_LAYER)
+    assert not done.wait("bad").ok
+    before = dst.clone()
+    send_request(tx, addr, "good", PER_LAYER)        # a new connection, a new BEGIN
+    assert done.wait("good").ok
+    assert_copied(src, dst, before, SRC_IDS, [0, 3, 8])
+    assert all(lane.thread is None or lane.thread.is_alive() for lane in tx._lanes)
+
+
+def test_the_sender_sees_that_d_closed_the_control_connection(env):
+    a, b = socket.socketpair()
+    try:
+        assert not nixl_sender._peer_closed(a)
+        b.close()
+        assert nixl_sender._peer_closed(a)
+    finally:
+        a.close()

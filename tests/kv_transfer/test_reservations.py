@@ -181,3 +181,17 @@ def test_direct_write_fills_the_chunk_runs(table):
     assert table.write_layers_direct(res, h, fill) is True
     assert torch.equal(kv[0, :, [6, 2, 3]], payload[0])
     assert table.write_layers_direct(res, h, fill) is False  # a duplicate: not filled
+
+
+def test_a_request_failed_while_leased_is_released_only_when_its_writer_ends(table):
+    """A one-sided writer's lease outlives the request's failure (a duplicate frame, a
+    lost connection): forget() must still wait for that writer."""
+    table.expect("r", [4, 5, 6])
+    res, h = admit(table, "r", 3)
+    assert table.begin_writer(res)
+    table.fail(res, "layer 0 block 0 received twice")
+    assert not table.done.wait("r").ok
+    table.forget("r")
+    assert table.get_finished().released == []   # the writer may still write blocks 4..6
+    table.end_writer(res)
+    assert table.get_finished().released == ["r"]

@@ -453,3 +453,21 @@ def test_counts_track_running_and_waiting(pool):
     assert sched.counts() == (0, 0)
     assert not sched.has_work()
     assert pool.all_free()
+
+
+def test_reserve_has_the_receiver_expect_the_blocks_under_its_lock(pool):
+    """expect() runs inside reserve(), so no schedule() (a lease expiring, say) can
+    finish and forget the request before the receiver expects it."""
+    sched = make_sched(pool, kv_connector=True, local_prefill_max_tokens=4)
+    held = []
+
+    def expect(rid, block_ids):
+        held.append((rid, list(block_ids), sched._lock.locked()))
+
+    r = sched.reserve("remote", 8, params(), LEASE_S, prompt_token_ids=prompt(8), expect=expect)
+    assert held == [("remote", r.block_ids, True)]
+    sched.reserve("local", 3, params(), LEASE_S, prompt_token_ids=prompt(3), expect=expect)
+    assert len(held) == 1                          # a local prefill: nothing to expect
+    finish_all(sched)
+    sched.update_from_connector(KVFinished([], sched.take_forgotten()))
+    assert pool.all_free()

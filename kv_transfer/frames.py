@@ -374,14 +374,6 @@ def read_header(
     return unpack_header(mv[: HEADER_SIZE + rid_len], layout, max_blocks)
 
 
-def torch_dtype_for_code(code: int) -> torch.dtype:
-    """torch dtype of a wire code; KVFrameError if unknown."""
-    try:
-        return getattr(torch, DTYPE_NAMES[code])
-    except (KeyError, AttributeError):
-        raise KVFrameError(f"unknown dtype code {code}") from None
-
-
 def grow_buffer(buf: torch.Tensor | None, nbytes: int, pinned: bool) -> torch.Tensor:
     """A uint8 host staging buffer of at least ``nbytes``, reusing ``buf`` when big
     enough (and doubling otherwise, so a growing stream of frames reallocates rarely)."""

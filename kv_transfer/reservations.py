@@ -336,11 +336,6 @@ class ReservationTable:
                 with self._lock:
                     self._leased.pop(res.request_id, None)
 
-    def all_arrived(self, res: Reservation) -> bool:
-        """Every (layer, block) pair of the reservation has arrived."""
-        with self._hold(res):
-            return res.missing() is None
-
     def lookup(self, request_id: str, epoch: int, what: str) -> Reservation | None:
         """The active reservation a ``what`` frame names, or None (unknown or forgotten;
         a stale epoch also fails the request)."""

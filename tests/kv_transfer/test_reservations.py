@@ -51,7 +51,7 @@ def test_forget_waits_for_the_writers_lease(table):
     res, h = admit(table, "r", 3)
     assert table.begin_writer(res)
     assert table.claim_blocks(res, h)
-    assert table.all_arrived(res)
+    assert res.missing() is None
     table.forget("r")
     assert table.get_finished().released == []  # the writer may still write blocks 4..6
     assert not table.begin_writer(res)  # forgotten: no new lease
@@ -64,7 +64,7 @@ def test_forget_after_the_lease_ended_releases_at_once(table):
     res, h = admit(table, "r", 3, layers=(0, 1))
     assert table.begin_writer(res)
     assert table.claim_blocks(res, h)
-    assert not table.all_arrived(res)
+    assert res.missing() is not None
     table.end_writer(res)
     table.forget("r")
     assert table.get_finished().released == ["r"]

@@ -29,6 +29,10 @@ from .base import KVFrameError, KVLayout, KVLayoutMismatch, KVTransferError
 from .frames import FrameType
 from .nixl import (BUSY_POLL_S, LANE_MIN_BYTES, LANE_POLL_S, LANES, MAX_LANES, block_descs,
                    desc_rows, make_agent, memory_of)
+
+# How often P looks (a non-blocking peek) whether D closed the control connection; D
+# holds a dropped writer's blocks LOST_WRITER_GRACE_S (1 s) past the loss.
+PEER_CHECK_S = 0.005
 from .tcp_sender import TcpKVSender, _SendConn
 
 logger = logging.getLogger(__name__)
@@ -67,6 +71,7 @@ class _Peer:
     dst: list                  # per lane: the prepared descriptor list of D's whole cache
     num_blocks: int            # D's cache size in blocks
     begun: dict[tuple[str, int], _Begun] = field(default_factory=dict)  # by (rid, epoch)
+    checked_at: float = 0.0    # time.monotonic() of the last _peer_closed check
 
 
 class _Lane:
@@ -274,8 +279,11 @@ class NixlKVSender(TcpKVSender):
                     self._begin(conn, request_id, epoch))
             if begun.error is not None:
                 raise ConnectionError(f"request {request_id}: {begun.error}")
-            if _peer_closed(conn.sock):   # D dropped us: its grace period is running
-                raise ConnectionError("decode worker closed the control connection")
+            now = time.monotonic()
+            if now - peer.checked_at > PEER_CHECK_S:   # a syscall: not on every call
+                peer.checked_at = now
+                if _peer_closed(conn.sock):   # D dropped us: its grace period is running
+                    raise ConnectionError("decode worker closed the control connection")
             if self.kv.is_cuda:  # on_layer_done fires when the layer is queued, not done
                 torch.cuda.current_stream(self.kv.device).synchronize()
             dst_ids = begun.dst_block_ids

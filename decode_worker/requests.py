@@ -29,7 +29,7 @@ class DecodeRequest:
     """One request on the decode worker. Compared by identity (it is mutable state).
 
     Progress is one counter, as in vLLM: ``num_computed_tokens``, the leading tokens of
-    ``all_token_ids`` (prompt + output) whose K/V is in ``block_table``. Every step
+    prompt + output (``token_ids``) whose K/V is in ``block_table``. Every step
     computes tokens from there towards ``num_tokens`` and samples a token once it gets
     there, whatever brought the request here::
 

@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 
 from . import cpu_ops
-from .attention import AttentionMetadata, attention_backend, cpu_kernels_fit, decode_on_device
+from .attention import (AttentionMetadata, allocate_kv_cache, attention_backend, cpu_kernels_fit,
+                        decode_on_device)
 from .config import CacheConfig, ModelConfig
 from .loader import resolve_model
 from .model import CausalLM, can_prepack
@@ -153,8 +154,9 @@ class ModelRunner:
             graphs = False
         # With graphs, one block past the pool's (never handed out) takes the K/V that
         # padded graph rows write: write_kv has no "skip this row" slot value.
-        self.kv_cache = torch.zeros(c.num_layers, 2, cache.num_blocks + graphs, c.num_kv_heads,
-                                    cache.block_size, c.head_dim, dtype=cache.dtype, device=self.device)
+        self.kv_cache = allocate_kv_cache(
+            (c.num_layers, 2, cache.num_blocks + graphs, c.num_kv_heads, cache.block_size,
+             c.head_dim), cache.dtype, self.device)
         self.block_size = cache.block_size
         # CPU kernels: each layer's KV write and attention are one op that finds the
         # cache by this id (cpu_ops.attention_layer); the registry lets go of it when

@@ -41,7 +41,7 @@ B descriptors, 7.1-7.4 GB/s against 3.4-3.7 for a blocking loopback socket; UCX 
 ``cma`` for the data and tcp for notifications):
 
 - no progress thread (``enable_prog_thread=False``): the Python API gives it no delay,
-  so it spins a core. P drives progress while it waits for its WRITE; D polls
+  so it spins a core. P's lane threads drive progress while WRITEs are in flight; D polls
   notifications from its own thread, sleeping up to IDLE_POLL_S when idle;
 - UCX_NET_DEVICES is set to the interface of the worker's address, unless already
   set or the node has RDMA devices (naming only the IP interface would keep UCX off
@@ -69,14 +69,17 @@ DONE_GRACE_S = 5.0         # a DONE may overtake the notifications of P's last W
 #                            D waits for as many as DONE counts, this long at most
 LOST_WRITER_GRACE_S = 1.0  # blocks of a writer whose connection dropped stay held this long
 MAX_AGENT_NAME_BYTES = 256
-# P's NIXL agents posting in parallel, each WRITE cut into one contiguous share of its
-# blocks per lane. With cma the copy runs on the posting thread: one lane moved 7.6-8.3
-# GB/s here, two 10-14 (scratch run, 180 and 720 MiB, host memory); the copying CPU is
-# the same, only spread over two threads. An RDMA NIC gets one queue pair per lane.
+# P's NIXL agents posting in parallel, each send cut into one contiguous share of its
+# blocks per lane, each lane posting from its own thread. With cma the copy runs on the
+# posting thread: one lane moved 7.6-8.3 GB/s here, two 10-14 (scratch run, 180 and 720
+# MiB, host memory); the copying CPU is the same, only spread over two threads. An RDMA
+# NIC gets one queue pair per lane.
 LANES = 2
 MAX_LANES = 16
 LANE_MIN_BYTES = 256 << 10   # a WRITE is cut into shares of at least this many bytes
 LANE_POLL_S = 0.001          # a lane thread's progress pass while its WRITEs are in flight
+MAX_MERGED_SHARES = 64       # shares queued on a lane that go out as one WRITE, at most
+
 
 def find_module() -> Any | None:
     """The importable NIXL Python module (MODULES, in order), or None."""
@@ -140,12 +143,26 @@ def block_descs(base: int, num_layers: int, num_blocks: int, unit_bytes: int,
                      np.full_like(rows, device_id)], axis=1)
 
 
-def desc_rows(layer_start: int, layer_end: int, block_ids: np.ndarray,
-              num_blocks: int) -> np.ndarray:
-    """Rows of block_descs for layers [layer_start, layer_end), K then V, of
-    ``block_ids``, in the order of a KV frame's payload: ``[n_layers * 2 * n]`` int32."""
-    halves = np.arange(layer_start * 2, layer_end * 2, dtype=np.int64)[:, None]  # [n_layers*2, 1]
-    return (halves * num_blocks + block_ids[None, :]).reshape(-1).astype(np.int32)
+class DescRows:
+    """Rows of block_descs of a set of blocks, for any layer range, in the order of a
+    KV frame's payload (per layer K then V, blocks in order). Built once per request
+    and share; a layer range is then one vector add: row = (layer * 2 + half) *
+    num_blocks + block.
+
+    block_ids: [n] int64 blocks of a cache of num_blocks blocks.
+    """
+
+    def __init__(self, block_ids: np.ndarray, num_blocks: int) -> None:
+        ids = block_ids.astype(np.int32)
+        self.layer0 = np.concatenate([ids, ids + num_blocks])   # [2n]: K rows, V rows
+        self.stride = 2 * num_blocks                            # rows per layer
+
+    def rows(self, layer_start: int, layer_end: int) -> np.ndarray:
+        """``[(layer_end - layer_start) * 2 * n]`` int32."""
+        if layer_end - layer_start == 1:
+            return self.layer0 + layer_start * self.stride
+        layers = np.arange(layer_start, layer_end, dtype=np.int32)[:, None]
+        return (layers * self.stride + self.layer0).reshape(-1)
 
 
 # The two roles; this module is the name the transport registry points at.

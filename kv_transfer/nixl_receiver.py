@@ -186,19 +186,28 @@ class NixlKVReceiver(TcpKVReceiver):
         return bool(notifs) or bool(pending)
 
     def _on_notif(self, agent: str, msg: bytes) -> None:
+        """One notification: the KV frame headers (no payload) of every share its
+        WRITE carried, back to back (a lane merges the shares queued behind it)."""
         with self._nlock:
             conn_id = self._agents.get(agent)
         if conn_id is None:
             logger.warning("dropping NIXL notification from unpaired agent %s", agent[:64])
             return
-        try:
-            h = frames.unpack_header(msg, self.layout, self.kv.shape[2])
-        except KVFrameError as e:
-            logger.warning("dropping malformed NIXL notification from %s: %s", agent[:64], e)
-            return
-        if h.frame_type != FrameType.KV:
-            logger.warning("dropping NIXL notification of type %s", h.frame_type.name)
-            return
+        view, off = memoryview(msg), 0
+        while off < len(view):
+            try:
+                h = frames.unpack_header(view[off:], self.layout, self.kv.shape[2])
+            except KVFrameError as e:
+                logger.warning("dropping malformed NIXL notification from %s: %s",
+                               agent[:64], e)
+                return
+            off += frames.HEADER_SIZE + len(h.request_id.encode())
+            if h.frame_type != FrameType.KV:
+                logger.warning("dropping NIXL notification of type %s", h.frame_type.name)
+                return
+            self._on_kv_written(conn_id, h)
+
+    def _on_kv_written(self, conn_id: int, h: FrameHeader) -> None:
         self.num_writes += 1
         res = self._table.admit_kv(h, conn_id)
         if res is None:

@@ -56,10 +56,12 @@ class Geometry:
     def cache(self, num_blocks: int, fill: bool) -> torch.Tensor:
         """KV cache [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]."""
         shape = (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        dt = getattr(torch, self.dtype)
+        from ..engine.attention import allocate_kv_cache
+
+        kv = allocate_kv_cache(shape, getattr(torch, self.dtype), self.device)
         if fill:
-            return torch.randn(shape).to(device=self.device, dtype=dt)
-        return torch.zeros(shape, dtype=dt, device=self.device)
+            kv.normal_()
+        return kv
 
     def layout(self):
         from ..kv_transfer import KVLayout
@@ -127,13 +129,24 @@ def _pdserve_receiver(kind: str, geo: Geometry, num_blocks: int, ctl, out) -> No
     rx.close()
 
 
+def _host_buffer(nbytes: int, fill: bool = False) -> memoryview:
+    """``nbytes`` of host memory allocated as a KV cache is (huge pages where the kernel
+    allows), so the baseline's buffers get what pdserve's caches get."""
+    from ..engine.attention import allocate_kv_cache
+
+    t = allocate_kv_cache((-(-nbytes // 4),), torch.float32, "cpu")
+    if fill:
+        t.normal_()
+    return memoryview(t.numpy()).cast("B")
+
+
 def _raw_socket_receiver(sizes: list[int], out) -> None:
     srv = socket.create_server(("127.0.0.1", 0))
     out.put(srv.getsockname()[:2])
     conn, _ = srv.accept()
     # Distinct destination bytes, like a real transfer (one reused small buffer would stay
-    # in CPU cache and flatter the baseline).
-    buf = memoryview(bytearray(sum(sizes)))
+    # in CPU cache and flatter the baseline), in memory allocated as a KV cache is.
+    buf = _host_buffer(sum(sizes))
     go = bytearray(1)
     while conn.recv_into(go, 1) == 1:              # b"g": go; EOF: stop
         off = 0
@@ -168,7 +181,7 @@ class _RawTcp:
         self.proc.start()
         self.sock = socket.create_connection(tuple(self.out.get(timeout=_TIMEOUT_S)))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.payload = memoryview(torch.randn(sum(sizes) // 4 + 1).numpy()).cast("B")
+        self.payload = _host_buffer(sum(sizes), fill=True)
 
     def once(self) -> float:
         self.sock.sendall(b"g")

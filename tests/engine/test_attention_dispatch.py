@@ -97,3 +97,36 @@ def test_decode_on_device_says_when_cuda_graphs_can_capture(ops, monkeypatch):
     assert attention.decode_on_device(CUDA, 16)                  # Triton for small blocks
     monkeypatch.setattr(attention, "_triton_ops", lambda: None)
     assert not attention.decode_on_device(CUDA, 16)              # SDPA: host-side lengths
+
+
+def _thp_mode():
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def _huge_kib_of(ptr):
+    """AnonHugePages (KiB) of the mapping of this process holding address ``ptr``."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= ptr < hi:
+                for field in lines[i + 1:]:
+                    if field.startswith("AnonHugePages:"):
+                        return int(field.split()[1])
+    return 0
+
+
+def test_the_kv_cache_is_zeroed_and_on_huge_pages_where_the_kernel_allows():
+    shape = (4, 2, 64, 3, 16, 64)            # 12 MiB of fp32
+    kv = attention.allocate_kv_cache(shape, torch.float32, "cpu")
+    assert kv.shape == shape and kv.dtype == torch.float32 and kv.is_contiguous()
+    assert not kv.any()
+    if _thp_mode() not in ("madvise", "always"):
+        pytest.skip("transparent huge pages are off on this kernel")
+    assert _huge_kib_of(kv.data_ptr() + kv.numel() * 2) >= 2048   # 2 bytes/elem in: mid-cache

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from pdserve.kv_transfer import KVLayout, KVLayoutMismatch, KVTransferError, frames, nixl
 from pdserve.kv_transfer import nixl_receiver, nixl_sender
@@ -160,3 +161,40 @@ def test_the_sender_sees_that_d_closed_the_control_connection(env):
         assert nixl_sender._peer_closed(a)
     finally:
         a.close()
+
+
+def test_shares_queued_behind_a_busy_lane_go_out_as_one_write(env, monkeypatch):
+    """A lane posts every share that queued while it was busy as one WRITE whose
+    notification concatenates their KV headers; D marks each, for every request."""
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    before = dst.clone()
+    rx, addr, done = env.receiver(dst)
+    tx = env.sender(src)
+    posted = []
+    for lane in tx._lanes:
+        real = lane.post
+        monkeypatch.setattr(lane, "post", lambda jobs, real=real: (posted.append(len(jobs)),
+                                                                    real(jobs)))
+    tables = {"a": [7, 2, 9], "b": [0, 3, 8]}
+    for rid, table in tables.items():
+        rx.expect(rid, table)
+    tx.connect(addr)
+    for lane in tx._lanes:            # busy: whatever a lane took waits for its lock
+        lane.lock.acquire()
+    try:
+        for layer in range(NUM_LAYERS):
+            for rid in tables:
+                tx.send_layers(addr, rid, EPOCH, layer, layer + 1, SRC_IDS)
+    finally:
+        for lane in tx._lanes:
+            lane.lock.release()
+    for rid in tables:
+        tx.send_done(addr, rid, EPOCH, 42, NUM_LAYERS)
+    assert all(done.wait(rid).ok for rid in tables)
+    assert sum(posted) == 2 * NUM_LAYERS and max(posted) > 1, posted
+    assert rx.num_writes == 2 * NUM_LAYERS          # one KV header per send_layers
+    u8 = lambda t: t.contiguous().view(torch.uint8)
+    for table in tables.values():
+        assert torch.equal(u8(dst[:, :, table]), u8(src[:, :, SRC_IDS]))
+    untouched = [b for b in range(10) if b not in sum(tables.values(), [])]
+    assert torch.equal(u8(dst[:, :, untouched]), u8(before[:, :, untouched]))

@@ -93,15 +93,8 @@ MAX_REASON_BYTES = 4096
 MAX_BEGIN_ACK_BYTES = 1 << 20  # ~90k block ids of JSON: a 1.4M-token prompt at block_size 16
 
 # Codes are part of the protocol: never renumber, only append.
-DTYPE_CODES: dict[str, int] = {
-    "float32": 1,
-    "float16": 2,
-    "bfloat16": 3,
-    "uint8": 4,
-    "int8": 5,
-    "float8_e4m3fn": 6,
-    "float8_e5m2": 7,
-}
+DTYPE_CODES: dict[str, int] = {"float32": 1, "float16": 2, "bfloat16": 3, "uint8": 4,
+                                "int8": 5, "float8_e4m3fn": 6, "float8_e5m2": 7}
 DTYPE_NAMES: dict[int, str] = {code: name for name, code in DTYPE_CODES.items()}
 
 
@@ -151,43 +144,21 @@ def dtype_code(dtype: str) -> int:
         ) from None
 
 
-def pack_header(
-    frame_type: FrameType,
-    request_id: str = "",
-    *,
-    flags: int = 0,
-    epoch: int = 0,
-    layer_start: int = 0,
-    layer_end: int = 0,
-    block_start: int = 0,
-    num_blocks: int = 0,
-    dtype_code: int = 0,
-    first_token: int | None = None,
-    payload_len: int = 0,
-) -> bytes:
-    """Fixed header followed by the UTF-8 request id. Raises ValueError on values that
-    do not fit their fields."""
+def pack_header(frame_type: FrameType, request_id: str = "", *, flags: int = 0,
+                epoch: int = 0, layer_start: int = 0, layer_end: int = 0,
+                block_start: int = 0, num_blocks: int = 0, dtype_code: int = 0,
+                first_token: int | None = None, payload_len: int = 0) -> bytes:
+    """Fixed header followed by the UTF-8 request id (fields: the module docstring).
+    Raises ValueError on values that do not fit their fields."""
     rid = request_id.encode("utf-8")
     if len(rid) > MAX_REQUEST_ID_BYTES:
         raise ValueError(f"request_id is {len(rid)} bytes UTF-8, limit {MAX_REQUEST_ID_BYTES}")
     if first_token is not None and first_token < 0:
         raise ValueError(f"first_token must be >= 0, got {first_token}")
     try:
-        fixed = HEADER.pack(
-            MAGIC,
-            PROTOCOL_VERSION,
-            int(frame_type),
-            flags,
-            dtype_code,
-            epoch,
-            layer_start,
-            layer_end,
-            block_start,
-            num_blocks,
-            -1 if first_token is None else first_token,
-            payload_len,
-            len(rid),
-        )
+        fixed = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(frame_type), flags, dtype_code, epoch,
+                            layer_start, layer_end, block_start, num_blocks,
+                            -1 if first_token is None else first_token, payload_len, len(rid))
     except struct.error as e:
         raise ValueError(f"frame header field out of range: {e}") from e
     return fixed + rid
@@ -235,19 +206,8 @@ def unpack_header(
         raise KVFrameError(f"request_id is not UTF-8: {e}") from e
     if tok < -1:
         raise KVFrameError(f"first_token {tok} is negative")
-    h = FrameHeader(
-        frame_type=FrameType(ftype),
-        request_id=rid,
-        flags=flags,
-        epoch=epoch,
-        layer_start=lstart,
-        layer_end=lend,
-        block_start=bstart,
-        num_blocks=nblocks,
-        dtype_code=dcode,
-        first_token=None if tok == -1 else tok,
-        payload_len=plen,
-    )
+    h = FrameHeader(FrameType(ftype), rid, flags, epoch, lstart, lend, bstart, nblocks, dcode,
+                    None if tok == -1 else tok, plen)
     _validate(h, layout, max_blocks)
     return h
 
@@ -332,43 +292,27 @@ def recv_exact(sock: socket.socket, buf: memoryview, *, eof_ok: bool = False) ->
     return True
 
 
-def read_header(
-    sock: socket.socket,
-    layout: KVLayout | None = None,
-    max_blocks: int | None = None,
-    *,
-    eof_ok: bool = False,
-    frame_timeout_s: float | None = None,
-) -> FrameHeader | None:
+def read_header(sock: socket.socket, layout: KVLayout | None = None,
+                max_blocks: int | None = None, *, eof_ok: bool = False,
+                frame_timeout_s: float | None = None) -> FrameHeader | None:
     """Read and validate one header + request id from ``sock``. None on a clean EOF
     before the frame (only if ``eof_ok``); KVFrameError on anything malformed.
     frame_timeout_s, if given, says the socket has kernel timeouts of that length
-    (set_kernel_timeouts): the wait for a frame's first byte is then unbounded, the
-    rest of the frame is not."""
-    buf = bytearray(HEADER_SIZE + MAX_REQUEST_ID_BYTES)
-    mv = memoryview(buf)
-    if frame_timeout_s is None:
-        if not recv_exact(sock, mv[:1], eof_ok=eof_ok):
+    (host_io.set_kernel_timeouts): a timeout before the frame's first byte is then an
+    idle connection and the wait goes on; the rest of the frame must arrive in time."""
+    mv = memoryview(bytearray(HEADER_SIZE + MAX_REQUEST_ID_BYTES))
+    while True:
+        try:
+            got = sock.recv_into(mv[:HEADER_SIZE])
+            break
+        except (BlockingIOError, TimeoutError):
+            if frame_timeout_s is None:
+                raise
+    if got == 0:
+        if eof_ok:
             return None
-    else:
-        # The socket carries kernel timeouts (set_kernel_timeouts): a timeout before the
-        # first byte is an idle connection, so keep waiting; after it, the rest of the
-        # frame must arrive within the timeout. The fixed header comes in one recv.
-        while True:
-            try:
-                got = sock.recv_into(mv[:HEADER_SIZE])
-                break
-            except (BlockingIOError, TimeoutError):
-                continue
-        if got == 0:
-            if eof_ok:
-                return None
-            raise KVFrameError("connection closed before a frame header")
-        recv_exact(sock, mv[got:HEADER_SIZE])
-        rid_len = _unpack_fixed(mv[:HEADER_SIZE])[_RID_LEN]
-        recv_exact(sock, mv[HEADER_SIZE : HEADER_SIZE + rid_len])
-        return unpack_header(mv[: HEADER_SIZE + rid_len], layout, max_blocks)
-    recv_exact(sock, mv[1:HEADER_SIZE])
+        raise KVFrameError("connection closed before a frame header")
+    recv_exact(sock, mv[got:HEADER_SIZE])
     rid_len = _unpack_fixed(mv[:HEADER_SIZE])[_RID_LEN]  # validated before we read that far
     recv_exact(sock, mv[HEADER_SIZE : HEADER_SIZE + rid_len])
     return unpack_header(mv[: HEADER_SIZE + rid_len], layout, max_blocks)

@@ -59,8 +59,8 @@ def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-# Above this many pieces a frame is gathered into one buffer instead (iovec limits,
-# and many tiny pieces cost more in syscalls than one copy).
+# Above this many pieces a frame is sent or received through one buffer instead (iovec
+# limits, and many tiny pieces cost more in syscalls than one copy).
 MAX_DIRECT_PIECES = 256
 
 
@@ -81,11 +81,12 @@ class HostCacheView:
         self.block_bytes = kv[0, 0, 0].numel() * kv.element_size()  # one block, one layer, K or V
         self.num_blocks = kv.shape[2]
 
-    def regions(self, layer_start: int, layer_end: int,
-                runs: list[tuple[int, int]]) -> list[memoryview] | None:
-        """Views in payload order; None for a CUDA cache or more than
-        MAX_DIRECT_PIECES pieces (then gather/scatter through one staged buffer)."""
-        if not self.usable or (layer_end - layer_start) * 2 * len(runs) > MAX_DIRECT_PIECES:
+    def regions(self, layer_start: int, layer_end: int, runs: list[tuple[int, int]],
+                max_pieces: int | None = None) -> list[memoryview] | None:
+        """Views in payload order; None for a CUDA cache, or more than ``max_pieces``
+        pieces (then through one staged buffer)."""
+        n = (layer_end - layer_start) * 2 * len(runs)
+        if not self.usable or (max_pieces is not None and n > max_pieces):
             return None
         flat, bb, out = self.flat, self.block_bytes, []
         for layer in range(layer_start, layer_end):

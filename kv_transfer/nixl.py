@@ -15,8 +15,9 @@ connection of ``tcp.py`` (same frames, ``frames.py``); the bytes do not cross it
               <-- BEGIN(rid, epoch) --          first send_layers of rid
     lease the blocks to this writer
               -- BEGIN_ACK(block_ids) -->
-                                                per send_layers: one WRITE of
+                                                per send_layers: one share of the
                                                 (layers x K/V x blocks) descriptors
+                                                per lane; a lane WRITEs what queued
       <== one-sided WRITE, then a notification: a KV frame header (no payload) ==
     poll thread: get_new_notifs -> mark
     (layer, block) arrived
@@ -24,30 +25,19 @@ connection of ``tcp.py`` (same frames, ``frames.py``); the bytes do not cross it
     DONE counts once every pair arrived; the lease ends at DONE / ABORT / connection
     loss, and only then does forget() hand the blocks back to D's pool
 
-A descriptor is one block of one layer's K or V: ``[num_kv_heads, block_size,
-head_dim]``, contiguous in the cache ``[num_layers, 2, num_blocks, ...]`` (12 KiB for
-the default model in fp32); NIXL merges runs of adjacent descriptors into one
-operation. A CUDA cache registers as VRAM (GPUDirect RDMA where the NIC supports it):
-the same code with another memory type; only host memory (DRAM) ran here.
+A descriptor is one (layer, K/V, block): ``[num_kv_heads, block_size, head_dim]``,
+contiguous in the cache ``[num_layers, 2, num_blocks, ...]``; NIXL merges runs of
+adjacent descriptors into one operation. A CUDA cache registers as VRAM (GPUDirect RDMA
+where the NIC supports it): the same code with another memory type.
 
 Why the BEGIN round trip: a one-sided write is invisible to D, so D must know which
-blocks a writer may still touch. D refuses a BEGIN for a request it no longer expects,
-and a request forgotten after its BEGIN keeps its blocks out of the pool until P says
-DONE or ABORT or its connection drops (then after LOST_WRITER_GRACE_S, P's WRITE in
-flight having finished or failed by then).
+blocks a writer may still touch. A request forgotten after its BEGIN keeps its blocks
+out of the pool until P says DONE or ABORT or its connection drops (then after
+LOST_WRITER_GRACE_S, P's WRITE in flight having finished or failed by then).
 
-Settings, from a scratch run on this 2-core VM (D registers 256 MiB, P WRITEs 737,280
-B descriptors, 7.1-7.4 GB/s against 3.4-3.7 for a blocking loopback socket; UCX picks
-``cma`` for the data and tcp for notifications):
-
-- no progress thread (``enable_prog_thread=False``): the Python API gives it no delay,
-  so it spins a core. P's lane threads drive progress while WRITEs are in flight; D polls
-  notifications from its own thread, sleeping up to IDLE_POLL_S when idle;
-- UCX_NET_DEVICES is set to the interface of the worker's address, unless already
-  set or the node has RDMA devices (naming only the IP interface would keep UCX off
-  them; set it to the NIC, e.g. mlx5_0:1, where there are several), or UCX also
-  stripes over every other NIC;
-- the first transfer pays connection setup, so P calls make_connection at pairing.
+The settings below (no progress thread: it spins a core; UCX_NET_DEVICES pinned to the
+worker's interface; make_connection at pairing; lanes) and what they were measured at
+are in docs/nixl.md.
 """
 from __future__ import annotations
 
@@ -69,11 +59,9 @@ DONE_GRACE_S = 5.0         # a DONE may overtake the notifications of P's last W
 #                            D waits for as many as DONE counts, this long at most
 LOST_WRITER_GRACE_S = 1.0  # blocks of a writer whose connection dropped stay held this long
 MAX_AGENT_NAME_BYTES = 256
-# P's NIXL agents posting in parallel, each send cut into one contiguous share of its
-# blocks per lane, each lane posting from its own thread. With cma the copy runs on the
-# posting thread: one lane moved 7.6-8.3 GB/s here, two 10-14 (scratch run, 180 and 720
-# MiB, host memory); the copying CPU is the same, only spread over two threads. An RDMA
-# NIC gets one queue pair per lane.
+# P's NIXL agents posting in parallel from a thread each, each send cut into one
+# contiguous share of its blocks per lane (docs/nixl.md: with cma the copy runs on the
+# posting thread). An RDMA NIC gets one queue pair per lane.
 LANES = 2
 MAX_LANES = 16
 LANE_MIN_BYTES = 256 << 10   # a WRITE is cut into shares of at least this many bytes

@@ -1,12 +1,12 @@
 """NIXL receiver (decode worker D side); the transport is described in ``nixl.py``.
 
-D registers its whole cache with its agent once; the TCP receiver (tcp_receiver.py)
+D registers its whole cache with its agent once; the TCP receiver (tcp.py)
 pairs peers and reads BEGIN / DONE / ABORT (and plain TCP KV frames, from a tcp
 sender); one poll thread takes the notifications of P's WRITEs and marks the
 (layer, block) pairs they name as arrived in the ReservationTable::
 
     BEGIN(rid)   -> lease D's blocks to this connection, answer with their ids
-    notification -> ReservationTable.claim_blocks (as a KV frame whose bytes landed)
+    notification -> ReservationTable.write(res, h) (a KV frame whose bytes landed)
     DONE(rid, n) -> end the lease; finish once n notifications are in (DONE_GRACE_S)
     ABORT / connection lost -> end the lease (lost: LOST_WRITER_GRACE_S later); fail
 """
@@ -27,7 +27,7 @@ from .frames import FrameHeader, FrameType
 from .nixl import (BUSY_POLL_S, BUSY_WINDOW_S, DONE_GRACE_S, IDLE_POLL_S, LOST_WRITER_GRACE_S,
                    MAX_AGENT_NAME_BYTES, MAX_LANES, make_agent, memory_of)
 from .reservations import Reservation
-from .tcp_receiver import THREAD_PREFIX, TcpKVReceiver, _Connection
+from .tcp import THREAD_PREFIX, TcpKVReceiver, _Connection
 
 logger = logging.getLogger(__name__)
 
@@ -216,4 +216,4 @@ class NixlKVReceiver(TcpKVReceiver):
         if res.writer_conn != conn_id:
             self._table.fail(res, "KV written without a BEGIN on its connection")
             return
-        self._table.claim_blocks(res, h)
+        self._table.write(res, h)

@@ -84,8 +84,7 @@ class _Lane:
     inside ``transfer()`` on the posting thread, so lanes copy in parallel. Shares
     queued while the lane was busy go out as one WRITE (their descriptors and
     notifications concatenated): fewer, larger posts when P produces faster than the
-    link drains (measured: 8.3-9.9 GB/s one WRITE per share, 10.8-12.0 merged, 2 lanes,
-    768 KiB shares, this box). Idle: blocked on its queue, not spinning."""
+    link drains (docs/nixl.md). Idle: blocked on its queue, not spinning."""
 
     def __init__(self, index: int, kv: torch.Tensor, layout: KVLayout, host: str,
                  mem: str, device_id: int, unit: int) -> None:
@@ -209,7 +208,7 @@ class _Lane:
 
     def _run(self) -> None:
         # No spinning: a progress pass after each post, and every LANE_POLL_S while
-        # WRITEs are in flight; whoever waits for a request's WRITEs (_end) also drives
+        # WRITEs are in flight; whoever waits for a request's WRITEs (_settle) also drives
         # every lane's progress itself.
         stop = False
         while not stop:
@@ -334,24 +333,6 @@ class NixlKVSender(TcpKVSender):
         self._with_conn(addr, write)
         return nbytes
 
-    def send_done(self, addr: tuple[str, int], request_id: str, epoch: int,
-                  first_token: int, num_layers_sent: int) -> None:
-        def done(conn: _SendConn) -> None:
-            begun = self._end(conn, request_id, epoch)
-            conn.sock.sendall(frames.done_header(request_id, epoch, first_token,
-                                                 num_layers_sent, begun.num_writes if begun else 0))
-
-        self._with_conn(addr, done)
-
-    def send_abort(self, addr: tuple[str, int], request_id: str, epoch: int, reason: str) -> None:
-        header, payload = frames.abort_frame(request_id, epoch, reason)
-
-        def abort(conn: _SendConn) -> None:
-            self._end(conn, request_id, epoch)   # D frees the blocks at ABORT: writes first
-            conn.sock.sendall(header + payload)
-
-        self._with_conn(addr, abort)
-
     def close(self) -> None:
         super().close()
         for lane in self._lanes:
@@ -379,29 +360,27 @@ class NixlKVSender(TcpKVSender):
         KVTransferError when D refuses (the connection stays up)."""
         conn.sock.sendall(frames.pack_header(FrameType.BEGIN, request_id, epoch=epoch))
         try:
-            h = frames.read_header(conn.sock)
+            h, body = self._read_frame(conn.sock, FrameType.BEGIN_ACK)
         except (TimeoutError, BlockingIOError) as e:   # the socket's kernel timeout
             raise TimeoutError(f"no BEGIN_ACK for request {request_id} within "
                                f"{self.io_timeout_s:.0f}s: decode worker stalled") from e
-        if h.frame_type != FrameType.BEGIN_ACK or h.request_id != request_id:
-            raise KVFrameError(f"expected BEGIN_ACK for {request_id}, got "
-                               f"{h.frame_type.name} for {h.request_id}")
-        body = bytearray(h.payload_len)
-        frames.recv_exact(conn.sock, memoryview(body))
-        block_ids, error = control.decode_begin_ack(bytes(body))
+        if h.request_id != request_id:
+            raise KVFrameError(f"expected BEGIN_ACK for {request_id}, got {h.request_id}")
+        block_ids, error = control.decode_begin_ack(body)
         if error is not None:
             raise KVTransferError(f"decode worker refused KV of request {request_id}: {error}")
         if max(block_ids) >= conn.peer.num_blocks:
             raise KVFrameError(f"BEGIN_ACK block ids beyond D's {conn.peer.num_blocks} blocks")
         return np.asarray(block_ids, dtype=np.int64)
 
-    def _end(self, conn: _SendConn, request_id: str, epoch: int) -> _Begun | None:
-        """Forget a request's BEGIN once every WRITE it posted completed (the caller
-        holds conn.lock). ConnectionError when one failed or they outlast io_timeout_s:
-        the connection is then dropped, and D holds the blocks a grace period past that."""
+    def _settle(self, conn: _SendConn, request_id: str, epoch: int) -> int:
+        """Forget a request's BEGIN once every WRITE it posted completed; returns its
+        notification count. ConnectionError when one failed or they outlast
+        io_timeout_s: the connection is then dropped, and D holds the blocks a grace
+        period past that."""
         begun = conn.peer.begun.pop((request_id, epoch), None) if conn.peer else None
         if begun is None:
-            return None
+            return 0
         deadline, polls = time.monotonic() + self.io_timeout_s, 0
         while begun.pending > 0 and time.monotonic() < deadline:
             for lane in self._lanes:      # drive every lane's progress from here
@@ -412,4 +391,4 @@ class NixlKVSender(TcpKVSender):
         error = begun.wait(max(0.0, deadline - time.monotonic()))
         if error is not None:
             raise ConnectionError(f"request {request_id} to {conn.peer.agent}: {error}")
-        return begun
+        return begun.num_writes

@@ -9,12 +9,9 @@ Per expected request::
                    +-----------------------------+--abort / stale epoch / lost
                                                      connection / bad frame--> FAILED
 
-Every transition into DONE or FAILED is reported exactly once by ``get_finished()``
-(a KVCompletion). ``forget`` removes a request and reports nothing for it but its
-release: ``get_finished()`` lists it as released once no write into its blocks is in
-flight any more (a scatter, or a one-sided writer's lease), and only then may D hand
-those blocks to someone else. ``notify`` (a wake-up, e.g. ``threading.Event.set``) runs
-whenever there is something new to poll.
+Every transition into DONE or FAILED is reported exactly once by ``get_finished()``;
+``forget`` reports only the release, once no write into the blocks is in flight (a
+write, or a one-sided writer's lease). The public contract is KVReceiver's (base.py).
 
 A KV frame fills a rectangle of the reservation: layers [layer_start, layer_end) x
 block-table positions [block_start, block_start + num_blocks) (frames.py). Arrival is
@@ -40,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 
 from .base import MAX_REQUEST_ID_BYTES, KVCompletion, KVFinished, KVLayout, TransferState
-from . import host_io
+from . import frames, host_io
 from .frames import FrameHeader
 
 logger = logging.getLogger(__name__)
@@ -120,22 +117,15 @@ class Reservation:
         if first < 0:
             return None
         total, nb = len(self.arrived), self.num_blocks
-        return (
-            f"{total - self.arrived.count(0)} of {total} (layer, block) pairs received; "
-            f"first missing: layer {first // nb} block {first % nb}"
-        )
+        return (f"{total - self.arrived.count(0)} of {total} (layer, block) pairs received; "
+                f"first missing: layer {first // nb} block {first % nb}")
 
 
 class ReservationTable:
     """Thread-safe table of expected requests for one receiver (one epoch)."""
 
-    def __init__(
-        self,
-        kv: torch.Tensor,
-        layout: KVLayout,
-        epoch: int,
-        notify: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, epoch: int,
+                 notify: Callable[[], None] | None = None) -> None:
         self.kv = kv  # [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]
         self.layout = layout
         self.epoch = epoch
@@ -143,6 +133,7 @@ class ReservationTable:
         self._completions: list[KVCompletion] = []   # not yet polled; guarded by _lock
         self._released: list[str] = []               # forgotten, quiescent, not yet polled
         self._host_view = host_io.HostCacheView(kv)
+        self._staging = threading.local()            # .buf: a CUDA cache's staging, per thread
         self._lock = threading.Lock()
         self._active: dict[str, Reservation] = {}
         # finished while a one-sided writer still held its lease: forget() must wait for
@@ -153,8 +144,7 @@ class ReservationTable:
     # ---- decode-worker side -------------------------------------------------------
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
-        """Register a reservation. Idempotent for the same blocks; ValueError for bad ids
-        or for re-expecting an active request with different blocks."""
+        """KVReceiver.expect; idempotent for the same blocks."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if len(request_id.encode("utf-8")) > MAX_REQUEST_ID_BYTES:
@@ -185,13 +175,8 @@ class ReservationTable:
             )
 
     def forget(self, request_id: str) -> None:
-        """Stop expecting a request; no later frame writes into its blocks.
-
-        Never blocks. The request is listed as released by get_finished() once no write
-        into its blocks is in flight: at once when none is, else when its write ends (or
-        its writer's lease does). D frees the blocks then, so a block is never handed
-        out while still written. A request never expected is released at once.
-        """
+        """KVReceiver.forget: released at once when no write is in flight (or the
+        request was never expected), else when the write (or the writer's lease) ends."""
         with self._lock:
             res = self._active.pop(request_id, None) or self._leased.get(request_id)
             self._finished.pop(request_id, None)
@@ -226,8 +211,7 @@ class ReservationTable:
             self._report(released=res.request_id)
 
     def get_finished(self) -> KVFinished:
-        """What happened since the last call: transfers done or failed, and forgotten
-        requests whose blocks no write can touch any more. Each reported once."""
+        """KVReceiver.get_finished."""
         with self._lock:
             done, self._completions = self._completions, []
             released, self._released = self._released, []
@@ -269,54 +253,64 @@ class ReservationTable:
         """Reservation a KV frame's payload should be written into, or None if the
         payload must be read and discarded (unknown request, stale epoch, blocks beyond
         the reservation; the latter two fail the request)."""
-        res = self._lookup(h.request_id, h.epoch, "KV")
+        res = self.lookup(h.request_id, h.epoch, "KV")
         if res is None:
             return None
         if h.block_start + h.num_blocks > res.num_blocks:
-            self.fail(
-                res,
-                f"KV frame for layers [{h.layer_start}, {h.layer_end}) carries blocks "
-                f"[{h.block_start}, {h.block_start + h.num_blocks}), reservation has "
-                f"{res.num_blocks}",
-            )
+            self.fail(res, f"KV frame for layers [{h.layer_start}, {h.layer_end}) carries "
+                           f"blocks [{h.block_start}, {h.block_start + h.num_blocks}), "
+                           f"reservation has {res.num_blocks}")
             return None
         with self._hold(res):
             res.conn_ids.add(conn_id)
         return res
 
-    def _claim_and_write(self, res: Reservation, h: FrameHeader,
-                         write: Callable[[], None] | None) -> bool:
-        """Claim the frame's (layer, block) pairs and run ``write`` (if any) under the
-        reservation's lock. False when the payload must be discarded: the request
-        finished or was forgotten meanwhile, or a pair arrives twice (fails it)."""
+    def write(self, res: Reservation, h: FrameHeader,
+              fill: Callable[[list[memoryview]], None] | None = None) -> bool:
+        """The one way a KV frame's bytes reach the cache. Claims the frame's (layer,
+        block) pairs and, under the reservation's lock, calls ``fill(regions)`` to put
+        its payload [n_layers, 2, h.num_blocks, heads, block_size, head_dim] (layout
+        dtype) into the blocks at table positions ``h.block_start ..``. ``regions`` are
+        writable host views in payload order: the blocks themselves on a host cache
+        (host_io.HostCacheView); on a CUDA cache one host staging buffer (pinned, one
+        per thread), copied into the blocks once filled. fill None: the bytes are
+        there already (a one-sided write, nixl.py); only the claim.
+
+        Returns True once claimed (and filled); False, without calling ``fill``, when
+        the payload must be discarded: the request finished or was forgotten meanwhile,
+        or a pair arrives twice (that fails it). Exceptions from ``fill`` propagate;
+        the connection's requests then fail through connection_lost()."""
+        fill_blocks = None
+        if fill is not None:
+            regions = self._host_view.regions(h.layer_start, h.layer_end,
+                                              res.runs_in(h.block_start, h.num_blocks))
+            fill_blocks = (lambda: fill(regions)) if regions is not None else (
+                lambda: self._fill_through_staging(res, h, fill))
         with self._hold(res):
             if res.state >= TransferState.DONE or res.forgotten:
                 logger.debug("request %s finished; dropping KV frame", res.request_id)
                 return False
             dup = res.claim(h)
             if dup is None:
-                if write is not None:
-                    write()
+                if fill_blocks is not None:
+                    fill_blocks()
                 res.state = TransferState.TRANSFERRING
                 return True
         self.fail(res, dup)
         return False
 
-    def write_layers(self, res: Reservation, h: FrameHeader, staged: torch.Tensor) -> None:
-        """Scatter ``staged`` [n_layers, 2, h.num_blocks, heads, block_size, head_dim]
-        (layout dtype, on kv.device) into the reservation's blocks at table positions
-        ``h.block_start ..``, unless the request finished or was forgotten meanwhile, or
-        a (layer, block) arrives twice (fails it)."""
-        dst = res.dst_idx[h.block_start : h.block_start + h.num_blocks]  # [h.num_blocks]
-        self._claim_and_write(
-            res, h, lambda: self.kv[h.layer_start : h.layer_end].index_copy_(2, dst, staged)
-        )
-
-    def claim_blocks(self, res: Reservation, h: FrameHeader) -> bool:
-        """Mark a KV frame's (layer, block) pairs arrived whose bytes a one-sided write
-        already put into the blocks (nixl.py). False when the request finished or was
-        forgotten meanwhile, or a pair arrives twice (fails it)."""
-        return self._claim_and_write(res, h, None)
+    def _fill_through_staging(self, res: Reservation, h: FrameHeader,
+                              fill: Callable[[list[memoryview]], None]) -> None:
+        """A device cache: ``fill`` a host staging buffer (pinned, one per thread), then
+        copy it into the blocks."""
+        nbytes = self.layout.payload_bytes(h.num_layers, h.num_blocks)  # <= the reservation's
+        staging = self._staging.buf = frames.grow_buffer(
+            getattr(self._staging, "buf", None), nbytes, pinned=self.kv.is_cuda)
+        fill([memoryview(staging.numpy())[:nbytes]])
+        staged = staging[:nbytes].view(self.kv.dtype).view(
+            h.num_layers, 2, h.num_blocks, *self.kv.shape[3:])
+        dst = res.dst_idx[h.block_start:h.block_start + h.num_blocks]  # [h.num_blocks]
+        self.kv[h.layer_start:h.layer_end].index_copy_(2, dst, staged.to(self.kv.device))
 
     def begin_writer(self, res: Reservation) -> bool:
         """A peer may write into the reservation's blocks from now on, unseen by D (a
@@ -336,29 +330,8 @@ class ReservationTable:
                 with self._lock:
                     self._leased.pop(res.request_id, None)
 
-    def lookup(self, request_id: str, epoch: int, what: str) -> Reservation | None:
-        """The active reservation a ``what`` frame names, or None (unknown or forgotten;
-        a stale epoch also fails the request)."""
-        return self._lookup(request_id, epoch, what)
-
-    def write_layers_direct(self, res: Reservation, h: FrameHeader,
-                            fill: Callable[[list[memoryview]], None]) -> bool | None:
-        """Zero-copy variant of write_layers for a host cache: `fill(regions)` receives
-        the payload straight into the reservation's blocks at table positions
-        ``h.block_start ..`` (regions in wire order, see host_io.HostCacheView). Returns
-        True once written; False, without calling `fill`, when the payload must be
-        discarded (request finished or forgotten, duplicate (layer, block)); None when
-        the direct path does not apply (CUDA cache, too many block runs): use
-        write_layers with a staged copy. Exceptions from `fill` propagate; the
-        connection's requests then fail through connection_lost()."""
-        runs = res.runs_in(h.block_start, h.num_blocks)
-        regions = self._host_view.regions(h.layer_start, h.layer_end, runs)
-        if regions is None:
-            return None
-        return self._claim_and_write(res, h, lambda: fill(regions))
-
     def on_done(self, h: FrameHeader) -> None:
-        res = self._lookup(h.request_id, h.epoch, "DONE")
+        res = self.lookup(h.request_id, h.epoch, "DONE")
         if res is None:
             return
         with self._hold(res):
@@ -374,7 +347,7 @@ class ReservationTable:
         self._finish(res, KVCompletion(h.request_id, True, h.first_token, None))
 
     def on_abort(self, h: FrameHeader, reason: str) -> None:
-        res = self._lookup(h.request_id, h.epoch, "ABORT")
+        res = self.lookup(h.request_id, h.epoch, "ABORT")
         if res is not None:
             self.fail(res, f"aborted by prefill worker: {reason}")
 
@@ -390,7 +363,9 @@ class ReservationTable:
 
     # ---- internals -----------------------------------------------------------------
 
-    def _lookup(self, request_id: str, epoch: int, what: str) -> Reservation | None:
+    def lookup(self, request_id: str, epoch: int, what: str) -> Reservation | None:
+        """The active reservation a ``what`` frame names, or None (unknown or forgotten;
+        a stale epoch also fails the request)."""
         with self._lock:
             res = self._active.get(request_id)
         if res is None:

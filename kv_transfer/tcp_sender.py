@@ -103,7 +103,8 @@ class TcpKVSender(KVSender):
         # one contiguous region per layer and K/V, sent straight from the cache (writev).
         # Otherwise gather into one fresh contiguous tensor (index_select), which is
         # exactly the wire payload [n_layers, 2, n_blocks, heads, block_size, head_dim].
-        regions = self._host_view.regions(layer_start, layer_end, host_io.block_runs(ids))
+        regions = self._host_view.regions(layer_start, layer_end, host_io.block_runs(ids),
+                                          host_io.MAX_DIRECT_PIECES)
         packed = None
         if regions is None:
             src_idx = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
@@ -140,20 +141,23 @@ class TcpKVSender(KVSender):
         self._with_conn(addr, send)
         return nbytes
 
-    def send_done(
-        self,
-        addr: tuple[str, int],
-        request_id: str,
-        epoch: int,
-        first_token: int,
-        num_layers_sent: int,
-    ) -> None:
-        header = frames.done_header(request_id, epoch, first_token, num_layers_sent)
-        self._with_conn(addr, lambda conn: conn.sock.sendall(header))
+    def send_done(self, addr: tuple[str, int], request_id: str, epoch: int,
+                  first_token: int, num_layers_sent: int) -> None:
+        def done(conn: _SendConn) -> None:
+            writes = self._settle(conn, request_id, epoch)
+            conn.sock.sendall(frames.done_header(request_id, epoch, first_token,
+                                                 num_layers_sent, writes))
+
+        self._with_conn(addr, done)
 
     def send_abort(self, addr: tuple[str, int], request_id: str, epoch: int, reason: str) -> None:
         header, payload = frames.abort_frame(request_id, epoch, reason)
-        self._with_conn(addr, lambda conn: conn.sock.sendall(header + payload))
+
+        def abort(conn: _SendConn) -> None:
+            self._settle(conn, request_id, epoch)   # D frees the blocks at ABORT
+            conn.sock.sendall(header + payload)
+
+        self._with_conn(addr, abort)
 
     def close(self) -> None:
         with self._lock:
@@ -189,7 +193,7 @@ class TcpKVSender(KVSender):
         conn.sock = sock  # set first so _drop closes it if the handshake fails
         set_nodelay(sock)
         sock.settimeout(self.io_timeout_s)
-        nonce_d = self._read_payload(sock, FrameType.CHALLENGE)
+        nonce_d = self._read_frame(sock, FrameType.CHALLENGE)[1]
         nonce_p = auth.new_nonce()
         payload = control.encode_handshake(
             self.layout, self.epoch, ack=False, nonce=nonce_p,
@@ -200,7 +204,7 @@ class TcpKVSender(KVSender):
             + payload
         )
         ack = control.decode_handshake(
-            self._read_payload(sock, FrameType.HANDSHAKE_ACK), ack=True)
+            self._read_frame(sock, FrameType.HANDSHAKE_ACK)[1], ack=True)
         auth.check_ack(self._secret, addr, nonce_d, nonce_p, ack.error, ack.auth)
         if ack.error is not None:
             raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]} refused: {ack.error}")
@@ -221,16 +225,21 @@ class TcpKVSender(KVSender):
     def _paired(self, conn: _SendConn, addr: tuple[str, int], ack: control.Handshake) -> None:
         """Called once D's ack proved the secret and its layout matched."""
 
+    def _settle(self, conn: _SendConn, request_id: str, epoch: int) -> int:
+        """Before DONE / ABORT (conn.lock held): wait for the request's one-sided
+        writes; how many notifications DONE tells D to expect (0: KV frames only)."""
+        return 0
+
     @staticmethod
-    def _read_payload(sock: socket.socket, want: FrameType) -> bytes:
-        """Payload of the next frame, which must be a ``want`` (a handshake frame:
-        payload bounded by frames validation)."""
+    def _read_frame(sock: socket.socket, want: FrameType) -> tuple[frames.FrameHeader, bytes]:
+        """The next frame, which must be a ``want``, and its payload (bounded by frames
+        validation: a control frame's)."""
         h = frames.read_header(sock)
         if h.frame_type != want:
             raise KVFrameError(f"expected {want.name}, got {h.frame_type.name}")
         body = bytearray(h.payload_len)
         frames.recv_exact(sock, memoryview(body))
-        return bytes(body)
+        return h, bytes(body)
 
     def _drop(self, conn: _SendConn) -> None:
         if conn.sock is not None:

@@ -50,7 +50,7 @@ def test_forget_waits_for_the_writers_lease(table):
     table.expect("r", [4, 5, 6])
     res, h = admit(table, "r", 3)
     assert table.begin_writer(res)
-    assert table.claim_blocks(res, h)
+    assert table.write(res, h)
     assert res.missing() is None
     table.forget("r")
     assert table.get_finished().released == []  # the writer may still write blocks 4..6
@@ -63,7 +63,7 @@ def test_forget_after_the_lease_ended_releases_at_once(table):
     table.expect("r", [4, 5, 6])
     res, h = admit(table, "r", 3, layers=(0, 1))
     assert table.begin_writer(res)
-    assert table.claim_blocks(res, h)
+    assert table.write(res, h)
     assert res.missing() is not None
     table.end_writer(res)
     table.forget("r")
@@ -74,9 +74,9 @@ def test_claimed_blocks_refuse_a_second_frame(table):
     done = table.done
     table.expect("r", [4, 5, 6])
     res, h = admit(table, "r", 3, layers=(0, 2))
-    assert table.claim_blocks(res, h)
+    assert table.write(res, h)
     res2, h2 = admit(table, "r", 3, layers=(1, 3))
-    assert not table.claim_blocks(res2, h2)
+    assert not table.write(res2, h2)
     c = done.wait("r")
     assert not c.ok and "layer 1 block 0 received twice" in c.error
 
@@ -95,20 +95,20 @@ def test_chunks_fill_the_table_and_done_counts_every_pair(table):
     done = table.done
     table.expect("r", [4, 5, 6, 2, 3])
     res, h = admit(table, "r", 2, layers=(0, 2), block_start=3)
-    assert table.claim_blocks(res, h)
+    assert table.write(res, h)
     assert res.arrived == bytearray([0, 0, 0, 1, 1] * 2 + [0] * 5 * (NUM_LAYERS - 2))
     assert table.state("r") == TransferState.TRANSFERRING
     for layers, block_start, n in [((2, NUM_LAYERS), 3, 2), ((0, NUM_LAYERS), 0, 1)]:
         res, h = admit(table, "r", n, layers, block_start)
-        assert table.claim_blocks(res, h)
+        assert table.write(res, h)
     res, h = admit(table, "r", 2, layers=(1, NUM_LAYERS), block_start=1)
-    assert table.claim_blocks(res, h)
+    assert table.write(res, h)
     assert res.missing() == (
         f"{5 * NUM_LAYERS - 2} of {5 * NUM_LAYERS} (layer, block) pairs received; "
         "first missing: layer 0 block 1"
     )
     res, h = admit(table, "r", 2, layers=(0, 1), block_start=1)
-    assert table.claim_blocks(res, h)
+    assert table.write(res, h)
     assert res.missing() is None
     table.on_done(done_header("r"))
     c = done.wait("r")
@@ -119,7 +119,7 @@ def test_done_before_every_pair_arrived_fails(table):
     done = table.done
     table.expect("r", [4, 5, 6])
     res, h = admit(table, "r", 2)  # blocks 0, 1 of every layer; block 2 never comes
-    assert table.claim_blocks(res, h)
+    assert table.write(res, h)
     table.on_done(done_header("r"))
     c = done.wait("r")
     assert not c.ok and (
@@ -132,7 +132,7 @@ def test_done_claiming_fewer_layers_fails_even_when_all_arrived(table):
     done = table.done
     table.expect("r", [4, 5])
     res, h = admit(table, "r", 2)
-    assert table.claim_blocks(res, h)
+    assert table.write(res, h)
     table.on_done(done_header("r", layers_sent=NUM_LAYERS - 1))
     c = done.wait("r")
     assert not c.ok and f"DONE claims {NUM_LAYERS - 1} layers sent" in c.error, c.error
@@ -146,41 +146,35 @@ def test_frame_beyond_the_reservation_fails_and_is_discarded(table):
     assert not c.ok and "carries blocks [2, 5), reservation has 3" in c.error, c.error
 
 
-def test_write_layers_scatters_into_the_chunk_positions(table):
+def fill_from(payload):
+    """A ``fill`` for ReservationTable.write: the payload tensor's bytes, in order."""
+    return lambda regions: host_io.copy_into(regions, frames.tensor_bytes(payload))
+
+
+@pytest.mark.parametrize("cache", ["host", "device"])
+def test_write_fills_the_chunk_positions_once(table, cache):
+    """Host cache: fill gets the blocks' own runs. "device": the path of a CUDA cache
+    (no host views: one staging buffer, then index_copy_), run here on the CPU cache."""
     kv = table.kv
+    if cache == "device":
+        table._host_view.usable = False
     before = kv.clone()
-    table.expect("r", [4, 8, 6, 2])
-    res, h = admit(table, "r", 2, layers=(1, 3), block_start=1)
-    staged = torch.randn(2, 2, 2, *kv.shape[3:])  # [n_layers, 2, n_blocks, bs, H, D]
-    table.write_layers(res, h, staged)
-    assert torch.equal(kv[1:3, :, [8, 6]], staged)
+    table.expect("r", [4, 8, 6, 2, 3, 9])
+    res, h = admit(table, "r", 3, layers=(1, 3), block_start=2)   # blocks 6 | 2, 3
+    staged = torch.randn(2, 2, 3, *kv.shape[3:])  # [n_layers, 2, n_blocks, bs, H, D]
+    pieces = []
+    fill = fill_from(staged)
+    assert table.write(res, h, lambda regions: (pieces.append(len(regions)), fill(regions)))
+    assert pieces == [1 if cache == "device" else 2 * 2 * 2]   # layers x (K, V) x runs
+    assert torch.equal(kv[1:3, :, [6, 2, 3]], staged)
     touched = torch.zeros_like(kv, dtype=torch.bool)
-    touched[1:3, :, [8, 6]] = True
+    touched[1:3, :, [6, 2, 3]] = True
     assert torch.equal(kv[~touched], before[~touched])
-    table.write_layers(res, kv_header(table, "r", 1, (2, 3), block_start=2), staged[:1, :, :1])
+    dup = kv_header(table, "r", 1, (2, 3), block_start=3)
+    assert not table.write(res, dup, fill_from(staged[:1, :, :1]))   # not filled
     c = table.done.wait("r")
-    assert not c.ok and "layer 2 block 2 received twice" in c.error
-    assert torch.equal(kv[1:3, :, [8, 6]], staged)  # the duplicate was not written
-
-
-def test_direct_write_fills_the_chunk_runs(table):
-    """A host cache: the zero-copy path receives a chunk straight into its runs."""
-    kv = table.kv
-    table.expect("r", [4, 5, 6, 2, 3, 9])
-    res, h = admit(table, "r", 3, layers=(0, 1), block_start=2)  # blocks 6 | 2, 3
-    payload = torch.randn(1, 2, 3, *kv.shape[3:])  # [1 layer, 2, 3 blocks, bs, H, D]
-    wire = frames.tensor_bytes(payload)
-
-    def fill(regions):
-        assert len(regions) == 2 * 2  # (K, V) x runs [6], [2, 3]
-        offset = 0
-        for r in regions:
-            r[:] = wire[offset : offset + len(r)]
-            offset += len(r)
-
-    assert table.write_layers_direct(res, h, fill) is True
-    assert torch.equal(kv[0, :, [6, 2, 3]], payload[0])
-    assert table.write_layers_direct(res, h, fill) is False  # a duplicate: not filled
+    assert not c.ok and "layer 2 block 3 received twice" in c.error
+    assert torch.equal(kv[1:3, :, [6, 2, 3]], staged)
 
 
 def test_a_request_failed_while_leased_is_released_only_when_its_writer_ends(table):

@@ -18,6 +18,7 @@ from pdserve.kv_transfer import (
     KVTransferError,
     TransferState,
     frames,
+    host_io,
     make_receiver,
     make_sender,
 )
@@ -71,6 +72,25 @@ def test_chunked_round_trip(env, dst_ids, seed, checksum):
     """Several frames per layer (block_start), shuffled: received straight into each
     chunk's runs of blocks, or through the staging tensor when checksummed."""
     check_chunked_round_trip(env, dst_ids, seed, tx_kw={"checksum": checksum})
+
+
+@TCP_ONLY
+@pytest.mark.parametrize("checksum", [False, True], ids=["direct", "staged-crc"])
+def test_a_fragmented_block_table_goes_through_one_buffer(env, checksum, monkeypatch):
+    """Frames of more pieces than host_io.MAX_DIRECT_PIECES (here 2; DST_IDS is 3 runs)
+    are gathered into one buffer on P and received into one on D, then copied."""
+    monkeypatch.setattr(host_io, "MAX_DIRECT_PIECES", 2)
+    staged, grow = [], frames.grow_buffer
+    monkeypatch.setattr(frames, "grow_buffer",
+                        lambda b, n, pinned: staged.append(n) or grow(b, n, pinned))
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    before = dst.clone()
+    rx, addr, done = env.receiver(dst)
+    rx.expect("r1", DST_IDS)
+    send_request(env.sender(src, checksum=checksum), addr, "r1", [(0, 2), (2, 4)])
+    assert done.wait("r1").ok
+    assert_copied(src, dst, before)
+    assert staged == [KVLayout.for_cache(src, MODEL).payload_bytes(2, 3)] * 2   # per frame
 
 
 def test_registry_and_checksum_round_trip(env):

@@ -65,7 +65,10 @@ def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype,
     buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     offset = -base % _HUGE_PAGE
-    buf.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
+    except OSError:   # a kernel built without THP, a sandbox refusing it: plain pages
+        pass
     raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
     return raw.view(dtype).view(shape).zero_()
 

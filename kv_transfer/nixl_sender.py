@@ -32,12 +32,13 @@ from .frames import FrameType
 from .nixl import (BUSY_POLL_S, LANE_MIN_BYTES, LANE_POLL_S, LANES, MAX_LANES,
                    MAX_MERGED_SHARES, DescRows, block_descs, make_agent, memory_of)
 
-# How often P looks (a non-blocking peek) whether D closed the control connection; D
-# holds a dropped writer's blocks LOST_WRITER_GRACE_S (1 s) past the loss.
-PEER_CHECK_S = 0.005
 from .tcp_sender import TcpKVSender, _SendConn
 
 logger = logging.getLogger(__name__)
+
+# How often P looks (a non-blocking peek) whether D closed the control connection; D
+# holds a dropped writer's blocks LOST_WRITER_GRACE_S (1 s) past the loss.
+PEER_CHECK_S = 0.005
 
 
 class _Begun:
@@ -50,13 +51,14 @@ class _Begun:
         self.error: str | None = None       # the first WRITE that failed
         # (block_start, num blocks, lanes) -> (P's block ids, per lane (src, dst) rows)
         self.shares: dict[tuple[int, int, int], tuple[list[int], list]] = {}
-        self.cancelled = False              # its connection dropped: post nothing more
+        self.cancelled = False              # failed, or its connection dropped: post no more
         self.cond = threading.Condition()
 
     def finished_one(self, error: str | None = None) -> None:
         with self.cond:
             self.pending -= 1
             self.error = self.error or error
+            self.cancelled = self.cancelled or error is not None  # post nothing more
             self.cond.notify_all()
 
     def wait(self, timeout_s: float) -> str | None:
@@ -97,6 +99,7 @@ class _Lane:
         self.lock = threading.Lock()        # the agent, and in_flight
         self.in_flight: list[tuple[list[_Begun], Any]] = []
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = False
         self.thread = threading.Thread(target=self._run, name=f"kvsend-nixl-{index}",
                                        daemon=True)
         self.thread.start()
@@ -112,30 +115,25 @@ class _Lane:
                 self.agent.make_connection(name)
         return name, self.remote[name]
 
-    def submit(self, job: tuple) -> None:
-        """Queue ``(begun, dst list, src rows, dst rows, notif)`` for the lane's thread."""
-        self.jobs.put(job)
-
     def post(self, jobs: list[tuple]) -> None:
         """One WRITE of every job (all to the same dst list), its notifications
-        concatenated; each job's request counts it finished when the WRITE does."""
+        concatenated; each job's request counts it finished when the WRITE does.
+        Never raises: a job that is not posted is counted finished with the reason."""
         live = []
         for job in jobs:
-            if job[0].cancelled:      # D may have handed these blocks on already
-                job[0].finished_one("connection dropped before the WRITE was posted")
+            if job[0].cancelled or self.closed:  # D may have handed these blocks on already
+                job[0].finished_one("not posted: the request failed, its connection "
+                                    "dropped, or the sender closed")
             else:
                 live.append(job)
         if not live:
             return
         begun = [job[0] for job in live]
-        if len(live) == 1:
-            _, dst, src_rows, dst_rows, notif = live[0]
-        else:
+        try:
             dst = live[0][1]
             src_rows = np.concatenate([job[2] for job in live])
             dst_rows = np.concatenate([job[3] for job in live])
             notif = b"".join(job[4] for job in live)
-        try:
             with self.lock:
                 handle = self.agent.make_prepped_xfer("WRITE", self.src, src_rows, dst,
                                                       dst_rows, notif_msg=notif)
@@ -177,8 +175,12 @@ class _Lane:
         return busy
 
     def close(self) -> None:
+        self.closed = True         # what is still queued is not posted
         self.jobs.put(None)
         self.thread.join(5.0)
+        if self.thread.is_alive():   # stuck in a transfer: its handles stay (a leak, not a crash)
+            logger.warning("NIXL lane %s did not stop in 5s", self.agent.name)
+            return
         with self.lock:
             for begun, handle in self.in_flight:
                 for b in begun:
@@ -236,11 +238,8 @@ def _peer_closed(sock: socket.socket) -> bool:
 
 
 class NixlKVSender(TcpKVSender):
-    """P side: pairs over TCP, then hands each send_layers' WRITE to its lanes (one
-    contiguous share of the blocks each, each share its own WRITE and notification)
-    and returns; DONE and ABORT go over TCP once every WRITE of the request completed.
-    The source blocks must stay as they are until then, which they do: P frees a
-    request's blocks after send_done / send_abort.
+    """P side (the module docstring). The source blocks must stay as they are until
+    send_done / send_abort returns, which they do: P frees a request's blocks after.
 
     lanes: NIXL agents posting in parallel (LANES). host: this worker's address
     (UCX_NET_DEVICES). io_timeout_s also bounds the wait for a request's WRITEs.
@@ -323,12 +322,14 @@ class NixlKVSender(TcpKVSender):
             if shares is None or shares[0] != ids:
                 shares = begun.shares[(block_start, len(ids), lanes)] = (
                     ids, self._cut(request_id, begun, ids, block_start, lanes, peer))
+            jobs = [(begun, peer.dst[k], src.rows(layer_start, layer_end),
+                     dst.rows(layer_start, layer_end), b"" if k else notif)
+                    for k, (src, dst) in enumerate(shares[1])]
             with begun.cond:
                 begun.num_writes += 1      # notifications: lane 0's share carries the one
                 begun.pending += lanes
-            for k, (src, dst) in enumerate(shares[1]):
-                self._lanes[k].submit((begun, peer.dst[k], src.rows(layer_start, layer_end),
-                                       dst.rows(layer_start, layer_end), b"" if k else notif))
+            for lane, job in zip(self._lanes, jobs):   # (begun, dst list, rows, rows, notif)
+                lane.jobs.put(job)
 
         self._with_conn(addr, write)
         return nbytes
@@ -390,5 +391,6 @@ class NixlKVSender(TcpKVSender):
                 time.sleep(BUSY_POLL_S)
         error = begun.wait(max(0.0, deadline - time.monotonic()))
         if error is not None:
+            begun.cancelled = True   # its queued shares: D may hand the blocks on
             raise ConnectionError(f"request {request_id} to {conn.peer.agent}: {error}")
         return begun.num_writes

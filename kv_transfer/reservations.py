@@ -162,17 +162,12 @@ class ReservationTable:
             old = self._active.get(request_id)
             if old is not None:
                 if old.block_ids != ids:
-                    raise ValueError(
-                        f"request {request_id} already expected with other blocks"
-                    )
+                    raise ValueError(f"request {request_id} already expected with other blocks")
                 return
             self._finished.pop(request_id, None)
             self._active[request_id] = Reservation(
-                request_id=request_id,
-                block_ids=ids,
-                dst_idx=torch.tensor(ids, dtype=torch.long, device=self.kv.device),
-                arrived=bytearray(self.layout.num_layers * len(ids)),
-            )
+                request_id, ids, torch.tensor(ids, dtype=torch.long, device=self.kv.device),
+                bytearray(self.layout.num_layers * len(ids)))
 
     def forget(self, request_id: str) -> None:
         """KVReceiver.forget: released at once when no write is in flight (or the
@@ -241,7 +236,7 @@ class ReservationTable:
                 raise KeyError(f"request {request_id!r} is not expected") from None
 
     def fail_all(self, reason: str) -> None:
-        """Fail every active request (receiver shutting down)."""
+        """Fail every active request (the receiver shuts down)."""
         with self._lock:
             pending = list(self._active.values())
         for res in pending:
@@ -266,48 +261,61 @@ class ReservationTable:
         return res
 
     def write(self, res: Reservation, h: FrameHeader,
-              fill: Callable[[list[memoryview]], None] | None = None) -> bool:
-        """The one way a KV frame's bytes reach the cache. Claims the frame's (layer,
-        block) pairs and, under the reservation's lock, calls ``fill(regions)`` to put
-        its payload [n_layers, 2, h.num_blocks, heads, block_size, head_dim] (layout
-        dtype) into the blocks at table positions ``h.block_start ..``. ``regions`` are
-        writable host views in payload order: the blocks themselves on a host cache
-        (host_io.HostCacheView); on a CUDA cache one host staging buffer (pinned, one
-        per thread), copied into the blocks once filled. fill None: the bytes are
-        there already (a one-sided write, nixl.py); only the claim.
+              fill: Callable[[list[memoryview]], None] | None = None, *,
+              payload: torch.Tensor | None = None) -> bool:
+        """The one way a KV frame's bytes reach the cache: claim the frame's (layer,
+        block) pairs and, under the reservation's lock, put its payload [n_layers, 2,
+        h.num_blocks, heads, block_size, head_dim] (layout dtype) into the blocks at
+        table positions ``h.block_start ..``, from one of:
 
-        Returns True once claimed (and filled); False, without calling ``fill``, when
-        the payload must be discarded: the request finished or was forgotten meanwhile,
-        or a pair arrives twice (that fails it). Exceptions from ``fill`` propagate;
-        the connection's requests then fail through connection_lost()."""
-        fill_blocks = None
-        if fill is not None:
+        - ``fill(regions)`` (e.g. a socket's recv_into): ``regions`` are writable host
+          views in payload order, the blocks themselves on a host cache
+          (host_io.HostCacheView), on a CUDA cache one host staging buffer (pinned, one
+          per thread) then copied into the blocks;
+        - ``payload``: the bytes already in host memory, uint8 [nbytes] (staged and
+          checked; pinned for a CUDA cache), copied in;
+        - neither: the bytes are there already (a one-sided write, nixl.py); a claim.
+
+        Returns True once claimed (and written); False, writing nothing, when the
+        payload must be discarded: the request finished or was forgotten meanwhile, or
+        a pair arrives twice (that fails it). Exceptions from ``fill`` propagate; the
+        connection's requests then fail through connection_lost()."""
+        regions = None
+        if fill is not None or payload is not None:
             regions = self._host_view.regions(h.layer_start, h.layer_end,
                                               res.runs_in(h.block_start, h.num_blocks))
-            fill_blocks = (lambda: fill(regions)) if regions is not None else (
-                lambda: self._fill_through_staging(res, h, fill))
+
+        def write_blocks() -> None:
+            if regions is not None and fill is not None:
+                fill(regions)
+            elif regions is not None:
+                host_io.copy_into(regions, frames.tensor_bytes(payload))
+            elif fill is not None or payload is not None:
+                self._write_device(res, h, fill, payload)
+
         with self._hold(res):
             if res.state >= TransferState.DONE or res.forgotten:
                 logger.debug("request %s finished; dropping KV frame", res.request_id)
                 return False
             dup = res.claim(h)
             if dup is None:
-                if fill_blocks is not None:
-                    fill_blocks()
+                write_blocks()
                 res.state = TransferState.TRANSFERRING
                 return True
         self.fail(res, dup)
         return False
 
-    def _fill_through_staging(self, res: Reservation, h: FrameHeader,
-                              fill: Callable[[list[memoryview]], None]) -> None:
-        """A device cache: ``fill`` a host staging buffer (pinned, one per thread), then
-        copy it into the blocks."""
+    def _write_device(self, res: Reservation, h: FrameHeader,
+                      fill: Callable[[list[memoryview]], None] | None,
+                      payload: torch.Tensor | None) -> None:
+        """A device cache: the payload (or a host staging buffer that ``fill`` fills:
+        pinned, one per thread) copied into the blocks."""
         nbytes = self.layout.payload_bytes(h.num_layers, h.num_blocks)  # <= the reservation's
-        staging = self._staging.buf = frames.grow_buffer(
-            getattr(self._staging, "buf", None), nbytes, pinned=self.kv.is_cuda)
-        fill([memoryview(staging.numpy())[:nbytes]])
-        staged = staging[:nbytes].view(self.kv.dtype).view(
+        if payload is None:
+            payload = self._staging.buf = frames.grow_buffer(
+                getattr(self._staging, "buf", None), nbytes, pinned=self.kv.is_cuda)
+            fill([memoryview(payload.numpy())[:nbytes]])
+        staged = payload[:nbytes].view(self.kv.dtype).view(
             h.num_layers, 2, h.num_blocks, *self.kv.shape[3:])
         dst = res.dst_idx[h.block_start:h.block_start + h.num_blocks]  # [h.num_blocks]
         self.kv[h.layer_start:h.layer_end].index_copy_(2, dst, staged.to(self.kv.device))

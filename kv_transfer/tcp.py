@@ -79,18 +79,9 @@ class TcpKVReceiver(KVReceiver):
     (auth.py); None: pair only with senders that have none.
     """
 
-    def __init__(
-        self,
-        kv: torch.Tensor,
-        layout: KVLayout,
-        epoch: int,
-        host: str = "127.0.0.1",
-        *,
-        notify: Callable[[], None] | None = None,
-        port: int = 0,
-        io_timeout_s: float = 30.0,
-        secret: str | None = None,
-    ) -> None:
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, epoch: int,
+                 host: str = "127.0.0.1", *, notify: Callable[[], None] | None = None,
+                 port: int = 0, io_timeout_s: float = 30.0, secret: str | None = None) -> None:
         super().__init__(kv, layout, epoch, host, notify=notify)
         self._secret = auth.secret_bytes(secret)
         self.port = port
@@ -338,7 +329,7 @@ class _Connection:
                                  f"{h.block_start + h.num_blocks}): crc32c in frame "
                                  f"{want:#010x}, payload has {got:#010x}")
             return
-        self.table.write(res, h, lambda regions: host_io.copy_into(regions, body))
+        self.table.write(res, h, payload=self.staging[:len(body)])
 
     def _recv_into(self, regions: list[memoryview]) -> None:
         """The payload straight into ``regions``; many small ones (a fragmented block
@@ -352,7 +343,7 @@ class _Connection:
     def _recv_staged(self, nbytes: int) -> memoryview:
         """The next ``nbytes`` of payload (bounded by the reservation's bytes) into the
         connection's reused staging buffer."""
-        self.staging = frames.grow_buffer(self.staging, nbytes, pinned=False)
+        self.staging = frames.grow_buffer(self.staging, nbytes, pinned=self.rx.kv.is_cuda)
         body = memoryview(self.staging.numpy())[:nbytes]
         frames.recv_exact(self.sock, body)
         return body

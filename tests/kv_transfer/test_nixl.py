@@ -198,3 +198,24 @@ def test_shares_queued_behind_a_busy_lane_go_out_as_one_write(env, monkeypatch):
         assert torch.equal(u8(dst[:, :, table]), u8(src[:, :, SRC_IDS]))
     untouched = [b for b in range(10) if b not in sum(tables.values(), [])]
     assert torch.equal(u8(dst[:, :, untouched]), u8(before[:, :, untouched]))
+
+
+def test_shares_of_a_request_whose_writes_timed_out_are_never_posted(env, monkeypatch):
+    """send_done gives up on WRITEs that outlast io_timeout_s (the connection drops and
+    D hands the blocks on a grace period later): shares still queued then must not be
+    posted, ever."""
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    before = dst.clone()
+    rx, addr, done = env.receiver(dst)
+    tx = env.sender(src)                      # io_timeout_s 2 s
+    stuck, real = threading.Event(), tx._lanes[0].post
+    monkeypatch.setattr(tx._lanes[0], "post", lambda jobs: (stuck.wait(), real(jobs)))
+    rx.expect("r", DST_IDS)
+    for layer in range(NUM_LAYERS):
+        tx.send_layers(addr, "r", EPOCH, layer, layer + 1, SRC_IDS)
+    with pytest.raises(KVTransferError, match="WRITEs not done"):
+        tx.send_done(addr, "r", EPOCH, 42, NUM_LAYERS)
+    stuck.set()                               # the lane comes back to its queue
+    assert not done.wait("r").ok
+    time.sleep(0.2)
+    assert torch.equal(dst, before)

@@ -151,10 +151,12 @@ def fill_from(payload):
     return lambda regions: host_io.copy_into(regions, frames.tensor_bytes(payload))
 
 
+@pytest.mark.parametrize("source", ["fill", "payload"])
 @pytest.mark.parametrize("cache", ["host", "device"])
-def test_write_fills_the_chunk_positions_once(table, cache):
+def test_write_fills_the_chunk_positions_once(table, cache, source):
     """Host cache: fill gets the blocks' own runs. "device": the path of a CUDA cache
-    (no host views: one staging buffer, then index_copy_), run here on the CPU cache."""
+    (no host views: one staging buffer, then index_copy_), run here on the CPU cache.
+    A payload already staged (a checked CRC frame) is copied in either way."""
     kv = table.kv
     if cache == "device":
         table._host_view.usable = False
@@ -162,10 +164,12 @@ def test_write_fills_the_chunk_positions_once(table, cache):
     table.expect("r", [4, 8, 6, 2, 3, 9])
     res, h = admit(table, "r", 3, layers=(1, 3), block_start=2)   # blocks 6 | 2, 3
     staged = torch.randn(2, 2, 3, *kv.shape[3:])  # [n_layers, 2, n_blocks, bs, H, D]
-    pieces = []
-    fill = fill_from(staged)
-    assert table.write(res, h, lambda regions: (pieces.append(len(regions)), fill(regions)))
-    assert pieces == [1 if cache == "device" else 2 * 2 * 2]   # layers x (K, V) x runs
+    if source == "fill":
+        pieces, fill = [], fill_from(staged)
+        assert table.write(res, h, lambda regions: (pieces.append(len(regions)), fill(regions)))
+        assert pieces == [1 if cache == "device" else 2 * 2 * 2]   # layers x (K, V) x runs
+    else:
+        assert table.write(res, h, payload=staged.reshape(-1).view(torch.uint8))
     assert torch.equal(kv[1:3, :, [6, 2, 3]], staged)
     touched = torch.zeros_like(kv, dtype=torch.bool)
     touched[1:3, :, [6, 2, 3]] = True

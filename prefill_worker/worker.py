@@ -7,13 +7,15 @@ Request lifecycle here (see scheduler.py):
     step thread:  schedule() (prefix-cache lookup, chunking) → ModelRunner.prefill(
                   batch, on_layer_done), computing each prompt's next uncached chunk
                   on_layer_done(i): layer i of the blocks each chunk completed (that D
-                  lacks: D's cached prefix is skipped) → send queue
+                  lacks: D's cached prefix is skipped) → connector.save_layers
                   logits of each finished prompt's last token → sample() → first token
-                  → send queue
-    send thread:  KV frames (block_start = position in D's reserved blocks) of layer i,
-                  while layer i+1 or the next chunk computes; then the done frame with
-                  the first token; then the request's blocks are released and the
-                  router's call returns the first token (TTFT)
+                  → connector.request_finished
+    connector:    (connector.py, its send thread) the layers to D (block_start = the
+                  position in D's reserved blocks) while layer i+1 or the next chunk
+                  computes; then DONE with the first token
+                  and the router's call returns the first token (TTFT)
+    step thread:  connector.get_finished(), polled each step and between layers: the
+                  request's blocks are released (a failed one's call raises)
 
 A transfer failure fails that one request (the router sees KVTransferError); the
 worker keeps serving.
@@ -24,11 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import ray
 import torch
@@ -42,6 +42,7 @@ from ..engine.sampler import sample
 from ..kv_transfer import KVLayout, KVTransferError, make_sender
 from ..messages import CacheEvents, PrefillOrder, WorkerInfo, WorkerStatus
 from ..metrics import WorkerMetrics, serve as serve_metrics
+from .connector import PrefillKVConnector
 from .scheduler import PrefillRequest, PrefillScheduler
 
 logger = logging.getLogger(__name__)
@@ -54,21 +55,6 @@ class PrefillAborted(RuntimeError):
 class PrefillFailed(RuntimeError):
     """The model step that computed the request's prompt raised (not a transfer
     failure: its KV was never complete)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _SendLayers:
-    req: PrefillRequest
-    layer_start: int
-    layer_end: int
-    block_lo: int                    # block-table positions [block_lo, block_hi)
-    block_hi: int
-
-
-@dataclass(frozen=True, slots=True)
-class _SendDone:
-    req: PrefillRequest
-    first_token: int | None          # None: the prefill failed; release only
 
 
 class PrefillWorker:
@@ -102,18 +88,18 @@ class PrefillWorker:
                                   checksum=config.kv_checksum, secret=config.kv_secret,
                                   epoch=self.epoch, host=config.node_host())
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.kv_bytes_sent = 0          # K/V payload bytes sent to decode workers (send thread)
-        self.kv_send_failures = 0       # requests whose KV could not be sent (send thread)
         self.metrics = WorkerMetrics("prefill", self._metric_values)
         self.metrics_address = "%s:%d" % serve_metrics(
             self.metrics.registry, config.node_host(), config.metrics_port)
-        self._sends: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._step_loop, name="prefill-step", daemon=True),
-                         threading.Thread(target=self._send_loop, name="prefill-send", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self.connector = PrefillKVConnector(
+            self.sender, self.num_layers, self._wake.set,
+            on_done=lambda req, token: self._resolve(req, result=token),
+            observe_transfer_s=self.metrics.kv_transfer_seconds.observe)
+        self._step_thread = threading.Thread(target=self._step_loop, name="prefill-step",
+                                             daemon=True)
+        self._step_thread.start()
 
     # --- RPCs -------------------------------------------------------------------------
 
@@ -202,7 +188,8 @@ class PrefillWorker:
             prefix_cache_hit_tokens=self.scheduler.cached_tokens,
             prefix_cache_queries=self.scheduler.prefix_queries,
             prefix_cache_hits=self.scheduler.prefix_hits,
-            prefix_cache_blocks=self.pool.num_cached, kv_bytes_sent=self.kv_bytes_sent)
+            prefix_cache_blocks=self.pool.num_cached,
+            kv_bytes_sent=self.connector.kv_bytes_sent)
 
     def _metric_values(self) -> dict[str, float]:
         """Current gauges and counters for /metrics (pdserve/metrics.py), at scrape time."""
@@ -211,16 +198,15 @@ class PrefillWorker:
                 "kv_cache_usage_ratio": self.pool.usage,
                 "prefix_cache_queries": self.scheduler.prefix_queries,
                 "prefix_cache_hits": self.scheduler.prefix_hits,
-                "kv_transfer_bytes": self.kv_bytes_sent,
-                "kv_transfer_failures": self.kv_send_failures}
+                "kv_transfer_bytes": self.connector.kv_bytes_sent,
+                "kv_transfer_failures": self.connector.kv_send_failures}
 
     async def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._sends.put(None)
-        for t in self._threads:
-            t.join(timeout=10)
-        self.sender.close()
+        self._step_thread.join(timeout=10)
+        self.connector.close()
+        self._finish_sent()
         if self.activity is not None:
             self.activity.close()
 
@@ -245,8 +231,9 @@ class PrefillWorker:
 
     def _step_loop(self) -> None:
         while not self._stop.is_set():
+            self._finish_sent()
             for r in self.scheduler.take_aborted():   # between chunks: abort frame, release
-                self._sends.put(_SendDone(r, None))
+                self.connector.request_finished(r, None)
             batch = self.scheduler.schedule()
             if self.activity is not None:
                 self.activity.set_busy(bool(batch))
@@ -263,7 +250,8 @@ class PrefillWorker:
 
             def on_layer_done(i: int) -> None:
                 for r, lo, hi in ranges:
-                    self._sends.put(_SendLayers(r, i, i + 1, lo, hi))
+                    self.connector.save_layers(r, i, i + 1, lo, hi)
+                self._finish_sent()       # a transfer that ended waits one layer at most
 
             try:
                 logits = self.runner.prefill(
@@ -284,53 +272,17 @@ class PrefillWorker:
                 done, tokens = batch, [None] * len(batch)
             for r, tok in zip(done, tokens):
                 r.state = RequestState.SENDING_KV
-                self._sends.put(_SendDone(r, tok))
+                self.connector.request_finished(r, tok)
 
-    def _send_loop(self) -> None:
-        while (task := self._sends.get()) is not None:
-            req = task.req
-            try:
-                if isinstance(task, _SendLayers):
-                    if not (req.aborted or req.error):
-                        if req.kv_send_started is None:
-                            req.kv_send_started = time.perf_counter()
-                        lo, hi = task.block_lo, task.block_hi
-                        self.kv_bytes_sent += self.sender.send_layers(req.kv_address, req.request_id, req.epoch,
-                                                task.layer_start, task.layer_end,
-                                                req.block_table[lo:hi],
-                                                block_start=lo - req.num_cached_blocks)
-                    continue
-                if req.aborted or req.error or task.first_token is None:
-                    if not req.error:
-                        req.error = f"request {req.request_id} aborted"
-                    self._try_send_abort(req)
-                else:
-                    self.sender.send_done(req.kv_address, req.request_id, req.epoch,
-                                          task.first_token, self.num_layers)
-                    if req.kv_send_started is not None:
-                        self.metrics.kv_transfer_seconds.observe(
-                            time.perf_counter() - req.kv_send_started)
-            except Exception as e:  # KVTransferError, or a bug: it fails this request only
-                if not isinstance(e, KVTransferError):
-                    logger.exception("KV send of %s failed unexpectedly", req.request_id)
-                if req.error is None:
-                    self.kv_send_failures += 1
-                req.error = f"KV transfer to {req.kv_address[0]}:{req.kv_address[1]} failed: {e}"
-                logger.warning("%s: %s", req.request_id, req.error)
-                if isinstance(task, _SendLayers):
-                    continue      # the request's _SendDone, still queued, releases it
-            self._finish(req, task.first_token)
+    def _finish_sent(self) -> None:
+        """Release every request whose transfer ended (the connector's poll); a failed
+        one's call raises (a sent one was answered at DONE: connector on_done)."""
+        for req, _ in self.connector.get_finished():
+            self._finish(req)
 
-    def _try_send_abort(self, req: PrefillRequest) -> None:
-        try:
-            self.sender.send_abort(req.kv_address, req.request_id, req.epoch, req.error)
-        except KVTransferError as e:
-            logger.debug("abort frame for %s not sent: %s", req.request_id, e)
-
-    def _finish(self, req: PrefillRequest, first_token: int | None) -> None:
+    def _finish(self, req: PrefillRequest) -> None:
         if req.error is None:
             self.scheduler.release(req, RequestState.FINISHED_STOPPED)
-            self._resolve(req, result=first_token)
             return
         self.scheduler.release(req, RequestState.FINISHED_ERROR if not req.aborted
                                else RequestState.FINISHED_ABORTED)

@@ -30,7 +30,7 @@ def test_a_model_fault_fails_the_request_as_such_and_frees_its_blocks(monkeypatc
     try:
         monkeypatch.setattr(p.runner, "prefill", boom)
         asyncio.run(main())
-        assert p.kv_send_failures == 0
+        assert p.connector.kv_send_failures == 0
         assert p.pool.num_free == p.pool.num_blocks
     finally:
         asyncio.run(p.shutdown())

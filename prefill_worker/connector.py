@@ -1,0 +1,149 @@
+"""The prefill worker's side of the KV connector, polled like the decode worker's.
+
+The step loop hands it each chunk's layers as they are computed and each prompt once it
+is done (its first token sampled, or failed, or aborted); one send thread moves them to
+the decode worker through the transport (kv_transfer: ``KVSender.send_layers``, then
+``send_done`` or ``send_abort``). The step loop polls ``get_finished()`` for the requests
+whose transfer ended, and only then releases their blocks and answers the router: the
+mirror of D's step loop polling ``KVReceiver.get_finished()`` (vLLM's KV connector has
+the same split: the model runner saves layers, the scheduler asks what finished)::
+
+    step thread                               send thread
+    save_layers(req, i, i+1, lo, hi)   ──▶    sender.send_layers(layer i, blocks lo..hi)
+    request_finished(req, first_token) ──▶    sender.send_done(first_token), or
+                                              send_abort(req.error) when it failed
+    get_finished() -> [(req, token)]   ◀──    once DONE / ABORT went out; notify()
+
+``notify`` wakes the step loop, which also polls between layers of a forward, so a
+finished request's blocks wait at most one layer's compute (none when P is idle). The
+first token itself goes out at once (``on_done``, from the send thread): answering
+from the poll cost mean TTFT +4% at rate inf (4.95 s against 4.69 s, ``bench/
+vllm_peer.sh`` fp32, 4 and 2 runs), as requests finished at the end of one batch
+waited for a layer of the next. A failed transfer fails that request only
+(``req.error`` says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..kv_transfer import KVSender, KVTransferError
+from .scheduler import PrefillRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _SendLayers:
+    req: PrefillRequest
+    layer_start: int
+    layer_end: int
+    block_lo: int                    # block-table positions [block_lo, block_hi)
+    block_hi: int
+
+
+@dataclass(frozen=True, slots=True)
+class _SendDone:
+    req: PrefillRequest
+    first_token: int | None          # None: the prefill failed or was aborted
+
+
+class PrefillKVConnector:
+    """Send queue and thread of one prefill worker; see the module docstring.
+
+    sender: the transport's KVSender over P's cache. num_layers: the model's layer count
+    (DONE says all were sent). notify: wakes the step loop (quick, thread-safe).
+    on_done(req, first_token): runs on the send thread once DONE went out (the answer
+    to the router; the blocks still wait for get_finished()). observe_transfer_s: gets
+    each completed transfer's seconds, first send to DONE.
+    """
+
+    def __init__(self, sender: KVSender, num_layers: int, notify: Callable[[], None],
+                 on_done: Callable[[PrefillRequest, int], None] | None = None,
+                 observe_transfer_s: Callable[[float], None] | None = None) -> None:
+        self.sender, self.num_layers = sender, num_layers
+        self._notify, self._on_done, self._observe = notify, on_done, observe_transfer_s
+        self.kv_bytes_sent = 0          # K/V payload bytes sent to decode workers
+        self.kv_send_failures = 0       # requests whose KV could not be sent
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()   # guards _finished
+        self._finished: list[tuple[PrefillRequest, int | None]] = []
+        self._thread = threading.Thread(target=self._send_loop, name="prefill-send",
+                                        daemon=True)
+        self._thread.start()
+
+    def save_layers(self, req: PrefillRequest, layer_start: int, layer_end: int,
+                    block_lo: int, block_hi: int) -> None:
+        """Queue layers [layer_start, layer_end) of the request's blocks at block-table
+        positions [block_lo, block_hi) (P's; D's reservation starts after its
+        num_cached_blocks). Skipped once the request failed or was aborted."""
+        self._tasks.put(_SendLayers(req, layer_start, layer_end, block_lo, block_hi))
+
+    def request_finished(self, req: PrefillRequest, first_token: int | None) -> None:
+        """The request's prompt is done (first_token), or failed / was aborted (None:
+        ABORT instead of DONE). Its blocks must stay until get_finished() lists it."""
+        self._tasks.put(_SendDone(req, first_token))
+
+    def get_finished(self) -> list[tuple[PrefillRequest, int | None]]:
+        """Requests whose transfer ended since the last call, each once, with the first
+        token DONE carried (None when it failed: ``req.error`` says why)."""
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the send thread after what is queued; then close the sender."""
+        self._tasks.put(None)
+        self._thread.join(timeout_s)
+        self.sender.close()
+
+    def _send_loop(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            req = task.req
+            try:
+                if isinstance(task, _SendLayers):
+                    if not (req.aborted or req.error):
+                        self._send_layers(task)
+                    continue
+                if req.aborted or req.error or task.first_token is None:
+                    req.error = req.error or f"request {req.request_id} aborted"
+                    self._try_send_abort(req)
+                else:
+                    self.sender.send_done(req.kv_address, req.request_id, req.epoch,
+                                          task.first_token, self.num_layers)
+                    if self._on_done is not None:
+                        self._on_done(req, task.first_token)
+                    if req.kv_send_started is not None and self._observe is not None:
+                        self._observe(time.perf_counter() - req.kv_send_started)
+            except Exception as e:  # KVTransferError, or a bug: it fails this request only
+                if not isinstance(e, KVTransferError):
+                    logger.exception("KV send of %s failed unexpectedly", req.request_id)
+                if req.error is None:
+                    self.kv_send_failures += 1
+                req.error = f"KV transfer to {req.kv_address[0]}:{req.kv_address[1]} failed: {e}"
+                logger.warning("%s: %s", req.request_id, req.error)
+                if isinstance(task, _SendLayers):
+                    continue      # the request's _SendDone, still queued, finishes it
+            with self._lock:
+                self._finished.append((req, task.first_token))
+            self._notify()
+
+    def _send_layers(self, task: _SendLayers) -> None:
+        req = task.req
+        if req.kv_send_started is None:
+            req.kv_send_started = time.perf_counter()
+        lo, hi = task.block_lo, task.block_hi
+        self.kv_bytes_sent += self.sender.send_layers(
+            req.kv_address, req.request_id, req.epoch, task.layer_start, task.layer_end,
+            req.block_table[lo:hi], block_start=lo - req.num_cached_blocks)
+
+    def _try_send_abort(self, req: PrefillRequest) -> None:
+        try:
+            self.sender.send_abort(req.kv_address, req.request_id, req.epoch, req.error)
+        except KVTransferError as e:
+            logger.debug("abort frame for %s not sent: %s", req.request_id, e)

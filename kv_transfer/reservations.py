@@ -42,9 +42,7 @@ from .frames import FrameHeader
 
 logger = logging.getLogger(__name__)
 
-# Finished records kept for state(); older ones are dropped so a long-running D
-# that never calls forget() does not grow without bound.
-MAX_FINISHED_RECORDS = 8192
+MAX_FINISHED_RECORDS = 8192  # kept for state(): a D that never forgets stays bounded
 
 
 @dataclass(eq=False)
@@ -212,8 +210,7 @@ class ReservationTable:
             released, self._released = self._released, []
         return KVFinished(done, released)
 
-    def _report(self, completion: KVCompletion | None = None, released: str | None = None
-                ) -> None:
+    def _report(self, completion: KVCompletion | None = None, released: str | None = None) -> None:
         with self._lock:
             if completion is not None:
                 self._completions.append(completion)
@@ -228,12 +225,10 @@ class ReservationTable:
     def state(self, request_id: str) -> TransferState:
         with self._lock:
             res = self._active.get(request_id)
-            if res is not None:
-                return res.state
-            try:
-                return self._finished[request_id]
-            except KeyError:
-                raise KeyError(f"request {request_id!r} is not expected") from None
+            state = res.state if res is not None else self._finished.get(request_id)
+        if state is None:
+            raise KeyError(f"request {request_id!r} is not expected")
+        return state
 
     def fail_all(self, reason: str) -> None:
         """Fail every active request (the receiver shuts down)."""

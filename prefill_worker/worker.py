@@ -93,6 +93,7 @@ class PrefillWorker:
             self.metrics.registry, config.node_host(), config.metrics_port)
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._benching = False   # bench_prefill computing: busy to the node's decode workers
         self.connector = PrefillKVConnector(
             self.sender, self.num_layers, self._wake.set,
             on_done=lambda req, token: self._resolve(req, result=token),
@@ -157,6 +158,9 @@ class PrefillWorker:
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, self.runner.config.vocab_size, (num_tokens,), generator=g).tolist()
         blocks = self.pool.allocate(blocks_needed(num_tokens, self.runner.block_size))
+        self._benching = True      # as a served step: no decode worker borrows these cores
+        if self.activity is not None:
+            self.activity.set_busy(True)
         try:
             def step() -> float:
                 t0 = time.perf_counter()
@@ -164,6 +168,7 @@ class PrefillWorker:
                 return time.perf_counter() - t0
             return await asyncio.to_thread(step)
         finally:
+            self._benching = False
             self.pool.free(blocks)
 
     async def abort(self, request_id: str) -> None:
@@ -236,7 +241,7 @@ class PrefillWorker:
                 self.connector.request_finished(r, None)
             batch = self.scheduler.schedule()
             if self.activity is not None:
-                self.activity.set_busy(bool(batch))
+                self.activity.set_busy(bool(batch) or self._benching)
             if not batch:
                 self._wake.wait(0.05)
                 self._wake.clear()

@@ -12,8 +12,8 @@ Request lifecycle here (see scheduler.py):
                   → connector.request_finished
     connector:    (connector.py, its send thread) the layers to D (block_start = the
                   position in D's reserved blocks) while layer i+1 or the next chunk
-                  computes; then DONE with the first token
-                  and the router's call returns the first token (TTFT)
+                  computes; then DONE with the first token, upon which the router's
+                  call returns that token (TTFT)
     step thread:  connector.get_finished(), polled each step and between layers: the
                   request's blocks are released (a failed one's call raises)
 

@@ -39,14 +39,10 @@ as if never preempted. The sampler's step index is len(output_ids), unchanged by
 preemption, so greedy and seeded outputs are too.
 
 Every case is "compute tokens from num_computed_tokens to num_tokens" (vLLM's one
-progress counter): a local prefill starts after the blocks found in D's prefix cache
-and samples the first token from the last prompt token's logits (step index 0, exactly
-as a prefill worker does), so short uncached prompts skip the round trip to a prefill
-worker and the KV transfer (Dynamo's conditional disaggregation). With
-prefill_chunk_size set, a step computes at most that many tokens (decode rows counted
-first), so a long local prompt, or a long recompute, runs over several steps while the
-running rows keep decoding (vLLM's chunked prefill; this is how `pdserve bench serve`
-runs its colocated mode).
+progress counter; requests.py DecodeRequest): a local prefill starts after D's prefix
+cache hit and samples the first token as a prefill worker would (Dynamo's conditional
+disaggregation); with prefill_chunk_size, a long local prompt or recompute runs over
+several steps while the running rows keep decoding (vLLM's chunked prefill).
 
 Why this always makes progress: the oldest running request is preempted only when it is
 alone and reservations still waiting for KV hold the rest; a request that could not fit
@@ -55,51 +51,44 @@ that preempted requests need to resume, so resumed requests go before newly arri
 ones and a stream of new requests cannot starve them.
 
 Thread-safety: every public method takes the scheduler's lock. Blocks are only ever
-freed, and only taken for running requests, inside schedule()/update_from_output(), i.e.
-on the step thread between model steps, so a step never writes into a block that was
-freed and handed to another request mid-step; aborts from other threads are recorded
-and applied there. (reserve() takes free blocks from RPC threads: no step touches them.)
+freed, and only taken for running requests, inside schedule(), update_from_output() and
+update_from_connector(), on the step thread between model steps, so a step never writes
+into a block freed and handed to another request mid-step; aborts from other threads
+are recorded and applied there. (reserve() takes free blocks from RPC threads.)
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import operator
 import threading
 import time
-from collections.abc import Callable
 
-from ..engine.block_pool import (
-    BlockPool,
-    NoFreeBlocksError,
-    block_hashes,
-    blocks_needed,
-)
+from ..engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes, blocks_needed
 from ..engine.request import RequestState, TokenEvent
-from ..engine.schedule_policy import prefill_order
+from ..engine.schedule_policy import prefill_order, step_tokens
 from ..engine.sampling_params import SamplingParams
 from ..engine.stop import stop_state
-from ..kv_transfer.base import KVFinished
+from .connector import DecodeKVConnector
 from .requests import DecodeRequest, RequestTooLargeError, Reserved, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
-def _by_admission(req: DecodeRequest) -> int:
-    return req.admitted_seq
+_by_admission = operator.attrgetter("admitted_seq")   # priority: first admission into RUNNING
 
 
 class DecodeScheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], max_batch_size: int = 256,
-                 kv_connector: bool = False,
+                 connector: DecodeKVConnector | None = None,
                  enable_prefix_caching: bool = False, local_prefill_max_tokens: int = 0,
                  prefill_chunk_size: int | None = None, schedule_policy: str = "fcfs"):
-        """kv_connector: a KV receiver fills the blocks of requests prefilled elsewhere.
-        Such a request's blocks then go back to the pool only once the receiver reports
-        it released (update_from_connector), after the worker told it to forget the
-        request (take_forgotten), so a block is never reused while prefill's KV may still
-        land in it. False (no receiver: tests, a colocated engine): freed at once.
+        """connector: the KV receiver's side (decode_worker/connector.py) that fills the
+        blocks of requests prefilled elsewhere; their blocks go back to the pool only
+        once it reports them released (update_from_connector). None (tests, a
+        colocated engine): no transfers; blocks are freed at once.
 
         enable_prefix_caching: share the prompt's leading full blocks from D's prefix
         cache (they are then not transferred). local_prefill_max_tokens: a request whose
@@ -119,9 +108,7 @@ class DecodeScheduler:
         self.schedule_policy = schedule_policy
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_batch_size = max_batch_size
-        self.kv_connector = kv_connector
-        self._forget: list[str] = []                 # finished; the receiver must forget them
-        self._releasing: dict[str, list[int]] = {}   # their blocks, until it released them
+        self.connector = connector
         self._lock = threading.Lock()
         self._requests: dict[str, DecodeRequest] = {}
         self._arrived: list[str] = []
@@ -141,8 +128,7 @@ class DecodeScheduler:
 
     def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
                 lease_s: float, prompt_token_ids: list[int],
-                prefill_locally: bool = False,
-                expect: Callable[[str, list[int]], None] | None = None) -> Reserved:
+                prefill_locally: bool = False) -> Reserved:
         """Reserve the blocks for the prompt's KV. Idempotent per request_id.
 
         With prefix caching, the prompt's leading full blocks found in D's cache are
@@ -151,9 +137,8 @@ class DecodeScheduler:
         local_prefill_max_tokens, or with `prefill_locally` (the router's choice), D
         prefills them itself, from its next step on. The prompt
         (`prompt_token_ids`, len == prompt_len) is kept to recompute the KV if the
-        request is preempted. `expect(request_id, block_ids)` (KVReceiver.expect) runs
-        under the lock for a request prefilled elsewhere, so its lease cannot expire
-        and the request be forgotten before the receiver expects it.
+        request is preempted. The connector expects a request prefilled elsewhere
+        under the lock, so its lease cannot expire before the receiver expects it.
 
         Raises:
             ValueError: len(prompt_token_ids) != prompt_len.
@@ -166,7 +151,6 @@ class DecodeScheduler:
             raise ValueError(f"prompt_len={prompt_len} but {len(prompt_token_ids)} "
                              "prompt_token_ids were given")
         assert prompt_len < self.max_model_len, (prompt_len, self.max_model_len)  # router checks
-        bs = self.block_size
         with self._lock:
             req = self._requests.get(request_id)
             if req is None:
@@ -175,9 +159,9 @@ class DecodeScheduler:
             cached = req.num_cached_blocks
             if req.state == RequestState.WAITING:
                 return Reserved([], cached, True)
-            blocks = req.block_table[cached:blocks_needed(req.prompt_len, bs)]
-            if expect is not None:
-                expect(request_id, blocks)
+            blocks = req.block_table[cached:blocks_needed(req.prompt_len, self.block_size)]
+            if self.connector is not None:
+                self.connector.expect(request_id, blocks)
             return Reserved(blocks, cached, False)
 
     def _new_request(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -226,24 +210,17 @@ class DecodeScheduler:
                 req.abort_reason = error or "KV transfer failed"
                 req.error = req.abort_reason
 
-    def update_from_connector(self, finished: KVFinished) -> None:
-        """Apply what the KV receiver reported (KVReceiver.get_finished): transfers done
-        or failed (on_kv_complete), and forgotten requests whose blocks no write can
-        touch any more: freed here, the one place blocks of a KV transfer go back."""
-        for c in finished.completions:
+    def update_from_connector(self) -> None:
+        """Poll the connector (step thread): apply transfers done or failed
+        (on_kv_complete), and free the blocks of finished requests that no write can
+        touch any more: the one place blocks of a KV transfer go back."""
+        if self.connector is None:
+            return
+        with self._lock:
+            completions, freed = self.connector.get_finished()
+            self.pool.free(freed)
+        for c in completions:
             self.on_kv_complete(c.request_id, c.ok, c.first_token, c.error)
-        with self._lock:
-            for rid in finished.released:
-                blocks = self._releasing.pop(rid, None)
-                if blocks is not None:
-                    self.pool.free(blocks)
-
-    def take_forgotten(self) -> list[str]:
-        """Requests finished since the last call that the KV receiver must forget (its
-        release of each comes back through update_from_connector)."""
-        with self._lock:
-            forget, self._forget = self._forget, []
-            return forget
 
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
         with self._lock:
@@ -288,8 +265,7 @@ class DecodeScheduler:
         its sampled token (None for a row that did not reach num_tokens: a chunk);
         returns the step's events (and any finishes recorded since the last call)."""
         with self._lock:
-            events = self._events
-            self._events = []
+            events, self._events = self._events, []
             for req, n, tok in zip(output.requests, output.num_scheduled_tokens, token_ids,
                                    strict=True):
                 if req.state != RequestState.RUNNING or req.abort_reason is not None:
@@ -303,10 +279,9 @@ class DecodeScheduler:
                     continue
                 assert req.num_computed_tokens == req.num_tokens, (req.request_id, n)
                 req.output_ids.append(tok)
-                if self._check_stop(req, emit=False):
-                    events.append(TokenEvent(req.request_id, (tok,), req.state.finish_reason))
-                else:
-                    events.append(TokenEvent(req.request_id, (tok,)))
+                stopped = self._check_stop(req, emit=False)
+                events.append(TokenEvent(req.request_id, (tok,),
+                                         req.state.finish_reason if stopped else None))
             return events
 
     def drain_events(self) -> list[TokenEvent]:
@@ -333,26 +308,13 @@ class DecodeScheduler:
                 req.block_table.extend(self.pool.allocate(need))
 
     def _schedule_tokens(self, batch: list[DecodeRequest], now: float) -> SchedulerOutput:
-        """Tokens each row computes this step, in batch order: one for a decode row
-        (num_computed_tokens == num_tokens - 1); for the others (prefills: local,
-        chunked, recompute) the rest, or under prefill_chunk_size as much as the step's
-        budget gives, handed out in the schedule policy's order. A row left without
-        budget sits this step out (it keeps its blocks)."""
-        want = {id(r): r.num_tokens - r.num_computed_tokens for r in batch}
-        rows = [r for r in batch if want[id(r)] > 1]
-        got = {id(r): 1 for r in batch if want[id(r)] == 1}
-        if self.prefill_chunk_size is None:
-            got.update((id(r), want[id(r)]) for r in rows)
-        else:
-            budget = max(self.prefill_chunk_size - len(got), self.block_size)
-            for r in prefill_order(rows, lambda r: want[id(r)], lambda r: r.arrived,
-                                   self.schedule_policy, now):
-                if budget <= 0:
-                    break
-                got[id(r)] = min(want[id(r)], budget)
-                budget -= got[id(r)]
-        out = tuple(r for r in batch if id(r) in got)
-        return SchedulerOutput(out, tuple(got[id(r)] for r in out))
+        """Tokens each row computes this step (engine/schedule_policy.py
+        step_tokens); a row left without budget sits this step out (keeps its blocks)."""
+        counts = step_tokens(batch, lambda r: r.num_tokens - r.num_computed_tokens,
+                             lambda r: r.arrived, self.schedule_policy, now,
+                             self.prefill_chunk_size, self.block_size)
+        rows = [(r, n) for r, n in zip(batch, counts) if n]
+        return SchedulerOutput(tuple(r for r, _ in rows), tuple(n for _, n in rows))
 
     def _preempt(self, req: DecodeRequest) -> None:
         """Free a running request's blocks and queue it to resume by recompute. Its KV
@@ -407,9 +369,8 @@ class DecodeScheduler:
             self._preempted.remove(req)         # holds no blocks: nothing to free twice
         req.state = state
         del self._requests[req.request_id]
-        if self.kv_connector and req.remote_kv:
-            self._releasing[req.request_id] = req.block_table
-            self._forget.append(req.request_id)
+        if self.connector is not None and req.remote_kv:
+            self.connector.request_finished(req.request_id, req.block_table)
         else:
             self.pool.free(req.block_table)
         if emit:
@@ -436,10 +397,4 @@ class DecodeScheduler:
     def has_work(self) -> bool:
         with self._lock:
             return bool(self._arrived or self._events or self._running or self._preempted
-                        or self._forget
                         or any(r.abort_reason for r in self._requests.values()))
-
-    def next_lease_deadline(self) -> float | None:
-        with self._lock:
-            return min((r.lease_deadline for r in self._requests.values()
-                        if r.state == RequestState.WAITING_FOR_REMOTE_KV), default=None)

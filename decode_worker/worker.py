@@ -20,8 +20,9 @@ Request lifecycle here (see scheduler.py for the state machine):
                with the one carrying finish_reason
 
 The step thread owns the model; the actor's event loop serves RPCs; the KV receiver
-has its own threads, and the step loop polls it (get_finished: transfers done or
-failed, forgotten requests' blocks released; the receiver only wakes the loop). Events
+has its own threads, and the step loop polls it through the scheduler's connector
+(decode_worker/connector.py: transfers done or failed, finished requests' blocks
+released; the receiver only wakes the loop). Events
 cross to the event loop through one outbox (`call_soon_threadsafe`), so a slow client
 never blocks the step loop.
 """
@@ -48,6 +49,7 @@ from ..messages import DecodeReservation, WorkerInfo, WorkerStatus
 from ..metrics import WorkerMetrics, serve as serve_metrics
 from ..config import WorkerConfig
 from ..core_share import LentThreads
+from .connector import DecodeKVConnector
 from .scheduler import DecodeScheduler, RequestTooLargeError
 
 logger = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ class DecodeWorker:
         self.scheduler = DecodeScheduler(
             self.pool, self.runner.block_size, self.runner.config.max_model_len,
             self.runner.config.eos_token_ids, config.max_batch_size,
-            kv_connector=True,
+            connector=DecodeKVConnector(self.receiver),
             enable_prefix_caching=config.enable_prefix_caching,
             local_prefill_max_tokens=config.local_prefill_max_tokens,
             prefill_chunk_size=config.prefill_chunk_size,
@@ -102,7 +104,6 @@ class DecodeWorker:
                 logger.warning("idle prefill cores not borrowed: %s", e)
         self.peak_batch_size = 0      # largest decode batch so far (tests prove batching)
         self.step_threads = config.num_threads   # torch threads the latest step started on
-        self.kv_failures = 0          # transfers that failed to arrive (receiver thread)
         self.metrics = WorkerMetrics("decode", self._metric_values)
         self.metrics_address = "%s:%d" % serve_metrics(
             self.metrics.registry, config.node_host(), config.metrics_port)
@@ -142,7 +143,7 @@ class DecodeWorker:
         try:
             r = self.scheduler.reserve(request_id, prompt_len, params,
                                        lease_s or self.config.lease_s, prompt_token_ids,
-                                       prefill_locally, expect=self.receiver.expect)
+                                       prefill_locally)
         except (NoFreeBlocksError, RequestTooLargeError) as e:
             logger.debug("reserve %s refused: %s", request_id, e)
             return None
@@ -215,7 +216,7 @@ class DecodeWorker:
                 "num_preemptions": sched.num_preemptions,
                 "prefix_cache_queries": sched.prefix_queries,
                 "prefix_cache_hits": sched.prefix_hits,
-                "kv_transfer_failures": self.kv_failures}
+                "kv_transfer_failures": sched.connector.num_failed}
 
     async def shutdown(self) -> None:
         self._stop.set()
@@ -226,16 +227,6 @@ class DecodeWorker:
             self.lent.close()
 
     # --- threads ------------------------------------------------------------------------
-
-    def _sync_kv(self) -> None:
-        """The KV connector, polled: tell the receiver which finished requests to
-        forget, then apply what it reports (transfers done or failed, blocks released)."""
-        for rid in self.scheduler.take_forgotten():
-            self.receiver.forget(rid)
-        finished = self.receiver.get_finished()
-        if finished.completions or finished.released:
-            self.kv_failures += sum(not c.ok for c in finished.completions)
-            self.scheduler.update_from_connector(finished)
 
     def _publish(self, events: list[TokenEvent]) -> None:
         if events and self._loop is not None:
@@ -250,7 +241,7 @@ class DecodeWorker:
         runner, sched = self.runner, self.scheduler
         threads = self.config.num_threads
         while not self._stop.is_set():
-            self._sync_kv()
+            sched.update_from_connector()
             out = sched.schedule()
             if not out.requests:
                 self._publish(sched.drain_events())

@@ -1,5 +1,6 @@
 """The order in which prompts waiting for prefill are computed, shared by the prefill
-worker's scheduler and the decode worker's local prefills (`--schedule-policy`).
+worker's scheduler and the decode worker's local prefills (`--schedule-policy`), and
+how one decode-worker step's token budget is split over its rows (`step_tokens`).
 
 - ``fcfs`` (default, as vLLM's and SGLang's): arrival order.
 - ``sjf``: shortest remaining prompt first, the shortest-remaining-processing-time rule,
@@ -37,3 +38,28 @@ def prefill_order(reqs: Iterable[R], remaining: Callable[[R], int],
         raise ValueError(f"schedule policy {policy!r}: choose one of {', '.join(POLICIES)}")
     return sorted(reqs, key=lambda r: (0, arrived(r), 0) if now - arrived(r) > max_wait_s
                   else (1, remaining(r), arrived(r)))
+
+
+def step_tokens(batch: list[R], remaining: Callable[[R], int], arrived: Callable[[R], float],
+                policy: str, now: float, chunk_size: int | None, min_budget: int) -> list[int]:
+    """Tokens each row of ``batch`` computes in one step (0: it sits the step out).
+
+    remaining(r) > 0: the tokens r has left to compute; a row with one left decodes and
+    always gets it. The others (prefills) get all they have left when ``chunk_size`` is
+    None; else the step's budget, chunk_size less one per decode row but at least
+    ``min_budget`` tokens, is handed out in ``policy``'s order (prefill_order), as
+    vLLM's chunked prefill budgets a step: decode first."""
+    want = [remaining(r) for r in batch]
+    got = [1 if w == 1 else 0 for w in want]
+    prefills = [i for i, w in enumerate(want) if w > 1]
+    if chunk_size is None:
+        for i in prefills:
+            got[i] = want[i]
+        return got
+    budget = max(chunk_size - sum(got), min_budget)
+    for i in prefill_order(prefills, want.__getitem__, lambda i: arrived(batch[i]), policy, now):
+        if budget <= 0:
+            break
+        got[i] = min(want[i], budget)
+        budget -= got[i]
+    return got

@@ -12,7 +12,7 @@ the same split: the model runner saves layers, the scheduler asks what finished)
     save_layers(req, i, i+1, lo, hi)   ──▶    sender.send_layers(layer i, blocks lo..hi)
     request_finished(req, first_token) ──▶    sender.send_done(first_token), or
                                               send_abort(req.error) when it failed
-    get_finished() -> [(req, token)]   ◀──    once DONE / ABORT went out; notify()
+    get_finished() -> [req]            ◀──    once DONE / ABORT went out; notify()
 
 ``notify`` wakes the step loop, which also polls between layers of a forward, so a
 finished request's blocks wait at most one layer's compute (none when P is idle). The
@@ -72,7 +72,7 @@ class PrefillKVConnector:
         self.kv_send_failures = 0       # requests whose KV could not be sent
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()   # guards _finished
-        self._finished: list[tuple[PrefillRequest, int | None]] = []
+        self._finished: list[PrefillRequest] = []
         self._thread = threading.Thread(target=self._send_loop, name="prefill-send",
                                         daemon=True)
         self._thread.start()
@@ -89,9 +89,9 @@ class PrefillKVConnector:
         ABORT instead of DONE). Its blocks must stay until get_finished() lists it."""
         self._tasks.put(_SendDone(req, first_token))
 
-    def get_finished(self) -> list[tuple[PrefillRequest, int | None]]:
-        """Requests whose transfer ended since the last call, each once, with the first
-        token DONE carried (None when it failed: ``req.error`` says why)."""
+    def get_finished(self) -> list[PrefillRequest]:
+        """Requests whose transfer ended since the last call, each once (``req.error``
+        set when it failed; a sent one was answered at DONE through ``on_done``)."""
         with self._lock:
             finished, self._finished = self._finished, []
         return finished
@@ -130,7 +130,7 @@ class PrefillKVConnector:
                 if isinstance(task, _SendLayers):
                     continue      # the request's _SendDone, still queued, finishes it
             with self._lock:
-                self._finished.append((req, task.first_token))
+                self._finished.append(req)
             self._notify()
 
     def _send_layers(self, task: _SendLayers) -> None:

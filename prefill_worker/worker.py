@@ -282,7 +282,7 @@ class PrefillWorker:
     def _finish_sent(self) -> None:
         """Release every request whose transfer ended (the connector's poll); a failed
         one's call raises (a sent one was answered at DONE: connector on_done)."""
-        for req, _ in self.connector.get_finished():
+        for req in self.connector.get_finished():
             self._finish(req)
 
     def _finish(self, req: PrefillRequest) -> None:

@@ -1,5 +1,6 @@
 """decode_worker/scheduler.py, continued from test_decode_scheduler.py: KV failures,
-aborts, lease expiry, the KV connector's forget-then-release, and the counts.
+aborts, lease expiry, the KV connector (decode_worker/connector.py): forget, then release;
+the counts.
 
 No model, no sockets. Every test ends with the pool free.
 """
@@ -8,11 +9,14 @@ import time
 
 import pytest
 
-from pdserve.decode_worker.scheduler import DecodeScheduler
+import torch
+
+from pdserve.decode_worker.connector import DecodeKVConnector
 from pdserve.engine.request import TokenEvent
-from pdserve.kv_transfer import KVCompletion, KVFinished
+from pdserve.kv_transfer import KVCompletion, KVFinished, KVLayout
+from pdserve.kv_transfer.reservations import ReservationTable
 from test_decode_scheduler import (  # noqa: F401  (pool: the fixture)
-    BLOCK_SIZE, EOS, LEASE_S, MAX_MODEL_LEN, NUM_BLOCKS, admit, finish_all, ids, make_sched,
+    BLOCK_SIZE, EOS, LEASE_S, NUM_BLOCKS, admit, finish_all, ids, make_sched,
     params, pool, prompt,
 )
 
@@ -97,7 +101,7 @@ def test_lease_expiry_reclaims_waiting_request(pool):
     sched = make_sched(pool)
     t0 = time.monotonic()
     sched.reserve("a", 8, params(), lease_s=5.0, prompt_token_ids=prompt(8))
-    assert sched.next_lease_deadline() == pytest.approx(t0 + 5.0, abs=1.0)
+    assert sched._requests["a"].lease_deadline == pytest.approx(t0 + 5.0, abs=1.0)
     sched.schedule(now=t0 + 1.0)                   # before the deadline: kept
     assert sched.counts() == (0, 1) and sched.num_reclaimed == 0
     assert sched.drain_events() == []
@@ -106,7 +110,7 @@ def test_lease_expiry_reclaims_waiting_request(pool):
     assert ev.request_id == "a" and ev.finish_reason == "error" and "lease" in ev.error
     assert ev.token_ids == ()
     assert sched.num_reclaimed == 1
-    assert sched.counts() == (0, 0) and sched.next_lease_deadline() is None
+    assert sched.counts() == (0, 0) and sched.num_reservations_active() == 0
     # the transport's completion after reclaim is ignored
     sched.on_kv_complete("a", True, 10)
     assert sched.schedule().requests == ()
@@ -125,41 +129,105 @@ def test_lease_does_not_apply_once_running(pool):
     assert pool.all_free()
 
 
-# --- the KV connector (kv_connector=True): forget, then release ----------------------------
+# --- the KV connector (decode_worker/connector.py): forget, then release --------------------
+
+class ScriptedReceiver:
+    """The KVReceiver calls DecodeKVConnector makes, recorded; the test says what
+    get_finished() reports (``completions``, ``released``)."""
+
+    def __init__(self, lock=None):
+        self.lock = lock                  # the scheduler's, to see it held at expect()
+        self.expected, self.forgotten = [], []
+        self.completions, self.released = [], []
+
+    def expect(self, rid, block_ids):
+        self.expected.append((rid, list(block_ids), self.lock is not None and self.lock.locked()))
+
+    def forget(self, rid):
+        self.forgotten.append(rid)
+
+    def get_finished(self):
+        out = KVFinished(self.completions, self.released)
+        self.completions, self.released = [], []
+        return out
+
+
+def with_connector(pool, **kw):
+    rx = ScriptedReceiver()
+    sched = make_sched(pool, connector=DecodeKVConnector(rx), **kw)
+    rx.lock = sched._lock
+    return sched, rx
+
+
+def release(sched, rx, *rids):
+    rx.released = list(rids)
+    sched.update_from_connector()
+
 
 def test_finished_remote_requests_are_forgotten_and_freed_only_when_released(pool):
-    sched = make_sched(pool, kv_connector=True)
+    sched, rx = with_connector(pool)
     # 7-token prompts: 2 blocks each, enough for the first decode position (7) too
     sched.reserve("err", 7, params(max_tokens=8), LEASE_S, prompt_token_ids=prompt(7))
     sched.reserve("cancel", 7, params(max_tokens=8), LEASE_S, prompt_token_ids=prompt(7))
     batch = admit(sched, "stop", prompt_len=7, max_tokens=8)
     sched.reserve("lease", 7, params(max_tokens=8), lease_s=1.0, prompt_token_ids=prompt(7))
     assert pool.num_free == NUM_BLOCKS - 8
-    sched.update_from_connector(KVFinished([KVCompletion("err", False, None, "x")], []))
+    rx.completions = [KVCompletion("err", False, None, "x")]
+    sched.update_from_connector()
+    assert sched.connector.num_failed == 1
     sched.abort("cancel")
 
     sched.schedule(now=time.monotonic() + 10.0)
-    assert sched.take_forgotten() == ["err", "cancel", "lease"]
-    assert sched.take_forgotten() == []
+    assert rx.forgotten == ["err", "cancel", "lease"]
     assert pool.num_free == NUM_BLOCKS - 8             # nothing back before the release
-    sched.update_from_connector(KVFinished([], ["cancel", "nobody"]))
+    release(sched, rx, "cancel", "nobody")
     assert pool.num_free == NUM_BLOCKS - 6             # an unknown id changes nothing
-    sched.update_from_connector(KVFinished([], ["err", "lease"]))
+    release(sched, rx, "err", "lease")
     assert pool.num_free == NUM_BLOCKS - 2
 
     sched.update_from_output(batch, [EOS])
-    assert sched.take_forgotten() == ["stop"] and pool.num_free == NUM_BLOCKS - 2
-    sched.update_from_connector(KVFinished([], ["stop"]))
+    assert rx.forgotten[-1] == "stop" and pool.num_free == NUM_BLOCKS - 2
+    release(sched, rx, "stop")
     assert pool.all_free()
 
 
 def test_local_prefills_are_freed_at_once_with_a_connector(pool):
-    sched = DecodeScheduler(pool, BLOCK_SIZE, MAX_MODEL_LEN, (EOS,), kv_connector=True,
-                            local_prefill_max_tokens=16)
+    sched, rx = with_connector(pool, local_prefill_max_tokens=16)
     sched.reserve("local", 8, params(max_tokens=8), LEASE_S, prompt_token_ids=prompt(8))
     sched.abort("local")
     sched.schedule()
-    assert sched.take_forgotten() == [] and pool.all_free()
+    assert rx.expected == rx.forgotten == [] and pool.all_free()
+
+
+def test_reserve_has_the_receiver_expect_the_blocks_under_its_lock(pool):
+    """expect() runs inside reserve(), so no schedule() (a lease expiring, say) can
+    finish and forget the request before the receiver expects it."""
+    sched, rx = with_connector(pool, local_prefill_max_tokens=4)
+    r = sched.reserve("remote", 8, params(), LEASE_S, prompt_token_ids=prompt(8))
+    assert rx.expected == [("remote", r.block_ids, True)]
+    sched.reserve("local", 3, params(), LEASE_S, prompt_token_ids=prompt(3))
+    assert len(rx.expected) == 1                   # a local prefill: nothing to expect
+    finish_all(sched)
+    release(sched, rx, *rx.forgotten)
+    assert pool.all_free()
+
+
+def test_blocks_under_a_writers_lease_wait_for_it_over_the_real_reservation_table(pool):
+    """With the receivers' own ReservationTable: a request that finishes on D while a
+    one-sided writer holds its lease (NIXL's BEGIN) keeps its blocks until end_writer."""
+    kv = torch.zeros(2, 2, NUM_BLOCKS, 1, BLOCK_SIZE, 4)
+    table = ReservationTable(kv, KVLayout.for_cache(kv, "m"), epoch=1)
+    sched = make_sched(pool, connector=DecodeKVConnector(table))
+    sched.reserve("a", 8, params(), LEASE_S, prompt_token_ids=prompt(8))
+    res = table.lookup("a", 1, "BEGIN")
+    assert table.begin_writer(res)
+    sched.abort("a")
+    sched.schedule()
+    sched.update_from_connector()
+    assert pool.num_free == NUM_BLOCKS - 2             # the writer may still land in them
+    table.end_writer(res)
+    sched.update_from_connector()
+    assert pool.all_free()
 
 
 # --- counts ------------------------------------------------------------------------------------
@@ -181,22 +249,4 @@ def test_counts_track_running_and_waiting(pool):
     finish_all(sched)
     assert sched.counts() == (0, 0)
     assert not sched.has_work()
-    assert pool.all_free()
-
-
-def test_reserve_has_the_receiver_expect_the_blocks_under_its_lock(pool):
-    """expect() runs inside reserve(), so no schedule() (a lease expiring, say) can
-    finish and forget the request before the receiver expects it."""
-    sched = make_sched(pool, kv_connector=True, local_prefill_max_tokens=4)
-    held = []
-
-    def expect(rid, block_ids):
-        held.append((rid, list(block_ids), sched._lock.locked()))
-
-    r = sched.reserve("remote", 8, params(), LEASE_S, prompt_token_ids=prompt(8), expect=expect)
-    assert held == [("remote", r.block_ids, True)]
-    sched.reserve("local", 3, params(), LEASE_S, prompt_token_ids=prompt(3), expect=expect)
-    assert len(held) == 1                          # a local prefill: nothing to expect
-    finish_all(sched)
-    sched.update_from_connector(KVFinished([], sched.take_forgotten()))
     assert pool.all_free()

@@ -14,7 +14,8 @@ from pdserve.decode_worker.scheduler import DecodeScheduler, SchedulerOutput
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
 from pdserve.engine.request import RequestState, TokenEvent
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer import KVFinished
+from pdserve.decode_worker.connector import DecodeKVConnector
+from test_decode_failures import ScriptedReceiver, release
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64
@@ -284,22 +285,23 @@ def test_resume_waits_for_a_slot_in_the_batch():
 # --- aborts and leases --------------------------------------------------------------------------
 
 def test_abort_of_a_preempted_request_frees_nothing_twice():
-    pool, sched, _ = preempt_c(kv_connector=True)
+    rx = ScriptedReceiver()
+    pool, sched, _ = preempt_c(connector=DecodeKVConnector(rx))
     assert pool.num_free == 1
     sched.abort("c")
     batch = sched.schedule()
     assert ids(batch.requests) == ["a", "b"]
     assert sched.drain_events() == [TokenEvent("c", (), "cancelled")]
-    assert sched.take_forgotten() == ["c"]         # the receiver forgets it ...
-    sched.update_from_connector(KVFinished([], ["c"]))
+    assert rx.forgotten == ["c"]                   # the receiver forgets it ...
+    release(sched, rx, "c")
     assert pool.num_free == 1                      # ... and no block is freed: it held none
     assert sched.counts() == (2, 0) and sched.num_waiting_to_resume() == 0
     sched.abort("c")                               # gone: ignored
     sched.on_kv_complete("c", True, 10)
     assert ids(sched.schedule().requests) == ["a", "b"] and sched.drain_events() == []
     finish_all(sched)
-    assert sched.take_forgotten() == ["a", "b"]
-    sched.update_from_connector(KVFinished([], ["a", "b"]))
+    assert rx.forgotten == ["c", "a", "b"]
+    release(sched, rx, "a", "b")
     assert pool.all_free()
 
 
@@ -325,7 +327,7 @@ def test_lease_does_not_apply_to_a_preempted_request():
     sched.schedule(now=time.monotonic() + 10 * LEASE_S)
     assert req(sched, "c").state == RequestState.PREEMPTED
     assert sched.num_reclaimed == 0 and sched.drain_events() == []
-    assert sched.next_lease_deadline() is None
+    assert sched.num_reservations_active() == 0   # c holds no lease
     assert sched.has_work()
     finish_all(sched)
     assert pool.all_free()

@@ -71,7 +71,7 @@ def test_layers_then_done_and_only_then_finished(link):
         conn.save_layers(a, layer, layer + 1, 1, 3)
     assert conn.get_finished() == []           # no DONE yet: P keeps the blocks
     conn.request_finished(a, 17)
-    assert poll(conn, wake, 1) == [(a, 17)]
+    assert poll(conn, wake, 1) == [a]
     assert a.error is None and conn.answered == [("a", 17)]
     assert completions(rx) == [("a", True, 17, None)]
     assert torch.equal(dst[:, :, [6, 2]], src[:, :, [4, 5]])
@@ -86,7 +86,7 @@ def test_an_aborted_request_sends_abort_and_finishes_without_a_token(link):
     b.aborted = True
     conn.save_layers(b, 1, 2, 0, 1)            # skipped: the request is aborted
     conn.request_finished(b, None)
-    assert poll(conn, wake, 1) == [(b, None)]
+    assert poll(conn, wake, 1) == [b]
     assert b.error == "request b aborted" and conn.kv_send_failures == 0
     assert conn.answered == []
     [(rid, ok, _, error)] = completions(rx)
@@ -103,7 +103,7 @@ def test_a_failed_transfer_fails_that_request_only(link):
     for layer in range(LAYERS):
         conn.save_layers(ok, layer, layer + 1, 0, 1)
     conn.request_finished(ok, 6)
-    finished = dict((r.request_id, (r, tok)) for r, tok in poll(conn, wake, 2))
-    assert "KV transfer to 127.0.0.1:9 failed" in finished["dead"][0].error
-    assert finished["ok"] == (ok, 6) and ok.error is None
+    finished = {r.request_id: r for r in poll(conn, wake, 2)}
+    assert "KV transfer to 127.0.0.1:9 failed" in finished["dead"].error
+    assert finished["ok"] is ok and ok.error is None
     assert conn.kv_send_failures == 1 and conn.answered == [("ok", 6)]

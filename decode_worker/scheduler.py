@@ -222,11 +222,12 @@ class DecodeScheduler:
         for c in completions:
             self.on_kv_complete(c.request_id, c.ok, c.first_token, c.error)
 
-    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+    def abort(self, request_id: str, reason: str = "cancelled", error: str | None = None) -> None:
+        """Finish the request at the next schedule(): cancelled, or with `error` failed."""
         with self._lock:
             req = self._requests.get(request_id)
             if req is not None and not req.state.finished and req.abort_reason is None:
-                req.abort_reason = reason
+                req.abort_reason, req.error = reason, error
 
     # --- called from the step thread ----------------------------------------------
 
@@ -318,8 +319,7 @@ class DecodeScheduler:
 
     def _preempt(self, req: DecodeRequest) -> None:
         """Free a running request's blocks and queue it to resume by recompute. Its KV
-        transfer is DONE, so the receiver no longer writes into these blocks: they go
-        straight back to the pool (nothing to wait for from the receiver)."""
+        transfer is DONE: no write can land in them, so they go straight to the pool."""
         self._running.remove(req)
         self.pool.free(req.block_table)
         logger.debug("preempted request %s at %d tokens (%d blocks freed)",

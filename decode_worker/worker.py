@@ -35,6 +35,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import ray
 import torch
@@ -50,6 +51,7 @@ from ..metrics import WorkerMetrics, serve as serve_metrics
 from ..config import WorkerConfig
 from ..core_share import LentThreads
 from .connector import DecodeKVConnector
+from .requests import SchedulerOutput
 from .scheduler import DecodeScheduler, RequestTooLargeError
 
 logger = logging.getLogger(__name__)
@@ -238,7 +240,7 @@ class DecodeWorker:
             self._outbox_ready.set()
 
     def _step_loop(self) -> None:
-        runner, sched = self.runner, self.scheduler
+        sched = self.scheduler
         threads = self.config.num_threads
         while not self._stop.is_set():
             sched.update_from_connector()
@@ -262,38 +264,55 @@ class DecodeWorker:
                     if threads > self.config.num_threads and threads > (n := self.lent.threads()):
                         torch.set_num_threads(n)
                         threads = n
-            reqs, counts = out.requests, out.num_scheduled_tokens
-            self.peak_batch_size = max(self.peak_batch_size, len(reqs))
-            self.metrics.batch_size.labels(phase="decode").observe(len(reqs))
-            t0 = time.perf_counter()
-            # a row of one token decodes (the paged decode path); longer rows prefill
-            # tokens [num_computed_tokens, + count) of prompt + output
-            drows = [i for i, n in enumerate(counts) if n == 1]
-            prows = [i for i, n in enumerate(counts) if n > 1]
-            dseqs = [DecodeSeq(reqs[i].token_id(reqs[i].num_computed_tokens),
-                               reqs[i].num_computed_tokens, reqs[i].block_table) for i in drows]
-            pseqs = [PrefillSeq(reqs[i].token_ids(reqs[i].num_computed_tokens + counts[i]),
-                                reqs[i].block_table, reqs[i].num_computed_tokens) for i in prows]
-            plogits = dlogits = None
-            # one forward for both where the C++ paged kernel takes one-token rows beside
-            # chunks (measured there); CUDA keeps its decode path (graphs, paged decode)
-            if pseqs and dseqs and runner.attention_kernel:
-                plogits, dlogits = runner.mixed(pseqs, dseqs, give_back)
-            else:
-                plogits = runner.prefill(pseqs, give_back) if pseqs else None
-                dlogits = runner.decode(dseqs, give_back) if dseqs else None
-            tokens: list[int | None] = [None] * len(reqs)
-            for rows, logits in ((drows, dlogits), (prows, plogits)):
-                # rows that reach num_tokens sample; the step index is the tokens
-                # generated so far, unchanged by preemption: seeded draws repeat
-                hit = [k for k, i in enumerate(rows) if out.samples(i)]
-                if hit:
-                    if len(hit) < len(rows):
-                        logits = logits[hit]
-                    drawn = sample(logits, [reqs[rows[k]].params for k in hit],
-                                   [len(reqs[rows[k]].output_ids) for k in hit])
-                    for k, t in zip(hit, drawn):
-                        tokens[rows[k]] = t
+            self.peak_batch_size = max(self.peak_batch_size, len(out.requests))
+            self.metrics.batch_size.labels(phase="decode").observe(len(out.requests))
+            try:
+                tokens = self._step(out, give_back)
+            except Exception as e:  # a model or sampler fault fails the step, not the worker
+                logger.exception("decode step of %d rows failed", len(out.requests))
+                for r in out.requests:      # they finish as errors (the router may retry)
+                    sched.abort(r.request_id, error=f"decode step failed: "
+                                                    f"{type(e).__name__}: {e}")
+                continue
             self._publish(sched.update_from_output(out, tokens))
-            logger.debug("decode step: %d rows (%d prefill, %d tokens), %.1f ms", len(reqs),
-                         len(prows), sum(counts), 1e3 * (time.perf_counter() - t0))
+
+    def _step(self, out: SchedulerOutput,
+              give_back: Callable[[int], None] | None) -> list[int | None]:
+        """One model step of ``out`` (a SchedulerOutput): the forward of its rows, then a
+        token for each row that reaches num_tokens (None for the others)."""
+        runner = self.runner
+        reqs, counts = out.requests, out.num_scheduled_tokens
+        t0 = time.perf_counter()
+        # a row of one token decodes (the paged decode path); longer rows prefill
+        # tokens [num_computed_tokens, + count) of prompt + output
+        drows = [i for i, n in enumerate(counts) if n == 1]
+        prows = [i for i, n in enumerate(counts) if n > 1]
+        dseqs = [DecodeSeq(reqs[i].token_id(reqs[i].num_computed_tokens),
+                           reqs[i].num_computed_tokens, reqs[i].block_table) for i in drows]
+        pseqs = [PrefillSeq(reqs[i].token_ids(reqs[i].num_computed_tokens + counts[i]),
+                            reqs[i].block_table, reqs[i].num_computed_tokens) for i in prows]
+        plogits = dlogits = None
+        # one forward for both where the C++ paged kernel takes one-token rows beside
+        # chunks (measured there); CUDA keeps its decode path (graphs, paged decode)
+        if pseqs and dseqs and runner.attention_kernel:
+            plogits, dlogits = runner.mixed(pseqs, dseqs, give_back)
+        else:
+            plogits = runner.prefill(pseqs, give_back) if pseqs else None
+            dlogits = runner.decode(dseqs, give_back) if dseqs else None
+        tokens: list[int | None] = [None] * len(reqs)
+        for rows, logits in ((drows, dlogits), (prows, plogits)):
+            # rows that reach num_tokens sample; the step index is the tokens
+            # generated so far, unchanged by preemption: seeded draws repeat
+            hit = [k for k, i in enumerate(rows) if out.samples(i)]
+            if hit:
+                if len(hit) < len(rows):
+                    logits = logits[hit]
+                rq = [reqs[rows[k]] for k in hit]
+                drawn = sample(logits, [r.params for r in rq], [len(r.output_ids) for r in rq],
+                               [r.token_ids(r.num_tokens) if r.params.penalized else None
+                                for r in rq], runner.config.eos_token_ids)
+                for k, t in zip(hit, drawn):
+                    tokens[rows[k]] = t
+        logger.debug("decode step: %d rows (%d prefill, %d tokens), %.1f ms", len(reqs),
+                     len(prows), sum(counts), 1e3 * (time.perf_counter() - t0))
+        return tokens

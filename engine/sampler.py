@@ -1,4 +1,6 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seed.
+"""Batched token sampling: the logits processors (engine/logits_processors.py:
+penalties, logit_bias, min_tokens, min_p), then greedy, or temperature, top-k, top-p and a
+per-request seed.
 
 Seeded requests draw from a generator re-seeded per step with (seed, step), so a seeded
 request gives the same tokens whether its first token was sampled on the prefill worker
@@ -17,24 +19,29 @@ A row with NaN logits gets its argmax (a valid token id) on every path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
-from . import cpu_ops
+from . import cpu_ops, logits_processors
 from .sampling_params import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           steps: Sequence[int]) -> list[int]:
+@torch.inference_mode()   # logits from the model are inference tensors; edited in place
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
+           token_ids: Sequence[Sequence[int] | None] | None = None,
+           eos_token_ids: Collection[int] = ()) -> list[int]:
     """Pick one token per row.
 
-    logits: [batch, vocab] float32 (any device); params[i] and steps[i] (tokens the
-    request has generated so far here, 0 for the first; params[i].step_offset is added
-    for a request that moved workers) belong to row i.
-    Returns batch token ids.
+    logits: [batch, vocab] float32 (any device), modified in place by the logits
+    processors; params[i] and steps[i] (tokens the request has generated so far here, 0
+    for the first; params[i].step_offset is added for a request that moved workers)
+    belong to row i. token_ids[i]: the request's prompt + output so far, needed where
+    params[i].penalized (else None). eos_token_ids: the model's, for min_tokens.
+    Returns batch token ids. Raises ValueError for a penalized row without token_ids.
     """
     assert logits.shape[0] == len(params) == len(steps), (logits.shape, len(params), len(steps))
+    logits_processors.apply(logits, params, steps, token_ids, eos_token_ids)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return logits.argmax(dim=-1).tolist()
@@ -82,9 +89,14 @@ _TOP_CANDIDATES = 256   # tokens ranked per row for top-k / top-p before any ful
 
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams],
             temps: torch.Tensor) -> torch.Tensor | None:
-    """Temperature-scaled logits [n, vocab] with top-k then top-p applied (-inf outside),
-    or None when no row has either (the caller then scales by the temperature itself)."""
+    """Apply min_p to ``logits`` [n, vocab] in place (-inf outside), then return them
+    temperature-scaled with top-k then top-p applied, or None when no row has either
+    (the caller then scales by the temperature itself)."""
     vocab = logits.shape[-1]
+    min_ps = [p.min_p for p in params]
+    if any(min_ps):
+        logits_processors.apply_min_p(logits, temps, torch.tensor(
+            min_ps, device=logits.device, dtype=logits.dtype))
     ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
                       device=logits.device)
     ps = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)

@@ -9,6 +9,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 DEFAULT_MAX_TOKENS = 256
+MAX_PENALTY = 2.0           # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0      # |bias| per token (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 class InvalidRequestError(ValueError):
@@ -23,10 +27,18 @@ class InvalidRequestError(ValueError):
 class SamplingParams:
     """How to pick tokens and when to stop (names and defaults as in vLLM's SamplingParams).
 
-    temperature 0 is greedy. top_k 0 and top_p 1.0 disable those filters. `seed` makes
-    sampling reproducible, whichever worker samples (engine/sampler.py). `max_tokens`
-    counts generated tokens. `stop` strings are matched on detokenized text by the
-    router; token-level stops (EOS, stop_token_ids, max_tokens) by the worker.
+    temperature 0 is greedy. top_k 0, top_p 1.0 and min_p 0 disable those filters. `seed`
+    makes sampling reproducible, whichever worker samples (engine/sampler.py).
+    `max_tokens` counts generated tokens. `stop` strings are matched on detokenized text
+    by the router; token-level stops (EOS, stop_token_ids, max_tokens) by the worker.
+
+    The logits processors (engine/logits_processors.py, applied in vLLM's order, before
+    greedy picks too): `repetition_penalty` (1 = off) divides a positive logit, or
+    multiplies a negative one, of every token already in prompt or output (transformers'
+    and vLLM's rule); `frequency_penalty` subtracts its value times the token's count in
+    the output, `presence_penalty` its value once for any token in the output (OpenAI's
+    rule); `logit_bias` ((token id, bias) pairs) adds to those logits; `min_tokens`
+    forbids EOS and stop_token_ids until that many tokens were generated.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -37,6 +49,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     step_offset: int = 0     # tokens generated before this request moved here (the
                              # router's retry after a worker died); the sampler's step
                              # counts on from it, so seeded draws continue unchanged
@@ -64,7 +82,36 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError("sampling.stop_token_ids",
                                       f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or abs(v) > MAX_PENALTY:
+                raise InvalidRequestError(f"sampling.{name}",
+                                          f"must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {v}")
+        if not (math.isfinite(self.repetition_penalty)
+                and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise InvalidRequestError("sampling.repetition_penalty",
+                                      f"must be in (0, {MAX_REPETITION_PENALTY}] (1 disables), "
+                                      f"got {self.repetition_penalty}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise InvalidRequestError("sampling.min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.step_offset + self.max_tokens:  # a retry's too
+            raise InvalidRequestError("sampling.min_tokens",
+                                      f"must be in [0, max_tokens={self.max_tokens}], "
+                                      f"got {self.min_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidRequestError("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} "
+                                      f"tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+                raise InvalidRequestError("sampling.logit_bias", f"token {token}: bias must be "
+                                          f"in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bias}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the tokens so far (a penalty is on)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)

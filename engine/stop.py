@@ -29,10 +29,13 @@ def stop_state(token_id: int, num_output_tokens: int, num_tokens: int, params: S
         max_model_len: the model's context length, in tokens.
 
     Returns:
-        FINISHED_STOPPED for EOS (unless ignore_eos) or one of params.stop_token_ids,
+        FINISHED_STOPPED for EOS (unless ignore_eos) or one of params.stop_token_ids once
+        params.min_tokens were generated (step_offset counts those of earlier attempts),
         FINISHED_LENGTH at max_tokens or the model's context length, else None.
     """
-    if (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids:
+    if (params.step_offset + num_output_tokens >= params.min_tokens
+            and ((not params.ignore_eos and token_id in eos_token_ids)
+                 or token_id in params.stop_token_ids)):
         return RequestState.FINISHED_STOPPED
     if num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
         return RequestState.FINISHED_LENGTH

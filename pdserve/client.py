@@ -31,6 +31,8 @@ def make_request(prompt: str | list[int] | list[dict] | None = None, *, request_
         field = getattr(req.sampling, k)
         if isinstance(v, (list, tuple)):
             field.extend(v)
+        elif isinstance(v, dict):     # logit_bias
+            field.update(v)
         else:
             setattr(req.sampling, k, v)
     return req

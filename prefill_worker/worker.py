@@ -266,7 +266,9 @@ class PrefillWorker:
                 for r in done:
                     self.scheduler.cache_computed(r)
                 rows = [i for i, r in enumerate(batch) if r in done]
-                tokens = (sample(logits[rows], [r.params for r in done], [0] * len(done))
+                tokens = (sample(logits[rows], [r.params for r in done], [0] * len(done),
+                                 [r.token_ids if r.params.penalized else None for r in done],
+                                 self.runner.config.eos_token_ids)
                           if done else [])
             except Exception as e:  # a model fault fails this batch, not the worker
                 logger.exception("prefill batch of %d failed", len(batch))

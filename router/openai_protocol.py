@@ -4,12 +4,10 @@ response, stream-chunk and error shapes built from GenerateResponses (http_api.p
 serves them).
 
 Names follow OpenAI's API reference, and vLLM's `entrypoints/openai/protocol.py` where
-pdserve extends it (`top_k`, `ignore_eos`). A parameter OpenAI has that pdserve does not
-serve (n > 1, logprobs, tools, ...) is refused with 400 naming it, never dropped
-silently; so is one OpenAI does not have (OpenAI does the same). Sampling parameters
-pdserve does not implement yet (the penalties, `min_p`) are accepted at their neutral
-values, which clients such as `vllm bench serve` send explicitly, and refused otherwise.
-Range checks stay in validation.py / SamplingParams, shared with gRPC: this module
+pdserve extends it (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`stop_token_ids`, `ignore_eos`). A parameter OpenAI has that pdserve does not serve
+(n > 1, logprobs, tools, ...) is refused with 400 naming it, never dropped silently; so
+is one OpenAI does not have (OpenAI does the same). Range checks stay in validation.py / SamplingParams, shared with gRPC: this module
 checks only what the proto's types cannot hold (a negative max_tokens in a uint32, a
 lone surrogate in a string).
 """
@@ -50,11 +48,13 @@ class _Common(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # extension (vLLM): generate max_tokens tokens
-    presence_penalty: float | None = None   # 0 only
-    frequency_penalty: float | None = None  # 0 only
-    repetition_penalty: float | None = None  # extension (vLLM): 1 (no penalty) only
-    min_p: float | None = None      # extension (vLLM): 0 (disabled) only
-    logit_bias: dict[str, float] | None = None  # empty only
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (vLLM)
+    min_p: float | None = None      # extension (vLLM)
+    min_tokens: int | None = None   # extension (vLLM)
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     user: str | None = None         # accepted and ignored (OpenAI: abuse monitoring)
 
 
@@ -94,15 +94,6 @@ _UNSERVED = {
     "logprobs": (lambda v: v is None or v is False, "logprobs are not supported"),
     "top_logprobs": (lambda v: v in (None, 0), "logprobs are not supported"),
     "suffix": (lambda v: v is None, "suffix (insertion) is not supported"),
-    # Neutral values (what vLLM's benchmark client sends) are served: they change nothing.
-    "presence_penalty": (lambda v: v in (None, 0), "presence_penalty is not supported yet; "
-                                                   "send 0 or omit it"),
-    "frequency_penalty": (lambda v: v in (None, 0), "frequency_penalty is not supported yet; "
-                                                    "send 0 or omit it"),
-    "repetition_penalty": (lambda v: v in (None, 1), "repetition_penalty is not supported "
-                                                     "yet; send 1 or omit it"),
-    "min_p": (lambda v: v in (None, 0), "min_p is not supported yet; send 0 or omit it"),
-    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
     "tools": (lambda v: not v, "tools (function calling) are not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tools (function calling) are not "
                                                   "supported"),
@@ -154,6 +145,25 @@ def to_request(body: CompletionRequest | ChatCompletionRequest,
         s.seed = body.seed
     s.stop.extend(_stop(body.stop))
     s.ignore_eos = bool(body.ignore_eos)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        if getattr(body, name) is not None:
+            setattr(s, name, getattr(body, name))
+    if body.min_tokens is not None:
+        if not 0 <= body.min_tokens <= UINT32_MAX:
+            raise InvalidRequestError("min_tokens", f"must be >= 0, got {body.min_tokens}")
+        s.min_tokens = body.min_tokens
+    for t in body.stop_token_ids or ():
+        if not 0 <= t <= UINT32_MAX:
+            raise InvalidRequestError("stop_token_ids", f"token id {t} is out of range")
+        s.stop_token_ids.append(t)
+    for key, bias in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequestError("logit_bias", f"key {key[:32]!r} is not a token id") from None
+        if not 0 <= token <= UINT32_MAX:
+            raise InvalidRequestError("logit_bias", f"token id {token} is out of range")
+        s.logit_bias[token] = bias
     return req
 
 

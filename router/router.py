@@ -180,7 +180,7 @@ class Router:
         ids = await asyncio.get_running_loop().run_in_executor(
             _TOKENIZE, validation.prompt_token_ids, req, self.tokenizer, cfg.vocab_size,
             cfg.max_model_len)
-        params = validation.sampling_params(req, len(ids), cfg.max_model_len)
+        params = validation.sampling_params(req, len(ids), cfg.max_model_len, cfg.vocab_size)
         self.placement.check_fits(len(ids), params.max_tokens)
         rid = client_id or uuid.uuid4().hex
         deadline = time.monotonic() + (deadline_s or self.config.router.request_timeout_s)

@@ -77,11 +77,13 @@ def prompt_token_ids(req, tokenizer, vocab_size: int, max_model_len: int) -> lis
     return ids
 
 
-def sampling_params(req, prompt_len: int, max_model_len: int) -> SamplingParams:
+def sampling_params(req, prompt_len: int, max_model_len: int,
+                    vocab_size: int | None = None) -> SamplingParams:
     """SamplingParams from the request's `sampling` message (defaults as in vLLM).
 
     max_tokens defaults to min(256, room left in the context); an explicit value that does
-    not fit is an error, not a silent cut.
+    not fit is an error, not a silent cut. With `vocab_size`, logit_bias token ids must
+    be in [0, vocab_size).
     Raises:
         InvalidRequestError: a parameter out of range (message names it and the limit).
     """
@@ -95,16 +97,24 @@ def sampling_params(req, prompt_len: int, max_model_len: int) -> SamplingParams:
         max_tokens = s.max_tokens
     else:
         max_tokens = min(DEFAULT_MAX_TOKENS, room)
-    temperature = s.temperature if s.HasField("temperature") else 1.0
-    top_p = s.top_p if s.HasField("top_p") else 1.0
-    for name, v in (("temperature", temperature), ("top_p", top_p)):
+    floats = {name: float(getattr(s, name)) if s.HasField(name) else default
+              for name, default in (("temperature", 1.0), ("top_p", 1.0),
+                                    ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                                    ("repetition_penalty", 1.0), ("min_p", 0.0))}
+    for name, v in floats.items():
         if math.isnan(v):
             raise InvalidRequestError(f"sampling.{name}", "is NaN")
+    if vocab_size is not None:
+        bad = next((t for t in s.logit_bias if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError("sampling.logit_bias", f"token id {bad} is out of range: "
+                                      f"the vocabulary has {vocab_size} tokens")
     return SamplingParams(
-        max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-        top_k=s.top_k if s.HasField("top_k") else 0,
+        max_tokens=max_tokens, top_k=s.top_k if s.HasField("top_k") else 0,
         seed=s.seed if s.HasField("seed") else None,
-        stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+        stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
+        logit_bias=tuple(sorted(s.logit_bias.items())), **floats)
 
 
 def request_id(req) -> str | None:

@@ -28,6 +28,7 @@ import math
 from hypothesis import strategies as st
 
 from pdserve.engine.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -198,7 +199,19 @@ def generate_requests(vocab_size: int, max_model_len: int) -> st.SearchStrategy[
             st.integers(I32_MIN, I32_MAX))),
         "seed": (st.integers(0, 2**63 - 1), st.one_of(
             st.sampled_from([2**63 - 1, 2**63, U64_MAX]), st.integers(0, U64_MAX))),
+        "presence_penalty": (st.floats(-2, 2, width=32), hostile_floats),
+        "frequency_penalty": (st.floats(-2, 2, width=32), hostile_floats),
+        "repetition_penalty": (st.floats(0.5, 2, width=32), hostile_floats),
+        "min_p": (st.floats(0, 1, width=32), hostile_floats),
+        "min_tokens": (st.integers(0, 4), st.one_of(
+            st.sampled_from([n_ctx, U32_MAX]), st.integers(0, U32_MAX))),
     }
+    # logit_bias: ids in and beyond the vocabulary, biases in and beyond [-100, 100]
+    logit_bias = st.dictionaries(
+        st.one_of(st.integers(0, vocab_size - 1), st.sampled_from([vocab_size, U32_MAX])),
+        st.one_of(st.floats(-100, 100, width=32), hostile_floats), max_size=6)
+    logit_bias_many = st.integers(MAX_LOGIT_BIAS_TOKENS - 1, 5000).map(
+        lambda n: {i: 1.0 for i in range(n)})
     stop_short = st.lists(st.one_of(odd_text, special_text), min_size=1, max_size=4)
     stop_many = st.tuples(st.sampled_from(["x", "", "\x00", "😀"]),
                           st.one_of(_around(MAX_STOP_STRINGS), st.integers(1, 100_000))
@@ -230,6 +243,8 @@ def generate_requests(vocab_size: int, max_model_len: int) -> st.SearchStrategy[
         s.stop_token_ids.extend(_pick(draw, (60, st.just([])), (30, stop_ids_short),
                                       (10, stop_ids_long)))
         s.ignore_eos = draw(st.booleans())
+        s.logit_bias.update(_pick(draw, (70, st.just({})), (27, logit_bias),
+                                  (3, logit_bias_many)))
         return s
     sampling = _sampling()
 

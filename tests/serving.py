@@ -100,11 +100,27 @@ def _hf_model(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+class OpenAIPenalties:
+    """OpenAI's presence / frequency penalties over the generated tokens, as a
+    transformers logits processor (transformers has none): the oracle's side."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        for row, ids in enumerate(input_ids[:, self.prompt_len:]):
+            counts = torch.bincount(ids, minlength=scores.shape[-1]).to(scores.dtype)
+            scores[row] -= counts * self.frequency + (counts > 0) * self.presence
+        return scores
+
+
 def hf_greedy(model: str, prompt_ids: list[int], max_new_tokens: int,
-              ignore_eos: bool = False) -> list[int]:
-    """HF transformers greedy `generate` on the same weights (fp32, CPU): the oracle."""
+              ignore_eos: bool = False, **kw) -> list[int]:
+    """HF transformers greedy `generate` on the same weights (fp32, CPU): the oracle.
+    ``kw`` goes to `generate` (repetition_penalty=, logits_processor=, ...)."""
     hf = _hf_model(str(resolve_model(model)))
-    kw = {"min_new_tokens": max_new_tokens} if ignore_eos else {}
+    if ignore_eos:
+        kw["min_new_tokens"] = max_new_tokens
     with torch.inference_mode():
         out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
                           do_sample=False, pad_token_id=hf.config.eos_token_id, **kw)

@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 import ray
-from serving import TRANSPORTS, Served, hf_greedy, start_ray
+from serving import TRANSPORTS, OpenAIPenalties, Served, hf_greedy, start_ray
 
 from pdserve.client import make_request
 
@@ -44,17 +44,19 @@ def tok():
 class Streams:
     """Generate calls in threads, each recording the tokens as they arrive."""
 
-    def __init__(self, served: Served, prompts: list[str], max_tokens: int):
+    def __init__(self, served: Served, prompts: list[str], max_tokens: int,
+                 sampling: list[dict] | None = None):
         self.tokens = [[] for _ in prompts]
         self.final = [None] * len(prompts)
         self.errors: list[grpc.RpcError] = []
-        self.threads = [threading.Thread(target=self._run, args=(served, i, p, max_tokens))
-                        for i, p in enumerate(prompts)]
+        sampling = sampling or [{}] * len(prompts)
+        self.threads = [threading.Thread(target=self._run, args=(served, i, p, max_tokens, kw))
+                        for i, (p, kw) in enumerate(zip(prompts, sampling))]
         for t in self.threads:
             t.start()
 
-    def _run(self, served, i, prompt, max_tokens):
-        req = make_request(prompt, max_tokens=max_tokens, temperature=0)
+    def _run(self, served, i, prompt, max_tokens, sampling):
+        req = make_request(prompt, max_tokens=max_tokens, **({"temperature": 0} | sampling))
         try:
             for msg in served.client.generator.Generate(req, timeout=TIMEOUT_S):
                 assert self.final[i] is None, "a message after the final one"
@@ -83,20 +85,32 @@ def _kill(pid: int) -> None:
 
 
 def test_kill_decode_worker_mid_stream(served, tok):
+    """Greedy streams, one with penalties (the retry resends the streamed tokens as the
+    tail of the prompt: they still count as output), and a seeded sampled one with
+    penalties whose draws continue where they stopped: all as without the kill."""
     # HF's greedy output of each runs past 40 tokens without EOS
     prompts = ["Write a long essay about the sea.", "Once upon a time, in a village by the river,",
-               "The history of the railway begins"]
+               "The history of the railway begins", "Tell me about the moon."]
+    penalties = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5)
+    sampling = [{}, penalties, {}, dict(temperature=0.8, top_p=0.9, seed=7, ignore_eos=True,
+                                       **penalties)]
     n = 40
+    unkilled = Streams(served, prompts[3:], n, sampling[3:])
+    unkilled.join()
     before = served.decode_status()[0]
-    streams = Streams(served, prompts, n)
+    streams = Streams(served, prompts, n, sampling)
     # every stream has tokens on the client and is still decoding: kill D
     streams.wait_until(lambda: all(len(t) >= 4 for t in streams.tokens))
     assert all(len(t) < n for t in streams.tokens), "finished before the kill"
     _kill(before.pid)
     streams.join()
-    for p, got, final in zip(prompts, streams.tokens, streams.final):
-        assert got == hf_greedy("default", tok(p)["input_ids"], n), p
+    for p, got, final, kw in zip(prompts[:3], streams.tokens, streams.final, sampling):
+        ids = tok(p)["input_ids"]
+        hf_kw = {} if not kw else dict(repetition_penalty=1.3, logits_processor=[
+            OpenAIPenalties(len(ids), presence=0.5, frequency=0.5)])
+        assert got == hf_greedy("default", ids, n, **hf_kw), p
         assert final.finish_reason == "length" and final.usage.completion_tokens == n
+    assert streams.tokens[3] == unkilled.tokens[0]
     after = served.decode_status()[0]
     assert after.pid != before.pid and after.epoch != before.epoch  # restarted
     served.assert_all_free()

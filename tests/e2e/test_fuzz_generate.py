@@ -62,7 +62,7 @@ def _expected_error(req, tokenizer, cfg) -> str | None:
     try:
         validation.request_id(req)
         ids = validation.prompt_token_ids(req, tokenizer, cfg.vocab_size, cfg.max_model_len)
-        validation.sampling_params(req, len(ids), cfg.max_model_len)
+        validation.sampling_params(req, len(ids), cfg.max_model_len, cfg.vocab_size)
     except InvalidRequestError as e:
         return str(e)
     return None

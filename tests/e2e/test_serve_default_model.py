@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from serving import TRANSPORTS, Served, hf_greedy, start_ray
+from serving import TRANSPORTS, OpenAIPenalties, Served, hf_greedy, start_ray
 
 from pdserve.client import make_request
 from pdserve.proto import pdserve_pb2 as pb
@@ -95,6 +95,37 @@ def test_seeded_sampling_is_reproducible(served):
     assert a[0] == b[0]
 
 
+def test_logits_processors_match_hf(served):
+    """Greedy with each penalty, a logit bias and min_tokens, first token sampled on P
+    and the rest on D: token-identical to HF `generate` with the same processor."""
+    tok = _tokenizer()
+    prompt = "List the planets of the solar system, one per line, and say a word on each:"
+    ids = tok(prompt)["input_ids"]
+    n = 24
+    plain = hf_greedy("default", ids, n)
+    bias_token = plain[2]
+    cases = [
+        (dict(repetition_penalty=1.3), dict(repetition_penalty=1.3)),
+        (dict(repetition_penalty=0.8), dict(repetition_penalty=0.8)),
+        (dict(presence_penalty=1.5), dict(logits_processor=[OpenAIPenalties(len(ids), 1.5, 0)])),
+        (dict(frequency_penalty=2.0, presence_penalty=-0.5),
+         dict(logits_processor=[OpenAIPenalties(len(ids), -0.5, 2.0)])),
+        (dict(logit_bias={bias_token: 4.0}), dict(sequence_bias={(bias_token,): 4.0})),
+    ]
+    for ours, theirs in cases:
+        got, _, _ = served.generate(ids, max_tokens=n, temperature=0, **ours)
+        want = hf_greedy("default", ids, n, **theirs)
+        assert got == want, f"{ours}: got {got}, HF {want}"
+        assert want != plain, ours                   # the processor changed the output
+    # min_tokens: a prompt that ends at once (EOS) without it
+    short = tok.apply_chat_template([{"role": "user", "content": "Say only: yes"}],
+                                    add_generation_prompt=True, tokenize=True)["input_ids"]
+    early = hf_greedy("default", short, 32)
+    assert len(early) < 16 and early[-1] == 2
+    got, _, reason = served.generate(short, max_tokens=32, temperature=0, min_tokens=16)
+    assert got == hf_greedy("default", short, 32, min_new_tokens=16) and len(got) >= 16
+
+
 def test_streaming_and_usage(served):
     msgs = list(served.client.stream(make_request("Tell me a story.", max_tokens=10,
                                                   temperature=0, ignore_eos=True)))
@@ -130,6 +161,12 @@ def test_client_cancel_frees_blocks(served):
     (make_request("hi", top_k=-5), "sampling.top_k"),
     (make_request("hi", max_tokens=0), "sampling.max_tokens"),
     (make_request("hi", stop=["x"] * 100), "sampling.stop"),
+    (make_request("hi", presence_penalty=2.5), "sampling.presence_penalty"),
+    (make_request("hi", repetition_penalty=0.0), "sampling.repetition_penalty"),
+    (make_request("hi", min_p=1.5), "sampling.min_p"),
+    (make_request("hi", max_tokens=4, min_tokens=5), "sampling.min_tokens"),
+    (make_request("hi", logit_bias={10**6: 1.0}), "sampling.logit_bias"),
+    (make_request("hi", logit_bias={5: 101.0}), "sampling.logit_bias"),
     (pb.GenerateRequest(messages=pb.ChatMessages()), "messages"),
 ])
 def test_bad_requests_get_invalid_argument(served, request_, field):

@@ -186,16 +186,29 @@ def test_vllm_bench_serve_request_is_served(router):
     ("/v1/completions", {"prompt": "Hi"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
 ])
-@pytest.mark.parametrize("param, value", [
-    ("repetition_penalty", 1.2), ("repetition_penalty", 0.0), ("presence_penalty", 0.5),
-    ("frequency_penalty", -0.5), ("min_p", 0.1),
+def test_logits_processor_params_reach_the_request(router, path, body):
+    r = client(router).post(path, json=body | {
+        "repetition_penalty": 1.25, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+        "min_p": 0.125, "min_tokens": 3, "stop_token_ids": [7, 9],
+        "logit_bias": {"42": -100, "7": 2.5}})
+    assert r.status_code == 200, r.text
+    s = router.requests[0][0].sampling
+    assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty, s.min_p) == \
+        (1.25, 0.5, -0.5, 0.125)
+    assert s.min_tokens == 3 and list(s.stop_token_ids) == [7, 9]
+    assert dict(s.logit_bias) == {42: -100.0, 7: 2.5}
+
+
+@pytest.mark.parametrize("param, value, says", [
+    ("logit_bias", {"abc": 1.0}, "is not a token id"),
+    ("logit_bias", {"-3": 1.0}, "out of range"),
+    ("min_tokens", -1, "must be >= 0"),
+    ("stop_token_ids", [-2], "out of range"),
 ])
-def test_non_neutral_sampling_params_are_400_not_supported_yet(router, path, body, param,
-                                                                 value):
-    err = assert_openai_error(client(router).post(path, json=body | {param: value}), 400,
-                              param)
-    assert err["message"].startswith(f"{param}: got {value!r}; ")
-    assert "not supported yet" in err["message"]
+def test_malformed_logits_processor_params_are_400_naming_them(router, param, value, says):
+    err = assert_openai_error(client(router).post(
+        "/v1/completions", json={"prompt": "Hi", param: value}), 400, param)
+    assert says in err["message"]
     assert not router.requests
 
 
@@ -269,7 +282,7 @@ def test_openai_client_streams(router):
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "logprobs": 1}, "logprobs"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": "high"}, "presence_penalty"),   # pydantic
     ({"prompt": "x", "max_tokens": -3}, "max_tokens"),
     ({"prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x", "top_k": -2}, "top_k"),

@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from tiny_models import VOCAB_SIZE, tiny_model_dir
 
 from pdserve.engine.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -63,7 +65,7 @@ def _validate(req, tokenizer, cfg):
     # The router sends f"{rid}#{8 hex digits}" in KV frames, which carry at most 256 bytes.
     assert rid is None or 0 < len(rid.encode()) + 9 <= KV_FRAME_REQUEST_ID_BYTES, rid
     ids = validation.prompt_token_ids(req, tokenizer, cfg.vocab_size, cfg.max_model_len)
-    return ids, validation.sampling_params(req, len(ids), cfg.max_model_len)
+    return ids, validation.sampling_params(req, len(ids), cfg.max_model_len, cfg.vocab_size)
 
 
 @settings(max_examples=1000, deadline=None, derandomize=True, database=None,
@@ -92,3 +94,8 @@ def test_only_invalid_request_errors_escape(model, drawn):
     assert len(p.stop) <= MAX_STOP_STRINGS, len(p.stop)
     assert all(1 <= len(s) <= MAX_STOP_STRING_CHARS for s in p.stop), p.stop
     assert len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS, len(p.stop_token_ids)
+    assert abs(p.presence_penalty) <= 2 and abs(p.frequency_penalty) <= 2, p
+    assert 0 < p.repetition_penalty <= MAX_REPETITION_PENALTY and 0 <= p.min_p <= 1, p
+    assert 0 <= p.min_tokens <= p.max_tokens, p
+    assert len(p.logit_bias) <= MAX_LOGIT_BIAS_TOKENS and all(
+        0 <= t < cfg.vocab_size and abs(b) <= 100 for t, b in p.logit_bias), p.logit_bias

@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 
 import ray
 import torch
@@ -43,6 +44,7 @@ import torch
 from ..engine.block_pool import BlockPool, NoFreeBlocksError
 from ..engine.model_runner import DecodeSeq, ModelRunner, PrefillSeq
 from ..engine.request import TokenEvent
+from ..engine.logprobs import TokenLogprobs, capture
 from ..engine.sampler import sample
 from ..engine.sampling_params import SamplingParams
 from ..kv_transfer import KVLayout, make_receiver
@@ -267,19 +269,25 @@ class DecodeWorker:
             self.peak_batch_size = max(self.peak_batch_size, len(out.requests))
             self.metrics.batch_size.labels(phase="decode").observe(len(out.requests))
             try:
-                tokens = self._step(out, give_back)
+                tokens, logprobs = self._step(out, give_back)
             except Exception as e:  # a model or sampler fault fails the step, not the worker
                 logger.exception("decode step of %d rows failed", len(out.requests))
                 for r in out.requests:      # they finish as errors (the router may retry)
                     sched.abort(r.request_id, error=f"decode step failed: "
                                                     f"{type(e).__name__}: {e}")
                 continue
-            self._publish(sched.update_from_output(out, tokens))
+            events = sched.update_from_output(out, tokens)
+            if logprobs:                    # the rows that asked: their token's entry
+                events = [replace(e, logprobs=(logprobs[e.request_id],))
+                          if e.token_ids and e.request_id in logprobs else e for e in events]
+            self._publish(events)
 
     def _step(self, out: SchedulerOutput,
-              give_back: Callable[[int], None] | None) -> list[int | None]:
+              give_back: Callable[[int], None] | None
+              ) -> tuple[list[int | None], dict[str, TokenLogprobs]]:
         """One model step of ``out`` (a SchedulerOutput): the forward of its rows, then a
-        token for each row that reaches num_tokens (None for the others)."""
+        token for each row that reaches num_tokens (None for the others), and the
+        logprobs of those whose params ask (by request id)."""
         runner = self.runner
         reqs, counts = out.requests, out.num_scheduled_tokens
         t0 = time.perf_counter()
@@ -300,6 +308,7 @@ class DecodeWorker:
             plogits = runner.prefill(pseqs, give_back) if pseqs else None
             dlogits = runner.decode(dseqs, give_back) if dseqs else None
         tokens: list[int | None] = [None] * len(reqs)
+        logprobs: dict[str, TokenLogprobs] = {}
         for rows, logits in ((drows, dlogits), (prows, plogits)):
             # rows that reach num_tokens sample; the step index is the tokens
             # generated so far, unchanged by preemption: seeded draws repeat
@@ -308,11 +317,15 @@ class DecodeWorker:
                 if len(hit) < len(rows):
                     logits = logits[hit]
                 rq = [reqs[rows[k]] for k in hit]
-                drawn = sample(logits, [r.params for r in rq], [len(r.output_ids) for r in rq],
+                params = [r.params for r in rq]
+                captured = capture(logits, params)
+                drawn = sample(logits, params, [len(r.output_ids) for r in rq],
                                [r.token_ids(r.num_tokens) if r.params.penalized else None
                                 for r in rq], runner.config.eos_token_ids)
-                for k, t in zip(hit, drawn):
+                for k, t, lp in zip(hit, drawn, captured.of(drawn)):
                     tokens[rows[k]] = t
+                    if lp is not None:
+                        logprobs[reqs[rows[k]].request_id] = lp
         logger.debug("decode step: %d rows (%d prefill, %d tokens), %.1f ms", len(reqs),
                      len(prows), sum(counts), 1e3 * (time.perf_counter() - t0))
-        return tokens
+        return tokens, logprobs

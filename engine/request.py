@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from .logprobs import TokenLogprobs
+
 
 class RequestState(enum.IntEnum):
     """Where a request is on one worker. Finished states come last: `state.finished`."""
@@ -43,10 +45,12 @@ class TokenEvent:
     """New tokens of one request, from a decode worker to the router.
 
     `finish_reason` is set on the request's last event; `error` says why when it is
-    "error". Events of one request arrive in order and are never repeated.
+    "error". `logprobs` is empty, or one entry per token (engine/logprobs.py). Events of
+    one request arrive in order and are never repeated.
     """
 
     request_id: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprobs | None, ...] = ()   # per token, when params.logprobs

@@ -13,6 +13,7 @@ MAX_PENALTY = 2.0           # |presence_penalty|, |frequency_penalty| (OpenAI's 
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 100.0      # |bias| per token (OpenAI's range)
 MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_LOGPROBS = 20           # top logprobs per token (vLLM's default max_logprobs)
 
 
 class InvalidRequestError(ValueError):
@@ -39,6 +40,11 @@ class SamplingParams:
     the output, `presence_penalty` its value once for any token in the output (OpenAI's
     rule); `logit_bias` ((token id, bias) pairs) adds to those logits; `min_tokens`
     forbids EOS and stop_token_ids until that many tokens were generated.
+
+    `logprobs` (None: off) returns, for each generated token, its log-probability and
+    the top `logprobs` tokens of its position: log-softmax of the model's logits before
+    any processor, temperature or filter (vLLM's default `logprobs_mode`,
+    "raw_logprobs"; engine/logprobs.py).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -55,6 +61,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
     step_offset: int = 0     # tokens generated before this request moved here (the
                              # router's retry after a worker died); the sampler's step
                              # counts on from it, so seeded draws continue unchanged
@@ -101,6 +108,9 @@ class SamplingParams:
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise InvalidRequestError("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} "
                                       f"tokens, got {len(self.logit_bias)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError("sampling.logprobs",
+                                      f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         for token, bias in self.logit_bias:
             if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
                 raise InvalidRequestError("sampling.logit_bias", f"token {token}: bias must be "

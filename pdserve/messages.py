@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from .engine.logprobs import TokenLogprobs
 from .engine.sampling_params import SamplingParams
 
 
@@ -63,6 +64,15 @@ class PrefillOrder:
     kv_address: tuple[str, int]
     epoch: int                 # D's epoch, carried by every KV frame
     num_cached_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """A prefill worker's answer to a PrefillOrder, once its KV is all sent: the first
+    token it sampled, with its logprobs when the order's params ask (engine/logprobs.py)."""
+
+    first_token: int
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.block_pool import BlockHash, BlockPool, block_hashes, blocks_needed
+from ..engine.logprobs import TokenLogprobs
 from ..engine.request import RequestState
 from ..engine.schedule_policy import prefill_order
 from ..engine.sampling_params import SamplingParams
@@ -58,6 +59,7 @@ class PrefillRequest:
     aborted: bool = False
     error: str | None = None
     model_fault: bool = False            # error is the model step's, not the transfer's
+    logprobs: TokenLogprobs | None = None  # of the first token, when params.logprobs
     arrived: float = field(default_factory=time.monotonic)   # schedule policy's clock
 
 

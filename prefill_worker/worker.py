@@ -38,9 +38,10 @@ from ..core_share import PrefillActivity
 from ..engine.block_pool import BlockPool, blocks_needed
 from ..engine.model_runner import ModelRunner, PrefillSeq
 from ..engine.request import RequestState
+from ..engine.logprobs import capture
 from ..engine.sampler import sample
 from ..kv_transfer import KVLayout, KVTransferError, make_sender
-from ..messages import CacheEvents, PrefillOrder, WorkerInfo, WorkerStatus
+from ..messages import CacheEvents, PrefillOrder, PrefillResult, WorkerInfo, WorkerStatus
 from ..metrics import WorkerMetrics, serve as serve_metrics
 from .connector import PrefillKVConnector
 from .scheduler import PrefillRequest, PrefillScheduler
@@ -96,7 +97,8 @@ class PrefillWorker:
         self._benching = False   # bench_prefill computing: busy to the node's decode workers
         self.connector = PrefillKVConnector(
             self.sender, self.num_layers, self._wake.set,
-            on_done=lambda req, token: self._resolve(req, result=token),
+            on_done=lambda req, token: self._resolve(
+                req, result=PrefillResult(token, req.logprobs)),
             observe_transfer_s=self.metrics.kv_transfer_seconds.observe)
         self._step_thread = threading.Thread(target=self._step_loop, name="prefill-step",
                                              daemon=True)
@@ -117,12 +119,13 @@ class PrefillWorker:
         """
         return [await asyncio.to_thread(self.sender.connect, tuple(a)) for a in kv_addresses]
 
-    async def prefill(self, order: PrefillOrder) -> int:
+    async def prefill(self, order: PrefillOrder) -> PrefillResult:
         """Prefill `order.token_ids` into the decode worker's reserved blocks at
         `order.kv_address`; the first `order.num_cached_blocks` prompt blocks are not
         sent (D has them cached: its reserved blocks start after them).
 
-        Returns the first sampled token once every KV frame and the done frame are sent.
+        Returns the first sampled token (and its logprobs, if asked) once every KV frame
+        and the done frame are sent.
         Raises:
             ValueError: the prompt does not fit this worker's block pool, or
                 num_cached_blocks is not below the prompt's block count.
@@ -222,7 +225,7 @@ class PrefillWorker:
         if queued is not None:
             self._resolve(queued, error=PrefillAborted(f"request {request_id} aborted"))
 
-    def _resolve(self, req: PrefillRequest, result: int | None = None,
+    def _resolve(self, req: PrefillRequest, result: PrefillResult | None = None,
                  error: BaseException | None = None) -> None:
         def set_():
             if not req.future.done():
@@ -266,10 +269,15 @@ class PrefillWorker:
                 for r in done:
                     self.scheduler.cache_computed(r)
                 rows = [i for i, r in enumerate(batch) if r in done]
-                tokens = (sample(logits[rows], [r.params for r in done], [0] * len(done),
-                                 [r.token_ids if r.params.penalized else None for r in done],
-                                 self.runner.config.eos_token_ids)
-                          if done else [])
+                tokens = []
+                if done:
+                    done_logits, params = logits[rows], [r.params for r in done]
+                    captured = capture(done_logits, params)
+                    tokens = sample(done_logits, params, [0] * len(done),
+                                    [r.token_ids if r.params.penalized else None for r in done],
+                                    self.runner.config.eos_token_ids)
+                    for r, lp in zip(done, captured.of(tokens)):
+                        r.logprobs = lp
             except Exception as e:  # a model fault fails this batch, not the worker
                 logger.exception("prefill batch of %d failed", len(batch))
                 self.scheduler.advance(batch, ok=False)

@@ -39,6 +39,10 @@ class Detokenizer:
         self._text = ""              # decoded, not yet sent
         self.sent = ""               # everything sent so far
 
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone, special tokens included (logprobs' "token")."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
     def step(self, token_id: int) -> Delta:
         piece = self._stream.step(self._tok, token_id)
         if piece:

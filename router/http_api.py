@@ -132,15 +132,16 @@ async def _first(stream: AsyncIterator[pb.GenerateResponse]) -> pb.GenerateRespo
 
 
 async def _collect(stream: AsyncIterator[pb.GenerateResponse]
-                   ) -> tuple[str, pb.GenerateResponse]:
-    """The whole text and the last (finishing) message."""
-    text, last = [], None
+                   ) -> tuple[str, pb.GenerateResponse, list]:
+    """The whole text, the last (finishing) message, and every token's logprobs."""
+    text, last, logprobs = [], None, []
     async for msg in stream:
         text.append(msg.text)
+        logprobs += msg.logprobs
         last = msg
     if last is None or not last.finish_reason:
         raise RequestError(grpc.StatusCode.INTERNAL, "router stream ended unfinished")
-    return "".join(text), last
+    return "".join(text), last, logprobs
 
 
 class _EventStream(StreamingResponse):
@@ -191,7 +192,7 @@ async def _complete(router, request: Request, body, chat: bool) -> Response:
         if body.stream:
             first = await _unless_gone(request, _first(stream))
         else:
-            text, last = await _unless_gone(request, _collect(stream))
+            text, last, logprobs = await _unless_gone(request, _collect(stream))
     except (InvalidRequestError, RequestError) as e:
         response = _error(e, body)
     except _ClientGone:
@@ -199,11 +200,14 @@ async def _complete(router, request: Request, body, chat: bool) -> Response:
     else:
         if body.stream:     # the stream goes on in the response, which closes it
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            writer = oai.ChunkWriter(rid, created, model, chat, include_usage)
+            writer = oai.ChunkWriter(rid, created, model, chat, include_usage,
+                                     oai.wants_logprobs(body))
             return _EventStream(_events(first, stream, writer, body), stream,
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         make = oai.chat_completion if chat else oai.completion
-        response = JSONResponse(make(rid, created, model, text, last.finish_reason, last.usage))
+        lp = oai.logprobs_body(logprobs, chat) if oai.wants_logprobs(body) else None
+        response = JSONResponse(make(rid, created, model, text, last.finish_reason, last.usage,
+                                     lp))
     await stream.aclose()
     return response
 

@@ -6,7 +6,7 @@ serves them).
 Names follow OpenAI's API reference, and vLLM's `entrypoints/openai/protocol.py` where
 pdserve extends it (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `stop_token_ids`, `ignore_eos`). A parameter OpenAI has that pdserve does not serve
-(n > 1, logprobs, tools, ...) is refused with 400 naming it, never dropped silently; so
+(n > 1, echo, tools, ...) is refused with 400 naming it, never dropped silently; so
 is one OpenAI does not have (OpenAI does the same). Range checks stay in validation.py / SamplingParams, shared with gRPC: this module
 checks only what the proto's types cannot hold (a negative max_tokens in a uint32, a
 lone surrogate in a string).
@@ -62,7 +62,7 @@ class CompletionRequest(_Common):
     prompt: Any                     # text, token ids, or a list holding one of either
     echo: bool | None = None        # False only
     best_of: int | None = None      # 1 only
-    logprobs: int | None = None     # unset only
+    logprobs: int | None = None     # top logprobs per token (0: the sampled one's only)
     suffix: str | None = None       # unset only
 
 
@@ -77,8 +77,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None   # OpenAI's newer name; wins over max_tokens
-    logprobs: bool | None = None    # False only
-    top_logprobs: int | None = None  # unset (or 0) only
+    logprobs: bool | None = None    # each token's logprob (and top_logprobs of them)
+    top_logprobs: int | None = None
     tools: list[Any] | None = None  # none only
     tool_choice: Any = None         # unset or "none" only
     parallel_tool_calls: bool | None = None  # accepted (no tools, so no effect)
@@ -91,8 +91,6 @@ _UNSERVED = {
                                     "the request n times with different seeds"),
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is served"),
     "echo": (lambda v: not v, "echo is not supported; prepend the prompt yourself"),
-    "logprobs": (lambda v: v is None or v is False, "logprobs are not supported"),
-    "top_logprobs": (lambda v: v in (None, 0), "logprobs are not supported"),
     "suffix": (lambda v: v is None, "suffix (insertion) is not supported"),
     "tools": (lambda v: not v, "tools (function calling) are not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tools (function calling) are not "
@@ -145,6 +143,7 @@ def to_request(body: CompletionRequest | ChatCompletionRequest,
         s.seed = body.seed
     s.stop.extend(_stop(body.stop))
     s.ignore_eos = bool(body.ignore_eos)
+    _set_logprobs(s, body)
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         if getattr(body, name) is not None:
             setattr(s, name, getattr(body, name))
@@ -167,6 +166,48 @@ def to_request(body: CompletionRequest | ChatCompletionRequest,
     return req
 
 
+def _set_logprobs(s: pb.SamplingParams, body) -> None:
+    """Completions' `logprobs: k`, chat's `logprobs: true` + `top_logprobs: k`."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequestError("top_logprobs", "only allowed when logprobs is true")
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        param = "top_logprobs"
+    else:
+        k, param = body.logprobs, "logprobs"
+    if k is not None:
+        if not 0 <= k <= UINT32_MAX:
+            raise InvalidRequestError(param, f"must be >= 0, got {k}")
+        s.logprobs = k
+
+
+def wants_logprobs(body) -> bool:
+    """Whether the response carries logprobs (the request asked for them)."""
+    return bool(body.logprobs) if isinstance(body, ChatCompletionRequest) else (
+        body.logprobs is not None)
+
+
+def logprobs_body(entries, chat: bool, offset: int = 0) -> dict:
+    """OpenAI's `logprobs` object of a choice (or of one stream chunk) for ``entries``
+    (pb.TokenLogprob). Completions: tokens, token_logprobs, top_logprobs ({token:
+    logprob}) and text_offset (characters into the completion, from ``offset``). Chat:
+    content, one {token, logprob, bytes, top_logprobs} per token."""
+    if chat:
+        return {"content": [
+            {"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+             "top_logprobs": [{"token": t.token, "logprob": t.logprob,
+                               "bytes": list(t.token.encode())} for t in e.top_logprobs]}
+            for e in entries]}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+            "text_offset": offsets}
+
+
 def max_tokens_param(body) -> str:
     """The parameter that bounds the output: max_completion_tokens when a chat request
     sets it (it wins, as at OpenAI), else max_tokens."""
@@ -182,6 +223,8 @@ def openai_param(field: str, body) -> str | None:
     chat = isinstance(body, ChatCompletionRequest)
     if field == "sampling.max_tokens":
         return max_tokens_param(body)
+    if field == "sampling.logprobs" and chat:
+        return "top_logprobs"
     if field.startswith("sampling."):
         return field.removeprefix("sampling.")
     if field in ("text", "token_ids", "prompt", "messages"):
@@ -264,18 +307,18 @@ def usage(u: pb.Usage) -> dict:
 
 
 def completion(rid: str, created: int, model: str, text: str, finish_reason: str,
-               u: pb.Usage) -> dict:
+               u: pb.Usage, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                          "finish_reason": finish_reason}],
             "usage": usage(u)}
 
 
 def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: str,
-                    u: pb.Usage) -> dict:
+                    u: pb.Usage, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
+                         "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage(u)}
 
 
@@ -284,15 +327,20 @@ class ChunkWriter:
     with the finish_reason, then (stream_options.include_usage) one with empty choices
     and the usage. Chat streams open with a chunk carrying the assistant role."""
 
-    def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool):
+    def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool,
+                 logprobs: bool = False):
         self.head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": created, "model": model}
-        self.chat, self.include_usage = chat, include_usage
+        self.chat, self.include_usage, self.logprobs = chat, include_usage, logprobs
         self.opened = False
+        self.offset = 0       # characters of completion text sent (text_offset)
 
-    def _chunk(self, delta: dict | str, finish_reason: str | None) -> dict:
+    def _chunk(self, delta: dict | str, finish_reason: str | None, entries=()) -> dict:
         choice = ({"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta})
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        lp = None
+        if self.logprobs and entries:
+            lp = logprobs_body(entries, self.chat, self.offset)
+        choice |= {"logprobs": lp, "finish_reason": finish_reason}
         return self.head | {"choices": [choice]} | ({"usage": None} if self.include_usage
                                                     else {})
 
@@ -301,8 +349,10 @@ class ChunkWriter:
         if self.chat and not self.opened:
             out.append(self._chunk({"role": "assistant", "content": ""}, None))
         self.opened = True
-        if msg.text:
-            out.append(self._chunk({"content": msg.text} if self.chat else msg.text, None))
+        if msg.text or (self.logprobs and msg.logprobs):
+            out.append(self._chunk({"content": msg.text} if self.chat else msg.text, None,
+                                   msg.logprobs))
+            self.offset += sum(len(e.token) for e in msg.logprobs)
         if msg.finish_reason:
             out.append(self._chunk({} if self.chat else "", msg.finish_reason))
             if self.include_usage:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
+from ..engine.logprobs import TokenLogprobs
 from ..engine.request import TokenEvent
 from ..engine.sampling_params import SamplingParams
 from ..engine.stop import stop_state
@@ -36,10 +37,12 @@ class Relay:
     def absorb(self, events: list[TokenEvent]) -> pb.GenerateResponse | None:
         """The response for `events` (None when they carry nothing to send). Tokens past
         the one that ended the stream are dropped."""
-        tokens, text = [], []
+        tokens, text, logprobs = [], [], []
         for ev in events:
-            for t in ev.token_ids:
+            for j, t in enumerate(ev.token_ids):
                 tokens.append(t)
+                if ev.logprobs and ev.logprobs[j] is not None:
+                    logprobs.append(self._logprob(t, ev.logprobs[j]))
                 delta = self.detok.step(t)
                 text.append(delta.text)
                 if delta.stopped:        # a stop string: the held-back text is dropped
@@ -65,9 +68,16 @@ class Relay:
         if self.finish_reason is not None:
             return pb.GenerateResponse(
                 request_id=self.request_id, token_ids=tokens, text="".join(text),
-                finish_reason=self.finish_reason,
+                finish_reason=self.finish_reason, logprobs=logprobs,
                 usage=pb.Usage(prompt_tokens=self.prompt_len,
                                completion_tokens=len(self.token_ids)))
         if not tokens:
             return None
-        return pb.GenerateResponse(request_id=self.request_id, token_ids=tokens, text="".join(text))
+        return pb.GenerateResponse(request_id=self.request_id, token_ids=tokens,
+                                   text="".join(text), logprobs=logprobs)
+
+    def _logprob(self, token_id: int, lp: TokenLogprobs) -> pb.TokenLogprob:
+        text = self.detok.token_text
+        return pb.TokenLogprob(
+            token_id=token_id, logprob=lp.logprob, rank=lp.rank, token=text(token_id),
+            top_logprobs=[pb.TopLogprob(token_id=t, logprob=v, token=text(t)) for t, v in lp.top])

@@ -40,7 +40,7 @@ from ..config import ClusterConfig
 from ..engine.loader import resolve_model
 from ..engine.request import TokenEvent
 from ..engine.sampling_params import InvalidRequestError
-from ..messages import PrefillOrder
+from ..messages import PrefillOrder, PrefillResult
 from ..metrics import RouterMetrics, serve as serve_metrics
 from ..proto import pdserve_pb2 as pb
 from . import validation
@@ -241,7 +241,7 @@ class Router:
             self.streams.bind(internal_id, d, res.epoch)
             if p is not None:
                 try:
-                    first = await asyncio.wait_for(
+                    first: PrefillResult = await asyncio.wait_for(
                         p.handle.prefill.remote(PrefillOrder(
                             internal_id, ids, params, res.kv_address, res.epoch,
                             res.num_cached_blocks)),
@@ -252,7 +252,9 @@ class Router:
                     p.load -= p_tokens
                     p_tokens = 0
                     queued.release()  # first token back (or prefill failed): not queued
-                msg = relay.absorb([TokenEvent(internal_id, (first,))])   # TTFT: at once
+                msg = relay.absorb([TokenEvent(internal_id, (first.first_token,),  # TTFT: at once
+                                               logprobs=(first.logprobs,) if first.logprobs
+                                               else ())])
                 if msg is not None:
                     yield msg
             if relay.finish_reason is None:

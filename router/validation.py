@@ -105,7 +105,7 @@ def sampling_params(req, prompt_len: int, max_model_len: int,
         if math.isnan(v):
             raise InvalidRequestError(f"sampling.{name}", "is NaN")
     if vocab_size is not None:
-        bad = next((t for t in s.logit_bias if t >= vocab_size), None)
+        bad = min((t for t in s.logit_bias if t >= vocab_size), default=None)  # map order varies
         if bad is not None:
             raise InvalidRequestError("sampling.logit_bias", f"token id {bad} is out of range: "
                                       f"the vocabulary has {vocab_size} tokens")
@@ -114,7 +114,8 @@ def sampling_params(req, prompt_len: int, max_model_len: int,
         seed=s.seed if s.HasField("seed") else None,
         stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
         min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
-        logit_bias=tuple(sorted(s.logit_bias.items())), **floats)
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        logprobs=s.logprobs if s.HasField("logprobs") else None, **floats)
 
 
 def request_id(req) -> str | None:

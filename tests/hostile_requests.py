@@ -199,10 +199,16 @@ def generate_requests(vocab_size: int, max_model_len: int) -> st.SearchStrategy[
             st.integers(I32_MIN, I32_MAX))),
         "seed": (st.integers(0, 2**63 - 1), st.one_of(
             st.sampled_from([2**63 - 1, 2**63, U64_MAX]), st.integers(0, U64_MAX))),
+    }
+    # the logits processors' and logprobs' fields: mostly unset, so that enough requests
+    # stay valid to be served
+    rare_scalars = {
         "presence_penalty": (st.floats(-2, 2, width=32), hostile_floats),
         "frequency_penalty": (st.floats(-2, 2, width=32), hostile_floats),
         "repetition_penalty": (st.floats(0.5, 2, width=32), hostile_floats),
         "min_p": (st.floats(0, 1, width=32), hostile_floats),
+        "logprobs": (st.integers(0, 5), st.one_of(
+            st.sampled_from([20, 21, U32_MAX]), st.integers(0, U32_MAX))),
         "min_tokens": (st.integers(0, 4), st.one_of(
             st.sampled_from([n_ctx, U32_MAX]), st.integers(0, U32_MAX))),
     }
@@ -238,13 +244,17 @@ def generate_requests(vocab_size: int, max_model_len: int) -> st.SearchStrategy[
             value = _pick(draw, (2, st.none()), (1, valid), (1, hostile))
             if value is not None:
                 setattr(s, name, value)
+        for name, (valid, hostile) in rare_scalars.items():
+            value = _pick(draw, (12, st.none()), (3, valid), (1, hostile))
+            if value is not None:
+                setattr(s, name, value)
         s.stop.extend(_pick(draw, (50, st.just([])), (30, stop_short), (7, stop_many),
                             (7, stop_long), (6, stop_both)))
         s.stop_token_ids.extend(_pick(draw, (60, st.just([])), (30, stop_ids_short),
                                       (10, stop_ids_long)))
         s.ignore_eos = draw(st.booleans())
-        s.logit_bias.update(_pick(draw, (70, st.just({})), (27, logit_bias),
-                                  (3, logit_bias_many)))
+        s.logit_bias.update(_pick(draw, (85, st.just({})), (13, logit_bias),
+                                  (2, logit_bias_many)))
         return s
     sampling = _sampling()
 

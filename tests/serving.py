@@ -125,3 +125,14 @@ def hf_greedy(model: str, prompt_ids: list[int], max_new_tokens: int,
         out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
                           do_sample=False, pad_token_id=hf.config.eos_token_id, **kw)
     return out[0, len(prompt_ids):].tolist()
+
+
+def hf_greedy_logprobs(model: str, prompt_ids: list[int], max_new_tokens: int):
+    """HF greedy `generate` with each step's raw logits: (tokens, log_softmax [n, vocab])."""
+    hf = _hf_model(str(resolve_model(model)))
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                          do_sample=False, pad_token_id=hf.config.eos_token_id,
+                          output_logits=True, return_dict_in_generate=True)
+    logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+    return out.sequences[0, len(prompt_ids):].tolist(), logprobs

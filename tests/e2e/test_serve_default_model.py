@@ -11,7 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from serving import TRANSPORTS, OpenAIPenalties, Served, hf_greedy, start_ray
+from serving import (TRANSPORTS, OpenAIPenalties, Served, hf_greedy, hf_greedy_logprobs,
+                     start_ray)
 
 from pdserve.client import make_request
 from pdserve.proto import pdserve_pb2 as pb
@@ -124,6 +125,32 @@ def test_logits_processors_match_hf(served):
     assert len(early) < 16 and early[-1] == 2
     got, _, reason = served.generate(short, max_tokens=32, temperature=0, min_tokens=16)
     assert got == hf_greedy("default", short, 32, min_new_tokens=16) and len(got) >= 16
+
+
+def test_logprobs_match_hf(served):
+    """Each token's logprob and its top 5 (the first token's from P, the rest from D)
+    equal HF's log-softmax of the same logits within 1e-4 (fp32)."""
+    ids = _tokenizer()("The three primary colors are")["input_ids"]
+    n = 12
+    want_ids, want = hf_greedy_logprobs("default", ids, n)
+    msgs = list(served.client.stream(make_request(ids, max_tokens=n, temperature=0,
+                                                  logprobs=5, repetition_penalty=1.2)))
+    got = [lp for m in msgs for lp in m.logprobs]
+    tokens = [t for m in msgs for t in m.token_ids]
+    assert len(got) == len(tokens) == n
+    assert tokens != want_ids             # the penalty changed the tokens, not the logprobs
+    # from the first token on which the outputs part, HF's logits are of another context
+    same = next(i for i, (a, b) in enumerate(zip(tokens, want_ids)) if a != b) + 1
+    for i in range(same):
+        top = want[i].topk(5)
+        assert got[i].token_id == tokens[i]
+        assert got[i].logprob == pytest.approx(want[i, tokens[i]].item(), abs=1e-4)
+        assert got[i].rank == int((want[i] > want[i, tokens[i]]).sum()) + 1
+        assert [t.token_id for t in got[i].top_logprobs] == top.indices.tolist()
+        assert [t.logprob for t in got[i].top_logprobs] == pytest.approx(
+            top.values.tolist(), abs=1e-4)
+    assert got[0].token == _tokenizer().decode([tokens[0]])
+    assert same >= 2                       # P's token and at least one of D's compared
 
 
 def test_streaming_and_usage(served):

@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
-from pdserve.engine import logits_processors
+from pdserve.engine import logits_processors, logprobs
 from pdserve.engine.request import RequestState
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
@@ -139,3 +139,26 @@ def test_a_penalized_row_needs_its_tokens():
     with pytest.raises(ValueError, match="token_ids"):
         sample(logits, [SamplingParams(), SamplingParams(presence_penalty=1.0)], [0, 0],
                [None, None])
+
+
+def test_logprobs_are_the_raw_log_softmax_before_any_processor():
+    """engine/logprobs.py: the sampled token's logprob, its rank and the top k of its
+    position, from the logits as given (vLLM's raw_logprobs), whatever the processors
+    then do; rows that did not ask get None."""
+    logits, history = logits_and_history(3, seed=6)
+    params = [SamplingParams(temperature=0, logprobs=3, repetition_penalty=1.5),
+              SamplingParams(temperature=0),
+              SamplingParams(seed=9, logprobs=0, logit_bias=((4, 100.0),))]
+    want = torch.log_softmax(logits, dim=-1)
+    captured = logprobs.capture(logits, params)
+    tokens = sample(logits, params, [0, 0, 0], history.tolist(), [EOS])
+    assert tokens[2] == 4                                   # the bias decided it ...
+    got = captured.of(tokens)
+    assert got[1] is None
+    for i in (0, 2):
+        lp = got[i]
+        assert lp.logprob == pytest.approx(want[i, tokens[i]].item(), abs=1e-6)  # ... not this
+        assert lp.rank == int((want[i] > want[i, tokens[i]]).sum()) + 1
+        top = want[i].topk(params[i].logprobs)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-6)

@@ -20,7 +20,7 @@ from pdserve.router.router import Router
 from pdserve.router.workers import Worker
 from router_fakes import EventsFromStreams, fake_router
 
-from pdserve.messages import DecodeReservation
+from pdserve.messages import DecodeReservation, PrefillResult
 
 PROMPT = [1, 2, 3, 4]          # token ids
 FIRST_TOKEN = 10               # what the fake prefill worker samples
@@ -73,7 +73,7 @@ class FakePrefill:
         await self.go.wait()
         if self.error is not None:
             raise self.error
-        return FIRST_TOKEN
+        return PrefillResult(FIRST_TOKEN)
 
     def abort(self, rid):
         self.aborted.append(rid)

@@ -22,7 +22,7 @@ from pdserve.router.errors import RequestError
 from pdserve.router.router import Router
 from router_fakes import EOS, EventsFromStreams, fake_router
 
-from pdserve.messages import DecodeReservation, WorkerInfo
+from pdserve.messages import DecodeReservation, PrefillResult, WorkerInfo
 
 PROMPT = [1, 2, 3, 4]
 MAX_TOKENS = 8
@@ -92,7 +92,7 @@ class FakePrefill(Restartable):
         for d in self.decodes:
             if rid in d.reserved:
                 d.first[rid].set_result(first)
-        return first
+        return PrefillResult(first)
 
     def abort(self, rid):
         self.aborted.append(rid)

@@ -97,5 +97,6 @@ def test_only_invalid_request_errors_escape(model, drawn):
     assert abs(p.presence_penalty) <= 2 and abs(p.frequency_penalty) <= 2, p
     assert 0 < p.repetition_penalty <= MAX_REPETITION_PENALTY and 0 <= p.min_p <= 1, p
     assert 0 <= p.min_tokens <= p.max_tokens, p
+    assert p.logprobs is None or 0 <= p.logprobs <= 20, p
     assert len(p.logit_bias) <= MAX_LOGIT_BIAS_TOKENS and all(
         0 <= t < cfg.vocab_size and abs(b) <= 100 for t, b in p.logit_bias), p.logit_bias

@@ -118,8 +118,7 @@ class DecodeScheduler:
         self._preempted: list[DecodeRequest] = []
         self._next_seq = 0
         self._events: list[TokenEvent] = []      # finishes outside a step (errors, aborts)
-        self.num_reclaimed = 0
-        self.num_preemptions = 0                 # since start; a request may count many times
+        self.num_reclaimed = self.num_preemptions = 0  # leases; preemptions (a request: many)
         self.num_local_prefills = 0              # requests prefilled on D (no transfer)
         self.cached_tokens = 0                   # prompt tokens found in D's prefix cache
         self.prefix_queries = self.prefix_hits = 0  # blocks looked up / found there
@@ -187,7 +186,8 @@ class DecodeScheduler:
         self.cached_tokens += req.num_computed_tokens
         self.prefix_queries += len(lookup)
         self.prefix_hits += len(hit)
-        if prefill_locally or n - req.num_computed_tokens <= self.local_prefill_max_tokens:
+        if params.prompt_logprobs is None and (  # those need the prefill worker's pass
+                prefill_locally or n - req.num_computed_tokens <= self.local_prefill_max_tokens):
             req.state, req.remote_kv = RequestState.WAITING, False
             self._arrived.append(request_id)
             self.num_local_prefills += 1
@@ -288,7 +288,7 @@ class DecodeScheduler:
     def drain_events(self) -> list[TokenEvent]:
         with self._lock:
             events, self._events = self._events, []
-            return events
+        return events
 
     # --- helpers (lock held) ------------------------------------------------------
 

@@ -67,3 +67,17 @@ def capture(logits: torch.Tensor, params: Sequence[SamplingParams]) -> Captured:
     lp = (torch.log_softmax(logits[rows].float(), dim=-1) if rows
           else logits.new_empty(0, logits.shape[-1]))
     return Captured(rows, [params[i].logprobs for i in rows], lp, len(params))
+
+
+def of_targets(compute_logits, hidden: torch.Tensor, targets: Sequence[int], num_top: int,
+               chunk: int = 256) -> list[TokenLogprobs]:
+    """TokenLogprobs of ``targets[j]`` at the position whose final hidden state is
+    ``hidden[j]`` ([len(targets), hidden_size]): prompt logprobs. ``compute_logits`` is
+    the model's LM head (hidden -> [n, vocab] float32), run ``chunk`` positions at a time
+    so a long prompt never holds its whole [n, vocab] logits."""
+    out: list[TokenLogprobs] = []
+    for start in range(0, len(targets), chunk):
+        logits = compute_logits(hidden[start:start + chunk])
+        params = [SamplingParams(logprobs=num_top)] * logits.shape[0]
+        out += capture(logits, params).of(list(targets[start:start + chunk]))
+    return out

@@ -18,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from . import cpu_ops
+from . import cpu_ops, logprobs
+from .logprobs import TokenLogprobs
 from .attention import (AttentionMetadata, allocate_kv_cache, attention_backend, cpu_kernels_fit,
                         decode_on_device)
 from .config import CacheConfig, ModelConfig
@@ -212,7 +213,29 @@ class ModelRunner:
                 a block table too short for its tokens.
         """
         assert seqs, "empty prefill batch"
-        return self._varlen(seqs, (), on_layer_done)
+        return self._varlen(seqs, (), on_layer_done)[0]
+
+    @torch.inference_mode()
+    def prefill_with_prompt_logprobs(
+            self, seqs: Sequence[PrefillSeq],
+            prompt_logprobs: Sequence[tuple[Sequence[int], int] | None],
+            on_layer_done: Callable[[int], None] | None = None
+    ) -> tuple[torch.Tensor, list[list[TokenLogprobs] | None]]:
+        """prefill(), and for each sequence i with prompt_logprobs[i] = (its whole prompt's
+        token ids, k), the TokenLogprobs (engine/logprobs.py, k top ones) of the prompt
+        token after each position this step computes (a chunk's last position: the next
+        chunk's first token; the prompt's last position predicts no prompt token and
+        gives none). None for the other sequences."""
+        assert seqs and len(prompt_logprobs) == len(seqs), (len(seqs), len(prompt_logprobs))
+        keep = [i for i, a in enumerate(prompt_logprobs) if a is not None]
+        logits, hidden = self._varlen(seqs, (), on_layer_done, keep)
+        entries: list[list[TokenLogprobs] | None] = [None] * len(seqs)
+        for i in keep:
+            (prompt, k), s = prompt_logprobs[i], seqs[i]
+            targets = prompt[s.num_computed_tokens + 1:len(s.token_ids) + 1]
+            entries[i] = logprobs.of_targets(self.model.compute_logits,
+                                             hidden[i][:len(targets)], targets, k)
+        return logits, entries
 
     @torch.inference_mode()
     def mixed(self, prefill: Sequence[PrefillSeq], decode: Sequence[DecodeSeq],
@@ -226,11 +249,14 @@ class ModelRunner:
         float32; `on_layer_done(i)` runs after layer i. Raises ValueError as prefill()
         does."""
         assert prefill and decode, "mixed() needs prefill and decode rows"
-        logits = self._varlen(prefill, decode, on_layer_done)
+        logits = self._varlen(prefill, decode, on_layer_done)[0]
         return logits[:len(prefill)], logits[len(prefill):]
 
     def _varlen(self, seqs: Sequence[PrefillSeq], decode: Sequence[DecodeSeq],
-                on_layer_done: Callable[[int], None] | None) -> torch.Tensor:
+                on_layer_done: Callable[[int], None] | None, keep: Sequence[int] = ()
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """(logits of each sequence's last computed token, the final hidden states
+        [computed tokens, hidden_size] of the sequences in ``keep``)."""
         bs = self.block_size
         for s in seqs:
             if not 0 <= s.num_computed_tokens < len(s.token_ids):
@@ -266,7 +292,8 @@ class ModelRunner:
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev),
                             meta, self.kv_cache, on_layer_done)
         last = (cu[1:] - 1).to(dev).long()
-        return self.model.compute_logits(hidden[last])
+        kept = {i: hidden[int(cu[i]):int(cu[i + 1])] for i in keep}
+        return self.model.compute_logits(hidden[last]), kept
 
     @torch.inference_mode()
     def decode(self, seqs: Sequence[DecodeSeq],

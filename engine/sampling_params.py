@@ -44,7 +44,10 @@ class SamplingParams:
     `logprobs` (None: off) returns, for each generated token, its log-probability and
     the top `logprobs` tokens of its position: log-softmax of the model's logits before
     any processor, temperature or filter (vLLM's default `logprobs_mode`,
-    "raw_logprobs"; engine/logprobs.py).
+    "raw_logprobs"; engine/logprobs.py). `prompt_logprobs` (None: off) does the same for
+    each prompt token after the first, computed by the prefill worker over the whole
+    prompt (such a request neither uses nor skips a cached prefix: every position's
+    logits are needed).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -62,6 +65,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     step_offset: int = 0     # tokens generated before this request moved here (the
                              # router's retry after a worker died); the sampler's step
                              # counts on from it, so seeded draws continue unchanged
@@ -108,9 +112,11 @@ class SamplingParams:
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise InvalidRequestError("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} "
                                       f"tokens, got {len(self.logit_bias)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError("sampling.logprobs",
-                                      f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"sampling.{name}",
+                                          f"must be in [0, {MAX_LOGPROBS}], got {v}")
         for token, bias in self.logit_bias:
             if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
                 raise InvalidRequestError("sampling.logit_bias", f"token {token}: bias must be "

@@ -69,10 +69,12 @@ class PrefillOrder:
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
     """A prefill worker's answer to a PrefillOrder, once its KV is all sent: the first
-    token it sampled, with its logprobs when the order's params ask (engine/logprobs.py)."""
+    token it sampled, with its logprobs when the order's params ask (engine/logprobs.py),
+    and with params.prompt_logprobs those of every prompt token after the first."""
 
     first_token: int
     logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

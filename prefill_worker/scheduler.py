@@ -60,6 +60,7 @@ class PrefillRequest:
     error: str | None = None
     model_fault: bool = False            # error is the model step's, not the transfer's
     logprobs: TokenLogprobs | None = None  # of the first token, when params.logprobs
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # grows per chunk
     arrived: float = field(default_factory=time.monotonic)   # schedule policy's clock
 
 
@@ -144,7 +145,7 @@ class PrefillScheduler:
                 n = len(req.token_ids)
                 hit: list[int] = []
                 lookup: list[BlockHash] = []
-                if self.enable_prefix_caching:
+                if self.enable_prefix_caching and req.params.prompt_logprobs is None:
                     if req.block_hashes is None:
                         req.block_hashes = block_hashes(req.token_ids, bs)
                     lookup = req.block_hashes[: (n - 1) // bs]  # not the last token's block

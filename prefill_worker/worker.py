@@ -98,7 +98,7 @@ class PrefillWorker:
         self.connector = PrefillKVConnector(
             self.sender, self.num_layers, self._wake.set,
             on_done=lambda req, token: self._resolve(
-                req, result=PrefillResult(token, req.logprobs)),
+                req, result=PrefillResult(token, req.logprobs, tuple(req.prompt_logprobs))),
             observe_transfer_s=self.metrics.kv_transfer_seconds.observe)
         self._step_thread = threading.Thread(target=self._step_loop, name="prefill-step",
                                              daemon=True)
@@ -262,9 +262,17 @@ class PrefillWorker:
                 self._finish_sent()       # a transfer that ended waits one layer at most
 
             try:
-                logits = self.runner.prefill(
-                    [PrefillSeq(r.token_ids[:r.chunk_end], r.block_table, r.num_computed_tokens)
-                     for r in batch], on_layer_done)
+                seqs = [PrefillSeq(r.token_ids[:r.chunk_end], r.block_table,
+                                   r.num_computed_tokens) for r in batch]
+                if any(r.params.prompt_logprobs is not None for r in batch):
+                    logits, entries = self.runner.prefill_with_prompt_logprobs(seqs, [
+                        None if r.params.prompt_logprobs is None
+                        else (r.token_ids, r.params.prompt_logprobs) for r in batch],
+                        on_layer_done)
+                    for r, e in zip(batch, entries):
+                        r.prompt_logprobs += e or []
+                else:
+                    logits = self.runner.prefill(seqs, on_layer_done)
                 done = self.scheduler.advance(batch)
                 for r in done:
                     self.scheduler.cache_computed(r)

@@ -133,11 +133,12 @@ async def _first(stream: AsyncIterator[pb.GenerateResponse]) -> pb.GenerateRespo
 
 async def _collect(stream: AsyncIterator[pb.GenerateResponse]
                    ) -> tuple[str, pb.GenerateResponse, list]:
-    """The whole text, the last (finishing) message, and every token's logprobs."""
+    """The whole text, the last (finishing) message, and every token's logprobs (the
+    prompt's first, when they came)."""
     text, last, logprobs = [], None, []
     async for msg in stream:
         text.append(msg.text)
-        logprobs += msg.logprobs
+        logprobs += [*msg.prompt_logprobs, *msg.logprobs]
         last = msg
     if last is None or not last.finish_reason:
         raise RequestError(grpc.StatusCode.INTERNAL, "router stream ended unfinished")
@@ -186,6 +187,7 @@ async def _complete(router, request: Request, body, chat: bool) -> Response:
     """Serve one completion (chat or not, streamed or not) through the router."""
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created, model = int(time.time()), router.model_name
+    tokenizer = getattr(router, "tokenizer", None)   # decodes an echoed token-id prompt
     # No client deadline over HTTP: the router bounds it with request_timeout_s.
     stream = metered_generate(router, lambda: oai.to_request(body, rid), None)
     try:
@@ -201,11 +203,12 @@ async def _complete(router, request: Request, body, chat: bool) -> Response:
         if body.stream:     # the stream goes on in the response, which closes it
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             writer = oai.ChunkWriter(rid, created, model, chat, include_usage,
-                                     oai.wants_logprobs(body))
+                                     oai.wants_logprobs(body), oai.echo_text(body, tokenizer))
             return _EventStream(_events(first, stream, writer, body), stream,
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         make = oai.chat_completion if chat else oai.completion
         lp = oai.logprobs_body(logprobs, chat) if oai.wants_logprobs(body) else None
+        text = (oai.echo_text(body, tokenizer) or "") + text
         response = JSONResponse(make(rid, created, model, text, last.finish_reason, last.usage,
                                      lp))
     await stream.aclose()

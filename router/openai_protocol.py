@@ -6,7 +6,7 @@ serves them).
 Names follow OpenAI's API reference, and vLLM's `entrypoints/openai/protocol.py` where
 pdserve extends it (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `stop_token_ids`, `ignore_eos`). A parameter OpenAI has that pdserve does not serve
-(n > 1, echo, tools, ...) is refused with 400 naming it, never dropped silently; so
+(n > 1, tools, ...) is refused with 400 naming it, never dropped silently; so
 is one OpenAI does not have (OpenAI does the same). Range checks stay in validation.py / SamplingParams, shared with gRPC: this module
 checks only what the proto's types cannot hold (a negative max_tokens in a uint32, a
 lone surrogate in a string).
@@ -60,7 +60,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: Any                     # text, token ids, or a list holding one of either
-    echo: bool | None = None        # False only
+    echo: bool | None = None        # the prompt before the completion (and its logprobs)
     best_of: int | None = None      # 1 only
     logprobs: int | None = None     # top logprobs per token (0: the sampled one's only)
     suffix: str | None = None       # unset only
@@ -90,7 +90,6 @@ _UNSERVED = {
     "n": (lambda v: v in (None, 1), "pdserve returns one choice per request (n=1); send "
                                     "the request n times with different seeds"),
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is served"),
-    "echo": (lambda v: not v, "echo is not supported; prepend the prompt yourself"),
     "suffix": (lambda v: v is None, "suffix (insertion) is not supported"),
     "tools": (lambda v: not v, "tools (function calling) are not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tools (function calling) are not "
@@ -179,6 +178,8 @@ def _set_logprobs(s: pb.SamplingParams, body) -> None:
         if not 0 <= k <= UINT32_MAX:
             raise InvalidRequestError(param, f"must be >= 0, got {k}")
         s.logprobs = k
+        if getattr(body, "echo", False):     # the prompt's too (lm-eval's loglikelihood)
+            s.prompt_logprobs = k
 
 
 def wants_logprobs(body) -> bool:
@@ -202,10 +203,24 @@ def logprobs_body(entries, chat: bool, offset: int = 0) -> dict:
     for e in entries:
         offsets.append(offset)
         offset += len(e.token)
+    # the first prompt token (echo) has no logprob: null, as OpenAI and vLLM give it
+    has = [e.HasField("logprob") for e in entries]
     return {"tokens": [e.token for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+            "token_logprobs": [e.logprob if h else None for e, h in zip(entries, has)],
+            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} if h else None
+                             for e, h in zip(entries, has)],
             "text_offset": offsets}
+
+
+def echo_text(body, tokenizer) -> str | None:
+    """The prompt text a completions request with `echo` puts before its completion (the
+    prompt as sent, or its token ids decoded); None without echo."""
+    if not getattr(body, "echo", False):
+        return None
+    prompt = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
 
 def max_tokens_param(body) -> str:
@@ -328,12 +343,13 @@ class ChunkWriter:
     and the usage. Chat streams open with a chunk carrying the assistant role."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool,
-                 logprobs: bool = False):
+                 logprobs: bool = False, echo: str | None = None):
         self.head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": created, "model": model}
         self.chat, self.include_usage, self.logprobs = chat, include_usage, logprobs
         self.opened = False
         self.offset = 0       # characters of completion text sent (text_offset)
+        self.echo = echo      # completions: the prompt text, sent before the first token
 
     def _chunk(self, delta: dict | str, finish_reason: str | None, entries=()) -> dict:
         choice = ({"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta})
@@ -348,6 +364,9 @@ class ChunkWriter:
         out = []
         if self.chat and not self.opened:
             out.append(self._chunk({"role": "assistant", "content": ""}, None))
+        if self.echo is not None and not self.opened:
+            out.append(self._chunk(self.echo, None, msg.prompt_logprobs))
+            self.offset += sum(len(e.token) for e in msg.prompt_logprobs)
         self.opened = True
         if msg.text or (self.logprobs and msg.logprobs):
             out.append(self._chunk({"content": msg.text} if self.chat else msg.text, None,

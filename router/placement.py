@@ -105,7 +105,8 @@ class Placement:
             lease_s = min(self.config.decode.lease_s, max(deadline - time.monotonic(), 0.001))
             for d in sorted(live, key=lambda w: (w.load, -w.free_blocks)):
                 # choose and charge with no await in between
-                local = self.prefill_on_decode(d, prompt_len)
+                # prompt logprobs come from a prefill worker's pass over the whole prompt
+                local = params.prompt_logprobs is None and self.prefill_on_decode(d, prompt_len)
                 p = None if local else self.prefill_router.pick(
                     [w for w in live_p if w.available] or live_p, ids)[0]
                 self.charge(d, p, prompt_len, 1)

@@ -3,7 +3,7 @@ stop strings and usage (Relay)."""
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Sequence
 
 from ..engine.logprobs import TokenLogprobs
 from ..engine.request import TokenEvent
@@ -24,9 +24,10 @@ class Relay:
     retries a stream that had already ended.
     """
 
-    def __init__(self, request_id: str, detok: Detokenizer, prompt_len: int,
+    def __init__(self, request_id: str, detok: Detokenizer, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: Container[int], max_model_len: int):
-        self.request_id, self.detok, self.prompt_len = request_id, detok, prompt_len
+        self.request_id, self.detok = request_id, detok
+        self.prompt_token_ids, self.prompt_len = prompt_token_ids, len(prompt_token_ids)
         self.params, self.eos_token_ids, self.max_model_len = params, eos_token_ids, max_model_len
         self.token_ids: list[int] = []   # every token streamed to the client
         self.finish_reason: str | None = None
@@ -34,9 +35,11 @@ class Relay:
                                      # still hold the request (abort it)
         self.error: str | None = None    # the attempt failed on D (the router retries)
 
-    def absorb(self, events: list[TokenEvent]) -> pb.GenerateResponse | None:
+    def absorb(self, events: list[TokenEvent],
+               prompt_logprobs: Sequence[TokenLogprobs] = ()) -> pb.GenerateResponse | None:
         """The response for `events` (None when they carry nothing to send). Tokens past
-        the one that ended the stream are dropped."""
+        the one that ended the stream are dropped. `prompt_logprobs` (the prefill
+        worker's, one per prompt token after the first) go into this response."""
         tokens, text, logprobs = [], [], []
         for ev in events:
             for j, t in enumerate(ev.token_ids):
@@ -65,16 +68,24 @@ class Relay:
             if self.finish_reason is not None:
                 break
         self.token_ids += tokens
+        prompt = self._prompt_logprobs(prompt_logprobs) if prompt_logprobs else []
         if self.finish_reason is not None:
             return pb.GenerateResponse(
                 request_id=self.request_id, token_ids=tokens, text="".join(text),
-                finish_reason=self.finish_reason, logprobs=logprobs,
+                finish_reason=self.finish_reason, logprobs=logprobs, prompt_logprobs=prompt,
                 usage=pb.Usage(prompt_tokens=self.prompt_len,
                                completion_tokens=len(self.token_ids)))
         if not tokens:
             return None
         return pb.GenerateResponse(request_id=self.request_id, token_ids=tokens,
-                                   text="".join(text), logprobs=logprobs)
+                                   text="".join(text), logprobs=logprobs,
+                                   prompt_logprobs=prompt)
+
+    def _prompt_logprobs(self, entries: Sequence[TokenLogprobs]) -> list[pb.TokenLogprob]:
+        """One per prompt token: the first without a logprob, then the prefill worker's."""
+        ids = self.prompt_token_ids
+        first = pb.TokenLogprob(token_id=ids[0], token=self.detok.token_text(ids[0]))
+        return [first] + [self._logprob(t, lp) for t, lp in zip(ids[1:], entries, strict=True)]
 
     def _logprob(self, token_id: int, lp: TokenLogprobs) -> pb.TokenLogprob:
         text = self.detok.token_text

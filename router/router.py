@@ -184,7 +184,7 @@ class Router:
         self.placement.check_fits(len(ids), params.max_tokens)
         rid = client_id or uuid.uuid4().hex
         deadline = time.monotonic() + (deadline_s or self.config.router.request_timeout_s)
-        relay = Relay(rid, Detokenizer(self.tokenizer, ids, params.stop), len(ids), params,
+        relay = Relay(rid, Detokenizer(self.tokenizer, ids, params.stop), ids, params,
                       frozenset(cfg.eos_token_ids), cfg.max_model_len)
         failures: list[str] = []
         # Admitted before any wait (a full queue is refused here, at once). The ticket is
@@ -198,7 +198,8 @@ class Router:
                 assert relay.finish_reason is None, (rid, relay.finish_reason)
                 sent = len(relay.token_ids)
                 attempt = replace(params, max_tokens=params.max_tokens - sent,
-                                  step_offset=params.step_offset + sent)
+                                  step_offset=params.step_offset + sent,   # prompt logprobs
+                                  prompt_logprobs=None if sent else params.prompt_logprobs)
                 try:
                     async for msg in self._attempt(rid, ids + relay.token_ids, attempt,
                                                    deadline, relay, queued):
@@ -254,7 +255,7 @@ class Router:
                     queued.release()  # first token back (or prefill failed): not queued
                 msg = relay.absorb([TokenEvent(internal_id, (first.first_token,),  # TTFT: at once
                                                logprobs=(first.logprobs,) if first.logprobs
-                                               else ())])
+                                               else ())], first.prompt_logprobs)
                 if msg is not None:
                     yield msg
             if relay.finish_reason is None:

@@ -115,7 +115,8 @@ def sampling_params(req, prompt_len: int, max_model_len: int,
         stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
         min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
         logit_bias=tuple(sorted(s.logit_bias.items())),
-        logprobs=s.logprobs if s.HasField("logprobs") else None, **floats)
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None, **floats)
 
 
 def request_id(req) -> str | None:

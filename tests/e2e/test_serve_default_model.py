@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from serving import (TRANSPORTS, OpenAIPenalties, Served, hf_greedy, hf_greedy_logprobs,
@@ -151,6 +152,29 @@ def test_logprobs_match_hf(served):
             top.values.tolist(), abs=1e-4)
     assert got[0].token == _tokenizer().decode([tokens[0]])
     assert same >= 2                       # P's token and at least one of D's compared
+
+
+def test_prompt_logprobs_match_hf(served):
+    """Every prompt token's logprob and top 3 given the tokens before it, computed by P
+    over the whole prompt, equal HF's log-softmax of a forward over it (twice: the second
+    time P's prefix cache holds the prompt, and must not be used)."""
+    from serving import _hf_model
+    from pdserve.engine.loader import resolve_model
+    tok = _tokenizer()
+    ids = tok("Paris is the capital of France, and Berlin is the capital of Germany. " * 3
+              )["input_ids"]
+    hf = _hf_model(str(resolve_model("default")))
+    with torch.inference_mode():
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for _ in range(2):
+        msgs = list(served.client.stream(make_request(ids, max_tokens=2, temperature=0,
+                                                      prompt_logprobs=3)))
+        got = msgs[0].prompt_logprobs
+        assert [e.token_id for e in got] == ids and not got[0].HasField("logprob")
+        assert all(not m.prompt_logprobs for m in msgs[1:])
+        for pos, e in enumerate(got[1:]):           # position pos predicts token pos + 1
+            assert e.logprob == pytest.approx(want[pos, ids[pos + 1]].item(), abs=1e-4)
+            assert [t.token_id for t in e.top_logprobs] == want[pos].topk(3).indices.tolist()
 
 
 def test_streaming_and_usage(served):

@@ -99,6 +99,29 @@ def test_chat_equals_grpc(served, client):
     assert chunks[-1].choices == [] and usage(chunks[-1].usage) == want[2]
 
 
+def test_echo_logprobs_as_lm_eval_asks_for_them(served, client):
+    """lm-evaluation-harness's loglikelihood request (token ids, echo, logprobs 1,
+    max_tokens 1): one logprob per prompt token after the first and one for the
+    generated token, equal to what gRPC's prompt_logprobs and logprobs give."""
+    ids = [504, 3575, 282, 4649, 314]
+    out = client.completions.create(model="m", prompt=ids, max_tokens=1, logprobs=1,
+                                    echo=True, temperature=0)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+    msgs = list(served.client.stream(make_request(ids, max_tokens=1, temperature=0,
+                                                  logprobs=1, prompt_logprobs=1)))
+    want = [e.logprob for e in msgs[0].prompt_logprobs[1:]] + [msgs[0].logprobs[0].logprob]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-6)
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.loader import resolve_model
+    prompt = AutoTokenizer.from_pretrained(resolve_model("default")).decode(ids)
+    assert out.choices[0].text.startswith(prompt) and len(out.choices[0].text) > len(prompt)
+    assert [max(t, key=t.get) for t in lp.top_logprobs[1:]] == [
+        msgs[0].prompt_logprobs[1 + i].top_logprobs[0].token for i in range(len(ids) - 1)
+    ] + [msgs[0].logprobs[0].top_logprobs[0].token]
+
+
 def test_models_and_health(served, client):
     assert [m.id for m in client.models.list()] == ["default"]
     r = httpx2.get(f"{served.http_url}/health")

@@ -280,7 +280,7 @@ def test_openai_client_streams(router):
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": "loud"}, "echo"),                  # pydantic: wrong type
     ({"prompt": "x", "logprobs": -1}, "logprobs"),
     ({"prompt": "x", "presence_penalty": "high"}, "presence_penalty"),   # pydantic
     ({"prompt": "x", "max_tokens": -3}, "max_tokens"),

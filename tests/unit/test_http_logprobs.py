@@ -68,3 +68,45 @@ def test_streamed_completion_logprobs_continue_their_text_offset(router):
     chunks = [json.loads(e) for e in events[:-1]]
     lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
     assert [(lp["tokens"], lp["text_offset"]) for lp in lps] == [(["Hel"], [0]), (["lo"], [3])]
+
+
+def echoing_router() -> FakeRouter:
+    """The first message carries the prompt "Hi" as two tokens' prompt_logprobs."""
+    msgs = with_logprobs(script("Hel", "lo"))
+    msgs[0].prompt_logprobs.add(token_id=5, token="H")              # no context: no logprob
+    msgs[0].prompt_logprobs.add(token_id=6, logprob=-3.0, rank=7, token="i",
+                                top_logprobs=[pb.TopLogprob(token_id=8, logprob=-0.125, token="a")])
+    return FakeRouter(messages=msgs)
+
+
+def test_echo_with_logprobs_puts_the_prompt_first():
+    r = echoing_router()
+    body = client(r).post("/v1/completions", json={
+        "prompt": "Hi", "echo": True, "logprobs": 1, "max_tokens": 2}).json()
+    s = r.requests[0][0].sampling
+    assert (s.logprobs, s.prompt_logprobs) == (1, 1)
+    choice = body["choices"][0]
+    assert choice["text"] == "HiHello"
+    assert choice["logprobs"]["tokens"] == ["H", "i", "Hel", "lo"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -3.0, -0.5, -1.5]
+    assert choice["logprobs"]["top_logprobs"][:2] == [None, {"a": -0.125}]
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2, 5]
+    assert r.all_closed()
+
+
+def test_echo_without_logprobs_asks_for_none():
+    r = FakeRouter()
+    body = client(r).post("/v1/completions", json={"prompt": "Hi", "echo": True}).json()
+    assert body["choices"][0]["text"] == "HiHello" and body["choices"][0]["logprobs"] is None
+    assert not r.requests[0][0].sampling.HasField("prompt_logprobs")
+
+
+def test_streamed_echo_sends_the_prompt_first():
+    r = echoing_router()
+    with client(r).stream("POST", "/v1/completions", json={
+            "prompt": "Hi", "echo": True, "logprobs": 0, "stream": True}) as resp:
+        events = sse_events(resp.read().decode())
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert [c["text"] for c in chunks] == ["Hi", "Hel", "lo", ""]
+    assert chunks[0]["logprobs"]["tokens"] == ["H", "i"]
+    assert chunks[2]["logprobs"]["text_offset"] == [5]

@@ -22,7 +22,9 @@
 # with N > 1 each (dtype, rate) runs vLLM, pdserve, vLLM, pdserve, ... N times each, into
 # files suffixed _run<k>, and the table shows the median of each figure over the runs),
 # CLIENT_ARGS (more `vllm bench serve` flags, e.g. "--save-detailed" for per-request
-# input lengths, TTFTs and ITLs in the result files).
+# input lengths, TTFTs and ITLs in the result files), BACKEND (the client's --backend:
+# openai, the completions API, or openai-chat, the chat completions API; result files of
+# openai-chat runs are suffixed _chat).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM=${VLLM:-.venv-vllm/bin/vllm}
@@ -37,6 +39,12 @@ STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-900}
 RESULT_DIR=${RESULT_DIR:-bench/results}
 SYSTEMS=${SYSTEMS:-vllm,pdserve}
 REPEATS=${REPEATS:-1}
+BACKEND=${BACKEND:-openai}
+case $BACKEND in
+  openai) BACKEND_ARGS=(--backend openai) ;;
+  openai-chat) BACKEND_ARGS=(--backend openai-chat --endpoint /v1/chat/completions) ;;
+  *) echo "BACKEND: openai or openai-chat, got $BACKEND" >&2; exit 2 ;;
+esac
 read -ra PDSERVE_EXTRA <<<"${PDSERVE_ARGS:-}"
 read -ra CLIENT_EXTRA <<<"${CLIENT_ARGS:-}"
 LOG_DIR=bench/out
@@ -118,6 +126,7 @@ for dtype in "${DTYPE_LIST[@]}"; do
       PORT=$(free_port)
       name=vllm_peer_${system}_${dtype}_${rate}
       (( REPEATS == 1 )) || name+=_run$run
+      [[ $BACKEND == openai ]] || name+=_chat
       echo "=== $system $dtype, rate $rate: 127.0.0.1:$PORT (log $LOG_DIR/$name.log)"
       if [[ $system == vllm ]]; then
         start_server "$LOG_DIR/$name.log" "$VLLM" serve "$MODEL" --host 127.0.0.1 \
@@ -139,7 +148,7 @@ EOF
         start_server "$LOG_DIR/$name.log" "$PDSERVE" serve --model "$MODEL" --host 127.0.0.1 \
           --port 0 --metrics-port 0 --http-port "$PORT" "${extra[@]}" ${PDSERVE_EXTRA[@]+"${PDSERVE_EXTRA[@]}"}
       fi
-      "$VLLM" bench serve --backend openai --base-url "http://127.0.0.1:$PORT" \
+      "$VLLM" bench serve "${BACKEND_ARGS[@]}" --base-url "http://127.0.0.1:$PORT" \
         --model "$MODEL" --dataset-name sharegpt --dataset-path "$DATA" \
         --num-prompts "$NUM_PROMPTS" --sharegpt-output-len "$OUTPUT_LEN" --ignore-eos \
         --request-rate "$rate" --seed 0 --goodput "${GOODPUT_ARGS[@]}" \

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..engine.block_pool import BlockHash
 from ..engine.request import RequestState
@@ -54,6 +55,7 @@ class DecodeRequest:
     admitted_seq: int = -1               # order of first admission into RUNNING (resume order)
     block_hashes: list[BlockHash] = field(default_factory=list)  # prompt's full blocks
     arrived: float = field(default_factory=time.monotonic)   # reserved at; schedule policy
+    matcher: Any = None                  # its grammar's, params.structured_outputs (sampling)
 
     @property
     def prompt_len(self) -> int:

@@ -53,7 +53,7 @@ from ..metrics import WorkerMetrics, serve as serve_metrics
 from ..config import WorkerConfig
 from ..core_share import LentThreads
 from .connector import DecodeKVConnector
-from .requests import SchedulerOutput
+from .requests import DecodeRequest, SchedulerOutput
 from .scheduler import DecodeScheduler, RequestTooLargeError
 
 logger = logging.getLogger(__name__)
@@ -282,6 +282,22 @@ class DecodeWorker:
                           if e.token_ids and e.request_id in logprobs else e for e in events]
             self._publish(events)
 
+    def _matcher(self, req: DecodeRequest):
+        """The request's grammar matcher, built at its first sampling on D and fed the
+        tokens generated so far (P's first token; on a retry, the prompt's tail too);
+        None without structured_outputs, or when those tokens break the grammar (then
+        the request fails)."""
+        so = req.params.structured_outputs
+        if so is None or req.matcher is not None:
+            return req.matcher
+        offset = req.params.step_offset
+        done = req.prompt_token_ids[len(req.prompt_token_ids) - offset:] if offset else []
+        try:
+            req.matcher = self.runner.grammars.matcher(so, done + req.output_ids)
+        except ValueError as e:
+            self.scheduler.abort(req.request_id, error=str(e))
+        return req.matcher
+
     def _step(self, out: SchedulerOutput,
               give_back: Callable[[int], None] | None
               ) -> tuple[list[int | None], dict[str, TokenLogprobs]]:
@@ -319,13 +335,18 @@ class DecodeWorker:
                 rq = [reqs[rows[k]] for k in hit]
                 params = [r.params for r in rq]
                 captured = capture(logits, params)
+                matchers = [self._matcher(r) for r in rq]
                 drawn = sample(logits, params, [len(r.output_ids) for r in rq],
                                [r.token_ids(r.num_tokens) if r.params.penalized else None
-                                for r in rq], runner.config.eos_token_ids)
-                for k, t, lp in zip(hit, drawn, captured.of(drawn)):
+                                for r in rq], runner.config.eos_token_ids,
+                               runner.grammars.bitmask(matchers)
+                               if any(m is not None for m in matchers) else None)
+                for k, t, lp, m in zip(hit, drawn, captured.of(drawn), matchers):
                     tokens[rows[k]] = t
                     if lp is not None:
                         logprobs[reqs[rows[k]].request_id] = lp
+                    if m is not None:
+                        m.accept_token(t)
         logger.debug("decode step: %d rows (%d prefill, %d tokens), %.1f ms", len(reqs),
                      len(prows), sum(counts), 1e3 * (time.perf_counter() - t0))
         return tokens, logprobs

@@ -8,6 +8,7 @@ prefill, the new token in decode): only those rows reach the LM head.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -20,6 +21,7 @@ import torch
 
 from . import cpu_ops, logprobs
 from .logprobs import TokenLogprobs
+from .structured_output import Grammars
 from .attention import (AttentionMetadata, allocate_kv_cache, attention_backend, cpu_kernels_fit,
                         decode_on_device)
 from .config import CacheConfig, ModelConfig
@@ -200,6 +202,12 @@ class ModelRunner:
         rows = [t[:-(-n // bs)] for t, n in zip(tables, num_tokens)]
         width = max(2, max(len(r) for r in rows))
         return torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """xgrammar's state for this model's tokenizer (engine/structured_output.py),
+        built when the first request with structured_outputs samples."""
+        return Grammars(self.tokenizer, self.config.vocab_size)
 
     @torch.inference_mode()
     def prefill(self, seqs: Sequence[PrefillSeq],

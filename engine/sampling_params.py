@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .structured_output import StructuredOutput
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -66,6 +68,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutput | None = None   # engine/structured_output.py
     step_offset: int = 0     # tokens generated before this request moved here (the
                              # router's retry after a worker died); the sampler's step
                              # counts on from it, so seeded draws continue unchanged

@@ -33,6 +33,8 @@ def make_request(prompt: str | list[int] | list[dict] | None = None, *, request_
             field.extend(v)
         elif isinstance(v, dict):     # logit_bias
             field.update(v)
+        elif hasattr(v, "DESCRIPTOR"):   # a message: structured_outputs
+            field.CopyFrom(v)
         else:
             setattr(req.sampling, k, v)
     return req

@@ -281,9 +281,12 @@ class PrefillWorker:
                 if done:
                     done_logits, params = logits[rows], [r.params for r in done]
                     captured = capture(done_logits, params)
+                    matchers = [self._matcher(r) for r in done]
                     tokens = sample(done_logits, params, [0] * len(done),
                                     [r.token_ids if r.params.penalized else None for r in done],
-                                    self.runner.config.eos_token_ids)
+                                    self.runner.config.eos_token_ids,
+                                    self.runner.grammars.bitmask(matchers)
+                                    if any(m is not None for m in matchers) else None)
                     for r, lp in zip(done, captured.of(tokens)):
                         r.logprobs = lp
             except Exception as e:  # a model fault fails this batch, not the worker
@@ -296,6 +299,16 @@ class PrefillWorker:
             for r, tok in zip(done, tokens):
                 r.state = RequestState.SENDING_KV
                 self.connector.request_finished(r, tok)
+
+    def _matcher(self, req: PrefillRequest):
+        """A grammar matcher for the request's first token: it has accepted the tokens
+        generated before (on a retry, the prompt's last step_offset); None without
+        structured_outputs. Raises ValueError when those break the grammar."""
+        so, offset = req.params.structured_outputs, req.params.step_offset
+        if so is None:
+            return None
+        done = req.token_ids[len(req.token_ids) - offset:] if offset else []
+        return self.runner.grammars.matcher(so, done)
 
     def _finish_sent(self) -> None:
         """Release every request whose transfer ended (the connector's poll); a failed

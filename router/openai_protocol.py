@@ -14,6 +14,7 @@ lone surrogate in a string).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -55,6 +56,17 @@ class _Common(BaseModel):
     min_tokens: int | None = None   # extension (vLLM)
     stop_token_ids: list[int] | None = None  # extension (vLLM)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    # Structured output, one way of: OpenAI's response_format ({"type": "text" |
+    # "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}),
+    # vLLM's structured_outputs ({"json" | "regex" | "choice" | "grammar" |
+    # "json_object": ...}) or its older guided_json / guided_regex / guided_choice /
+    # guided_grammar.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None         # accepted and ignored (OpenAI: abuse monitoring)
 
 
@@ -82,7 +94,6 @@ class ChatCompletionRequest(_Common):
     tools: list[Any] | None = None  # none only
     tool_choice: Any = None         # unset or "none" only
     parallel_tool_calls: bool | None = None  # accepted (no tools, so no effect)
-    response_format: dict[str, Any] | None = None  # {"type": "text"} only
 
 
 # Parameters pdserve does not serve: (accepted when, what to do instead).
@@ -94,8 +105,6 @@ _UNSERVED = {
     "tools": (lambda v: not v, "tools (function calling) are not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tools (function calling) are not "
                                                   "supported"),
-    "response_format": (lambda v: v is None or v.get("type") == "text",
-                        "only response_format {\"type\": \"text\"} is supported"),
 }
 
 
@@ -143,6 +152,7 @@ def to_request(body: CompletionRequest | ChatCompletionRequest,
     s.stop.extend(_stop(body.stop))
     s.ignore_eos = bool(body.ignore_eos)
     _set_logprobs(s, body)
+    _set_structured(s.structured_outputs, body)
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         if getattr(body, name) is not None:
             setattr(s, name, getattr(body, name))
@@ -163,6 +173,52 @@ def to_request(body: CompletionRequest | ChatCompletionRequest,
             raise InvalidRequestError("logit_bias", f"token id {token} is out of range")
         s.logit_bias[token] = bias
     return req
+
+
+def _set_structured(so: pb.StructuredOutputs, body) -> None:
+    """The request's structured output, from whichever parameter names it (at most one;
+    the router compiles it and refuses what does not compile)."""
+    asked = {}           # parameter -> (kind, value)
+    rf = body.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            asked["response_format"] = ("json_object", True)
+        elif kind == "json_schema":
+            schema = (rf.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError("response_format", "json_schema.schema must be a "
+                                                             "JSON schema object")
+            asked["response_format"] = ("json", schema)
+        elif kind != "text":
+            raise InvalidRequestError("response_format", f"type must be text, json_object or "
+                                                         f"json_schema, got {kind!r}")
+    if body.structured_outputs:
+        kinds = [k for k, v in body.structured_outputs.items() if v not in (None, False)]
+        if len(kinds) != 1 or kinds[0] not in ("json", "json_object", "regex", "choice",
+                                               "grammar"):
+            raise InvalidRequestError("structured_outputs", "set exactly one of json, "
+                                      f"json_object, regex, choice, grammar; got {kinds}")
+        asked["structured_outputs"] = (kinds[0], body.structured_outputs[kinds[0]])
+    for name in ("json", "regex", "choice", "grammar"):
+        if getattr(body, f"guided_{name}") is not None:
+            asked[f"guided_{name}"] = (name, getattr(body, f"guided_{name}"))
+    if len(asked) > 1:
+        raise InvalidRequestError(sorted(asked)[1], f"only one structured output per request; "
+                                                    f"got {', '.join(sorted(asked))}")
+    for param, (kind, value) in asked.items():
+        if kind == "json_object":
+            so.json_object = True
+        elif kind == "json":
+            so.json = value if isinstance(value, str) else json.dumps(value)
+        elif kind == "choice":
+            if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+                raise InvalidRequestError(param, "choice must be a list of strings")
+            so.choice.choices.extend(_utf8(param, c) for c in value)
+        elif not isinstance(value, str):
+            raise InvalidRequestError(param, f"{kind} must be a string")
+        else:
+            setattr(so, kind, _utf8(param, value))
 
 
 def _set_logprobs(s: pb.SamplingParams, body) -> None:

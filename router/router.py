@@ -40,6 +40,7 @@ from ..config import ClusterConfig
 from ..engine.loader import resolve_model
 from ..engine.request import TokenEvent
 from ..engine.sampling_params import InvalidRequestError
+from ..engine.structured_output import Grammars
 from ..messages import PrefillOrder, PrefillResult
 from ..metrics import RouterMetrics, serve as serve_metrics
 from ..proto import pdserve_pb2 as pb
@@ -72,6 +73,8 @@ class Router:
         model_dir = resolve_model(config.prefill.model)
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # structured outputs compile here first, so a bad grammar is refused at the door
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.model_name = str(config.prefill.model)
         self._prefill_handles, self._decode_handles = prefill, decode
         self._server: grpc.aio.Server | None = None
@@ -180,7 +183,8 @@ class Router:
         ids = await asyncio.get_running_loop().run_in_executor(
             _TOKENIZE, validation.prompt_token_ids, req, self.tokenizer, cfg.vocab_size,
             cfg.max_model_len)
-        params = validation.sampling_params(req, len(ids), cfg.max_model_len, cfg.vocab_size)
+        params = validation.sampling_params(req, len(ids), cfg.max_model_len, cfg.vocab_size,
+                                            self.grammars)
         self.placement.check_fits(len(ids), params.max_tokens)
         rid = client_id or uuid.uuid4().hex
         deadline = time.monotonic() + (deadline_s or self.config.router.request_timeout_s)

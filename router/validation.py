@@ -6,9 +6,11 @@ turns it into INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import json
 import math
 
 from ..engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequestError, SamplingParams
+from ..engine.structured_output import Grammars, StructuredOutput
 
 MAX_PROMPT_CHARS = 1 << 20      # characters of text/messages accepted before tokenizing
 # ... and at most this many per token of the model's context. English averages ~4
@@ -78,12 +80,13 @@ def prompt_token_ids(req, tokenizer, vocab_size: int, max_model_len: int) -> lis
 
 
 def sampling_params(req, prompt_len: int, max_model_len: int,
-                    vocab_size: int | None = None) -> SamplingParams:
+                    vocab_size: int | None = None, grammars: Grammars | None = None
+                    ) -> SamplingParams:
     """SamplingParams from the request's `sampling` message (defaults as in vLLM).
 
     max_tokens defaults to min(256, room left in the context); an explicit value that does
     not fit is an error, not a silent cut. With `vocab_size`, logit_bias token ids must
-    be in [0, vocab_size).
+    be in [0, vocab_size); with `grammars`, structured_outputs must compile.
     Raises:
         InvalidRequestError: a parameter out of range (message names it and the limit).
     """
@@ -116,7 +119,24 @@ def sampling_params(req, prompt_len: int, max_model_len: int,
         min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
         logit_bias=tuple(sorted(s.logit_bias.items())),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
-        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None, **floats)
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        structured_outputs=_structured(s, grammars), **floats)
+
+
+def _structured(s, grammars: Grammars | None) -> StructuredOutput | None:
+    kind = s.structured_outputs.WhichOneof("kind") if s.HasField("structured_outputs") else None
+    if kind is None:
+        return None
+    value = getattr(s.structured_outputs, kind)
+    spec = ("" if kind == "json_object" else json.dumps(list(value.choices)) if kind == "choice"
+            else value)
+    so = StructuredOutput(kind, spec)
+    if grammars is not None:
+        try:
+            grammars.compile(so)
+        except ValueError as e:
+            raise InvalidRequestError("sampling.structured_outputs", str(e)) from None
+    return so
 
 
 def request_id(req) -> str | None:

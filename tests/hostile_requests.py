@@ -33,6 +33,7 @@ from pdserve.engine.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
+from pdserve.engine.structured_output import MAX_SPEC_CHARS
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.router.validation import (
     MAX_MESSAGES,
@@ -218,6 +219,21 @@ def generate_requests(vocab_size: int, max_model_len: int) -> st.SearchStrategy[
         st.one_of(st.floats(-100, 100, width=32), hostile_floats), max_size=6)
     logit_bias_many = st.integers(MAX_LOGIT_BIAS_TOKENS - 1, 5000).map(
         lambda n: {i: 1.0 for i in range(n)})
+    # structured outputs: grammars that compile, ones that do not, odd and giant text
+    structured = st.one_of(
+        st.sampled_from([pb.StructuredOutputs(json='{"type": "object"}'),
+                         pb.StructuredOutputs(json_object=True),
+                         pb.StructuredOutputs(regex="[0-9]+"),
+                         pb.StructuredOutputs(choice=pb.Choices(choices=["yes", "no"])),
+                         pb.StructuredOutputs(grammar='root ::= "a"'),
+                         pb.StructuredOutputs(json='{"type": 5}'),
+                         pb.StructuredOutputs(regex="(("),
+                         pb.StructuredOutputs(choice=pb.Choices()),
+                         pb.StructuredOutputs(grammar="root ::= ")]),
+        st.builds(lambda t: pb.StructuredOutputs(json=t), odd_text),
+        st.builds(lambda t: pb.StructuredOutputs(regex=t), odd_text),
+        st.builds(lambda t: pb.StructuredOutputs(grammar=t), odd_text),
+        st.builds(lambda n: pb.StructuredOutputs(regex="a" * n), _around(MAX_SPEC_CHARS)))
     stop_short = st.lists(st.one_of(odd_text, special_text), min_size=1, max_size=4)
     stop_many = st.tuples(st.sampled_from(["x", "", "\x00", "😀"]),
                           st.one_of(_around(MAX_STOP_STRINGS), st.integers(1, 100_000))
@@ -255,6 +271,9 @@ def generate_requests(vocab_size: int, max_model_len: int) -> st.SearchStrategy[
         s.ignore_eos = draw(st.booleans())
         s.logit_bias.update(_pick(draw, (85, st.just({})), (13, logit_bias),
                                   (2, logit_bias_many)))
+        so = _pick(draw, (90, st.none()), (10, structured))
+        if so is not None:
+            s.structured_outputs.CopyFrom(so)
         return s
     sampling = _sampling()
 

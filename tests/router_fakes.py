@@ -40,6 +40,7 @@ def fake_router(prefills: list, decodes: list, **router_kw) -> Router:
     r.config = ClusterConfig(router=RouterConfig(port=0, **router_kw))
     r.model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=256, eos_token_ids=(EOS,))
     r.tokenizer = SimpleNamespace(backend_tokenizer=TOKENIZER)
+    r.grammars = None                     # structured outputs: not compiled by the fakes
     rc = r.config.router
     r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
     r.metrics = RouterMetrics(lambda: r.admission.queued_requests)

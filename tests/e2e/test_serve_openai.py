@@ -10,9 +10,13 @@ without a cluster in tests/unit/test_http_api.py."""
 
 from __future__ import annotations
 
+import re
+from typing import Literal
+
 import httpx2
 import openai
 import pytest
+from pydantic import BaseModel, Field
 from serving import Served, start_ray
 
 from pdserve.client import make_request
@@ -120,6 +124,59 @@ def test_echo_logprobs_as_lm_eval_asks_for_them(served, client):
     assert [max(t, key=t.get) for t in lp.top_logprobs[1:]] == [
         msgs[0].prompt_logprobs[1 + i].top_logprobs[0].token for i in range(len(ids) - 1)
     ] + [msgs[0].logprobs[0].top_logprobs[0].token]
+
+
+class Answer(BaseModel):
+    answer: bool
+    confidence: int = Field(ge=0, le=100)
+
+
+class City(BaseModel):
+    name: str = Field(max_length=20)
+    country: Literal["France", "Germany", "Italy"]
+    population_millions: int = Field(ge=0, le=50)
+
+
+class Basket(BaseModel):
+    items: list[Literal["apple", "pear", "plum"]] = Field(min_length=1, max_length=3)
+
+
+@pytest.mark.parametrize("model, question", [
+    (Answer, "Is Paris in France? Answer in JSON."),
+    (City, "Describe the capital of Italy in JSON."),
+    (Basket, "Which fruits should I buy? Answer in JSON."),
+])
+def test_json_schema_through_the_openai_clients_parse(client, model, question):
+    """response_format json_schema (strict) as the openai client's parse() sends it: the
+    object validates against the schema (the client parses it with pydantic)."""
+    out = client.chat.completions.parse(
+        model="m", messages=[{"role": "user", "content": question}], response_format=model,
+        max_completion_tokens=120, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(choice.message.parsed, model), choice.message.content
+
+
+def test_regex_and_choice_over_grpc(served):
+    """vLLM's structured_outputs through gRPC → P (first token) → D: the whole text
+    matches, from the first token on."""
+    from pdserve.proto import pdserve_pb2 as pb
+    ids, text, reason = served.generate("My phone number is", max_tokens=30, temperature=0.8,
+                                        seed=3, structured_outputs=pb.StructuredOutputs(
+                                            regex=r"\(0[1-9]\) [0-9]{4}-[0-9]{4}"))
+    assert re.fullmatch(r"\(0[1-9]\) [0-9]{4}-[0-9]{4}", text) and reason == "stop", text
+    _, text, _ = served.generate("Is the sky green?", max_tokens=10, temperature=0,
+                                 structured_outputs=pb.StructuredOutputs(
+                                     choice=pb.Choices(choices=["yes", "no", "maybe"])))
+    assert text in ("yes", "no", "maybe")
+
+
+def test_a_schema_that_does_not_compile_is_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=MESSAGES, extra_body={
+            "structured_outputs": {"json": {"type": 5}}})
+    assert e.value.body["param"] == "structured_outputs"
+    assert "json does not compile: Type should be a string" in e.value.body["message"]
 
 
 def test_models_and_health(served, client):

@@ -318,7 +318,15 @@ def test_bad_completion_input_is_400_naming_the_param(router, body, param):
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "guided_regex": "a+",
       "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"messages": [{"role": "user", "content": "x"}], "guided_choice": "a"}, "guided_choice"),
 ])
 def test_bad_chat_input_is_400_naming_the_param(router, body, param):
     assert_openai_error(client(router).post("/v1/chat/completions", json=body), 400, param)

@@ -7,6 +7,7 @@ validation.max_prompt_chars(max_model_len) characters."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -22,6 +23,7 @@ from pdserve.engine.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     InvalidRequestError,
 )
+from pdserve.engine.structured_output import Grammars
 from pdserve.kv_transfer.base import MAX_REQUEST_ID_BYTES as KV_FRAME_REQUEST_ID_BYTES
 from pdserve.router import validation
 
@@ -65,7 +67,13 @@ def _validate(req, tokenizer, cfg):
     # The router sends f"{rid}#{8 hex digits}" in KV frames, which carry at most 256 bytes.
     assert rid is None or 0 < len(rid.encode()) + 9 <= KV_FRAME_REQUEST_ID_BYTES, rid
     ids = validation.prompt_token_ids(req, tokenizer, cfg.vocab_size, cfg.max_model_len)
-    return ids, validation.sampling_params(req, len(ids), cfg.max_model_len, cfg.vocab_size)
+    return ids, validation.sampling_params(req, len(ids), cfg.max_model_len, cfg.vocab_size,
+                                           _grammars(tokenizer._tok, cfg.vocab_size))
+
+
+@functools.cache
+def _grammars(tokenizer, vocab_size: int) -> Grammars:
+    return Grammars(tokenizer, vocab_size)
 
 
 @settings(max_examples=1000, deadline=None, derandomize=True, database=None,

@@ -1,0 +1,128 @@
+"""Structured output: generation constrained to a JSON schema, any JSON object, a regex,
+a list of choices or an EBNF grammar (SamplingParams.structured_outputs; vLLM's
+StructuredOutputsParams names), with xgrammar, vLLM's and SGLang's default backend.
+
+Each worker compiles a request's grammar once (xgrammar's GrammarCompiler caches compiled
+grammars by their text) and keeps one GrammarMatcher per request, which has accepted
+every token generated so far. Before each sampling step the matchers fill a token
+bitmask, [batch, ceil(vocab / 32)] int32 (bit set: allowed), which the sampler applies
+first (engine/logits_processors.py); the sampled token is then accepted. Once the
+grammar is complete only its stop tokens (the model's EOS) are allowed, so the request
+ends there. JSON is compact (xgrammar's any_whitespace=False: no whitespace between
+tokens), as small models otherwise tend to emit whitespace without end. The router
+compiles too, to refuse a grammar xgrammar cannot compile with
+400 / INVALID_ARGUMENT before any worker sees it.
+
+Where it runs: the prefill worker's matcher picks the first token (on a retry, after
+accepting the tokens already generated, the tail of its prompt); the decode worker's
+matcher accepts those same tokens, then constrains every later one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 64 * 1024        # a schema, regex or grammar's text
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """What to constrain generation to. kind: "json" (spec: a JSON schema's text),
+    "json_object" (any JSON object; spec ""), "regex" (spec: the pattern), "choice"
+    (spec: a JSON list of the allowed strings), "grammar" (spec: EBNF, xgrammar's
+    GBNF dialect)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        from .sampling_params import InvalidRequestError
+        if self.kind not in KINDS:
+            raise InvalidRequestError("sampling.structured_outputs",
+                                      f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise InvalidRequestError("sampling.structured_outputs",
+                                      f"{self.kind} is {len(self.spec)} characters, limit "
+                                      f"{MAX_SPEC_CHARS}")
+
+
+class Grammars:
+    """One process's xgrammar state for one model: the tokenizer's vocabulary as
+    xgrammar sees it and a compiler with its cache. Thread-safe."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        import xgrammar as xgr
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path, vocab_size: int) -> Grammars:
+        from transformers import AutoTokenizer
+        return cls(AutoTokenizer.from_pretrained(model_dir), vocab_size)
+
+    def compile(self, so: StructuredOutput) -> Any:
+        """The compiled grammar. Raises ValueError naming what xgrammar refused."""
+        c = self._compiler
+        try:
+            with self._lock:
+                if so.kind in ("json", "json_object"):   # compact: no free whitespace
+                    return c.compile_json_schema(so.spec or '{"type": "object"}',
+                                                 any_whitespace=False, strict_mode=True)
+                if so.kind == "regex":
+                    return c.compile_regex(so.spec)
+                if so.kind == "choice":
+                    return c.compile_grammar(_choice_grammar(so.spec))
+                return c.compile_grammar(so.spec)
+        except (RuntimeError, ValueError, TypeError) as e:
+            why = re.sub(r"^\[[^]]*\] \S+:\d+: ", "", str(e).splitlines()[-1])  # xgrammar's prefix
+            raise ValueError(f"{so.kind} does not compile: {why[:300]}") from None
+
+    def matcher(self, so: StructuredOutput, accepted: list[int]) -> Any:
+        """A GrammarMatcher that has accepted ``accepted`` (the tokens generated so far).
+        Raises ValueError when one of them breaks the grammar."""
+        m = self._xgr.GrammarMatcher(self.compile(so))
+        for t in accepted:
+            if not m.accept_token(t):
+                raise ValueError(f"token {t} generated earlier breaks the {so.kind} grammar")
+        return m
+
+    def bitmask(self, matchers: list[Any | None]) -> torch.Tensor | None:
+        """[len(matchers), ceil(vocab / 32)] int32 of each row's allowed tokens (rows
+        without a matcher: all); None when no row has one."""
+        if not any(m is not None for m in matchers):
+            return None
+        mask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i, m in enumerate(matchers):
+            if m is not None:
+                m.fill_next_token_bitmask(mask, i)
+        return mask
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf, in place, on every token of ``logits`` [batch, vocab] whose bit in
+    ``bitmask`` [batch, ceil(vocab / 32)] int32 is clear."""
+    import xgrammar as xgr
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+
+
+def _choice_grammar(spec: str) -> str:
+    """EBNF accepting exactly one of the JSON list of strings ``spec``."""
+    try:
+        choices = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"choice is not a JSON list: {e}") from None
+    if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c
+                                                          for c in choices)):
+        raise ValueError("choice must be a non-empty list of non-empty strings")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)

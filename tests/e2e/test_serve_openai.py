@@ -179,6 +179,37 @@ def test_a_schema_that_does_not_compile_is_400(client):
     assert "json does not compile: Type should be a string" in e.value.body["message"]
 
 
+def test_lm_eval_scores_equal_hf(served, tmp_path, monkeypatch):
+    """lm-evaluation-harness, unmodified: its `local-completions` model against pdserve
+    and its `hf` model on the same weights score a multiple-choice task (loglikelihood:
+    echo + logprobs) and answer it (generate_until) the same, sample by sample."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from lm_eval_task import GEN_TASK, MC_TASK, write_tasks
+
+    from pdserve.engine.loader import resolve_model
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tasks, manager = [MC_TASK, GEN_TASK], TaskManager(include_path=str(write_tasks(tmp_path)))
+    model_dir = str(resolve_model("default"))
+    ours = simple_evaluate(
+        model="local-completions", tasks=tasks, task_manager=manager, log_samples=True,
+        model_args=f"model=default,base_url={served.http_url}/v1/completions,"
+                   f"tokenizer={model_dir},tokenizer_backend=huggingface,num_concurrent=1,"
+                   "max_retries=1")
+    theirs = simple_evaluate(model="hf", tasks=tasks, task_manager=manager, log_samples=True,
+                             model_args=f"pretrained={model_dir},dtype=float32,device=cpu")
+    mc = zip(ours["samples"][MC_TASK], theirs["samples"][MC_TASK], strict=True)
+    for a, b in mc:                          # per choice: (loglikelihood, is_greedy)
+        assert [g for _, g in a["filtered_resps"]] == [g for _, g in b["filtered_resps"]]
+        assert [ll for ll, _ in a["filtered_resps"]] == pytest.approx(
+            [ll for ll, _ in b["filtered_resps"]], abs=1e-3)
+    gen = [(a["filtered_resps"], b["filtered_resps"]) for a, b in
+           zip(ours["samples"][GEN_TASK], theirs["samples"][GEN_TASK], strict=True)]
+    assert [a for a, _ in gen] == [b for _, b in gen] and any(a[0].strip() for a, _ in gen)
+    assert ours["results"][MC_TASK]["acc,none"] == theirs["results"][MC_TASK]["acc,none"]
+
+
 def test_models_and_health(served, client):
     assert [m.id for m in client.models.list()] == ["default"]
     r = httpx2.get(f"{served.http_url}/health")

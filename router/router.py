@@ -180,11 +180,15 @@ class Router:
         client_id = validation.request_id(req)
         # Off the event loop (a long prompt must not stall other streams), on one thread:
         # HF tokenizers raise "Already borrowed" when one is used from two threads at once.
-        ids = await asyncio.get_running_loop().run_in_executor(
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(
             _TOKENIZE, validation.prompt_token_ids, req, self.tokenizer, cfg.vocab_size,
             cfg.max_model_len)
-        params = validation.sampling_params(req, len(ids), cfg.max_model_len, cfg.vocab_size,
-                                            self.grammars)
+        args = (req, len(ids), cfg.max_model_len, cfg.vocab_size, self.grammars)
+        # a grammar compiles off the loop too (a large schema takes long)
+        params = (await loop.run_in_executor(_TOKENIZE, validation.sampling_params, *args)
+                  if req.sampling.HasField("structured_outputs")
+                  else validation.sampling_params(*args))
         self.placement.check_fits(len(ids), params.max_tokens)
         rid = client_id or uuid.uuid4().hex
         deadline = time.monotonic() + (deadline_s or self.config.router.request_timeout_s)

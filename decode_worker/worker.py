@@ -46,6 +46,7 @@ from ..engine.model_runner import DecodeSeq, ModelRunner, PrefillSeq
 from ..engine.request import TokenEvent
 from ..engine.logprobs import TokenLogprobs, capture
 from ..engine.sampler import sample
+from ..engine.structured_output import apply_bitmask
 from ..engine.sampling_params import SamplingParams
 from ..kv_transfer import KVLayout, make_receiver
 from ..messages import DecodeReservation, WorkerInfo, WorkerStatus
@@ -334,18 +335,18 @@ class DecodeWorker:
                     logits = logits[hit]
                 rq = [reqs[rows[k]] for k in hit]
                 params = [r.params for r in rq]
-                captured = capture(logits, params)
                 matchers = [self._matcher(r) for r in rq]
+                if any(m is not None for m in matchers):   # first: logprobs see the mask
+                    apply_bitmask(logits, runner.grammars.bitmask(matchers))
+                captured = capture(logits, params)
                 drawn = sample(logits, params, [len(r.output_ids) for r in rq],
                                [r.token_ids(r.num_tokens) if r.params.penalized else None
-                                for r in rq], runner.config.eos_token_ids,
-                               runner.grammars.bitmask(matchers)
-                               if any(m is not None for m in matchers) else None)
+                                for r in rq], runner.config.eos_token_ids)
                 for k, t, lp, m in zip(hit, drawn, captured.of(drawn), matchers):
                     tokens[rows[k]] = t
                     if lp is not None:
                         logprobs[reqs[rows[k]].request_id] = lp
-                    if m is not None:
+                    if m is not None and not m.is_terminated():   # ignore_eos: goes on
                         m.accept_token(t)
         logger.debug("decode step: %d rows (%d prefill, %d tokens), %.1f ms", len(reqs),
                      len(prows), sum(counts), 1e3 * (time.perf_counter() - t0))

@@ -3,7 +3,9 @@
 Values are "raw logprobs", vLLM's default `logprobs_mode`: log-softmax of the model's
 logits as the sampler receives them, before the logits processors, the temperature and
 the top-k / top-p / min-p filters, so they equal transformers' `log_softmax` of the same
-model's logits (fp32). They are taken from the rows that ask for them, before sample()
+model's logits (fp32). A structured output's grammar mask comes first, as in vLLM (its
+model runner applies the bitmask before the sampler): forbidden tokens get -inf and
+the rest are renormalized among the allowed. They are taken from the rows that ask for them, before sample()
 edits the logits in place::
 
     captured = capture(logits, params)       # [rows asking, vocab] log-softmax, a copy

@@ -207,7 +207,7 @@ class ModelRunner:
     def grammars(self) -> Grammars:
         """xgrammar's state for this model's tokenizer (engine/structured_output.py),
         built when the first request with structured_outputs samples."""
-        return Grammars(self.tokenizer, self.config.vocab_size)
+        return Grammars(self.tokenizer, self.config.vocab_size, self.config.eos_token_ids)
 
     @torch.inference_mode()
     def prefill(self, seqs: Sequence[PrefillSeq],

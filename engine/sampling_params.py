@@ -44,8 +44,8 @@ class SamplingParams:
     forbids EOS and stop_token_ids until that many tokens were generated.
 
     `logprobs` (None: off) returns, for each generated token, its log-probability and
-    the top `logprobs` tokens of its position: log-softmax of the model's logits before
-    any processor, temperature or filter (vLLM's default `logprobs_mode`,
+    the top `logprobs` tokens of its position: log-softmax of the model's logits (after a
+    grammar's mask) before any processor, temperature or filter (vLLM's default `logprobs_mode`,
     "raw_logprobs"; engine/logprobs.py). `prompt_logprobs` (None: off) does the same for
     each prompt token after the first, computed by the prefill worker over the whole
     prompt (such a request neither uses nor skips a cached prefix: every position's

@@ -25,12 +25,14 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024        # a schema, regex or grammar's text
+CACHE_LIMIT_BYTES = 256 << 20     # compiled grammars kept per process (vLLM's cap: 512 MiB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +60,18 @@ class Grammars:
     """One process's xgrammar state for one model: the tokenizer's vocabulary as
     xgrammar sees it and a compiler with its cache. Thread-safe."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int,
+                 stop_token_ids: Sequence[int] | None = None) -> None:
+        """stop_token_ids: the model's EOS ids, where a complete grammar ends (default:
+        the tokenizer's)."""
         import xgrammar as xgr
         self._xgr = xgr
         self.vocab_size = vocab_size
-        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
+        self._info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size,
+            stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=1,
+                                             cache_limit_bytes=CACHE_LIMIT_BYTES)
         self._lock = threading.Lock()
 
     @classmethod
@@ -93,22 +101,26 @@ class Grammars:
         Raises ValueError when one of them breaks the grammar."""
         m = self._xgr.GrammarMatcher(self.compile(so))
         for t in accepted:
+            if m.is_terminated():       # ended on a stop token; ignore_eos went on
+                break
             if not m.accept_token(t):
                 raise ValueError(f"token {t} generated earlier breaks the {so.kind} grammar")
         return m
 
     def bitmask(self, matchers: list[Any | None]) -> torch.Tensor | None:
         """[len(matchers), ceil(vocab / 32)] int32 of each row's allowed tokens (rows
-        without a matcher: all); None when no row has one."""
+        without a matcher, or whose grammar ended on a stop token that ignore_eos went
+        past: all); None when no row has one."""
         if not any(m is not None for m in matchers):
             return None
         mask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         for i, m in enumerate(matchers):
-            if m is not None:
+            if m is not None and not m.is_terminated():
                 m.fill_next_token_bitmask(mask, i)
         return mask
 
 
+@torch.inference_mode()   # the model's logits are inference tensors
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """-inf, in place, on every token of ``logits`` [batch, vocab] whose bit in
     ``bitmask`` [batch, ceil(vocab / 32)] int32 is clear."""

@@ -39,6 +39,7 @@ from ..engine.block_pool import BlockPool, blocks_needed
 from ..engine.model_runner import ModelRunner, PrefillSeq
 from ..engine.request import RequestState
 from ..engine.logprobs import capture
+from ..engine.structured_output import apply_bitmask
 from ..engine.sampler import sample
 from ..kv_transfer import KVLayout, KVTransferError, make_sender
 from ..messages import CacheEvents, PrefillOrder, PrefillResult, WorkerInfo, WorkerStatus
@@ -273,22 +274,24 @@ class PrefillWorker:
                         r.prompt_logprobs += e or []
                 else:
                     logits = self.runner.prefill(seqs, on_layer_done)
-                done = self.scheduler.advance(batch)
-                for r in done:
-                    self.scheduler.cache_computed(r)
-                rows = [i for i, r in enumerate(batch) if r in done]
-                tokens = []
+                # sampled before advance(): a failure below leaves no chunked request
+                # queued for a next chunk (advance(ok=False) then fails them all)
+                rows = [i for i, r in enumerate(batch) if r.chunk_end == len(r.token_ids)]
+                done, tokens = [batch[i] for i in rows], []
                 if done:
                     done_logits, params = logits[rows], [r.params for r in done]
-                    captured = capture(done_logits, params)
                     matchers = [self._matcher(r) for r in done]
+                    if any(m is not None for m in matchers):   # logprobs see the mask
+                        apply_bitmask(done_logits, self.runner.grammars.bitmask(matchers))
+                    captured = capture(done_logits, params)
                     tokens = sample(done_logits, params, [0] * len(done),
                                     [r.token_ids if r.params.penalized else None for r in done],
-                                    self.runner.config.eos_token_ids,
-                                    self.runner.grammars.bitmask(matchers)
-                                    if any(m is not None for m in matchers) else None)
+                                    self.runner.config.eos_token_ids)
                     for r, lp in zip(done, captured.of(tokens)):
                         r.logprobs = lp
+                assert self.scheduler.advance(batch) == done, "chunk bookkeeping"
+                for r in done:
+                    self.scheduler.cache_computed(r)
             except Exception as e:  # a model fault fails this batch, not the worker
                 logger.exception("prefill batch of %d failed", len(batch))
                 self.scheduler.advance(batch, ok=False)

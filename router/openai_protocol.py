@@ -263,8 +263,9 @@ def logprobs_body(entries, chat: bool, offset: int = 0) -> dict:
     has = [e.HasField("logprob") for e in entries]
     return {"tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob if h else None for e, h in zip(entries, has)],
-            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} if h else None
-                             for e, h in zip(entries, has)],
+            # the sampled token's too (OpenAI's legacy completions and vLLM): k + 1 at most
+            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} | {e.token: e.logprob}
+                             if h else None for e, h in zip(entries, has)],
             "text_offset": offsets}
 
 

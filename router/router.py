@@ -74,7 +74,8 @@ class Router:
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         # structured outputs compile here first, so a bad grammar is refused at the door
-        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
+                                 self.model_config.eos_token_ids)
         self.model_name = str(config.prefill.model)
         self._prefill_handles, self._decode_handles = prefill, decode
         self._server: grpc.aio.Server | None = None

@@ -10,6 +10,7 @@ without a cluster in tests/unit/test_http_api.py."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Literal
 
@@ -169,6 +170,13 @@ def test_regex_and_choice_over_grpc(served):
                                  structured_outputs=pb.StructuredOutputs(
                                      choice=pb.Choices(choices=["yes", "no", "maybe"])))
     assert text in ("yes", "no", "maybe")
+    # ignore_eos past the end of the object: it goes on, unconstrained, to max_tokens
+    ids, text, reason = served.generate("Give me a JSON object.", max_tokens=40, temperature=0,
+                                        ignore_eos=True, structured_outputs=pb.StructuredOutputs(
+                                            json_object=True))
+    assert reason == "length" and len(ids) == 40
+    obj, _ = json.JSONDecoder().raw_decode(text)
+    assert isinstance(obj, dict)
 
 
 def test_a_schema_that_does_not_compile_is_400(client):

@@ -89,7 +89,8 @@ def test_echo_with_logprobs_puts_the_prompt_first():
     assert choice["text"] == "HiHello"
     assert choice["logprobs"]["tokens"] == ["H", "i", "Hel", "lo"]
     assert choice["logprobs"]["token_logprobs"] == [None, -3.0, -0.5, -1.5]
-    assert choice["logprobs"]["top_logprobs"][:2] == [None, {"a": -0.125}]
+    # the sampled (here: echoed) token's own logprob joins its position's top ones
+    assert choice["logprobs"]["top_logprobs"][:2] == [None, {"a": -0.125, "i": -3.0}]
     assert choice["logprobs"]["text_offset"] == [0, 1, 2, 5]
     assert r.all_closed()
 

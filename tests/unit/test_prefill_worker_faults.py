@@ -34,3 +34,42 @@ def test_a_model_fault_fails_the_request_as_such_and_frees_its_blocks(monkeypatc
         assert p.pool.num_free == p.pool.num_blocks
     finally:
         asyncio.run(p.shutdown())
+
+
+def test_a_sampling_fault_beside_a_chunked_prompt_leaves_nothing_queued(monkeypatch):
+    """A step fails after its forward (here: the sampler raises) while a longer prompt
+    was mid-chunk in the same batch: both requests fail, no chunk of the failed one runs
+    later, every block is free, and the next request is served."""
+    import pdserve.prefill_worker.worker as worker_module
+
+    p = PrefillWorker("prefill-0", WorkerConfig(model=str(tiny_model_dir("llama")),
+                                                num_kv_blocks=16, block_size=4,
+                                                prefill_chunk_size=8))
+    real_sample = worker_module.sample
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("sampler boom")
+
+    def order(rid, n):
+        return PrefillOrder(rid, list(range(5, 5 + n)), SamplingParams(max_tokens=4),
+                            ("127.0.0.1", 9), epoch=1)
+
+    async def main():
+        monkeypatch.setattr(worker_module, "sample", boom)
+        got = await asyncio.wait_for(asyncio.gather(   # one batch: 3 tokens + 5 of 20
+            p.prefill(order("short", 3)), p.prefill(order("long", 20)),
+            return_exceptions=True), 30)
+        assert [type(g) for g in got] == [PrefillFailed] * 2, got
+        assert all("sampler boom" in str(g) for g in got)
+        assert p.scheduler.counts() == (0, 0)
+        monkeypatch.setattr(worker_module, "sample", real_sample)
+        # nothing listens at D: the transfer fails, but the step itself runs
+        with pytest.raises(Exception) as e:
+            await asyncio.wait_for(p.prefill(order("next", 6)), 30)
+        assert "prefill failed" not in str(e.value)
+
+    try:
+        asyncio.run(main())
+        assert p.pool.num_free == p.pool.num_blocks
+    finally:
+        asyncio.run(p.shutdown())

@@ -77,6 +77,19 @@ def test_greedy_under_a_schema_gives_a_valid_object(grammars):
     assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 9
 
 
+def test_a_grammar_ended_on_a_stop_token_constrains_nothing_after_it(grammars):
+    """ignore_eos past a complete grammar: the bitmask lets every token through (it
+    would raise on the terminated matcher), and a retry's replay stops at the stop token."""
+    g, tok = grammars
+    so = SO("choice", '["yes"]')
+    yes = tok("yes", add_special_tokens=False)["input_ids"]
+    eos = tok.eos_token_id
+    m = g.matcher(so, yes + [eos])
+    assert m.is_terminated()
+    assert bool((g.bitmask([m]) == -1).all())          # every bit set: all allowed
+    g.matcher(so, yes + [eos, 5, 6])                   # tokens after the end: not replayed
+
+
 def test_matcher_replays_earlier_tokens_and_refuses_a_breaking_one(grammars):
     g, tok = grammars
     so = SO("regex", "ab+c")

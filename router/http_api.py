@@ -50,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.sampling_params import InvalidRequestError
 from ..proto import pdserve_pb2 as pb
 from . import openai_protocol as oai
+from . import openai_responses as oair
 from .errors import RequestError
 from .security import UNAUTHENTICATED_MESSAGE, bearer_matches
 from .service import metered_generate
@@ -76,7 +77,7 @@ def error_response(status: int, message: str, param: str | None = None,
              "rate_limit_error" if status == 429 else "server_error")
     if status == 429 and code is None:
         code = "rate_limit_exceeded"
-    return JSONResponse(oai.error_body(message, type_, param, code), status, headers=headers)
+    return JSONResponse(oair.error_body(message, type_, param, code), status, headers=headers)
 
 
 def _error(e: InvalidRequestError | RequestError, body) -> JSONResponse:
@@ -166,7 +167,7 @@ class _EventStream(StreamingResponse):
 
 
 async def _events(first: pb.GenerateResponse, stream: AsyncIterator[pb.GenerateResponse],
-                  writer: oai.ChunkWriter, body) -> AsyncIterator[bytes]:
+                  writer: oair.ChunkWriter, body) -> AsyncIterator[bytes]:
     try:
         for chunk in writer.chunks(first):
             yield _sse(chunk)
@@ -178,7 +179,7 @@ async def _events(first: pb.GenerateResponse, stream: AsyncIterator[pb.GenerateR
         yield b"data: " + _error(e, body).body + b"\n\n"
     except Exception:
         logger.exception("stream %s failed", writer.head["id"])
-        yield _sse(oai.error_body("internal error", "server_error", code="internal"))
+        yield _sse(oair.error_body("internal error", "server_error", code="internal"))
     finally:
         await stream.aclose()
 
@@ -202,12 +203,12 @@ async def _complete(router, request: Request, body, chat: bool) -> Response:
     else:
         if body.stream:     # the stream goes on in the response, which closes it
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            writer = oai.ChunkWriter(rid, created, model, chat, include_usage,
+            writer = oair.ChunkWriter(rid, created, model, chat, include_usage,
                                      oai.wants_logprobs(body), oai.echo_text(body, tokenizer))
             return _EventStream(_events(first, stream, writer, body), stream,
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        make = oai.chat_completion if chat else oai.completion
-        lp = oai.logprobs_body(logprobs, chat) if oai.wants_logprobs(body) else None
+        make = oair.chat_completion if chat else oair.completion
+        lp = oair.logprobs_body(logprobs, chat) if oai.wants_logprobs(body) else None
         text = (oai.echo_text(body, tokenizer) or "") + text
         response = JSONResponse(make(rid, created, model, text, last.finish_reason, last.usage,
                                      lp))

@@ -73,9 +73,8 @@ class Router:
         model_dir = resolve_model(config.prefill.model)
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        # structured outputs compile here first, so a bad grammar is refused at the door
-        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
-                                 self.model_config.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size,  # refuses a bad
+                                 self.model_config.eos_token_ids)            # grammar first
         self.model_name = str(config.prefill.model)
         self._prefill_handles, self._decode_handles = prefill, decode
         self._server: grpc.aio.Server | None = None
@@ -185,11 +184,9 @@ class Router:
         ids = await loop.run_in_executor(
             _TOKENIZE, validation.prompt_token_ids, req, self.tokenizer, cfg.vocab_size,
             cfg.max_model_len)
-        args = (req, len(ids), cfg.max_model_len, cfg.vocab_size, self.grammars)
-        # a grammar compiles off the loop too (a large schema takes long)
-        params = (await loop.run_in_executor(_TOKENIZE, validation.sampling_params, *args)
-                  if req.sampling.HasField("structured_outputs")
-                  else validation.sampling_params(*args))
+        params = await loop.run_in_executor(   # off the loop too: a grammar compiles there
+            _TOKENIZE, validation.sampling_params, req, len(ids), cfg.max_model_len,
+            cfg.vocab_size, self.grammars)
         self.placement.check_fits(len(ids), params.max_tokens)
         rid = client_id or uuid.uuid4().hex
         deadline = time.monotonic() + (deadline_s or self.config.router.request_timeout_s)

@@ -56,6 +56,8 @@ class DecodeRequest:
     block_hashes: list[BlockHash] = field(default_factory=list)  # prompt's full blocks
     arrived: float = field(default_factory=time.monotonic)   # reserved at; schedule policy
     matcher: Any = None                  # its grammar's, params.structured_outputs (sampling)
+    group: str | None = None             # sample i > 0 of n: the request it was forked from
+    cow_src: int | None = None           # a block to copy before its first write (fork.py)
 
     @property
     def prompt_len(self) -> int:
@@ -98,10 +100,13 @@ class SchedulerOutput:
     entry) of prompt + output, and sample the next token when that reaches num_tokens.
     A row of one token is a decode row; a longer one is a prefill (a local prompt, or a
     chunk of one, or a preempted request's recompute) and, under prefill_chunk_size,
-    may stop short of num_tokens (nothing sampled for it this step)."""
+    may stop short of num_tokens (nothing sampled for it this step). Before the forward,
+    each (src, dst) block of `blocks_to_copy` is copied, every layer's K and V
+    (decode_worker/fork.py: a forked sample's own copy of a shared block)."""
 
     requests: tuple[DecodeRequest, ...] = ()
     num_scheduled_tokens: tuple[int, ...] = ()
+    blocks_to_copy: tuple[tuple[int, int], ...] = ()   # (src, dst) before the forward
 
     def samples(self, i: int) -> bool:
         """Whether row ``i`` samples a token this step."""

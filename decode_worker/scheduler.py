@@ -27,28 +27,17 @@ Lifecycle of a request on a decode worker (pure state; no model, no sockets):
                          checks EOS / stop_token_ids / max_tokens / context length,
                          frees finished requests' blocks
 
-Blocks are taken on demand (vLLM's policy): the prompt's blocks at reserve(), then one
-block whenever a running request's next token position enters a new block. Priority is
-the order of first admission into RUNNING (kept across preemption). When the pool cannot
-give a running request its next block, the newest running request (perhaps the
-requester itself) is **preempted**: its blocks go back to the pool, and it waits with
-its prompt_token_ids and output_ids until enough blocks are free to hold them again.
-It then rejoins the batch with num_computed_tokens = 0: the step computes the K/V of
-prompt + output as a prefill and samples the next token from the last one's logits,
-as if never preempted. The sampler's step index is len(output_ids), unchanged by
-preemption, so greedy and seeded outputs are too.
+Blocks are taken on demand, and a running request that cannot get its next block
+preempts the newest (batch.py, the memory policy and why it always makes progress); a
+preempted request waits with its tokens and resumes, as if never preempted, by computing
+their K/V again as a prefill. With sampling n > 1, the prompt's K/V is forked into its
+samples once complete (fork.py).
 
 Every case is "compute tokens from num_computed_tokens to num_tokens" (vLLM's one
 progress counter; requests.py DecodeRequest): a local prefill starts after D's prefix
 cache hit and samples the first token as a prefill worker would (Dynamo's conditional
 disaggregation); with prefill_chunk_size, a long local prompt or recompute runs over
 several steps while the running rows keep decoding (vLLM's chunked prefill).
-
-Why this always makes progress: the oldest running request is preempted only when it is
-alone and reservations still waiting for KV hold the rest; a request that could not fit
-the whole pool even alone is refused at reserve(); and reserve() never takes the blocks
-that preempted requests need to resume, so resumed requests go before newly arrived
-ones and a stream of new requests cannot starve them.
 
 Thread-safety: every public method takes the scheduler's lock. Blocks are only ever
 freed, and only taken for running requests, inside schedule(), update_from_output() and
@@ -59,9 +48,7 @@ are recorded and applied there. (reserve() takes free blocks from RPC threads.)
 
 from __future__ import annotations
 
-import bisect
 import logging
-import operator
 import threading
 import time
 
@@ -70,13 +57,12 @@ from ..engine.request import RequestState, TokenEvent
 from ..engine.schedule_policy import prefill_order, step_tokens
 from ..engine.sampling_params import SamplingParams
 from ..engine.stop import stop_state
+from .batch import RunningBatch
 from .connector import DecodeKVConnector
+from .fork import drop_cow_src, fork
 from .requests import DecodeRequest, RequestTooLargeError, Reserved, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-_by_admission = operator.attrgetter("admitted_seq")   # priority: first admission into RUNNING
 
 
 class DecodeScheduler:
@@ -112,13 +98,11 @@ class DecodeScheduler:
         self._lock = threading.Lock()
         self._requests: dict[str, DecodeRequest] = {}
         self._arrived: list[str] = []
-        # Priority is first admission into RUNNING (admitted_seq), kept across preemption:
-        # both lists are sorted by it, oldest first; the newest running one is preempted.
-        self._running: list[DecodeRequest] = []
-        self._preempted: list[DecodeRequest] = []
+        self._batch = RunningBatch(pool, block_size, max_batch_size)   # running, preempted
         self._next_seq = 0
+        self._copied: list[int] = []             # cow sources of the last step's copies
         self._events: list[TokenEvent] = []      # finishes outside a step (errors, aborts)
-        self.num_reclaimed = self.num_preemptions = 0  # leases; preemptions (a request: many)
+        self.num_reclaimed = 0                   # leases expired
         self.num_local_prefills = 0              # requests prefilled on D (no transfer)
         self.cached_tokens = 0                   # prompt tokens found in D's prefix cache
         self.prefix_queries = self.prefix_hits = 0  # blocks looked up / found there
@@ -176,7 +160,7 @@ class DecodeScheduler:
             lookup = hashes[:(n - 1) // bs]                      # not the last token's block
             hit = self.pool.match_prefix(lookup)
         need = blocks_needed(n, bs) - len(hit)
-        free = self.pool.num_free - self._resume_blocks()
+        free = self.pool.num_free - self._batch.resume_blocks()
         if need > free:
             self.pool.free(hit)
             raise NoFreeBlocksError(need, max(free, 0), self.pool.num_blocks)
@@ -206,6 +190,8 @@ class DecodeScheduler:
                 req.output_ids.append(first_token)
                 self._arrived.append(request_id)
                 self._cache_prompt(req)
+                if req.abort_reason is None:
+                    self._fork(req)
             else:
                 req.abort_reason = error or "KV transfer failed"
                 req.error = req.abort_reason
@@ -222,12 +208,15 @@ class DecodeScheduler:
         for c in completions:
             self.on_kv_complete(c.request_id, c.ok, c.first_token, c.error)
 
-    def abort(self, request_id: str, reason: str = "cancelled", error: str | None = None) -> None:
-        """Finish the request at the next schedule(): cancelled, or with `error` failed."""
+    def abort(self, request_id: str, reason: str = "cancelled", error: str | None = None,
+              group: bool = False) -> None:
+        """Finish the request at the next schedule(): cancelled, or with `error` failed;
+        with `group`, every sample forked from it too (fork.py)."""
         with self._lock:
-            req = self._requests.get(request_id)
-            if req is not None and not req.state.finished and req.abort_reason is None:
-                req.abort_reason, req.error = reason, error
+            reqs = [r for r in self._requests.values() if r.group == request_id] if group else []
+            for req in (self._requests.get(request_id), *reqs):
+                if req is not None and not req.state.finished and req.abort_reason is None:
+                    req.abort_reason, req.error = reason, error
 
     # --- called from the step thread ----------------------------------------------
 
@@ -238,13 +227,14 @@ class DecodeScheduler:
         again (oldest first). Returns the next batch."""
         now = time.monotonic() if now is None else now
         with self._lock:
+            self.pool.free(self._copied)        # the last step copied them
+            self._copied = []
             for rid in self._arrived:           # first: an arrived request has no lease
                 req = self._requests.get(rid)
                 if (req is not None and req.abort_reason is None and req.state in
                         (RequestState.WAITING_FOR_REMOTE_KV, RequestState.WAITING)):
-                    req.state = RequestState.RUNNING
-                    req.admitted_seq, self._next_seq = self._next_seq, self._next_seq + 1
-                    self._running.append(req)   # newest: _running stays in admitted_seq order
+                    self._batch.admit(req, self._next_seq)   # the newest: order kept
+                    self._next_seq += 1
                     if req.output_ids:          # P's first token may already finish it
                         self._check_stop(req)
             self._arrived.clear()
@@ -256,9 +246,11 @@ class DecodeScheduler:
                     self.num_reclaimed += 1
                     req.error = "KV reservation lease expired before prefill's KV arrived"
                     self._finish(req, RequestState.FINISHED_ERROR)
-            self._grow_batch()
-            self._resume()
-            return self._schedule_tokens(self._running[:self.max_batch_size], now)
+            self._batch.grow()
+            self._batch.resume()
+            copies, self._batch.copies = tuple(self._batch.copies), []
+            self._copied = [src for src, _ in copies]
+            return self._schedule_tokens(self._batch.batch(), now, copies)
 
     def update_from_output(self, output: SchedulerOutput,
                            token_ids: list[int | None]) -> list[TokenEvent]:
@@ -275,6 +267,7 @@ class DecodeScheduler:
                 req.num_computed_tokens += n
                 if was < req.prompt_len <= req.num_computed_tokens:
                     self._cache_prompt(req)     # the step completed the prompt's K/V here
+                    self._fork(req)
                 if tok is None:                 # a chunk, short of num_tokens
                     assert req.num_computed_tokens < req.num_tokens, (req.request_id, n)
                     continue
@@ -292,67 +285,28 @@ class DecodeScheduler:
 
     # --- helpers (lock held) ------------------------------------------------------
 
-    def _grow_batch(self) -> None:
-        """Give each request of the next batch, oldest first, the blocks its next position
-        needs; while the pool is short, preempt the newest running request (the
-        requester itself when it is the newest; perhaps one beyond the batch)."""
-        for req in self._running[:self.max_batch_size]:
-            if req.state != RequestState.RUNNING:
-                break                           # preempted below: so is every newer one
-            need = blocks_needed(req.num_tokens, self.block_size) - len(req.block_table)
-            while need > self.pool.num_free:
-                victim = self._running[-1]
-                self._preempt(victim)
-                if victim is req:
-                    break
-            if req.state == RequestState.RUNNING and need > 0:
-                req.block_table.extend(self.pool.allocate(need))
-
-    def _schedule_tokens(self, batch: list[DecodeRequest], now: float) -> SchedulerOutput:
+    def _schedule_tokens(self, batch: list[DecodeRequest], now: float,
+                         copies: tuple[tuple[int, int], ...]) -> SchedulerOutput:
         """Tokens each row computes this step (engine/schedule_policy.py
         step_tokens); a row left without budget sits this step out (keeps its blocks)."""
         counts = step_tokens(batch, lambda r: r.num_tokens - r.num_computed_tokens,
                              lambda r: r.arrived, self.schedule_policy, now,
                              self.prefill_chunk_size, self.block_size)
         rows = [(r, n) for r, n in zip(batch, counts) if n]
-        return SchedulerOutput(tuple(r for r, _ in rows), tuple(n for _, n in rows))
+        return SchedulerOutput(tuple(r for r, _ in rows), tuple(n for _, n in rows), copies)
 
-    def _preempt(self, req: DecodeRequest) -> None:
-        """Free a running request's blocks and queue it to resume by recompute. Its KV
-        transfer is DONE: no write can land in them, so they go straight to the pool."""
-        self._running.remove(req)
-        self.pool.free(req.block_table)
-        logger.debug("preempted request %s at %d tokens (%d blocks freed)",
-                     req.request_id, req.num_tokens, len(req.block_table))
-        req.block_table = []
-        req.state, req.num_computed_tokens = RequestState.PREEMPTED, 0
-        bisect.insort(self._preempted, req, key=_by_admission)
-        self.num_preemptions += 1
-
-    def _resume(self) -> None:
-        """Resume preempted requests, oldest first, while the head fits (blocks for every
-        token so far, the next position included) and the batch has room; a head that
-        does not fit blocks the rest, so smaller ones cannot starve it. A resumed request
-        regains its place by admitted_seq, so it goes before newer arrivals."""
-        while self._preempted and len(self._running) < self.max_batch_size:
-            req = self._preempted[0]
-            need = blocks_needed(req.num_tokens, self.block_size)
-            if need > self.pool.num_free:
-                return
-            self._preempted.pop(0)
-            req.block_table = self.pool.allocate(need)
-            req.state = RequestState.RUNNING
-            bisect.insort(self._running, req, key=_by_admission)
+    def _fork(self, req: DecodeRequest) -> None:
+        """With sampling n > 1, the prompt's K/V now complete: its other samples."""
+        if req.params.num_samples > 1:
+            for child in fork(req, self.pool, self.block_size):
+                self._requests[child.request_id] = child
+                self._arrived.append(child.request_id)
 
     def _cache_prompt(self, req: DecodeRequest) -> None:
         """Register the prompt's full blocks in the prefix cache once their KV is in
         place (transferred or computed here); decode never writes into them."""
         if req.block_hashes:
             self.pool.cache_blocks(req.block_table[:len(req.block_hashes)], req.block_hashes)
-
-    def _resume_blocks(self) -> int:
-        """Blocks the preempted requests need to resume, all together."""
-        return sum(blocks_needed(r.num_tokens, self.block_size) for r in self._preempted)
 
     def _check_stop(self, req: DecodeRequest, emit: bool = True) -> bool:
         state = stop_state(req.output_ids[-1], len(req.output_ids), req.num_tokens, req.params,
@@ -363,10 +317,8 @@ class DecodeScheduler:
         return True
 
     def _finish(self, req: DecodeRequest, state: RequestState, emit: bool = True) -> None:
-        if req.state == RequestState.RUNNING:
-            self._running.remove(req)
-        elif req.state == RequestState.PREEMPTED:
-            self._preempted.remove(req)         # holds no blocks: nothing to free twice
+        self._batch.remove(req)
+        drop_cow_src(req, self.pool)
         req.state = state
         del self._requests[req.request_id]
         if self.connector is not None and req.remote_kv:
@@ -378,15 +330,20 @@ class DecodeScheduler:
 
     # --- introspection --------------------------------------------------------------
 
+    @property
+    def num_preemptions(self) -> int:
+        return self._batch.num_preemptions
+
     def counts(self) -> tuple[int, int]:
         """(running, waiting) request counts; waiting = for prefill's KV or preempted."""
         with self._lock:
-            return len(self._running), len(self._requests) - len(self._running)
+            running = len(self._batch.running)
+            return running, len(self._requests) - running
 
     def num_waiting_to_resume(self) -> int:
         """Preempted requests now waiting for blocks to resume."""
         with self._lock:
-            return len(self._preempted)
+            return len(self._batch.preempted)
 
     def num_reservations_active(self) -> int:
         """Reservations waiting for prefill's KV."""
@@ -396,5 +353,6 @@ class DecodeScheduler:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._arrived or self._events or self._running or self._preempted
+            return bool(self._arrived or self._events or self._batch.running
+                        or self._batch.preempted or self._copied
                         or any(r.abort_reason for r in self._requests.values()))

@@ -185,8 +185,10 @@ class DecodeWorker:
             if events:
                 yield events
 
-    async def abort(self, request_id: str, reason: str = "cancelled") -> None:
-        self.scheduler.abort(request_id, reason)
+    async def abort(self, request_id: str, reason: str = "cancelled", group: bool = False) -> None:
+        """Finish the request (at the next step); with `group`, every sample forked from
+        it too (sampling n > 1: decode_worker/fork.py)."""
+        self.scheduler.abort(request_id, reason, group=group)
         self._wake.set()
 
     async def status(self) -> WorkerStatus:
@@ -248,6 +250,7 @@ class DecodeWorker:
         while not self._stop.is_set():
             sched.update_from_connector()
             out = sched.schedule()
+            self.runner.copy_blocks(out.blocks_to_copy)   # a forked sample's block (fork.py)
             if not out.requests:
                 self._publish(sched.drain_events())
                 self._wake.wait(_IDLE_WAIT_S)

@@ -304,6 +304,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last]), kept
 
     @torch.inference_mode()
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy the K and V of every layer from block `src` to block `dst`, for each
+        (src, dst) of `pairs` (block ids of this runner's cache; one indexed copy on its
+        device). A forked sample's own copy of a shared block (decode_worker/fork.py)."""
+        if pairs:
+            src, dst = (torch.tensor(x, dtype=torch.long, device=self.device)
+                        for x in zip(*pairs))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
     def decode(self, seqs: Sequence[DecodeSeq],
                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """One decode step for a batch; returns logits [len(seqs), vocab] float32.

@@ -23,15 +23,14 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from . import cpu_ops, logits_processors, structured_output
+from . import cpu_ops, logits_processors
 from .sampling_params import SamplingParams
 
 
 @torch.inference_mode()   # logits from the model are inference tensors; edited in place
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int],
            token_ids: Sequence[Sequence[int] | None] | None = None,
-           eos_token_ids: Collection[int] = (),
-           token_bitmask: torch.Tensor | None = None) -> list[int]:
+           eos_token_ids: Collection[int] = ()) -> list[int]:
     """Pick one token per row.
 
     logits: [batch, vocab] float32 (any device), modified in place by the logits
@@ -39,13 +38,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequen
     for the first; params[i].step_offset is added for a request that moved workers)
     belong to row i. token_ids[i]: the request's prompt + output so far, needed where
     params[i].penalized (else None). eos_token_ids: the model's, for min_tokens.
-    token_bitmask: [batch, ceil(vocab / 32)] int32, the tokens each row's grammar allows
-    (engine/structured_output.py), applied before anything else.
+    A structured output's token bitmask is applied by the caller first
+    (structured_output.apply_bitmask), so the logprobs captured before sampling see it.
     Returns batch token ids. Raises ValueError for a penalized row without token_ids.
     """
     assert logits.shape[0] == len(params) == len(steps), (logits.shape, len(params), len(steps))
-    if token_bitmask is not None:
-        structured_output.apply_bitmask(logits, token_bitmask)
     logits_processors.apply(logits, params, steps, token_ids, eos_token_ids)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .structured_output import StructuredOutput
 
@@ -16,6 +16,7 @@ MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 100.0      # |bias| per token (OpenAI's range)
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_LOGPROBS = 20           # top logprobs per token (vLLM's default max_logprobs)
+MAX_N = 128                 # samples per request, n or best_of (OpenAI's limit of n)
 
 
 class InvalidRequestError(ValueError):
@@ -50,6 +51,12 @@ class SamplingParams:
     each prompt token after the first, computed by the prefill worker over the whole
     prompt (such a request neither uses nor skips a cached prefix: every position's
     logits are needed).
+
+    `n` independent samples of the prompt share its prefill: the prompt is prefilled
+    and its KV moved once, then forked on the decode worker (decode_worker/fork.py).
+    Sample i draws with seed + i when `seed` is set (vLLM's rule), so sample 0 is what
+    n=1 gives. `best_of` (OpenAI's completions) draws that many samples (>= n) and
+    returns the n with the highest cumulative logprob; not streamed.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -69,6 +76,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutput | None = None   # engine/structured_output.py
+    n: int = 1
+    best_of: int | None = None
     step_offset: int = 0     # tokens generated before this request moved here (the
                              # router's retry after a worker died); the sampler's step
                              # counts on from it, so seeded draws continue unchanged
@@ -120,10 +129,26 @@ class SamplingParams:
             if v is not None and not 0 <= v <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"sampling.{name}",
                                           f"must be in [0, {MAX_LOGPROBS}], got {v}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError("sampling.n", f"must be in [1, {MAX_N}], got {self.n}")
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_N:
+            raise InvalidRequestError("sampling.best_of", f"must be in [n={self.n}, {MAX_N}], "
+                                                          f"got {self.best_of}")
         for token, bias in self.logit_bias:
             if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
                 raise InvalidRequestError("sampling.logit_bias", f"token {token}: bias must be "
                                           f"in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bias}")
+
+    @property
+    def num_samples(self) -> int:
+        """Samples drawn: best_of when set, else n."""
+        return self.best_of or self.n
+
+    def sample(self, index: int) -> SamplingParams:
+        """The params of sample `index` (0-based) of `num_samples`: one sample, with
+        seed + index (mod 2^63) when seeded."""
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        return replace(self, n=1, best_of=None, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -137,9 +137,14 @@ class RequestTimer:
         self.t0 = self.last = time.perf_counter()
         self.first: float | None = None
         self.num_tokens = 0
+        self.other_tokens = 0            # of samples 1.. (sampling.n > 1)
         self.done = False
 
-    def tokens(self, n: int) -> None:
+    def tokens(self, n: int, sample: int = 0) -> None:
+        """`n` new tokens of sample `sample` (sampling.n); TTFT and ITL are sample 0's."""
+        if sample:
+            self.other_tokens += n
+            return
         if n <= 0:
             return
         now = time.perf_counter()
@@ -162,7 +167,7 @@ class RequestTimer:
         m.requests.labels(status=status).inc()
         m.e2e.observe(now - self.t0)
         m.prompt_tokens.inc(prompt_tokens)
-        m.generation_tokens.inc(self.num_tokens)
+        m.generation_tokens.inc(self.num_tokens + self.other_tokens)
         if self.first is None:
             return
         m.running -= 1

@@ -32,16 +32,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
-import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import nullcontext, suppress
+from contextlib import suppress
 from typing import TypeVar
 
 import grpc
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -132,18 +129,25 @@ async def _first(stream: AsyncIterator[pb.GenerateResponse]) -> pb.GenerateRespo
         raise RequestError(grpc.StatusCode.INTERNAL, "router stream ended empty") from None
 
 
-async def _collect(stream: AsyncIterator[pb.GenerateResponse]
-                   ) -> tuple[str, pb.GenerateResponse, list]:
-    """The whole text, the last (finishing) message, and every token's logprobs (the
-    prompt's first, when they came)."""
-    text, last, logprobs = [], None, []
+class _Sample:
+    """One sample's messages, gathered (non-streamed responses)."""
+
+    def __init__(self):
+        self.text, self.logprobs, self.last = [], [], None
+
+
+async def _collect(stream: AsyncIterator[pb.GenerateResponse]) -> list[_Sample]:
+    """Every sample's whole text, last (finishing) message, and every token's logprobs
+    (the prompt's first, when they came), by GenerateResponse.index."""
+    samples: dict[int, _Sample] = {}
     async for msg in stream:
-        text.append(msg.text)
-        logprobs += [*msg.prompt_logprobs, *msg.logprobs]
-        last = msg
-    if last is None or not last.finish_reason:
+        one = samples.setdefault(msg.index, _Sample())
+        one.text.append(msg.text)
+        one.logprobs += [*msg.prompt_logprobs, *msg.logprobs]
+        one.last = msg
+    if not samples or any(not x.last.finish_reason for x in samples.values()):
         raise RequestError(grpc.StatusCode.INTERNAL, "router stream ended unfinished")
-    return "".join(text), last, logprobs
+    return [samples[i] for i in sorted(samples)]
 
 
 class _EventStream(StreamingResponse):
@@ -195,7 +199,7 @@ async def _complete(router, request: Request, body, chat: bool) -> Response:
         if body.stream:
             first = await _unless_gone(request, _first(stream))
         else:
-            text, last, logprobs = await _unless_gone(request, _collect(stream))
+            samples = await _unless_gone(request, _collect(stream))
     except (InvalidRequestError, RequestError) as e:
         response = _error(e, body)
     except _ClientGone:
@@ -204,14 +208,18 @@ async def _complete(router, request: Request, body, chat: bool) -> Response:
         if body.stream:     # the stream goes on in the response, which closes it
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             writer = oair.ChunkWriter(rid, created, model, chat, include_usage,
-                                     oai.wants_logprobs(body), oai.echo_text(body, tokenizer))
+                                     oai.wants_logprobs(body), oai.echo_text(body, tokenizer),
+                                     n=body.n or 1)
             return _EventStream(_events(first, stream, writer, body), stream,
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         make = oair.chat_completion if chat else oair.completion
-        lp = oair.logprobs_body(logprobs, chat) if oai.wants_logprobs(body) else None
-        text = (oai.echo_text(body, tokenizer) or "") + text
-        response = JSONResponse(make(rid, created, model, text, last.finish_reason, last.usage,
-                                     lp))
+        echo = oai.echo_text(body, tokenizer) or ""
+        choices = [oair.Choice(echo + "".join(x.text), x.last.finish_reason,
+                               oair.logprobs_body(x.logprobs, chat)
+                               if oai.wants_logprobs(body) else None) for x in samples]
+        u = oair.usage(samples[0].last.usage.prompt_tokens,
+                       sum(x.last.usage.completion_tokens for x in samples))
+        response = JSONResponse(make(rid, created, model, choices, u))
     await stream.aclose()
     return response
 
@@ -322,79 +330,3 @@ class _Gate:
             return {"type": "http.request", "body": bytes(body), "more_body": False}
 
         await self.app(scope, replay, send)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's Server without its signal handlers: the router's process owns its
-    signals (uvicorn would install them if it ran on the main thread)."""
-
-    def capture_signals(self):
-        return nullcontext()
-
-
-class HTTPServer:
-    """The HTTP API served by uvicorn as a task on the running event loop."""
-
-    def __init__(self, server, task: asyncio.Task, port: int):
-        self._server, self._task, self.port = server, task, port
-
-    async def stop(self, grace_s: float = 2.0) -> None:
-        """Stop accepting, give open requests `grace_s` seconds, then cancel them
-        (which aborts them on the workers)."""
-        self._server.config.timeout_graceful_shutdown = grace_s
-        self._server.should_exit = True
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), grace_s + 5)
-        except asyncio.TimeoutError:
-            self._task.cancel()
-            logger.warning("HTTP API did not stop within %.0f s; cancelled", grace_s + 5)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart past TIME_WAIT
-    try:
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        raise RuntimeError(f"could not bind the HTTP API to {host}:{port}: "
-                           f"{e.strerror or e}") from e
-    return sock
-
-
-async def serve_http(router, host: str, port: int) -> HTTPServer:
-    """Serve build_app(router) on host:port (0: a free port) from the running loop,
-    over TLS (mutual with tls_client_ca_file) when router.config.router.tls_cert_file
-    is set; returns once it accepts connections.
-
-    Raises:
-        RuntimeError: the address could not be bound, or the server failed to start.
-        OSError / ssl.SSLError: a tls_* file cannot be read or used.
-    """
-    rc = router.config.router
-    tls = {}
-    if rc.tls_cert_file is not None:
-        tls = {"ssl_certfile": rc.tls_cert_file, "ssl_keyfile": rc.tls_key_file,
-               "ssl_ca_certs": rc.tls_client_ca_file,
-               "ssl_cert_reqs": ssl.CERT_REQUIRED if rc.tls_client_ca_file else ssl.CERT_NONE}
-    # h11 (pure Python) explicitly: its ASGI spec 2.3 is what makes Starlette watch for
-    # disconnects while streaming. log_config=None: the router's logging config rules.
-    config = uvicorn.Config(build_app(router), http="h11", ws="none", lifespan="off",
-                            interface="asgi3", log_config=None, log_level="warning",
-                            access_log=False, server_header=False, **tls)
-    config.load()          # builds the TLS context now: a bad file fails `serve` at start
-    sock = _bind(host, port)
-    server = _Server(config)
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if task.done() or time.monotonic() > deadline:
-            cause = task.exception() if task.done() else None
-            task.cancel()
-            sock.close()
-            raise RuntimeError(f"HTTP API failed to start on {host}:{port}"
-                               + (f": {cause!r}" if cause else " within 30 s")) from cause
-        await asyncio.sleep(0.01)
-    return HTTPServer(server, task, sock.getsockname()[1])

@@ -6,7 +6,7 @@ both).
 Names follow OpenAI's API reference, and vLLM's `entrypoints/openai/protocol.py` where
 pdserve extends it (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `stop_token_ids`, `ignore_eos`). A parameter OpenAI has that pdserve does not serve
-(n > 1, tools, ...) is refused with 400 naming it, never dropped silently; so
+(tools, suffix) is refused with 400 naming it, never dropped silently; so
 is one OpenAI does not have (OpenAI does the same). Range checks stay in validation.py / SamplingParams, shared with gRPC: this module
 checks only what the proto's types cannot hold (a negative max_tokens in a uint32, a
 lone surrogate in a string).
@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from ..engine.sampling_params import InvalidRequestError
+from ..engine.sampling_params import MAX_N, InvalidRequestError
 from ..proto import pdserve_pb2 as pb
 
 UINT32_MAX = (1 << 32) - 1
@@ -45,7 +45,7 @@ class _Common(BaseModel):
     top_k: int | None = None        # extension (vLLM): 0 or -1 disables
     seed: int | None = None
     stop: Any = None                # a string or a list of strings (checked in to_request)
-    n: int | None = None            # choices per request: 1 only
+    n: int | None = None            # choices: samples of one prefill (SamplingParams.n)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # extension (vLLM): generate max_tokens tokens
@@ -73,7 +73,7 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: Any                     # text, token ids, or a list holding one of either
     echo: bool | None = None        # the prompt before the completion (and its logprobs)
-    best_of: int | None = None      # 1 only
+    best_of: int | None = None      # samples drawn, the n best returned; not streamed
     logprobs: int | None = None     # top logprobs per token (0: the sampled one's only)
     suffix: str | None = None       # unset only
 
@@ -98,9 +98,6 @@ class ChatCompletionRequest(_Common):
 
 # Parameters pdserve does not serve: (accepted when, what to do instead).
 _UNSERVED = {
-    "n": (lambda v: v in (None, 1), "pdserve returns one choice per request (n=1); send "
-                                    "the request n times with different seeds"),
-    "best_of": (lambda v: v in (None, 1), "only best_of=1 is served"),
     "suffix": (lambda v: v is None, "suffix (insertion) is not supported"),
     "tools": (lambda v: not v, "tools (function calling) are not supported"),
     "tool_choice": (lambda v: v in (None, "none"), "tools (function calling) are not "
@@ -149,6 +146,15 @@ def to_request(body: CompletionRequest | ChatCompletionRequest,
         if not 0 <= body.seed < 1 << 63:
             raise InvalidRequestError("seed", f"must be in [0, 2^63), got {body.seed}")
         s.seed = body.seed
+    for name in ("n", "best_of"):
+        v = getattr(body, name, None)
+        if v is not None:
+            if not 1 <= v <= MAX_N:     # the proto's uint32 cannot hold < 0
+                raise InvalidRequestError(name, f"must be in [1, {MAX_N}], got {v}")
+            setattr(s, name, v)
+    if body.stream and getattr(body, "best_of", None) not in (None, body.n or 1):
+        raise InvalidRequestError("best_of", "must equal n when stream is true: best_of "
+                                             "ranks its samples once they have ended")
     s.stop.extend(_stop(body.stop))
     s.ignore_eos = bool(body.ignore_eos)
     _set_logprobs(s, body)

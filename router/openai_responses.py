@@ -5,6 +5,8 @@ OpenAI's API reference, and vLLM's where pdserve serves its extensions."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..proto import pdserve_pb2 as pb
 
 
@@ -34,66 +36,83 @@ def logprobs_body(entries, chat: bool, offset: int = 0) -> dict:
 
 
 
-def usage(u: pb.Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(rid: str, created: int, model: str, text: str, finish_reason: str,
-               u: pb.Usage, logprobs: dict | None = None) -> dict:
+class Choice(NamedTuple):
+    """One sample's whole answer: its text, finish_reason, and logprobs body or None."""
+    text: str
+    finish_reason: str
+    logprobs: dict | None = None
+
+
+def completion(rid: str, created: int, model: str, choices: list[Choice],
+               u: dict) -> dict:
+    """A text_completion body; `u` is usage() over every choice."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                         "finish_reason": finish_reason}],
-            "usage": usage(u)}
+            "choices": [{"index": i, "text": c.text, "logprobs": c.logprobs,
+                         "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
+            "usage": u}
 
 
-def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: str,
-                    u: pb.Usage, logprobs: dict | None = None) -> dict:
+def chat_completion(rid: str, created: int, model: str, choices: list[Choice],
+                    u: dict) -> dict:
+    """A chat.completion body; `u` is usage() over every choice."""
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": finish_reason}],
-            "usage": usage(u)}
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+                        for i, c in enumerate(choices)],
+            "usage": u}
 
 
 class ChunkWriter:
-    """The stream chunks of one request, message by message: text deltas, then a chunk
-    with the finish_reason, then (stream_options.include_usage) one with empty choices
-    and the usage. Chat streams open with a chunk carrying the assistant role."""
+    """The stream chunks of one request, message by message, for each choice (its
+    `index`): text deltas, then a chunk with its finish_reason; once every one of the
+    `n` choices has ended and with stream_options.include_usage, one chunk with empty
+    choices and the usage of them all. A chat choice's chunks open with one carrying
+    the assistant role; a completions choice's, with echo, with the prompt."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool,
-                 logprobs: bool = False, echo: str | None = None):
+                 logprobs: bool = False, echo: str | None = None, n: int = 1):
         self.head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": created, "model": model}
         self.chat, self.include_usage, self.logprobs = chat, include_usage, logprobs
-        self.opened = False
-        self.offset = 0       # characters of completion text sent (text_offset)
+        self.offset: dict[int, int] = {}   # choice -> characters sent (text_offset); opened
         self.echo = echo      # completions: the prompt text, sent before the first token
+        self.n, self.ended, self.completion_tokens = n, 0, 0
 
-    def _chunk(self, delta: dict | str, finish_reason: str | None, entries=()) -> dict:
-        choice = ({"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta})
+    def _chunk(self, index: int, delta: dict | str, finish_reason: str | None,
+               entries=()) -> dict:
+        choice = {"index": index} | ({"delta": delta} if self.chat else {"text": delta})
         lp = None
         if self.logprobs and entries:
-            lp = logprobs_body(entries, self.chat, self.offset)
+            lp = logprobs_body(entries, self.chat, self.offset[index])
         choice |= {"logprobs": lp, "finish_reason": finish_reason}
         return self.head | {"choices": [choice]} | ({"usage": None} if self.include_usage
                                                     else {})
 
     def chunks(self, msg: pb.GenerateResponse) -> list[dict]:
-        out = []
-        if self.chat and not self.opened:
-            out.append(self._chunk({"role": "assistant", "content": ""}, None))
-        if self.echo is not None and not self.opened:
-            out.append(self._chunk(self.echo, None, msg.prompt_logprobs))
-            self.offset += sum(len(e.token) for e in msg.prompt_logprobs)
-        self.opened = True
+        out, i = [], msg.index
+        if i not in self.offset:
+            self.offset[i] = 0
+            if self.chat:
+                out.append(self._chunk(i, {"role": "assistant", "content": ""}, None))
+            if self.echo is not None:
+                out.append(self._chunk(i, self.echo, None, msg.prompt_logprobs))
+                self.offset[i] += sum(len(e.token) for e in msg.prompt_logprobs)
         if msg.text or (self.logprobs and msg.logprobs):
-            out.append(self._chunk({"content": msg.text} if self.chat else msg.text, None,
+            out.append(self._chunk(i, {"content": msg.text} if self.chat else msg.text, None,
                                    msg.logprobs))
-            self.offset += sum(len(e.token) for e in msg.logprobs)
+            self.offset[i] += sum(len(e.token) for e in msg.logprobs)
         if msg.finish_reason:
-            out.append(self._chunk({} if self.chat else "", msg.finish_reason))
-            if self.include_usage:
-                out.append(self.head | {"choices": [], "usage": usage(msg.usage)})
+            out.append(self._chunk(i, {} if self.chat else "", msg.finish_reason))
+            self.ended += 1
+            self.completion_tokens += msg.usage.completion_tokens
+            if self.include_usage and self.ended == self.n:
+                out.append(self.head | {"choices": [], "usage": usage(
+                    msg.usage.prompt_tokens, self.completion_tokens)})
         return out
 
 

@@ -1,5 +1,5 @@
 """Relaying a decode worker's token events to the client: detokenized responses with
-stop strings and usage (Relay)."""
+stop strings and usage (Relay), one relay per sample of the request (sampling.n)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,20 @@ class Relay:
     last token ended it (an EOS first token from P, a stop token id, max_tokens) is
     finished here even when D's finish event never arrives (D died): the router never
     retries a stream that had already ended.
+
+    `index`: the sample it relays (GenerateResponse.index). `emit_logprobs`: whether
+    the client asked for the logprobs the events carry (best_of asks for them to rank
+    the samples by `cumulative_logprob`, the sum of their tokens' logprobs).
     """
 
     def __init__(self, request_id: str, detok: Detokenizer, prompt_token_ids: list[int],
-                 params: SamplingParams, eos_token_ids: Container[int], max_model_len: int):
-        self.request_id, self.detok = request_id, detok
+                 params: SamplingParams, eos_token_ids: Container[int], max_model_len: int,
+                 index: int = 0, emit_logprobs: bool = True):
+        self.request_id, self.detok, self.index = request_id, detok, index
+        self.emit_logprobs = emit_logprobs
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: Sequence[TokenLogprobs] | None = None  # received from P
+        self._prompt_pending = False     # ... and not yet sent
         self.prompt_token_ids, self.prompt_len = prompt_token_ids, len(prompt_token_ids)
         self.params, self.eos_token_ids, self.max_model_len = params, eos_token_ids, max_model_len
         self.token_ids: list[int] = []   # every token streamed to the client
@@ -35,17 +44,22 @@ class Relay:
                                      # still hold the request (abort it)
         self.error: str | None = None    # the attempt failed on D (the router retries)
 
-    def absorb(self, events: list[TokenEvent],
-               prompt_logprobs: Sequence[TokenLogprobs] = ()) -> pb.GenerateResponse | None:
+    def set_prompt_logprobs(self, entries: Sequence[TokenLogprobs]) -> None:
+        """The prefill worker's prompt logprobs (one per prompt token after the first),
+        sent with this sample's next response."""
+        self.prompt_logprobs, self._prompt_pending = entries, True
+
+    def absorb(self, events: list[TokenEvent]) -> pb.GenerateResponse | None:
         """The response for `events` (None when they carry nothing to send). Tokens past
-        the one that ended the stream are dropped. `prompt_logprobs` (the prefill
-        worker's, one per prompt token after the first) go into this response."""
+        the one that ended the stream are dropped."""
         tokens, text, logprobs = [], [], []
         for ev in events:
             for j, t in enumerate(ev.token_ids):
                 tokens.append(t)
                 if ev.logprobs and ev.logprobs[j] is not None:
-                    logprobs.append(self._logprob(t, ev.logprobs[j]))
+                    self.cumulative_logprob += ev.logprobs[j].logprob
+                    if self.emit_logprobs:
+                        logprobs.append(self._logprob(t, ev.logprobs[j]))
                 delta = self.detok.step(t)
                 text.append(delta.text)
                 if delta.stopped:        # a stop string: the held-back text is dropped
@@ -68,18 +82,18 @@ class Relay:
             if self.finish_reason is not None:
                 break
         self.token_ids += tokens
-        prompt = self._prompt_logprobs(prompt_logprobs) if prompt_logprobs else []
-        if self.finish_reason is not None:
-            return pb.GenerateResponse(
-                request_id=self.request_id, token_ids=tokens, text="".join(text),
-                finish_reason=self.finish_reason, logprobs=logprobs, prompt_logprobs=prompt,
-                usage=pb.Usage(prompt_tokens=self.prompt_len,
-                               completion_tokens=len(self.token_ids)))
-        if not tokens:
+        if not tokens and self.finish_reason is None:
             return None
-        return pb.GenerateResponse(request_id=self.request_id, token_ids=tokens,
-                                   text="".join(text), logprobs=logprobs,
-                                   prompt_logprobs=prompt)
+        msg = pb.GenerateResponse(request_id=self.request_id, token_ids=tokens,
+                                  text="".join(text), logprobs=logprobs, index=self.index)
+        if self._prompt_pending:
+            msg.prompt_logprobs.extend(self._prompt_logprobs(self.prompt_logprobs))
+            self._prompt_pending = False
+        if self.finish_reason is not None:
+            msg.finish_reason = self.finish_reason
+            msg.usage.CopyFrom(pb.Usage(prompt_tokens=self.prompt_len,
+                                        completion_tokens=len(self.token_ids)))
+        return msg
 
     def _prompt_logprobs(self, entries: Sequence[TokenLogprobs]) -> list[pb.TokenLogprob]:
         """One per prompt token: the first without a logprob, then the prefill worker's."""

@@ -30,6 +30,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -37,18 +38,18 @@ import grpc
 import ray
 
 from ..config import ClusterConfig
+from ..decode_worker.fork import sample_id
 from ..engine.loader import resolve_model
 from ..engine.request import TokenEvent
-from ..engine.sampling_params import InvalidRequestError
 from ..engine.structured_output import Grammars
 from ..messages import PrefillOrder, PrefillResult
 from ..metrics import RouterMetrics, serve as serve_metrics
 from ..proto import pdserve_pb2 as pb
-from . import validation
+from . import admin, validation
 from .admission import Admission
-from .detokenizer import Detokenizer
 from .errors import RequestError
 from .relay import Relay
+from .samples import best_of, by_request, merge, sample_relays
 from .placement import Placement
 from .routing import PrefillRouter
 from .streams import DecodeStreams
@@ -90,7 +91,7 @@ class Router:
         self.metrics = RouterMetrics(lambda: self.admission.queued_requests,
                                      rc.slo_ttft_ms, rc.slo_tpot_ms)
         self.metrics_address = ""
-        self._http = None               # http_api.HTTPServer when router.http_port is set
+        self._http = None               # http_server.HTTPServer when router.http_port is set
         self.http_address = ""
 
     @property
@@ -134,7 +135,7 @@ class Router:
         logger.info("router serving gRPC on %s:%d, metrics on http://%s/metrics", rc.host, port,
                     self.metrics_address)
         if rc.http_port is not None:
-            from .http_api import serve_http   # FastAPI + uvicorn only when asked for
+            from .http_server import serve_http   # FastAPI + uvicorn only when asked for
             self._http = await serve_http(self, rc.host, rc.http_port)
             self.http_address = "%s:%d" % (rc.host, self._http.port)
             logger.info("router serving the OpenAI-compatible HTTP API on http%s://%s",
@@ -162,12 +163,16 @@ class Router:
 
     async def generate(self, req: pb.GenerateRequest, deadline_s: float | None
                        ) -> AsyncIterator[pb.GenerateResponse]:
-        """Serve one request as a stream of GenerateResponse.
+        """Serve one request as a stream of GenerateResponse. With sampling.n > 1 the
+        messages of its samples interleave, each naming its sample (`index`); they share
+        one reservation and one prefill, forked on D (decode_worker/fork.py). With
+        best_of, its samples are ranked by cumulative logprob (vLLM's rule) and the n
+        best sent at the end, renumbered in that order (router/samples.py).
 
         A failed attempt (a worker died, a KV transfer failed) is retried on live
         workers as `prompt + tokens already streamed`, for the rest of max_tokens and
         with the sampler's step continuing (so greedy and seeded outputs equal an
-        uninterrupted run's); at most `router.max_migrations` times.
+        uninterrupted run's); at most `router.max_migrations` times per sample.
 
         Raises:
             InvalidRequestError: bad input (→ INVALID_ARGUMENT).
@@ -190,57 +195,85 @@ class Router:
         self.placement.check_fits(len(ids), params.max_tokens)
         rid = client_id or uuid.uuid4().hex
         deadline = time.monotonic() + (deadline_s or self.config.router.request_timeout_s)
-        relay = Relay(rid, Detokenizer(self.tokenizer, ids, params.stop), ids, params,
-                      frozenset(cfg.eos_token_ids), cfg.max_model_len)
-        failures: list[str] = []
+        ranked = params.num_samples > params.n
+        params, relays = sample_relays(rid, self.tokenizer, ids, params, cfg.eos_token_ids,
+                                       cfg.max_model_len)
         # Admitted before any wait (a full queue is refused here, at once). The ticket is
         # released at the first token, or by the `with` on any earlier exit: reserve
         # timeout, error, client cancel, deadline. release() is idempotent.
         with self.admission.admit(len(ids)) as queued:
-            while True:
-                # The relay applies D's stop rule to every token it streams, so a stream
-                # that had ended (even if D died before its finish event) is finished
-                # there and no attempt fails after it: a retry always resumes a live one.
-                assert relay.finish_reason is None, (rid, relay.finish_reason)
-                sent = len(relay.token_ids)
-                attempt = replace(params, max_tokens=params.max_tokens - sent,
-                                  step_offset=params.step_offset + sent,   # prompt logprobs
-                                  prompt_logprobs=None if sent else params.prompt_logprobs)
-                try:
-                    async for msg in self._attempt(rid, ids + relay.token_ids, attempt,
-                                                   deadline, relay, queued):
+            async with aclosing(self._serve(rid, ids, params, deadline, relays, queued,
+                                            [])) as stream:
+                if ranked:
+                    for msg in await best_of(stream, relays, params.n):
                         yield msg
                     return
-                except AttemptFailed as e:
-                    failures.append(str(e))
-                    self.metrics.retries.labels(reason=e.reason).inc()
-                    limit = self.config.router.max_migrations
-                    if len(failures) > limit:
-                        raise RequestError(
-                            grpc.StatusCode.UNAVAILABLE,
-                            f"request failed {len(failures)} times (router.max_migrations="
-                            f"{limit}): " + "; ".join(failures[-3:])) from None
-                    logger.warning("request %s: %s; retrying on live workers after the %d "
-                                   "tokens streamed (%d/%d)", rid, e, len(relay.token_ids),
-                                   len(failures), limit)
+                async for msg in stream:
+                    yield msg
+
+    async def _serve(self, rid: str, ids: list[int], params, deadline: float,
+                     relays: list[Relay], queued, failures: list[str]
+                     ) -> AsyncIterator[pb.GenerateResponse]:
+        """Attempts until every sample of `relays` has finished: all together while none
+        has streamed a token (one reservation and prefill, forked on D), else each on
+        its own (their prompts now differ by the tokens streamed), merged."""
+        while True:
+            # The relay applies D's stop rule to every token it streams, so a stream
+            # that had ended (even if D died before its finish event) is finished
+            # there and no attempt fails after it: a retry always resumes a live one.
+            live = [r for r in relays if r.finish_reason is None]
+            if not live:
+                return
+            if len(live) > 1 and (len(live) < len(relays) or any(r.token_ids for r in live)):
+                each = merge([self._serve(rid, ids, params, deadline, [r], queued,
+                                          list(failures)) for r in live])
+                async with aclosing(each):
+                    async for msg in each:
+                        yield msg
+                return
+            one = live[0] if len(live) == 1 else None
+            sent = one.token_ids if one is not None else []
+            attempt = params if one is None else params.sample(one.index)
+            attempt = replace(attempt, max_tokens=attempt.max_tokens - len(sent),
+                              step_offset=attempt.step_offset + len(sent),   # a retry's
+                              prompt_logprobs=None if live[0].prompt_logprobs is not None
+                              else attempt.prompt_logprobs)
+            try:
+                async for msg in self._attempt(rid, ids + sent, attempt, deadline, live, queued):
+                    yield msg
+            except AttemptFailed as e:
+                failures.append(str(e))
+                self.metrics.retries.labels(reason=e.reason).inc()
+                limit = self.config.router.max_migrations
+                if len(failures) > limit:
+                    raise RequestError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"request failed {len(failures)} times (router.max_migrations="
+                        f"{limit}): " + "; ".join(failures[-3:])) from None
+                logger.warning("request %s: %s; retrying on live workers after the %s "
+                               "tokens streamed (%d/%d)", rid, e,
+                               "+".join(str(len(r.token_ids)) for r in live),
+                               len(failures), limit)
 
     async def _attempt(self, rid: str, ids: list[int], params, deadline: float,
-                       relay: Relay, queued) -> AsyncIterator[pb.GenerateResponse]:
+                       relays: list[Relay], queued) -> AsyncIterator[pb.GenerateResponse]:
         """One try at serving `ids` (the prompt, plus the tokens streamed by earlier
-        attempts) on one decode worker D, prefilled by one prefill worker P or by D.
+        attempts) on one decode worker D, prefilled by one prefill worker P or by D;
+        relays[k] takes sample k of params.num_samples (one relay: params is its own).
 
         Raises:
             AttemptFailed: P or D died, or the KV transfer or D failed (retryable).
             RequestError: deadline, capacity, no worker available (final).
         """
         internal_id = f"{rid}#{uuid.uuid4().hex[:8]}"   # unique per attempt and client id
-        self.streams.open(internal_id)   # before D may produce a token (a local prefill)
+        on_d = {sample_id(internal_id, k): r for k, r in enumerate(relays)}
+        self.streams.open(internal_id, tuple(on_d)[1:])  # before D may produce a token
         try:
             d, res, p = await self.placement.reserve(internal_id, len(ids), params, deadline, ids)
         except BaseException:
             self.streams.close(internal_id)
             raise
-        d.load += 1
+        d.load += len(relays)
         # prompt tokens charged by _reserve to P's queue or to D's own, until the first token
         local_tokens, p_tokens = (0, len(ids)) if p is not None else (len(ids), 0)
         finished = False
@@ -259,37 +292,48 @@ class Router:
                     p.load -= p_tokens
                     p_tokens = 0
                     queued.release()  # first token back (or prefill failed): not queued
-                msg = relay.absorb([TokenEvent(internal_id, (first.first_token,),  # TTFT: at once
-                                               logprobs=(first.logprobs,) if first.logprobs
-                                               else ())], first.prompt_logprobs)
+                if params.prompt_logprobs is not None:
+                    for r in relays:            # every sample's first message has them
+                        r.set_prompt_logprobs(first.prompt_logprobs)
+                msg = relays[0].absorb([TokenEvent(internal_id, (first.first_token,),  # TTFT
+                                                   logprobs=(first.logprobs,) if first.logprobs
+                                                   else ())])
                 if msg is not None:
                     yield msg
-            if relay.finish_reason is None:
+            if any(r.finish_reason is None for r in relays):
                 try:
                     async for events in self.streams.batches(internal_id, deadline):
                         queued.release()  # local prefill: its first token came from D
                         d.local_prefill_load -= local_tokens
                         local_tokens = 0
-                        msg = relay.absorb(events)
-                        if msg is not None:
-                            yield msg
-                        if relay.finish_reason is not None or relay.error is not None:
+                        for sid, evs in by_request(events).items():
+                            r = on_d[sid]
+                            if r.finish_reason is not None or r.error is not None:
+                                continue
+                            msg = r.absorb(evs)
+                            if msg is not None:
+                                yield msg
+                            if r.stopped_here and len(relays) > 1:   # the others go on
+                                self._send(d.handle.abort.remote(sid, "cancelled"))
+                        if any(r.error is not None for r in relays) or all(
+                                r.finish_reason is not None for r in relays):
                             break
                 except ray.exceptions.RayError as e:
                     raise attempt_failed("decode", d, e) from e
-            if relay.error is not None:
-                error, relay.error = relay.error, None
-                raise AttemptFailed("decode", f"decode on {d.worker_id} failed: {error}")
-            if relay.finish_reason is None:
+            for r in relays:
+                if r.error is not None:
+                    error, r.error = r.error, None
+                    raise AttemptFailed("decode", f"decode on {d.worker_id} failed: {error}")
+            if any(r.finish_reason is None for r in relays):
                 raise AttemptFailed("decode", f"decode stream of {d.worker_id} ended "
                                                "without finishing")
-            finished = not relay.stopped_here   # else D still runs: abort it below
+            finished = not any(r.stopped_here for r in relays)   # else D may still run
         except asyncio.TimeoutError:
             raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                "request deadline exceeded") from None
         finally:
             self.streams.close(internal_id)
-            d.load -= 1
+            d.load -= len(relays)
             d.local_prefill_load -= local_tokens
             if p is not None:
                 p.load -= p_tokens
@@ -297,7 +341,7 @@ class Router:
                 # (sent to a worker found dead too: it may only have been unreachable)
                 if p is not None:
                     self._send(p.handle.abort.remote(internal_id))
-                self._send(d.handle.abort.remote(internal_id, "cancelled"))
+                self._send(d.handle.abort.remote(internal_id, "cancelled", group=len(relays) > 1))
 
     def _send(self, ref) -> None:
         """Fire a call whose result does not matter; its error (the worker is dead or
@@ -344,57 +388,10 @@ class Router:
                 index.apply(w.worker_id, reply)
             await asyncio.sleep(interval)
 
-    # --- Admin ------------------------------------------------------------------------
+    # --- Admin (admin.py) ------------------------------------------------------------
 
     async def drain(self, node_ip: str, timeout_s: float) -> pb.DrainResponse:
-        """Stop sending new requests to the workers on `node_ip`, then wait up to
-        `timeout_s` seconds for their running and waiting requests to finish. A drained
-        worker takes requests again only once Ray restarts it (a new epoch).
-
-        Raises:
-            InvalidRequestError: no worker runs on `node_ip`, or timeout_s is not in
-                [0, 3600] seconds.
-        """
-        if not 0 <= timeout_s <= 3600:
-            raise InvalidRequestError("timeout_s", f"must be in [0, 3600] seconds, got {timeout_s}")
-        workers = [w for w in self.prefill + self.decode if w.node_ip == node_ip]
-        if not workers:
-            known = sorted({w.node_ip for w in self.prefill + self.decode})
-            raise InvalidRequestError("node_ip", f"no worker runs on {node_ip!r} (nodes: "
-                                                 f"{', '.join(known)})")
-        for w in workers:
-            w.draining = True
-        logger.warning("draining %s on %s", [w.worker_id for w in workers], node_ip)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            busy = 0
-            for w in workers:
-                try:
-                    s = await asyncio.wait_for(w.handle.status.remote(), timeout=5)
-                    busy += s.running_requests + s.waiting_requests
-                except Exception:    # dead already: nothing of its own to wait for
-                    continue
-            if busy == 0 or time.monotonic() >= deadline:
-                return pb.DrainResponse(worker_ids=[w.worker_id for w in workers],
-                                        drained=busy == 0, running_requests=busy)
-            await asyncio.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
+        return await admin.drain(self, node_ip, timeout_s)
 
     async def cluster_status(self) -> pb.ClusterStatusResponse:
-        workers = self.prefill + self.decode
-
-        async def one(w: Worker) -> pb.WorkerStatus:
-            try:
-                s = await asyncio.wait_for(w.handle.status.remote(), timeout=5)
-            except Exception as e:  # dead or hung worker: report it, do not fail the call
-                role = "prefill" if w in self.prefill else "decode"
-                return pb.WorkerStatus(worker_id=w.worker_id, role=role, state=f"dead: {e}"[:200],
-                                       kv_blocks_total=w.num_blocks)
-            return s.to_proto()
-
-        return pb.ClusterStatusResponse(model=self.model_name,
-                                        workers=await asyncio.gather(*map(one, workers)),
-                                        queued_requests=self.admission.queued_requests,
-                                        queued_tokens=self.admission.queued_tokens,
-                                        metrics_address=self.metrics_address,
-                                        http_address=self.http_address)
-
+        return await admin.cluster_status(self)

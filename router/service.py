@@ -61,7 +61,7 @@ async def metered_generate(router, build: Callable[[], pb.GenerateRequest],
         # generator at once, so its `finally` aborts the request on P and D now.
         async with aclosing(router.generate(request, deadline_s)) as stream:
             async for msg in stream:
-                timer.tokens(len(msg.token_ids))
+                timer.tokens(len(msg.token_ids), msg.index)
                 if msg.finish_reason:
                     status, prompt_tokens = msg.finish_reason, msg.usage.prompt_tokens
                 yield msg

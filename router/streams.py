@@ -1,8 +1,10 @@
 """The router's end of the decode workers' token events: one Ray stream per decode
 worker incarnation (DecodeWorker.events), fanned out to one queue per request attempt.
 
-    attempt:  open(rid) ─ before the reservation: D may produce events at once (a local
-              prefill), and none may be dropped
+    attempt:  open(rid, sample_ids) ─ before the reservation: D may produce events at
+              once (a local prefill), and none may be dropped; the events of every id
+              of `sample_ids` (the samples D forks the request into, sampling.n) go to
+              the attempt's one queue
               bind(rid, d, epoch) ─ after it: the stream of (d, epoch) is started if it
               is not running; if it fails (D died, or restarted since the reservation),
               every attempt bound to it gets the error
@@ -46,13 +48,18 @@ class _Failed:
 
 class DecodeStreams:
     def __init__(self):
-        self._queues: dict[str, asyncio.Queue] = {}          # attempt id -> its events
+        self._queues: dict[str, asyncio.Queue] = {}          # request id on D -> its events
+        self._samples: dict[str, tuple[str, ...]] = {}       # attempt id -> its ids on D
         self._bound: dict[tuple[str, int], set[str]] = {}    # (worker id, epoch) -> attempts
         self._pumps: dict[tuple[str, int], asyncio.Task] = {}
 
-    def open(self, rid: str) -> None:
-        """Start collecting the events of attempt `rid` (before its reservation)."""
-        self._queues[rid] = asyncio.Queue()
+    def open(self, rid: str, sample_ids: tuple[str, ...] = ()) -> None:
+        """Start collecting the events of attempt `rid` (before its reservation), and of
+        its samples' `sample_ids` on D (sampling n > 1) into the same queue."""
+        queue = asyncio.Queue()
+        self._samples[rid] = (rid, *sample_ids)
+        for i in self._samples[rid]:
+            self._queues[i] = queue
 
     def bind(self, rid: str, d: Worker, epoch: int) -> None:
         """Attempt `rid` holds a reservation on `d` at incarnation `epoch`: its events come
@@ -63,7 +70,8 @@ class DecodeStreams:
             self._pumps[key] = asyncio.get_running_loop().create_task(self._pump(d, epoch))
 
     def close(self, rid: str) -> None:
-        self._queues.pop(rid, None)
+        for i in self._samples.pop(rid, ()):
+            self._queues.pop(i, None)
         for key, rids in list(self._bound.items()):
             rids.discard(rid)
 

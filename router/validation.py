@@ -120,7 +120,9 @@ def sampling_params(req, prompt_len: int, max_model_len: int,
         logit_bias=tuple(sorted(s.logit_bias.items())),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
-        structured_outputs=_structured(s, grammars), **floats)
+        structured_outputs=_structured(s, grammars),
+        n=s.n if s.HasField("n") else 1, best_of=s.best_of if s.HasField("best_of") else None,
+        **floats)
 
 
 def _structured(s, grammars: Grammars | None) -> StructuredOutput | None:

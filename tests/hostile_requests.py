@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from pdserve.engine.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
+    MAX_N,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -212,6 +213,10 @@ def generate_requests(vocab_size: int, max_model_len: int) -> st.SearchStrategy[
             st.sampled_from([20, 21, U32_MAX]), st.integers(0, U32_MAX))),
         "min_tokens": (st.integers(0, 4), st.one_of(
             st.sampled_from([n_ctx, U32_MAX]), st.integers(0, U32_MAX))),
+        "n": (st.integers(1, 4), st.one_of(
+            st.sampled_from([0, MAX_N + 1, U32_MAX]), st.integers(0, U32_MAX))),
+        "best_of": (st.integers(1, 5), st.one_of(
+            st.sampled_from([0, MAX_N + 1, U32_MAX]), st.integers(0, U32_MAX))),
     }
     # logit_bias: ids in and beyond the vocabulary, biases in and beyond [-100, 100]
     logit_bias = st.dictionaries(

@@ -56,6 +56,17 @@ class Served:
     def generate(self, prompt, **kw):
         return self.client.generate(make_request(prompt, **kw))
 
+    def samples(self, prompt, **kw) -> dict[int, list[int]]:
+        """Each sample's tokens (sampling.n > 1), by GenerateResponse.index; checks that
+        every sample finished once."""
+        out: dict[int, list[int]] = {}
+        ends = []
+        for m in self.client.stream(make_request(prompt, **kw)):
+            out.setdefault(m.index, []).extend(m.token_ids)
+            ends += [m.index] if m.finish_reason else []
+        assert sorted(ends) == sorted(out), ends
+        return out
+
     def generate_many(self, prompts, **kw):
         """Send all prompts at once (so they share prefill and decode batches)."""
         with ThreadPoolExecutor(len(prompts)) as ex:

@@ -42,11 +42,13 @@ def tok():
 
 
 class Streams:
-    """Generate calls in threads, each recording the tokens as they arrive."""
+    """Generate calls in threads, each recording the tokens as they arrive: `tokens`
+    and `final` sample 0's, `samples` every sample's by index (sampling.n)."""
 
     def __init__(self, served: Served, prompts: list[str], max_tokens: int,
                  sampling: list[dict] | None = None):
         self.tokens = [[] for _ in prompts]
+        self.samples = [{} for _ in prompts]
         self.final = [None] * len(prompts)
         self.errors: list[grpc.RpcError] = []
         sampling = sampling or [{}] * len(prompts)
@@ -58,11 +60,15 @@ class Streams:
     def _run(self, served, i, prompt, max_tokens, sampling):
         req = make_request(prompt, max_tokens=max_tokens, **({"temperature": 0} | sampling))
         try:
+            ended = set()
             for msg in served.client.generator.Generate(req, timeout=TIMEOUT_S):
-                assert self.final[i] is None, "a message after the final one"
-                self.tokens[i] += msg.token_ids
+                assert msg.index not in ended, "a message after the final one"
+                self.samples[i].setdefault(msg.index, []).extend(msg.token_ids)
                 if msg.finish_reason:
-                    self.final[i] = msg
+                    ended.add(msg.index)
+                if msg.index == 0:
+                    self.tokens[i] += msg.token_ids
+                    self.final[i] = msg if msg.finish_reason else None
         except grpc.RpcError as e:
             self.errors.append(e)
 
@@ -86,14 +92,17 @@ def _kill(pid: int) -> None:
 
 def test_kill_decode_worker_mid_stream(served, tok):
     """Greedy streams, one with penalties (the retry resends the streamed tokens as the
-    tail of the prompt: they still count as output), and a seeded sampled one with
-    penalties whose draws continue where they stopped: all as without the kill."""
+    tail of the prompt: they still count as output), a seeded sampled one with
+    penalties whose draws continue where they stopped, and n=2 seeded samples of one
+    prefill (each retried on its own): all as without the kill."""
     # HF's greedy output of each runs past 40 tokens without EOS
     prompts = ["Write a long essay about the sea.", "Once upon a time, in a village by the river,",
-               "The history of the railway begins", "Tell me about the moon."]
+               "The history of the railway begins", "Tell me about the moon.",
+               "Describe a walk in the forest."]
     penalties = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5)
     sampling = [{}, penalties, {}, dict(temperature=0.8, top_p=0.9, seed=7, ignore_eos=True,
-                                       **penalties)]
+                                       **penalties),
+                dict(temperature=0.8, top_p=0.9, seed=11, ignore_eos=True, n=2)]
     n = 40
     unkilled = Streams(served, prompts[3:], n, sampling[3:])
     unkilled.join()
@@ -111,6 +120,7 @@ def test_kill_decode_worker_mid_stream(served, tok):
         assert got == hf_greedy("default", ids, n, **hf_kw), p
         assert final.finish_reason == "length" and final.usage.completion_tokens == n
     assert streams.tokens[3] == unkilled.tokens[0]
+    assert streams.samples[4] == unkilled.samples[1] and len(unkilled.samples[1][1]) == n
     after = served.decode_status()[0]
     assert after.pid != before.pid and after.epoch != before.epoch  # restarted
     served.assert_all_free()

@@ -93,17 +93,24 @@ def _call(stub, req: pb.GenerateRequest, expected_error: str | None) -> str:
         return f"{code.name} {field}"
     assert expected_error is None, (expected_error, describe(req))
     assert msgs, describe(req)
-    *body, last = msgs
-    assert last.finish_reason in ("stop", "length"), (last, describe(req))
-    assert not any(m.finish_reason for m in body), describe(req)
-    assert last.HasField("usage") and last.usage.prompt_tokens > 0, (last, describe(req))
-    generated = sum(len(m.token_ids) for m in msgs)
-    assert last.usage.completion_tokens == generated, (last.usage, generated, describe(req))
-    if req.sampling.HasField("max_tokens"):
-        assert 1 <= generated <= req.sampling.max_tokens, (generated, describe(req))
+    samples: dict[int, list] = {}           # sampling.n: each sample's own stream
+    for m in msgs:
+        samples.setdefault(m.index, []).append(m)
+    n = req.sampling.n if req.sampling.HasField("n") else 1
+    assert sorted(samples) == list(range(n)), (sorted(samples), describe(req))
+    for one in samples.values():
+        *body, last = one
+        assert last.finish_reason in ("stop", "length"), (last, describe(req))
+        assert not any(m.finish_reason for m in body), describe(req)
+        assert last.HasField("usage") and last.usage.prompt_tokens > 0, (last, describe(req))
+        generated = sum(len(m.token_ids) for m in one)
+        assert last.usage.completion_tokens == generated, (last.usage, generated,
+                                                           describe(req))
+        if req.sampling.HasField("max_tokens"):
+            assert 1 <= generated <= req.sampling.max_tokens, (generated, describe(req))
     assert all(m.request_id == (req.request_id or msgs[0].request_id) and m.request_id
                for m in msgs), describe(req)
-    return f"finished {last.finish_reason}"
+    return f"finished {msgs[-1].finish_reason}"
 
 
 def _worker_pids(served) -> dict[str, int]:

@@ -177,6 +177,23 @@ def test_prompt_logprobs_match_hf(served):
             assert [t.token_id for t in e.top_logprobs] == want[pos].topk(3).indices.tolist()
 
 
+def test_n_samples_of_one_prefill(served):
+    """sampling.n: D forks one prefill's KV. Greedy, every sample equals HF (samples 1..
+    compute their first token on D from the last prompt token, over their own copy of its
+    block: a partial block, and a full one); seeded n=4 is reproducible, its samples
+    differ, and sample 0 is what n=1 gives with the seed."""
+    ids = _tokenizer()("Name three rivers of Europe and the seas they flow into.")["input_ids"]
+    for prompt in (ids, ids[:16]):                  # block_size 16: last block partial, full
+        want = hf_greedy("default", prompt, 8, ignore_eos=True)
+        got = served.samples(prompt, max_tokens=8, temperature=0, ignore_eos=True, n=3)
+        assert got == {0: want, 1: want, 2: want}
+    kw = dict(max_tokens=12, temperature=1.0, top_p=0.95, seed=77, ignore_eos=True)
+    a = served.samples(ids, n=4, **kw)
+    assert served.samples(ids, n=4, **kw) == a
+    assert len({tuple(t) for t in a.values()}) == 4
+    assert served.generate(ids, **kw)[0] == a[0]
+
+
 def test_streaming_and_usage(served):
     msgs = list(served.client.stream(make_request("Tell me a story.", max_tokens=10,
                                                   temperature=0, ignore_eos=True)))

@@ -74,8 +74,12 @@ def test_chunked_local_prefill_beside_running_requests_matches_hf():
                                    ignore_eos=True)
         for prompt, (ids, _, _) in zip(prompts, got):
             assert ids == hf_greedy("default", prompt, MAX_TOKENS, ignore_eos=True)
+        # n samples of a prompt D prefills in chunks: forked once its last chunk ran
+        want = hf_greedy("default", prompts[0], MAX_TOKENS, ignore_eos=True)
+        assert served.samples(prompts[0], max_tokens=MAX_TOKENS, temperature=0,
+                              ignore_eos=True, n=3) == {0: want, 1: want, 2: want}
         p, d = _counters(served)
-        assert d.local_prefills == len(prompts) and p.prefill_tokens_computed == 0
+        assert d.local_prefills == len(prompts) + 1 and p.prefill_tokens_computed == 0
         assert d.peak_batch_size >= 2          # chunks ran beside other rows
     finally:
         served.stop()

@@ -104,6 +104,38 @@ def test_chat_equals_grpc(served, client):
     assert chunks[-1].choices == [] and usage(chunks[-1].usage) == want[2]
 
 
+def test_n_and_best_of_equal_grpc(served, client):
+    """n choices, whole and streamed, are gRPC's samples (seeded: sample i draws with
+    seed + i); best_of returns the n of highest cumulative logprob among gRPC's."""
+    kw = dict(max_tokens=MAX_TOKENS, temperature=1.0, seed=11)
+    want = {}
+    for m in served.client.stream(make_request(PROMPT, n=3, **kw)):
+        want[m.index] = want.get(m.index, "") + m.text
+    assert len(set(want.values())) == 3
+    out = client.completions.create(model="default", prompt=PROMPT, n=3, **kw)
+    assert {c.index: c.text for c in out.choices} == want
+    assert out.usage.completion_tokens == 3 * MAX_TOKENS
+    got = {}
+    for ch in client.chat.completions.create(model="default", messages=MESSAGES, n=2,
+                                             stream=True, **kw):
+        for c in ch.choices:
+            got[c.index] = got.get(c.index, "") + (c.delta.content or "")
+    chat = {}
+    for m in served.client.stream(make_request(MESSAGES, n=2, **kw)):
+        chat[m.index] = chat.get(m.index, "") + m.text
+    assert got == chat
+    score = {}
+    for m in served.client.stream(make_request(PROMPT, n=4, logprobs=0, **kw)):
+        score[m.index] = score.get(m.index, 0.0) + sum(e.logprob for e in m.logprobs)
+    best = sorted(score, key=score.get, reverse=True)[:2]
+    want4 = {}
+    for m in served.client.stream(make_request(PROMPT, n=4, **kw)):
+        want4[m.index] = want4.get(m.index, "") + m.text
+    out = client.completions.create(model="default", prompt=PROMPT, n=2, best_of=4, **kw)
+    assert [c.text for c in out.choices] == [want4[i] for i in best]
+    assert all(c.logprobs is None for c in out.choices)
+
+
 def test_echo_logprobs_as_lm_eval_asks_for_them(served, client):
     """lm-evaluation-harness's loglikelihood request (token ids, echo, logprobs 1,
     max_tokens 1): one logprob per prompt token after the first and one for the
@@ -229,7 +261,8 @@ def test_models_and_health(served, client):
     ({"temperature": -1}, "temperature"),              # the router's own validation
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 100_000}, "max_tokens"),           # beyond the model's context
-    ({"n": 2}, "n"),                                   # not served
+    ({"n": 200}, "n"),                                 # more than 128 samples
+    ({"n": 3, "best_of": 2}, "best_of"),               # fewer drawn than returned
     ({"extra_body": {"top_k": "many"}}, "top_k"),      # wrong type
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),  # not a parameter
 ])

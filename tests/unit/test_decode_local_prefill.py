@@ -166,7 +166,7 @@ def test_local_prefill_preempted_before_its_first_token_prefills_again(pool):
     sched.schedule()                                      # admitted: RUNNING, no output
     req = sched._requests["a"]
     with sched._lock:
-        sched._preempt(req)                               # as if the pool ran short
+        sched._batch.preempt(req)                               # as if the pool ran short
     assert req.num_computed_tokens == 0 and req.block_table == []
     batch = sched.schedule()                              # resumes: prefill row again
     assert prefills(batch) == (req,) and req.num_computed_tokens == 0 and len(req.block_table) == 8
@@ -262,7 +262,7 @@ def test_a_partly_prefilled_request_preempted_starts_its_prompt_again(pool):
     req = sched._requests["a"]
     assert req.num_computed_tokens == 8
     with sched._lock:
-        sched._preempt(req)
+        sched._batch.preempt(req)
     batch = sched.schedule()
     assert prefills(batch) == (req,) and req.num_computed_tokens == 0 and ends(batch) == (8,)
     finish_all(sched)

@@ -48,7 +48,7 @@ def test_overloaded_pool_preempts_and_still_finishes_every_request_with_every_to
             assert min(v.admitted_seq for v in victims) > max(
                 (r.admitted_seq for r in batch.requests), default=-1)
         resumed = [req(sched, rid).admitted_seq for rid in recomputing(batch)]
-        waiting = [r.admitted_seq for r in sched._preempted]
+        waiting = [r.admitted_seq for r in sched._batch.preempted]
         if resumed and waiting:                    # oldest first: a prefix of the queue
             assert max(resumed) < min(waiting)
         seen_resume_and_wait |= bool(resumed and waiting)
@@ -78,5 +78,5 @@ def _check_invariants(sched, pool, batch):
             assert r.block_table == [] and r not in batch.requests
     for r in batch.requests:
         assert r.state == RequestState.RUNNING and covers_next_position(r), r.request_id
-    for r in sched._running:                       # resumed only with a slot in the batch
+    for r in sched._batch.running:                       # resumed only with a slot in the batch
         assert r.num_computed_tokens == r.num_tokens - 1 or r in batch.requests, r.request_id

@@ -5,7 +5,7 @@ and records the requests it got and whether its generator was closed, which is w
 the real router's `finally` needs to abort a request on its workers. Driven three
 ways: Starlette's TestClient, the official `openai` client over that TestClient, and
 raw ASGI calls where a test must choose when the client disconnects. One test serves
-the app with uvicorn on a real socket (serve_http), over TLS with a client
+the app with uvicorn on a real socket (http_server.serve_http), over TLS with a client
 certificate. Every test ends with the fake's generators all closed.
 """
 
@@ -278,8 +278,9 @@ def test_openai_client_streams(router):
 # --- errors -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "n": 2}, "n"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 129}, "n"),
+    ({"prompt": "x", "best_of": 3, "stream": True}, "best_of"),   # ranked once ended
     ({"prompt": "x", "echo": "loud"}, "echo"),                  # pydantic: wrong type
     ({"prompt": "x", "logprobs": -1}, "logprobs"),
     ({"prompt": "x", "presence_penalty": "high"}, "presence_penalty"),   # pydantic
@@ -379,7 +380,7 @@ def test_openai_client_raises_its_typed_errors():
         oai_client(FakeRouter(error=RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full"))) \
             .completions.create(model=MODEL, prompt="x")
     with pytest.raises(openai.BadRequestError) as e:
-        oai_client(FakeRouter()).completions.create(model=MODEL, prompt="x", n=2)
+        oai_client(FakeRouter()).completions.create(model=MODEL, prompt="x", n=0)
     assert e.value.body["param"] == "n" and e.value.status_code == 400
 
 

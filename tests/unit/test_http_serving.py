@@ -16,7 +16,8 @@ import pytest
 import trustme
 
 from pdserve.config import RouterConfig
-from pdserve.router.http_api import build_app, serve_http
+from pdserve.router.http_api import build_app
+from pdserve.router.http_server import serve_http
 from test_http_api import (KEY, MODEL, FakeRouter, assert_openai_error, client,  # noqa: E402
                            oai_client, script)
 

@@ -55,7 +55,7 @@ class FakeDecode(EventsFromStreams):
             yield value([TokenEvent(rid, self.tokens, finish_reason="length")])
         return refs()
 
-    def abort(self, rid, reason):
+    def abort(self, rid, reason, group=False):
         self.aborted.append(rid)
 
 

@@ -135,7 +135,7 @@ class FakeDecode(EventsFromStreams, Restartable):
                 await asyncio.sleep(0.005)
         return refs()
 
-    def abort(self, rid, reason):
+    def abort(self, rid, reason, group=False):
         self.aborted.append(rid)
 
 

@@ -115,7 +115,7 @@ def test_authorized(metadata, ok):
 # --- build_server over a stand-in router ----------------------------------------------
 
 class _Timer:
-    def tokens(self, n):
+    def tokens(self, n, sample=0):
         pass
 
     def finish(self, status, prompt_tokens):

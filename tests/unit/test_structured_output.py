@@ -13,7 +13,8 @@ from tiny_models import VOCAB_SIZE, tiny_model_dir
 
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from pdserve.engine.structured_output import MAX_SPEC_CHARS, Grammars, StructuredOutput as SO
+from pdserve.engine.structured_output import MAX_SPEC_CHARS, Grammars, apply_bitmask
+from pdserve.engine.structured_output import StructuredOutput as SO
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "n": {"type": "integer", "minimum": 0,
@@ -66,8 +67,9 @@ def test_greedy_under_a_schema_gives_a_valid_object(grammars):
     gen = torch.Generator().manual_seed(0)
     out = []
     for _ in range(60):
-        token = sample(torch.randn(1, VOCAB_SIZE, generator=gen) * 5, params, [len(out)],
-                       token_bitmask=g.bitmask([m]))[0]
+        logits = torch.randn(1, VOCAB_SIZE, generator=gen) * 5
+        apply_bitmask(logits, g.bitmask([m]))
+        token = sample(logits, params, [len(out)])[0]
         assert m.accept_token(token)
         if m.is_terminated():
             break

@@ -1,0 +1,68 @@
+"""The router's Admin RPCs (service.py AdminService): draining a node's workers before
+it goes away (what a Kubernetes preStop hook calls), and the cluster's status."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ..engine.sampling_params import InvalidRequestError
+from ..proto import pdserve_pb2 as pb
+from .workers import Worker
+
+logger = logging.getLogger(__name__)
+
+
+async def drain(router, node_ip: str, timeout_s: float) -> pb.DrainResponse:
+    """Stop sending new requests to the workers on `node_ip`, then wait up to
+    `timeout_s` seconds for their running and waiting requests to finish. A drained
+    worker takes requests again only once Ray restarts it (a new epoch).
+
+    Raises:
+        InvalidRequestError: no worker runs on `node_ip`, or timeout_s is not in
+            [0, 3600] seconds.
+    """
+    if not 0 <= timeout_s <= 3600:
+        raise InvalidRequestError("timeout_s", f"must be in [0, 3600] seconds, got {timeout_s}")
+    workers = [w for w in router.prefill + router.decode if w.node_ip == node_ip]
+    if not workers:
+        known = sorted({w.node_ip for w in router.prefill + router.decode})
+        raise InvalidRequestError("node_ip", f"no worker runs on {node_ip!r} (nodes: "
+                                             f"{', '.join(known)})")
+    for w in workers:
+        w.draining = True
+    logger.warning("draining %s on %s", [w.worker_id for w in workers], node_ip)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = 0
+        for w in workers:
+            try:
+                s = await asyncio.wait_for(w.handle.status.remote(), timeout=5)
+                busy += s.running_requests + s.waiting_requests
+            except Exception:    # dead already: nothing of its own to wait for
+                continue
+        if busy == 0 or time.monotonic() >= deadline:
+            return pb.DrainResponse(worker_ids=[w.worker_id for w in workers],
+                                    drained=busy == 0, running_requests=busy)
+        await asyncio.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
+
+async def cluster_status(router) -> pb.ClusterStatusResponse:
+    workers = router.prefill + router.decode
+
+    async def one(w: Worker) -> pb.WorkerStatus:
+        try:
+            s = await asyncio.wait_for(w.handle.status.remote(), timeout=5)
+        except Exception as e:  # dead or hung worker: report it, do not fail the call
+            role = "prefill" if w in router.prefill else "decode"
+            return pb.WorkerStatus(worker_id=w.worker_id, role=role, state=f"dead: {e}"[:200],
+                                   kv_blocks_total=w.num_blocks)
+        return s.to_proto()
+
+    return pb.ClusterStatusResponse(model=router.model_name,
+                                    workers=await asyncio.gather(*map(one, workers)),
+                                    queued_requests=router.admission.queued_requests,
+                                    queued_tokens=router.admission.queued_tokens,
+                                    metrics_address=router.metrics_address,
+                                    http_address=router.http_address)
+

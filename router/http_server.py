@@ -1,0 +1,96 @@
+"""Serving the OpenAI-compatible HTTP API (http_api.build_app) with uvicorn as a task on
+the router's event loop: bound to its address before it starts, over TLS (mutual with
+tls_client_ca_file) when RouterConfig.tls_cert_file is set, and stopped with a grace
+period that lets open requests finish before they are cancelled (and so aborted on the
+workers)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+import time
+from contextlib import nullcontext
+
+import uvicorn
+
+from .http_api import build_app
+
+logger = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's Server without its signal handlers: the router's process owns its
+    signals (uvicorn would install them if it ran on the main thread)."""
+
+    def capture_signals(self):
+        return nullcontext()
+
+
+class HTTPServer:
+    """The HTTP API served by uvicorn as a task on the running event loop."""
+
+    def __init__(self, server, task: asyncio.Task, port: int):
+        self._server, self._task, self.port = server, task, port
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Stop accepting, give open requests `grace_s` seconds, then cancel them
+        (which aborts them on the workers)."""
+        self._server.config.timeout_graceful_shutdown = grace_s
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), grace_s + 5)
+        except asyncio.TimeoutError:
+            self._task.cancel()
+            logger.warning("HTTP API did not stop within %.0f s; cancelled", grace_s + 5)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart past TIME_WAIT
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"could not bind the HTTP API to {host}:{port}: "
+                           f"{e.strerror or e}") from e
+    return sock
+
+
+async def serve_http(router, host: str, port: int) -> HTTPServer:
+    """Serve build_app(router) on host:port (0: a free port) from the running loop,
+    over TLS (mutual with tls_client_ca_file) when router.config.router.tls_cert_file
+    is set; returns once it accepts connections.
+
+    Raises:
+        RuntimeError: the address could not be bound, or the server failed to start.
+        OSError / ssl.SSLError: a tls_* file cannot be read or used.
+    """
+    rc = router.config.router
+    tls = {}
+    if rc.tls_cert_file is not None:
+        tls = {"ssl_certfile": rc.tls_cert_file, "ssl_keyfile": rc.tls_key_file,
+               "ssl_ca_certs": rc.tls_client_ca_file,
+               "ssl_cert_reqs": ssl.CERT_REQUIRED if rc.tls_client_ca_file else ssl.CERT_NONE}
+    # h11 (pure Python) explicitly: its ASGI spec 2.3 is what makes Starlette watch for
+    # disconnects while streaming. log_config=None: the router's logging config rules.
+    config = uvicorn.Config(build_app(router), http="h11", ws="none", lifespan="off",
+                            interface="asgi3", log_config=None, log_level="warning",
+                            access_log=False, server_header=False, **tls)
+    config.load()          # builds the TLS context now: a bad file fails `serve` at start
+    sock = _bind(host, port)
+    server = _Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if task.done() or time.monotonic() > deadline:
+            cause = task.exception() if task.done() else None
+            task.cancel()
+            sock.close()
+            raise RuntimeError(f"HTTP API failed to start on {host}:{port}"
+                               + (f": {cause!r}" if cause else " within 30 s")) from cause
+        await asyncio.sleep(0.01)
+    return HTTPServer(server, task, sock.getsockname()[1])

@@ -250,7 +250,6 @@ class DecodeWorker:
         while not self._stop.is_set():
             sched.update_from_connector()
             out = sched.schedule()
-            self.runner.copy_blocks(out.blocks_to_copy)   # a forked sample's block (fork.py)
             if not out.requests:
                 self._publish(sched.drain_events())
                 self._wake.wait(_IDLE_WAIT_S)
@@ -273,6 +272,9 @@ class DecodeWorker:
             self.peak_batch_size = max(self.peak_batch_size, len(out.requests))
             self.metrics.batch_size.labels(phase="decode").observe(len(out.requests))
             try:
+                # a forked sample's block (fork.py); its row is in this step: one token
+                # left, and a decode row always gets its token (schedule_policy.step_tokens)
+                self.runner.copy_blocks(out.blocks_to_copy)
                 tokens, logprobs = self._step(out, give_back)
             except Exception as e:  # a model or sampler fault fails the step, not the worker
                 logger.exception("decode step of %d rows failed", len(out.requests))

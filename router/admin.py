@@ -1,5 +1,6 @@
 """The router's Admin RPCs (service.py AdminService): draining a node's workers before
-it goes away (what a Kubernetes preStop hook calls), and the cluster's status."""
+it goes away (what a Kubernetes preStop hook calls), and the cluster's status; and its
+background loops: probing dead workers, mirroring prefill workers' prefix caches."""
 
 from __future__ import annotations
 
@@ -66,3 +67,33 @@ async def cluster_status(router) -> pb.ClusterStatusResponse:
                                     metrics_address=router.metrics_address,
                                     http_address=router.http_address)
 
+
+async def watch_workers(router) -> None:
+    """Probe the workers marked dead every worker_probe_interval_s, so one that Ray
+    restarted takes requests again while others of its role are serving."""
+    while True:
+        await asyncio.sleep(router.config.router.worker_probe_interval_s)
+        await asyncio.gather(*(router.placement.probe(w) for w in router.prefill + router.decode
+                               if not w.alive))
+
+
+async def sync_prefix_caches(router) -> None:
+    """Mirror every prefill worker's prefix cache (routing.PrefixIndex) by polling its
+    cache events every cache_sync_interval_s; a worker that does not answer in time
+    is skipped this round (its mirror just goes stale)."""
+    interval = router.config.router.cache_sync_interval_s
+    index = router.prefill_router.index
+    while True:
+        for w in router.prefill:
+            try:
+                reply = await asyncio.wait_for(
+                    w.handle.cache_events.remote(index.since(w.worker_id)), timeout=5)
+            except Exception as e:  # dead, restarting or slow: try again next round
+                logger.debug("prefix cache of %s not synced: %r", w.worker_id, e)
+                continue
+            if reply.epoch != w.epoch:   # restarted: its events restart from 0
+                index.forget(w.worker_id)
+                w.epoch = reply.epoch
+                continue
+            index.apply(w.worker_id, reply)
+        await asyncio.sleep(interval)

@@ -126,8 +126,8 @@ class Router:
                                for p in self.prefill))
         rc = self.config.router
         if rc.routing_policy == "kv_aware":
-            self._cache_sync = asyncio.get_running_loop().create_task(self._sync_prefix_caches())
-        self._watch = asyncio.get_running_loop().create_task(self._watch_workers())
+            self._cache_sync = asyncio.get_running_loop().create_task(admin.sync_prefix_caches(self))
+        self._watch = asyncio.get_running_loop().create_task(admin.watch_workers(self))
         self._server, port = build_server(self, f"{rc.host}:{rc.port}")
         await self._server.start()
         self.metrics_address = "%s:%d" % serve_metrics(self.metrics.registry, rc.host,
@@ -239,8 +239,10 @@ class Router:
                               prompt_logprobs=None if live[0].prompt_logprobs is not None
                               else attempt.prompt_logprobs)
             try:
-                async for msg in self._attempt(rid, ids + sent, attempt, deadline, live, queued):
-                    yield msg
+                async with aclosing(self._attempt(rid, ids + sent, attempt, deadline, live,
+                                                  queued)) as tried:
+                    async for msg in tried:
+                        yield msg
             except AttemptFailed as e:
                 failures.append(str(e))
                 self.metrics.retries.labels(reason=e.reason).inc()
@@ -300,6 +302,11 @@ class Router:
                                                    else ())])
                 if msg is not None:
                     yield msg
+            error = None
+            # A sample a stop string ended is aborted on D at once, the others go on; one
+            # ended at P's token only once a sibling's event shows D forked the prompt
+            # (an abort before the fork would leave the siblings unborn).
+            stop0 = len(relays) > 1 and relays[0].stopped_here
             if any(r.finish_reason is None for r in relays):
                 try:
                     async for events in self.streams.batches(internal_id, deadline):
@@ -308,22 +315,24 @@ class Router:
                         local_tokens = 0
                         for sid, evs in by_request(events).items():
                             r = on_d[sid]
-                            if r.finish_reason is not None or r.error is not None:
-                                continue
-                            msg = r.absorb(evs)
-                            if msg is not None:
-                                yield msg
-                            if r.stopped_here and len(relays) > 1:   # the others go on
-                                self._send(d.handle.abort.remote(sid, "cancelled"))
-                        if any(r.error is not None for r in relays) or all(
-                                r.finish_reason is not None for r in relays):
+                            if r.finish_reason is None:
+                                msg = r.absorb(evs)
+                                if msg is not None:
+                                    yield msg
+                                if r.stopped_here and len(relays) > 1:
+                                    self._send(d.handle.abort.remote(sid, "cancelled"))
+                            elif any(e.finish_reason == "error" for e in evs):
+                                r.error = evs[-1].error or "unknown error"  # before the fork
+                            error, r.error = error or r.error, None
+                            if stop0 and sid != internal_id:
+                                stop0 = False
+                                self._send(d.handle.abort.remote(internal_id, "cancelled"))
+                        if error is not None or all(r.finish_reason is not None for r in relays):
                             break
                 except ray.exceptions.RayError as e:
                     raise attempt_failed("decode", d, e) from e
-            for r in relays:
-                if r.error is not None:
-                    error, r.error = r.error, None
-                    raise AttemptFailed("decode", f"decode on {d.worker_id} failed: {error}")
+            if error is not None:
+                raise AttemptFailed("decode", f"decode on {d.worker_id} failed: {error}")
             if any(r.finish_reason is None for r in relays):
                 raise AttemptFailed("decode", f"decode stream of {d.worker_id} ended "
                                                "without finishing")
@@ -358,35 +367,6 @@ class Router:
         task = asyncio.get_running_loop().create_task(wait())
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
-
-    async def _watch_workers(self) -> None:
-        """Probe the workers marked dead every worker_probe_interval_s, so one that Ray
-        restarted takes requests again while others of its role are serving."""
-        while True:
-            await asyncio.sleep(self.config.router.worker_probe_interval_s)
-            await asyncio.gather(*(self.placement.probe(w) for w in self.prefill + self.decode
-                                   if not w.alive))
-
-    async def _sync_prefix_caches(self) -> None:
-        """Mirror every prefill worker's prefix cache (routing.PrefixIndex) by polling its
-        cache events every cache_sync_interval_s; a worker that does not answer in time
-        is skipped this round (its mirror just goes stale)."""
-        interval = self.config.router.cache_sync_interval_s
-        index = self.prefill_router.index
-        while True:
-            for w in self.prefill:
-                try:
-                    reply = await asyncio.wait_for(
-                        w.handle.cache_events.remote(index.since(w.worker_id)), timeout=5)
-                except Exception as e:  # dead, restarting or slow: try again next round
-                    logger.debug("prefix cache of %s not synced: %r", w.worker_id, e)
-                    continue
-                if reply.epoch != w.epoch:   # restarted: its events restart from 0
-                    index.forget(w.worker_id)
-                    w.epoch = reply.epoch
-                    continue
-                index.apply(w.worker_id, reply)
-            await asyncio.sleep(interval)
 
     # --- Admin (admin.py) ------------------------------------------------------------
 

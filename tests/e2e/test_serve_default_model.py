@@ -182,7 +182,9 @@ def test_n_samples_of_one_prefill(served):
     compute their first token on D from the last prompt token, over their own copy of its
     block: a partial block, and a full one); seeded n=4 is reproducible, its samples
     differ, and sample 0 is what n=1 gives with the seed."""
-    ids = _tokenizer()("Name three rivers of Europe and the seas they flow into.")["input_ids"]
+    ids = _tokenizer()("Name three rivers of Europe, the countries they cross, and the seas "
+                       "they flow into, with one line on each.")["input_ids"]
+    assert len(ids) > 16
     for prompt in (ids, ids[:16]):                  # block_size 16: last block partial, full
         want = hf_greedy("default", prompt, 8, ignore_eos=True)
         got = served.samples(prompt, max_tokens=8, temperature=0, ignore_eos=True, n=3)

@@ -9,11 +9,14 @@ pool free.
 
 import pytest
 
+from pdserve.decode_worker.connector import DecodeKVConnector
 from pdserve.decode_worker.fork import sample_id
 from pdserve.decode_worker.scheduler import DecodeScheduler, SchedulerOutput
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import RequestState
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.base import KVCompletion
+from test_decode_failures import ScriptedReceiver, release
 
 BS, EOS, TOKEN = 4, 2, 50
 
@@ -149,14 +152,33 @@ def test_a_local_prefill_forks_once_its_prompt_is_computed():
 
 
 def test_a_remote_kv_request_frees_through_the_connector_and_its_samples_directly():
-    """Sample 0 holds the transfer's blocks (its lease); its samples' references go back
-    to the pool at their finish, so a block is free only when all are done."""
-    pool, sched = make()
-    reserve(sched, "a", 6, params(n=2, max_tokens=1))
-    sched.on_kv_complete("a", True, 10)                  # max_tokens=1: sample 0 done
-    out = sched.schedule()
-    assert list(rows(out)) == ["a/1"] and not pool.all_free()
+    """Sample 0 holds the transfer's blocks until the receiver releases them (a NIXL
+    writer's lease); its samples' references go back to the pool at their finish."""
+    pool = BlockPool(32)
+    rx = ScriptedReceiver()
+    sched = DecodeScheduler(pool, BS, 64, (EOS,), connector=DecodeKVConnector(rx))
+    r = reserve(sched, "a", 6, params(n=2, max_tokens=1))
+    rx.completions = [KVCompletion("a", True, 10, None)]
+    sched.update_from_connector()                       # arrival and fork
+    out = sched.schedule()                               # max_tokens=1: sample 0 done
+    assert list(rows(out)) == ["a/1"] and rx.forgotten == ["a"]
     run_to_end(sched, out)
+    assert [pool.ref_count(b) for b in r.block_ids] == [1, 1]    # the transfer's only
+    release(sched, rx, "a")
+    assert pool.all_free()
+
+
+def test_a_transfer_that_failed_forks_nothing():
+    pool = BlockPool(32)
+    rx = ScriptedReceiver()
+    sched = DecodeScheduler(pool, BS, 64, (EOS,), connector=DecodeKVConnector(rx))
+    reserve(sched, "a", 6, params(n=3))
+    rx.completions = [KVCompletion("a", False, None, "connection lost")]
+    sched.update_from_connector()
+    sched.schedule()
+    assert sched._requests == {}
+    assert [e.finish_reason for e in sched.drain_events()] == ["error"]
+    release(sched, rx, "a")
     assert pool.all_free()
 
 

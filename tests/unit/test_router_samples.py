@@ -15,7 +15,7 @@ from pdserve.decode_worker.fork import sample_id
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.request import TokenEvent
 from pdserve.messages import PrefillResult
-from test_router_failover import PROMPT, FakeDecode, FakePrefill, make_router
+from test_router_failover import PROMPT, FakeDecode, FakePrefill, make_router, retries
 
 MAX_TOKENS = 6
 
@@ -50,7 +50,16 @@ class SeededPrefill(FakePrefill):
 
 class ForkingDecode(FakeDecode):
     """Streams every sample of a reservation, one token each per step; on its first
-    attempt it dies after `die_after` steps."""
+    attempt it dies after `die_after` steps, or (`fail_at`) fails every sample's row
+    that step with an error event (a decode step that raised). Records each abort
+    with the steps streamed by then."""
+
+    def __init__(self, fail_at: int | None = None, **kw):
+        super().__init__(**kw)
+        self.fail_at, self.steps, self.aborts = fail_at, 0, []
+
+    def abort(self, rid, reason, group=False):
+        self.aborts.append((rid, group, self.steps))
 
     def stream(self, rid):
         async def value(v):
@@ -66,6 +75,12 @@ class ForkingDecode(FakeDecode):
                     self.die_after = None
                     self.die()
                     raise __import__("ray").exceptions.ActorDiedError()
+                if self.fail_at is not None and step == self.fail_at:
+                    self.fail_at = None
+                    yield value([TokenEvent(sid, (), "error", "decode step failed: boom")
+                                 for sid, _, _ in samples])
+                    return
+                self.steps += 1
                 events = []
                 for sid, p, ctx in samples:
                     if len(ctx) - len(ids) < p.max_tokens:
@@ -145,5 +160,38 @@ def test_best_of_returns_the_samples_of_highest_cumulative_logprob_renumbered():
         assert reserved[1].logprobs == 0 and reserved[1].num_samples == 4  # asked to rank
         assert not any(m.logprobs for m in msgs)          # ... but the client did not
         return r
+
+    asyncio.run(main())
+
+
+def test_samples_failed_by_a_decode_step_are_retried_once_each():
+    """Every sample's row fails in one step (error events for all): each is retried on
+    its own, once; none fails again on the others' stale errors."""
+    async def main():
+        d = ForkingDecode(fail_at=2)
+        r = make_router([SeededPrefill([d])], [d], max_migrations=1)
+        msgs = await collect(r, n=2)
+        assert by_sample(msgs) == {i: uninterrupted(5 + i) for i in range(2)}
+        assert retries(r, "decode") == 1 and len(d.reserved) == 3
+
+    asyncio.run(main())
+
+
+def test_a_sample_stopped_at_the_prefill_token_is_aborted_once_d_has_forked():
+    """Sample 0 ends at P's token (a stop token id): D learns it only once a sibling's
+    event shows the fork happened (an earlier abort would have cancelled the fork), and
+    as a single sample, not the group; the sibling runs to its end."""
+    first = next_token(PROMPT, 5)
+
+    async def main():
+        d = ForkingDecode()
+        r = make_router([SeededPrefill([d])], [d])
+        msgs = await collect(r, n=2, stop_token_ids=[first])
+        got = by_sample(msgs)
+        assert got[0] == [first] and len(got[1]) >= 1
+        (rid,) = d.reserved
+        early = [(g, at) for a, g, at in d.aborts if a == rid]
+        assert early[0][0] is False and early[0][1] <= 2        # at the first D events
+        assert early[-1][0] is True                               # the attempt's end
 
     asyncio.run(main())

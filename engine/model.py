@@ -6,6 +6,10 @@ safetensors state dict loads as is. Differences among the families:
     Qwen3: RMSNorm over head_dim on q and k before RoPE (config.qk_norm).
 Tokens are flat (`[num_tokens, hidden]`, no padding); per-step batch structure lives in
 `AttentionMetadata`. Only the rows the caller asks for reach the LM head.
+
+With tensor parallelism (engine/parallel.py, `tp`), each module holds its rank's shard
+(its heads, KV heads, intermediate and vocabulary slices) and all-reduces after o_proj
+and down_proj; the logits are all-gathered.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 from . import cpu_ops
 from .attention import AttentionMetadata, decode_attention, prefill_attention, write_kv
 from .config import ModelConfig
+from .parallel import SINGLE, TensorParallel
 
 
 def use_fused_ops(x: torch.Tensor) -> bool:
@@ -144,15 +149,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = tp.num_heads(cfg), tp.num_kv_heads(cfg)  # this rank's
+        self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -188,22 +196,24 @@ class Attention(nn.Module):
             o = cpu_ops.attention_layer(q, k, v, meta.slot_mapping, meta.block_table,
                                         meta.cu_seqlens_q, meta.context_lens, self.scale,
                                         meta.kv_cache_id, layer)
-            return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+            return self.tp.all_reduce(self.o_proj(o.reshape(t, self.num_heads * self.head_dim)))
         k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             o = prefill_attention(q, k, v, meta, self.scale, k_cache, v_cache)
         else:
             o = decode_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        inter = cfg.intermediate_size // tp.size                 # this rank's slice
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.gate_up_proj: PackedLinear | None = None   # set by prepack()
 
     def prepack(self) -> None:
@@ -216,18 +226,18 @@ class MLP(nn.Module):
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
             if use_fused_ops(gate_up):
-                return self.down_proj(cpu_ops.silu_and_mul(gate_up))
+                return self.tp.all_reduce(self.down_proj(cpu_ops.silu_and_mul(gate_up)))
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -243,21 +253,23 @@ class DecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size // tp.size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """The decoder plus LM head. Build on the meta device, then `load_weights`."""
+    """The decoder plus LM head. Build on the meta device, then `load_weights` (with
+    `tp`, this rank's shards: TensorParallel.shard)."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device):
+    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg = cfg
-        self.model = _Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        tp.check(cfg)
+        self.cfg, self.tp = cfg, tp
+        self.model = _Backbone(cfg, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // tp.size, bias=False)
         self.rope = RotaryEmbedding(cfg, device)
         self.compiled = False   # layers run through torch.compile (engine/compile.py)
 
@@ -271,7 +283,7 @@ class CausalLM(nn.Module):
         K/V is in the cache (prefill streams it to the decode worker from there).
         Returns the final-norm hidden states, [num_tokens, hidden_size].
         """
-        x, residual = self.model.embed_tokens(input_ids), None
+        x, residual = self.tp.embed(self.model.embed_tokens, input_ids), None
         if self.compiled:   # layer 0 in the others' graph: x + 0 is x, bit for bit
             residual = torch.zeros_like(x)
         for i, layer in enumerate(self.model.layers):
@@ -281,8 +293,9 @@ class CausalLM(nn.Module):
         return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, hidden_size] -> logits [n, vocab_size] float32."""
-        return self.lm_head(hidden).float()
+        """hidden: [n, hidden_size] -> logits [n, vocab_size] float32 (every rank's
+        vocabulary slice, gathered)."""
+        return self.tp.all_gather(self.lm_head(hidden).float())
 
     def prepack(self) -> None:
         """After load_weights, on CPU (can_prepack): every linear becomes a oneDNN-prepacked

@@ -27,6 +27,7 @@ from .attention import (AttentionMetadata, allocate_kv_cache, attention_backend,
 from .config import CacheConfig, ModelConfig
 from .loader import resolve_model
 from .model import CausalLM, can_prepack
+from .parallel import SINGLE, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -81,23 +82,33 @@ class InputBatch:
 
 
 def load_model(model: str | Path | None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu"):
-    """Load (ModelConfig, CausalLM, tokenizer, model_dir) through transformers.
+               device: str | torch.device = "cpu", tp: TensorParallel = SINGLE):
+    """Load (ModelConfig, CausalLM, tokenizer, model_dir) through transformers; with
+    `tp`, only this rank's shard of each tensor is read (safetensors' lazy slices).
 
     Raises:
-        ModelNotFoundError, UnsupportedModelError, ValueError (weights do not match).
+        ModelNotFoundError, UnsupportedModelError, ValueError (weights do not match, or
+        the tensor-parallel size does not divide the model's heads or sizes).
     """
-    from safetensors.torch import load_file
+    from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
 
     model_dir = resolve_model(model)
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), model_dir)
     device = torch.device(device)
     with torch.device("meta"):
-        net = CausalLM(cfg, device)
+        net = CausalLM(cfg, device, tp)
     state = {}
     for f in sorted(model_dir.glob("*.safetensors")):
-        state.update({k: v.to(device=device, dtype=dtype) for k, v in load_file(f).items()})
+        with safe_open(f, framework="pt") as weights:
+            for name in weights.keys():
+                spec = tp.shard(name, cfg) if tp.size > 1 else None
+                if spec is None:
+                    t = weights.get_tensor(name)
+                else:
+                    whole = weights.get_slice(name)
+                    t = whole[spec[1]] if spec[0] == 0 else whole[:, spec[1]]
+                state[name] = t.to(device=device, dtype=dtype)
     if not state:
         raise ValueError(f"{model_dir} has no *.safetensors weights")
     net.load_weights(state)
@@ -112,7 +123,7 @@ class ModelRunner:
     def __init__(self, model: str | Path | None, cache: CacheConfig, num_threads: int | None = None,
                  cpus: Sequence[int] | None = None, *, enforce_eager: bool = True,
                  max_graph_batch_size: int = 256, prepack_linears: bool = True,
-                 compile_model: bool = False):
+                 compile_model: bool = False, tp: TensorParallel = SINGLE):
         """num_threads: torch intra-op threads of this process; cpus: CPU ids to pin this
         process to (os.sched_setaffinity), so co-located workers do not share cores.
         enforce_eager=False on CUDA (flash-attn or Triton decode): batches of up to
@@ -122,7 +133,9 @@ class ModelRunner:
         compiled here before the first step (warm_up); elsewhere it is ignored, with a
         log line. prepack_linears: on CPU, every linear runs as a oneDNN-prepacked GEMM
         with q/k/v and gate/up fused (CausalLM.prepack); False keeps transformers'
-        nn.Linear modules (F.linear).
+        nn.Linear modules (F.linear). tp: this process's rank in its worker's
+        tensor-parallel group (engine/parallel.py): its shard of the weights, a KV cache
+        of its KV heads; eager (no CUDA graphs or torch.compile across collectives yet).
 
         Raises:
             ValueError: a CPU id this process may not run on.
@@ -142,8 +155,13 @@ class ModelRunner:
             logger.warning("bfloat16 on a CPU without avx512_bf16 or AMX: oneDNN emulates its "
                            "GEMMs in float32 arithmetic, slower than --dtype float32 (which "
                            "is also what HF's fidelity is checked on)")
+        self.tp = tp
         self.config, self.model, self.tokenizer, self.model_dir = load_model(
-            model, cache.dtype, self.device)
+            model, cache.dtype, self.device, tp)
+        if tp.size > 1 and (compile_model or (not enforce_eager and self.device.type == "cuda")):
+            logger.warning("tensor-parallel rank: eager (CUDA graphs and torch.compile are "
+                           "not captured across its all-reduces yet)")
+            compile_model, enforce_eager = False, True
         self.prepacked = prepack_linears and can_prepack(self.device, cache.dtype)
         if self.prepacked:
             self.model.prepack()
@@ -158,7 +176,7 @@ class ModelRunner:
         # With graphs, one block past the pool's (never handed out) takes the K/V that
         # padded graph rows write: write_kv has no "skip this row" slot value.
         self.kv_cache = allocate_kv_cache(
-            (c.num_layers, 2, cache.num_blocks + graphs, c.num_kv_heads, cache.block_size,
+            (c.num_layers, 2, cache.num_blocks + graphs, tp.num_kv_heads(c), cache.block_size,
              c.head_dim), cache.dtype, self.device)
         self.block_size = cache.block_size
         # CPU kernels: each layer's KV write and attention are one op that finds the

@@ -150,6 +150,27 @@ def _bench_serve(args) -> int:
     return 1 if any(s["failed"] or s["kv_blocks_leaked"] for s in summaries) else 0
 
 
+def _bench_tp(args) -> int:
+    import json
+
+    from . import tp
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")]
+        print(f"tensor-parallel step of {args.model} at TP {sizes} ({args.device}): decode "
+              f"{args.batch} x {args.context} tokens, prefill {args.prefill_tokens} tokens, "
+              f"median of {args.repeats} ...", flush=True)
+        results = tp.run(args.model, sizes, args.batch, args.context, args.prefill_tokens,
+                         args.repeats, args.dtype, args.device)
+    except ValueError as e:
+        print(f"pdserve bench tp: {e}", file=sys.stderr)
+        return 2
+    print(tp.table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(tp.as_json(results, vars(args) | {"fn": None}), f, indent=2)
+    return 0
+
+
 def _bench_gpu(args) -> int:
     import json
     import tempfile
@@ -266,6 +287,21 @@ def add_bench_parser(sub) -> None:
     bst.add_argument("--threads", type=int, default=1, help="torch threads (pinned CPUs)")
     bst.add_argument("--json", default=None, help="write the figures to this file")
     bst.set_defaults(fn=_bench_step)
+    btp = bsub.add_parser("tp", help="a tensor-parallel model step (ranks as processes, "
+                                     "gloo on CPU, NCCL on CUDA) vs TP 1, and its "
+                                     "all-reduces' cost per layer")
+    btp.add_argument("--model", default="llama-3.2-1b-random",
+                     help="'llama-3.2-1b-random' (32 / 8 heads: TP 2, 4, 8), 'default' "
+                          "(9 / 3 heads: TP 3, 9), a HF dir or .gguf")
+    btp.add_argument("--sizes", default="1,2", help="comma list of TP sizes, 1 first")
+    btp.add_argument("--batch", type=int, default=64, help="decode sequences per step")
+    btp.add_argument("--context", type=int, default=400, help="tokens of context per sequence")
+    btp.add_argument("--prefill-tokens", type=int, default=512)
+    btp.add_argument("--repeats", type=int, default=10)
+    btp.add_argument("--dtype", default="float32")
+    btp.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    btp.add_argument("--json", default=None, help="write the figures to this file")
+    btp.set_defaults(fn=_bench_tp)
     bg = bsub.add_parser("gpu", help="on the CUDA device: prefill MFU vs a measured bf16 GEMM "
                                      "peak, decode GB/s vs a measured device copy, KV transfer "
                                      "device to device between two processes")

@@ -89,7 +89,7 @@ def _event_times(fn: Callable[[], object], repeats: int, warmup: int = 3) -> lis
     return out
 
 
-def _wall_times(fn: Callable[[], object], repeats: int, warmup: int = 2) -> list[float]:
+def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 2) -> list[float]:
     """Seconds of each of `repeats` calls, wall clock, the device synchronised after each
     (CPU too, which only the tests use)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -207,7 +207,7 @@ def measure_model(name: str, model_dir: Path, *, num_prompts: int, prompt_tokens
                                         generator=g).tolist(),
                           tuple(range(i * per_prompt, (i + 1) * per_prompt)))
                for i in range(num_prompts)]
-    t = statistics.median(_wall_times(lambda: runner.prefill(prompts), repeats))
+    t = statistics.median(wall_times(lambda: runner.prefill(prompts), repeats))
     flops = num_prompts * prefill_flops(shape, prompt_tokens)
     prefill = PrefillFigure(name, num_prompts, prompt_tokens, flops, t, flops / t / 1e12,
                             flops / t / 1e12 / peak_tflops)
@@ -218,10 +218,10 @@ def measure_model(name: str, model_dir: Path, *, num_prompts: int, prompt_tokens
             for i in range(decode_batch)]
     w, kv = decode_step_bytes(shape, [decode_context] * decode_batch, 2)
     graphs = runner.decode_graphs
-    step = statistics.median(_wall_times(lambda: runner.decode(seqs), decode_steps, warmup=3))
+    step = statistics.median(wall_times(lambda: runner.decode(seqs), decode_steps, warmup=3))
     runner.decode_graphs = None                   # the same steps, eagerly
     try:
-        eager = statistics.median(_wall_times(lambda: runner.decode(seqs), decode_steps, warmup=3))
+        eager = statistics.median(wall_times(lambda: runner.decode(seqs), decode_steps, warmup=3))
     finally:
         runner.decode_graphs = graphs
     gbps = (w + kv) / step / 1e9

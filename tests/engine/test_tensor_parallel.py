@@ -1,5 +1,6 @@
-"""engine/parallel.py: a model sharded over N tensor-parallel ranks, each its own process
-(tests/engine/tp_rank.py) in a gloo group, generates greedily what HF transformers
+"""engine/parallel.py and tp_executor.py: a model sharded over N tensor-parallel ranks,
+each its own process (tests/engine/tp_rank.py) in a gloo group, rank 0 driving and the
+others following its step orders, generates greedily what HF transformers
 generates, with every step's logits within float32 noise of HF's, for the layouts the
 sharding has: KV heads split across ranks (4 query / 2 KV heads at TP 2), KV heads
 replicated (TP 4 over 2 KV heads: 4/2 and 8/2), q/k/v biases (Qwen2), q/k norms with a
@@ -50,7 +51,10 @@ def run_ranks(model_dir: Path, size: int, prompts, new_tokens: int, tmp: Path) -
             raise
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out[-3000:]}"
-    return torch.load(str(io) + ".out")
+    got = torch.load(str(io) + ".out")
+    for r in range(1, size):       # every follower ran every step order rank 0 sent
+        assert torch.load(f"{io}.rank{r}")["calls"] == got["calls"] > 1, r
+    return got
 
 
 def assert_equals_hf(got: dict, refs, atol: float) -> None:

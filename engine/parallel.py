@@ -67,12 +67,7 @@ class TensorParallel:
     def kv_heads(self, cfg: ModelConfig) -> range:
         """The model's KV heads this rank holds (one, replicated, with fewer KV heads
         than ranks)."""
-        kv, n = cfg.num_kv_heads, self.size
-        if kv >= n:
-            per = kv // n
-            return range(self.rank * per, (self.rank + 1) * per)
-        first = self.rank * kv // n
-        return range(first, first + 1)
+        return kv_head_range(cfg.num_kv_heads, self.size, self.rank)
 
     def num_kv_heads(self, cfg: ModelConfig) -> int:
         return len(self.kv_heads(cfg))
@@ -131,6 +126,17 @@ class TensorParallel:
         x = table(local.masked_fill(outside, 0))
         x.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.all_reduce(x)
+
+
+def kv_head_range(num_kv_heads: int, size: int, rank: int) -> range:
+    """The KV heads rank `rank` of `size` holds: num_kv_heads / size of them, or with
+    fewer KV heads than ranks (size a multiple of num_kv_heads) one, the same one on
+    size / num_kv_heads consecutive ranks."""
+    if num_kv_heads >= size:
+        per = num_kv_heads // size
+        return range(rank * per, (rank + 1) * per)
+    first = rank * num_kv_heads // size
+    return range(first, first + 1)
 
 
 SINGLE = TensorParallel()

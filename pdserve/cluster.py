@@ -64,6 +64,11 @@ class Cluster:
         from .router.router import Router
 
         cfg = self.config
+        for role, w in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            if w.tensor_parallel_size > 1:   # the engine and tp_group.py have it; not serve
+                raise ClusterStartError(
+                    f"{role}.tensor_parallel_size={w.tensor_parallel_size}: serving with "
+                    "tensor-parallel workers is not built yet (docs/tensor_parallel.md)")
         if cfg.prefill.kv_secret is None and cfg.decode.kv_secret is None:
             # KV ports pair only with peers proving this (kv_transfer/auth.py); one per start
             secret = secrets.token_hex(32)

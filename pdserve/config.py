@@ -25,6 +25,7 @@ class WorkerConfig:
     num_threads: int = 1             # torch intra-op threads (pin compute to the cores it owns)
     cpus: tuple[int, ...] | None = None  # CPU ids the worker process is pinned to (Linux
                                          # sched_setaffinity); None: wherever the OS runs it
+    tensor_parallel_size: int = 1    # ranks of one worker (engine/parallel.py; tp_group.py)
     transport: str = "tcp"
     host: str = "127.0.0.1"          # address the KV transport and /metrics bind and advertise;
                                      # "auto": this node's IP as Ray knows it (multi-node)
@@ -84,6 +85,8 @@ class WorkerConfig:
                              "'auto' (this node's IP as Ray knows it)")
         if self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads}: need at least 1")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
         if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
             raise ValueError(f"cpus={self.cpus}: give CPU ids >= 0 (or None: not pinned)")
         if self.max_num_batched_tokens < self.block_size:

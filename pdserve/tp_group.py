@@ -1,0 +1,137 @@
+"""A tensor-parallel worker's ranks on Ray (docs/tensor_parallel.md): one placement group
+per worker, STRICT_PACK, one bundle per rank, so every rank runs on one node; rank 0 (the
+worker actor, in bundle 0) starts ranks 1..N-1 as TPRank actors in the other bundles,
+owned by it, and all join one torch.distributed group (gloo on CPU, NCCL on CUDA)
+through a rendezvous file in the node's temp directory.
+
+    Cluster          placement_group(size, resources) -> the worker's group of bundles
+    rank 0           start_ranks(config) inside its actor: TPRank actors + joins as 0;
+                     wraps its runner in engine/tp_executor.py TPLeader
+    rank i           TPRank: its shard of the model and its KV cache; follows rank 0's
+                     step orders on a thread
+
+Failure: Ray kills the actors an actor owns when it dies, so a killed rank 0 takes its
+ranks with it and Ray's restart of rank 0 builds a new group. A rank that dies breaks
+the group: rank 0's next collective raises (within GROUP_TIMEOUT_S at the latest), and
+rank 0 must then exit so Ray restarts the group as a whole; a TPRank whose group
+breaks exits at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import tempfile
+import threading
+import uuid
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .config import WorkerConfig
+from .engine.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+GROUP_TIMEOUT_S = 30.0     # a collective waiting longer than this on a lost rank raises
+
+
+def placement_group(size: int, resources: dict[str, float] | None = None,
+                    num_gpus: float = 0, name: str = "") -> PlacementGroup:
+    """The bundles of one worker of `size` ranks, packed on one node: each holds a
+    rank's share of `resources` (Ray custom resources) and `num_gpus`. Returns it once
+    Ray has reserved it.
+
+    Raises:
+        ray.exceptions.GetTimeoutError: no node can hold all the bundles within 60 s.
+    """
+    bundle = {"CPU": 0.001} | dict(resources or {}) | ({"GPU": num_gpus} if num_gpus else {})
+    pg = ray.util.placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK",
+                                  name=name)
+    ray.get(pg.ready(), timeout=60)
+    return pg
+
+
+def in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
+    """Ray's scheduling strategy for an actor in bundle `index` of `pg`."""
+    return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index,
+                                            placement_group_capture_child_tasks=False)
+
+
+def join(rank: int, size: int, init_method: str, device: str) -> TensorParallel:
+    """Join the worker's group as `rank`; blocks until every rank has joined."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    torch.distributed.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=size,
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    return TensorParallel(rank, size, torch.distributed.group.WORLD)
+
+
+class TPRank:
+    """Ray actor: rank `rank` > 0 of worker `worker_id`. It loads its shard, then runs
+    rank 0's step orders (tp_executor.follow) on a thread until rank 0 stops them; if
+    the group breaks (rank 0 died), the process exits."""
+
+    def __init__(self, worker_id: str, rank: int, size: int, init_method: str,
+                 config: WorkerConfig):
+        from .engine.model_runner import ModelRunner
+
+        logging.basicConfig(level=config.log_level)
+        self.worker_id, self.rank = worker_id, rank
+        self.tp = join(rank, size, init_method, config.device)
+        self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
+                                  config.cpus, tp=self.tp)
+        self.calls = 0
+        self._thread = threading.Thread(target=self._follow, name=f"tp-rank-{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        from .engine.tp_executor import follow
+        try:
+            self.calls = follow(self.runner, self.tp)
+        except Exception as e:            # rank 0 gone, or a step failed here
+            logger.error("%s rank %d: its group broke (%r); exiting", self.worker_id,
+                         self.rank, e)
+            os._exit(1)
+        torch.distributed.destroy_process_group()
+
+    def ready(self) -> dict:
+        """pid, node, and the KV heads this rank's cache holds."""
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+                "kv_heads": tuple(self.tp.kv_heads(self.runner.config)),
+                "kv_cache_shape": tuple(self.runner.kv_cache.shape)}
+
+    def stopped(self, timeout_s: float = 10.0) -> int:
+        """Wait for the step-order loop to end (rank 0's stop()); the calls it ran."""
+        self._thread.join(timeout_s)
+        return self.calls
+
+
+def start_ranks(worker_id: str, config: WorkerConfig, pg: PlacementGroup | None = None
+                ) -> tuple[TensorParallel, list]:
+    """Rank 0's part, called inside its actor: start ranks 1..N-1 (N =
+    config.tensor_parallel_size) in bundles 1..N-1 of `pg` (default: the placement
+    group this actor runs in, whose bundle 0 it holds), and join the group with them.
+    Returns (this rank's TensorParallel, their handles).
+
+    Raises:
+        RuntimeError: no placement group of N bundles (Cluster places a
+            tensor-parallel worker in one).
+    """
+    size = config.tensor_parallel_size
+    pg = pg or ray.util.get_current_placement_group()
+    if pg is None or len(pg.bundle_specs) != size:
+        raise RuntimeError(f"{worker_id}: tensor_parallel_size={size} needs the worker in a "
+                           f"placement group of {size} bundles (tp_group.placement_group)")
+    init = f"file://{tempfile.gettempdir()}/pdserve-tp-{worker_id}-{uuid.uuid4().hex[:12]}"
+    ranks = [ray.remote(TPRank).options(num_cpus=0, max_restarts=0,
+                                        num_gpus=1 if config.device.startswith("cuda") else 0,
+                                        scheduling_strategy=in_bundle(pg, r))
+             .remote(worker_id, r, size, init, config) for r in range(1, size)]
+    tp = join(0, size, init, config.device)
+    logger.info("%s: tensor-parallel group of %d ranks joined", worker_id, size)
+    return tp, ranks

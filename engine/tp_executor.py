@@ -13,11 +13,19 @@ So scheduling, the prefix cache and the block pool exist once, on rank 0, and ev
 rank's KV cache holds the same blocks (its own KV heads of them). A callback such as
 `on_layer_done` (a prefill streaming its KV layer by layer) cannot cross processes:
 each rank passes its own (`follow(..., on_layer_done=)`), the leader's to its calls.
+
+An idle leader sends a heartbeat order every `heartbeat_s`, so followers waiting for
+the next order never reach the group's collective timeout while rank 0 is alive; a
+rank that dies closes its connections, and the next collective of every other rank
+raises at once (tests/e2e/test_tp_group.py).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,56 +36,98 @@ from .parallel import TensorParallel
 logger = logging.getLogger(__name__)
 
 STEP_CALLS = ("prefill", "prefill_with_prompt_logprobs", "mixed", "decode", "copy_blocks")
-_STOP = "stop"
+_STOP, _PING = "stop", "ping"
+
+
+class TPGroupBroken(RuntimeError):
+    """A step call failed once its order was being broadcast (a fault on rank 0 alone,
+    or a lost rank): the ranks' collectives are out of step, so the worker must be
+    restarted as a whole (docs/tensor_parallel.md)."""
 
 
 class TPLeader:
     """Rank 0's runner: the ModelRunner's interface, with each call of STEP_CALLS sent to
-    the followers before it runs here; other attributes are the runner's. `stop()`
-    ends the followers' loops."""
+    the followers before it runs here (under one lock: calls from several threads stay
+    whole); other attributes are the runner's. `stop()` ends the followers' loops.
 
-    def __init__(self, runner, tp: TensorParallel):
+    Raises (from a step call): TPGroupBroken, once its order went out."""
+
+    def __init__(self, runner, tp: TensorParallel, heartbeat_s: float | None = 10.0):
         assert tp.rank == 0, tp
         self.runner, self.tp = runner, tp
         self.num_calls = 0          # step orders sent (each follower runs as many)
+        self._lock = threading.Lock()
+        self._last_order = time.monotonic()
+        self._stopped = threading.Event()
+        if heartbeat_s is not None and tp.size > 1:
+            threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True,
+                             name="tp-heartbeat").start()
 
     def __getattr__(self, name: str) -> Any:
         if name in STEP_CALLS:
-            return lambda *args, on_layer_done=None: self._call(name, args, on_layer_done)
+            return lambda *args, **kwargs: self._call(name, args, kwargs)
         return getattr(self.runner, name)
 
-    def _call(self, name: str, args: tuple, on_layer_done: Callable[[int], None] | None):
-        self._order([name, args])
-        self.num_calls += 1
+    def _call(self, name: str, args: tuple, kwargs: dict):
         fn = getattr(self.runner, name)
-        return fn(*args) if name == "copy_blocks" else fn(*args, on_layer_done=on_layer_done)
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        on_layer_done = bound.arguments.pop("on_layer_done", None)   # stays on this rank
+        if name == "copy_blocks" and not bound.arguments["pairs"]:
+            return None                                              # nothing to order
+        with self._lock:
+            try:
+                self._order([name, bound.arguments])
+                self.num_calls += 1
+                if "on_layer_done" in inspect.signature(fn).parameters:
+                    return fn(**bound.arguments, on_layer_done=on_layer_done)
+                return fn(**bound.arguments)
+            except Exception as e:
+                raise TPGroupBroken(f"tensor-parallel {name} failed once ordered (rank 0 "
+                                    f"alone, or a lost rank): {type(e).__name__}: {e}") from e
 
     def stop(self) -> None:
-        self._order([_STOP, ()])
+        self._stopped.set()
+        with self._lock:
+            self._order([_STOP, {}])
+
+    def _heartbeat(self, interval_s: float) -> None:
+        while not self._stopped.wait(interval_s / 2):
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                if time.monotonic() - self._last_order >= interval_s:
+                    try:
+                        self._order([_PING, {}])
+                    except Exception as e:    # a lost rank: the next step order says so
+                        logger.warning("tensor-parallel heartbeat failed: %r", e)
+                        return
 
     def _order(self, order: list) -> None:
         if self.tp.size > 1:
             torch.distributed.broadcast_object_list(order, src=0, group=self.tp.group)
+        self._last_order = time.monotonic()
 
 
 def follow(runner, tp: TensorParallel,
            on_layer_done: Callable[[int], None] | None = None) -> int:
     """Run rank 0's calls on this rank's `runner` until its stop(); returns the number of
-    calls run. Raises what a call or the group raises (a rank gone: the group's
-    timeout), which ends this rank: its worker is restarted as a whole."""
+    calls run. Raises what a call or the group raises (a rank gone), which ends this
+    rank: its worker is restarted as a whole."""
     assert tp.rank > 0, tp
     calls = 0
     while True:
         order: list = [None, None]
         torch.distributed.broadcast_object_list(order, src=0, group=tp.group)
-        name, args = order
+        name, kwargs = order
         if name == _STOP:
             return calls
+        if name == _PING:
+            continue
         if name not in STEP_CALLS:
             raise ValueError(f"rank {tp.rank}: unknown step order {name!r}")
         fn = getattr(runner, name)
-        if name == "copy_blocks":
-            fn(*args)
+        if "on_layer_done" in inspect.signature(fn).parameters:
+            fn(**kwargs, on_layer_done=on_layer_done)
         else:
-            fn(*args, on_layer_done=on_layer_done)
+            fn(**kwargs)
         calls += 1

@@ -2,7 +2,7 @@
 per worker, STRICT_PACK, one bundle per rank, so every rank runs on one node; rank 0 (the
 worker actor, in bundle 0) starts ranks 1..N-1 as TPRank actors in the other bundles,
 owned by it, and all join one torch.distributed group (gloo on CPU, NCCL on CUDA)
-through a rendezvous file in the node's temp directory.
+through a TCP store on the node's loopback (every rank is on that node).
 
     Cluster          placement_group(size, resources) -> the worker's group of bundles
     rank 0           start_ranks(config) inside its actor: TPRank actors + joins as 0;
@@ -11,10 +11,12 @@ through a rendezvous file in the node's temp directory.
                      step orders on a thread
 
 Failure: Ray kills the actors an actor owns when it dies, so a killed rank 0 takes its
-ranks with it and Ray's restart of rank 0 builds a new group. A rank that dies breaks
-the group: rank 0's next collective raises (within GROUP_TIMEOUT_S at the latest), and
-rank 0 must then exit so Ray restarts the group as a whole; a TPRank whose group
-breaks exits at once.
+ranks with it and Ray's restart of rank 0 builds a new group. A rank that dies closes
+its connections: rank 0's next collective raises (tp_executor.TPGroupBroken), and rank
+0 must then exit so Ray restarts the group as a whole; a TPRank whose group breaks
+exits at once. GROUP_TIMEOUT_S bounds a collective waiting on a rank that hangs
+without dying; it is long enough for every rank to load its shard, and an idle rank 0
+sends heartbeats well within it (TPLeader).
 """
 
 from __future__ import annotations
@@ -22,9 +24,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import tempfile
+import socket
 import threading
-import uuid
 
 import ray
 import torch
@@ -36,7 +37,7 @@ from .engine.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
-GROUP_TIMEOUT_S = 30.0     # a collective waiting longer than this on a lost rank raises
+GROUP_TIMEOUT_S = 300.0    # a collective waiting longer than this on a hung rank raises
 
 
 def placement_group(size: int, resources: dict[str, float] | None = None,
@@ -51,7 +52,11 @@ def placement_group(size: int, resources: dict[str, float] | None = None,
     bundle = {"CPU": 0.001} | dict(resources or {}) | ({"GPU": num_gpus} if num_gpus else {})
     pg = ray.util.placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK",
                                   name=name)
-    ray.get(pg.ready(), timeout=60)
+    try:
+        ray.get(pg.ready(), timeout=60)
+    except BaseException:
+        ray.util.remove_placement_group(pg)   # else it takes the resources when they come
+        raise
     return pg
 
 
@@ -70,6 +75,15 @@ def join(rank: int, size: int, init_method: str, device: str) -> TensorParallel:
     return TensorParallel(rank, size, torch.distributed.group.WORLD)
 
 
+def rank_cpus(cpus: tuple[int, ...] | None, size: int, rank: int) -> tuple[int, ...] | None:
+    """Rank `rank`'s share of the worker's pinned CPUs (an even split, in order); None
+    when the worker is not pinned, or has fewer CPUs than ranks (then all share them)."""
+    if cpus is None or len(cpus) < size:
+        return cpus
+    per = len(cpus) // size
+    return tuple(cpus[rank * per:(rank + 1) * per])
+
+
 class TPRank:
     """Ray actor: rank `rank` > 0 of worker `worker_id`. It loads its shard, then runs
     rank 0's step orders (tp_executor.follow) on a thread until rank 0 stops them; if
@@ -83,7 +97,7 @@ class TPRank:
         self.worker_id, self.rank = worker_id, rank
         self.tp = join(rank, size, init_method, config.device)
         self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
-                                  config.cpus, tp=self.tp)
+                                  rank_cpus(config.cpus, size, rank), tp=self.tp)
         self.calls = 0
         self._thread = threading.Thread(target=self._follow, name=f"tp-rank-{rank}",
                                         daemon=True)
@@ -127,9 +141,11 @@ def start_ranks(worker_id: str, config: WorkerConfig, pg: PlacementGroup | None 
     if pg is None or len(pg.bundle_specs) != size:
         raise RuntimeError(f"{worker_id}: tensor_parallel_size={size} needs the worker in a "
                            f"placement group of {size} bundles (tp_group.placement_group)")
-    init = f"file://{tempfile.gettempdir()}/pdserve-tp-{worker_id}-{uuid.uuid4().hex[:12]}"
-    ranks = [ray.remote(TPRank).options(num_cpus=0, max_restarts=0,
-                                        num_gpus=1 if config.device.startswith("cuda") else 0,
+    with socket.socket() as s:         # the store rank 0 opens at join; every rank is here
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    gpus = 1 if config.device.startswith("cuda") else 0      # placement_group(num_gpus=1)
+    ranks = [ray.remote(TPRank).options(num_cpus=0, max_restarts=0, num_gpus=gpus,
                                         scheduling_strategy=in_bundle(pg, r))
              .remote(worker_id, r, size, init, config) for r in range(1, size)]
     tp = join(0, size, init, config.device)

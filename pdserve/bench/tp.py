@@ -14,6 +14,10 @@ worker. Timed, median of `repeats` after 2 warm-ups:
     all-reduce     alone, of the shapes the layers reduce: [batch, hidden] (decode) and
                    [prefill_tokens, hidden] (prefill) in the model's dtype; a step has
                    two per layer (after o_proj and down_proj)
+    logits gather  the all-gather of a decode step's logits, [batch, vocab / N] fp32 per
+                   rank, once per step
+Each collective is timed alone, every rank entering it together (a barrier first), so
+the figure is the collective's and not the ranks' skew.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import random
 import socket
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,11 +44,15 @@ class TPStep:
     prefill_step_s: float
     allreduce_decode_s: float     # one all-reduce of [batch, hidden]
     allreduce_prefill_s: float    # one of [prefill_tokens, hidden]
+    gather_decode_s: float        # the all-gather of a decode step's logits
     num_layers: int
 
     @property
     def decode_allreduce_share(self) -> float:
-        return 2 * self.num_layers * self.allreduce_decode_s / self.decode_step_s
+        """The decode step's collectives (all-reduces and the logits' gather), as a
+        share of the step."""
+        return ((2 * self.num_layers * self.allreduce_decode_s + self.gather_decode_s)
+                / self.decode_step_s)
 
     @property
     def prefill_allreduce_share(self) -> float:
@@ -52,6 +61,21 @@ class TPStep:
 
 def _median_s(fn, repeats: int) -> float:
     return statistics.median(wall_times(fn, repeats))
+
+
+def _collective_s(op, repeats: int, group, sync) -> float:
+    """Median seconds of `op` (a collective every rank runs), each call entered by
+    every rank together (a barrier first), after 2 warm-ups."""
+    times = []
+    for i in range(repeats + 2):
+        torch.distributed.barrier(group=group)
+        sync()
+        t = time.perf_counter()
+        op()
+        sync()
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def _rank(rank: int, size: int, port: int, cfg: dict, out) -> None:
@@ -82,12 +106,16 @@ def _rank(rank: int, size: int, port: int, cfg: dict, out) -> None:
     dtype = getattr(torch, cfg["dtype"])
     runner = ModelRunner(cfg["model"], CacheConfig(num_blocks, bs, dtype, device=device),
                          num_threads=threads, tp=tp)
-    hidden = runner.config.hidden_size
-    reduce_s = []
-    for rows in (batch, n_prefill):
-        x = torch.randn(rows, hidden, dtype=dtype, device=device)
-        reduce_s.append(_median_s(lambda: tp.all_reduce(x), cfg["repeats"])
-                        if size > 1 else 0.0)
+    hidden, vocab = runner.config.hidden_size, runner.config.vocab_size
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    comm_s = []
+    for op in ((lambda x: tp.all_reduce(x), (batch, hidden), dtype),
+               (lambda x: tp.all_reduce(x), (n_prefill, hidden), dtype),
+               (lambda x: tp.all_gather(x), (batch, vocab // size), torch.float32)):
+        fn, shape, dt = op
+        x = torch.randn(*shape, dtype=dt, device=device)
+        comm_s.append(_collective_s(lambda: fn(x), cfg["repeats"], tp.group, sync)
+                      if size > 1 else 0.0)
     if rank > 0:
         follow(runner, tp)
         dist.destroy_process_group()
@@ -104,7 +132,7 @@ def _rank(rank: int, size: int, port: int, cfg: dict, out) -> None:
     dec = _median_s(lambda: leader.decode(seqs), cfg["repeats"])
     pre = _median_s(lambda: leader.prefill(prompt), max(cfg["repeats"] // 3, 1))
     leader.stop()
-    out.put(TPStep(size, threads, cfg["device"], dec, pre, *reduce_s,
+    out.put(TPStep(size, threads, cfg["device"], dec, pre, *comm_s,
                    runner.config.num_layers))
     if size > 1:
         dist.destroy_process_group()
@@ -154,11 +182,13 @@ def run(model: str, sizes: list[int], batch: int, context: int, prefill_tokens: 
 def table(results: list[TPStep]) -> str:
     base = results[0]
     rows = [f"{'TP':>3} {'threads':>7} {'decode step':>12} {'vs TP1':>7} {'all-reduce':>11} "
-            f"{'share':>6} {'prefill step':>13} {'vs TP1':>7} {'all-reduce':>11} {'share':>6}"]
+            f"{'gather':>9} {'share':>6} {'prefill step':>13} {'vs TP1':>7} {'all-reduce':>11} "
+            f"{'share':>6}"]
     for r in results:
         rows.append(
             f"{r.size:>3} {r.threads:>7} {r.decode_step_s * 1e3:10.1f}ms "
             f"{base.decode_step_s / r.decode_step_s:6.2f}x {r.allreduce_decode_s * 1e6:9.0f}us "
+            f"{r.gather_decode_s * 1e6:7.0f}us "
             f"{r.decode_allreduce_share:6.1%} {r.prefill_step_s * 1e3:11.1f}ms "
             f"{base.prefill_step_s / r.prefill_step_s:6.2f}x "
             f"{r.allreduce_prefill_s * 1e6:9.0f}us {r.prefill_allreduce_share:6.1%}")

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.engine import cpu_ops
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.parallel import TensorParallel
 from test_fidelity import PROMPTS, _hf_model, _hf_reference
@@ -76,14 +77,31 @@ def assert_equals_hf(got: dict, refs, atol: float) -> None:
     ("llama", 4, {"num_attention_heads": 8}),            # 8 / 2 at TP 4: 2 q heads per rank
     ("qwen2", 2, {}),                                    # q/k/v biases sliced
     ("qwen3", 2, {}),                                    # q/k norms, head_dim 32
+    ("llama3", 2, {}),                                   # an LM head of its own (untied)
 ])
 def test_tiny_models_sharded_equal_hf(family, size, overrides, tmp_path):
+    """Greedy generation, then the other step calls through the leader: prompt logprobs
+    (HF's log-softmax), a decode from a copied block (copy_blocks) and a mixed step."""
     model_dir = (make_tiny_model(family, tmp_path / "m", **overrides) if overrides
                  else tiny_model_dir(family))
-    refs = [_hf_reference(_hf_model(model_dir), p, 8) for p in PROMPTS]
+    hf = _hf_model(model_dir)
+    refs = [_hf_reference(hf, p, 8) for p in PROMPTS]
     got = run_ranks(model_dir, size, PROMPTS, 8, tmp_path)
     assert_equals_hf(got, refs, atol=1e-4)
     assert got["kv_cache_shape"][3] == max(1, 2 // size)   # rank 0's KV heads of the 2
+    a = list(PROMPTS[0])
+    with torch.inference_mode():
+        want = torch.log_softmax(hf(torch.tensor([a])).logits[0].float(), dim=-1)
+    for pos, (logprob, top) in enumerate(got["prompt_logprobs"]):
+        assert logprob == pytest.approx(want[pos, a[pos + 1]].item(), abs=1e-4)
+        assert [t for t, _ in top] == want[pos].topk(2).indices.tolist()
+    from_copy, from_source = got["copy"]
+    assert torch.equal(from_copy, from_source)
+    assert ("mixed" in got) == cpu_ops.available()        # the C++ kernels are built
+    if "mixed" in got:
+        (p_mixed, d_mixed), (p_apart, d_apart) = got["mixed"]
+        torch.testing.assert_close(p_mixed, p_apart, atol=1e-4, rtol=0)
+        torch.testing.assert_close(d_mixed, d_apart, atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow
@@ -96,6 +114,47 @@ def test_default_model_at_tp3_equals_hf(tmp_path):
     got = run_ranks(model_dir, 3, prompts, 6, tmp_path)
     assert_equals_hf(got, refs, atol=1e-3)
     assert got["kv_cache_shape"][3] == 1
+
+
+def test_each_rank_reads_only_its_slices_of_the_checkpoint(monkeypatch):
+    """load_model at TP 2 reads whole tensors only where nothing is sharded (norms);
+    every projection, the embedding and the LM head through lazy slices."""
+    import safetensors
+
+    from pdserve.engine.model_runner import load_model
+    whole, sliced = [], []
+    real = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kw):
+            self.f = real(*args, **kw)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, name):
+            whole.append(name)
+            return self.f.get_tensor(name)
+
+        def get_slice(self, name):
+            sliced.append(name)
+            return self.f.get_slice(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    cfg, net, _, _ = load_model(tiny_model_dir("qwen2"), tp=TensorParallel(1, 2, object()))
+    assert whole and all(n.endswith("norm.weight") for n in whole), whole
+    assert any("q_proj.bias" in n for n in sliced) and "model.embed_tokens.weight" in sliced
+    layer = net.model.layers[0]
+    assert layer.self_attn.q_proj.weight.shape == (2 * cfg.head_dim, cfg.hidden_size)
+    assert layer.mlp.down_proj.weight.shape == (cfg.hidden_size, cfg.intermediate_size // 2)
+    assert net.model.embed_tokens.weight.shape[0] == cfg.vocab_size // 2
 
 
 def test_sizes_that_do_not_divide_the_model_are_refused():

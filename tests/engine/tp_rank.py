@@ -3,7 +3,8 @@ process: joins a gloo group of `size` ranks (a file rendezvous) and loads its sh
 the model. Rank 0 drives, through a TPLeader, and saves what it got; the other ranks follow
 its orders (engine/tp_executor.py) and save how many they ran. Rank 0's calls:
 
-    generate   test_fidelity's engine loop: one prefill batch, then decode steps
+    generate   test_fidelity's engine loop: one prefill batch, then decode steps; then
+               a second idle, heartbeats every 0.2 s
     logprobs   prefill_with_prompt_logprobs of the first prompt (top 2 per position)
     copy       a block copied (copy_blocks), then one decode step from the copy and one
                from the original: their logits
@@ -14,6 +15,7 @@ its orders (engine/tp_executor.py) and save how many they ran. Rank 0's calls:
 """
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -42,9 +44,10 @@ def main(rank: int, size: int, init_file: str, model_dir: str, io: str, new_toke
         if rank > 0:
             torch.save({"calls": follow(runner, tp)}, f"{io}.rank{rank}")
             return
-        leader = TPLeader(runner, tp)
+        leader = TPLeader(runner, tp, heartbeat_s=0.2)
         tokens, logits, _ = _engine_generate(leader, _make_pool(64), prompts,
                                              [new_tokens] * len(prompts))
+        time.sleep(1.0)        # idle: heartbeats reach the followers, not counted as calls
         out = {"tokens": tokens, "logits": logits,
                "kv_cache_shape": tuple(runner.kv_cache.shape)}
         out.update(_other_calls(leader, prompts, tokens))

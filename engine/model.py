@@ -9,7 +9,7 @@ Tokens are flat (`[num_tokens, hidden]`, no padding); per-step batch structure l
 
 With tensor parallelism (engine/parallel.py, `tp`), each module holds its rank's shard
 (its heads, KV heads, intermediate and vocabulary slices) and all-reduces after o_proj
-and down_proj; the logits are all-gathered.
+and down_proj; the logits are gathered to rank 0.
 """
 
 from __future__ import annotations
@@ -294,8 +294,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden_size] -> logits [n, vocab_size] float32 (every rank's
-        vocabulary slice, gathered)."""
-        return self.tp.all_gather(self.lm_head(hidden).float())
+        vocabulary slice, gathered to tensor-parallel rank 0; zeros on the others)."""
+        return self.tp.gather_to_leader(self.lm_head(hidden).float())
 
     def prepack(self) -> None:
         """After load_weights, on CPU (can_prepack): every linear becomes a oneDNN-prepacked

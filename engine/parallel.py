@@ -8,7 +8,8 @@ models, over a torch.distributed process group (gloo on CPU, NCCL on CUDA).
                      are all-reduced (two all-reduces per layer)
     embed, lm_head   vocab-parallel: rows [r V/N, (r+1) V/N); a token's embedding comes
                      from the rank that holds its row (the others add zeros; all-reduced),
-                     and the logits of the rows that sample are all-gathered to [n, V]
+                     and the logits of the rows that sample are gathered to rank 0, the
+                     one that samples, as [n, V]
     norms, RoPE      replicated
 
 KV heads: with at least as many KV heads as ranks, rank r holds h_kv / N of them; with
@@ -107,12 +108,18 @@ class TensorParallel:
             torch.distributed.all_reduce(x, group=self.group)
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[n, k] on each rank -> [n, size * k], rank order along the last dim."""
+    def gather_to_leader(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, k] on each rank -> [n, size * k] on rank 0, rank order along the last dim
+        (vLLM's gather of the logits: only rank 0 samples). The other ranks get a zero
+        view of that shape (stride 0: no memory), which they do not use."""
         if self.size == 1:
             return x
+        x = x.contiguous()
+        if self.rank > 0:
+            torch.distributed.gather(x, None, dst=0, group=self.group)
+            return x.new_zeros(()).expand(x.shape[0], x.shape[1] * self.size)
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
+        torch.distributed.gather(x, parts, dst=0, group=self.group)
         return torch.cat(parts, dim=-1)
 
     def embed(self, table: torch.nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@
              pickled: token ids, positions, block tables), then run
     rank i   follow(): receives each call and runs the same ModelRunner method on its
              own shard and KV cache, so every collective inside the forward (the
-             all-reduces, the logits' all-gather) meets the leader's in the same order;
+             all-reduces, the logits' gather) meets the leader's in the same order;
              it samples nothing and drops the logits
 
 So scheduling, the prefix cache and the block pool exist once, on rank 0, and every

@@ -14,8 +14,8 @@ worker. Timed, median of `repeats` after 2 warm-ups:
     all-reduce     alone, of the shapes the layers reduce: [batch, hidden] (decode) and
                    [prefill_tokens, hidden] (prefill) in the model's dtype; a step has
                    two per layer (after o_proj and down_proj)
-    logits gather  the all-gather of a decode step's logits, [batch, vocab / N] fp32 per
-                   rank, once per step
+    logits gather  the gather of a decode step's logits to rank 0, [batch, vocab / N]
+                   fp32 per rank, once per step
 Each collective is timed alone, every rank entering it together (a barrier first), so
 the figure is the collective's and not the ranks' skew.
 """
@@ -44,7 +44,7 @@ class TPStep:
     prefill_step_s: float
     allreduce_decode_s: float     # one all-reduce of [batch, hidden]
     allreduce_prefill_s: float    # one of [prefill_tokens, hidden]
-    gather_decode_s: float        # the all-gather of a decode step's logits
+    gather_decode_s: float        # the gather of a decode step's logits to rank 0
     num_layers: int
 
     @property
@@ -111,7 +111,7 @@ def _rank(rank: int, size: int, port: int, cfg: dict, out) -> None:
     comm_s = []
     for op in ((lambda x: tp.all_reduce(x), (batch, hidden), dtype),
                (lambda x: tp.all_reduce(x), (n_prefill, hidden), dtype),
-               (lambda x: tp.all_gather(x), (batch, vocab // size), torch.float32)):
+               (lambda x: tp.gather_to_leader(x), (batch, vocab // size), torch.float32)):
         fn, shape, dt = op
         x = torch.randn(*shape, dtype=dt, device=device)
         comm_s.append(_collective_s(lambda: fn(x), cfg["repeats"], tp.group, sync)

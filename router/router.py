@@ -49,7 +49,7 @@ from . import admin, validation
 from .admission import Admission
 from .errors import RequestError
 from .relay import Relay
-from .samples import best_of, by_request, merge, sample_relays
+from .samples import best_of, by_request, merge, retry_groups, sample_relays
 from .placement import Placement
 from .routing import PrefillRouter
 from .streams import DecodeStreams
@@ -215,8 +215,10 @@ class Router:
                      relays: list[Relay], queued, failures: list[str]
                      ) -> AsyncIterator[pb.GenerateResponse]:
         """Attempts until every sample of `relays` has finished: all together while none
-        has streamed a token (one reservation and prefill, forked on D), else each on
-        its own (their prompts now differ by the tokens streamed), merged."""
+        has streamed a token (one reservation and prefill, forked on D), else those
+        with tokens each on its own (their prompts differ by the tokens streamed) and
+        the others in runs forked again (samples.retry_groups), merged. `params`'
+        sample 0 is relays[0]'s."""
         while True:
             # The relay applies D's stop rule to every token it streams, so a stream
             # that had ended (even if D died before its finish event) is finished
@@ -225,15 +227,18 @@ class Router:
             if not live:
                 return
             if len(live) > 1 and (len(live) < len(relays) or any(r.token_ids for r in live)):
-                each = merge([self._serve(rid, ids, params, deadline, [r], queued,
-                                          list(failures)) for r in live])
+                base = relays[0].index
+                each = merge([self._serve(rid, ids, replace(params.sample(g[0].index - base),
+                                                            n=len(g)),
+                                          deadline, g, queued, list(failures))
+                              for g in retry_groups(live)])
                 async with aclosing(each):
                     async for msg in each:
                         yield msg
                 return
             one = live[0] if len(live) == 1 else None
             sent = one.token_ids if one is not None else []
-            attempt = params if one is None else params.sample(one.index)
+            attempt = params if one is None else params.sample(one.index - relays[0].index)
             attempt = replace(attempt, max_tokens=attempt.max_tokens - len(sent),
                               step_offset=attempt.step_offset + len(sent),   # a retry's
                               prompt_logprobs=None if live[0].prompt_logprobs is not None

@@ -90,6 +90,21 @@ async def best_of(stream: AsyncIterator[pb.GenerateResponse], relays: Sequence[R
     return out
 
 
+def retry_groups(live: Sequence[Relay]) -> list[list[Relay]]:
+    """How the unfinished samples of a failed attempt retry: each that streamed tokens
+    alone (its prompt is now its own), the others in runs of consecutive indices (one
+    prompt again, forked on D; sample i keeps seed + i)."""
+    groups: list[list[Relay]] = []
+    for r in live:
+        prev = groups[-1][-1] if groups else None
+        if (not r.token_ids and prev is not None and not prev.token_ids
+                and prev.index == r.index - 1):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups
+
+
 def by_request(events: Sequence[TokenEvent]) -> dict[str, list[TokenEvent]]:
     """`events` by request id, in order (of first appearance, and within each id)."""
     out: dict[str, list[TokenEvent]] = {}

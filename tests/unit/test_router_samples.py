@@ -129,19 +129,23 @@ def test_n_samples_share_one_reservation_and_prefill_and_use_seed_plus_index():
 
 @pytest.mark.parametrize("die_after", [0, 2])
 def test_samples_that_diverged_are_retried_each_on_its_own(die_after):
-    """D dies mid-stream: each sample resumes alone as prompt + its own tokens, with its
-    own seed and step offset, and the stream equals the uninterrupted runs."""
+    """D dies mid-stream: each sample that streamed tokens resumes alone as prompt + its
+    own tokens, with its own seed and step offset; those with none yet (D died before
+    their first token) are forked again together, seeds kept; the stream equals the
+    uninterrupted runs."""
     async def main():
         d = ForkingDecode(die_after=die_after)
         r = make_router([SeededPrefill([d])], [d])
         msgs = await collect(r, n=3)
         assert by_sample(msgs) == {i: uninterrupted(5 + i) for i in range(3)}
         first, *retries = d.reserved.values()
-        assert first[1].n == 3 and len(retries) == 3
+        assert first[1].n == 3
         sent = {0: die_after + 1, 1: die_after, 2: die_after}
+        want = ({(5, 1, 1), (6, 2, 0)} if die_after == 0 else     # sample 0; samples 1-2
+                {(5 + i, 1, sent[i]) for i in range(3)})
+        assert {(p.seed, p.n, p.step_offset) for _, p in retries} == want
         for ids, params in retries:
-            (i,) = [i for i in range(3) if params.seed == 5 + i]
-            assert params.n == 1 and params.step_offset == sent[i]
+            i = params.seed - 5
             assert ids == PROMPT + uninterrupted(5 + i, sent[i])
         return r
 

@@ -93,7 +93,6 @@ class DecodeScheduler:
         self.prefill_chunk_size = prefill_chunk_size
         self.schedule_policy = schedule_policy
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_batch_size = max_batch_size
         self.connector = connector
         self._lock = threading.Lock()
         self._requests: dict[str, DecodeRequest] = {}
@@ -227,8 +226,9 @@ class DecodeScheduler:
         again (oldest first). Returns the next batch."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            self.pool.free(self._copied)        # the last step copied them
-            self._copied = []
+            if self._copied:                    # the last step copied them
+                self.pool.free(self._copied)
+                self._copied = []
             for rid in self._arrived:           # first: an arrived request has no lease
                 req = self._requests.get(rid)
                 if (req is not None and req.abort_reason is None and req.state in

@@ -22,6 +22,7 @@ raises at once (tests/e2e/test_tp_group.py).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import threading
@@ -70,7 +71,7 @@ class TPLeader:
 
     def _call(self, name: str, args: tuple, kwargs: dict):
         fn = getattr(self.runner, name)
-        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound = _signature(fn).bind(*args, **kwargs)
         on_layer_done = bound.arguments.pop("on_layer_done", None)   # stays on this rank
         if name == "copy_blocks" and not bound.arguments["pairs"]:
             return None                                              # nothing to order
@@ -78,9 +79,7 @@ class TPLeader:
             try:
                 self._order([name, bound.arguments])
                 self.num_calls += 1
-                if "on_layer_done" in inspect.signature(fn).parameters:
-                    return fn(**bound.arguments, on_layer_done=on_layer_done)
-                return fn(**bound.arguments)
+                return _run(fn, bound.arguments, on_layer_done)
             except Exception as e:
                 raise TPGroupBroken(f"tensor-parallel {name} failed once ordered (rank 0 "
                                     f"alone, or a lost rank): {type(e).__name__}: {e}") from e
@@ -108,6 +107,19 @@ class TPLeader:
         self._last_order = time.monotonic()
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(fn) -> inspect.Signature:
+    """A ModelRunner method's signature (looked up once per method and runner)."""
+    return inspect.signature(fn)
+
+
+def _run(fn, kwargs: dict, on_layer_done: Callable[[int], None] | None):
+    """`fn(**kwargs)`, with this rank's `on_layer_done` where `fn` takes one."""
+    if "on_layer_done" in _signature(fn).parameters:
+        return fn(**kwargs, on_layer_done=on_layer_done)
+    return fn(**kwargs)
+
+
 def follow(runner, tp: TensorParallel,
            on_layer_done: Callable[[int], None] | None = None) -> int:
     """Run rank 0's calls on this rank's `runner` until its stop(); returns the number of
@@ -125,9 +137,5 @@ def follow(runner, tp: TensorParallel,
             continue
         if name not in STEP_CALLS:
             raise ValueError(f"rank {tp.rank}: unknown step order {name!r}")
-        fn = getattr(runner, name)
-        if "on_layer_done" in inspect.signature(fn).parameters:
-            fn(**kwargs, on_layer_done=on_layer_done)
-        else:
-            fn(**kwargs)
+        _run(getattr(runner, name), kwargs, on_layer_done)
         calls += 1

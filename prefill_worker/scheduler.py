@@ -58,7 +58,7 @@ class PrefillRequest:
     state: RequestState = RequestState.WAITING
     aborted: bool = False
     error: str | None = None
-    model_fault: bool = False            # error is the model step's, not the transfer's
+    model_fault: str | None = None       # the model step's error: it outranks the transfer's
     logprobs: TokenLogprobs | None = None  # of the first token, when params.logprobs
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # grows per chunk
     arrived: float = field(default_factory=time.monotonic)   # schedule policy's clock

@@ -295,9 +295,8 @@ class PrefillWorker:
             except Exception as e:  # a model fault fails this batch, not the worker
                 logger.exception("prefill batch of %d failed", len(batch))
                 self.scheduler.advance(batch, ok=False)
-                for r in batch:
-                    r.error = f"prefill failed: {type(e).__name__}: {e}"
-                    r.model_fault = True
+                for r in batch:   # model_fault: the send thread may set error meanwhile
+                    r.model_fault = r.error = f"prefill failed: {type(e).__name__}: {e}"
                 done, tokens = batch, [None] * len(batch)
             for r, tok in zip(done, tokens):
                 r.state = RequestState.SENDING_KV
@@ -326,5 +325,5 @@ class PrefillWorker:
         self.scheduler.release(req, RequestState.FINISHED_ERROR if not req.aborted
                                else RequestState.FINISHED_ABORTED)
         err = (PrefillAborted(req.error) if req.aborted else
-               PrefillFailed(req.error) if req.model_fault else KVTransferError(req.error))
+               PrefillFailed(req.model_fault) if req.model_fault else KVTransferError(req.error))
         self._resolve(req, error=err)

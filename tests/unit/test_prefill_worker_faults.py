@@ -3,6 +3,7 @@ fails its batch's requests as PrefillFailed, not as a KV transfer error, counts 
 transfer failure, and frees every block."""
 
 import asyncio
+import time
 
 import pytest
 from tiny_models import tiny_model_dir
@@ -70,6 +71,47 @@ def test_a_sampling_fault_beside_a_chunked_prompt_leaves_nothing_queued(monkeypa
 
     try:
         asyncio.run(main())
+        assert p.pool.num_free == p.pool.num_blocks
+    finally:
+        asyncio.run(p.shutdown())
+
+
+def test_a_model_fault_outranks_a_transfer_failure_that_lands_after_it(monkeypatch):
+    """The send thread's failure of a layer send, landing after the step set the model
+    fault (the race CI once hit), does not turn the request's PrefillFailed into the
+    transfer's message."""
+    from pdserve.kv_transfer import KVTransferError
+
+    p = PrefillWorker("prefill-0", WorkerConfig(model=str(tiny_model_dir("llama")),
+                                                num_kv_blocks=16, block_size=4))
+    faulted = []                                  # requests the step has failed
+    request_finished = p.connector.request_finished
+
+    def boom(seqs, on_layer_done):
+        on_layer_done(0)                          # layer 0 queued for the send thread
+        raise RuntimeError("boom")
+
+    def finished(req, first_token):               # called once req.model_fault is set
+        faulted.append(req)
+        request_finished(req, first_token)
+
+    def send_layers(*args, **kwargs):
+        while not faulted:                        # fail only once the step has faulted
+            time.sleep(0.001)
+        raise KVTransferError("peer gone")
+
+    async def main():
+        order = PrefillOrder("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4),
+                             ("127.0.0.1", 9), epoch=1)
+        with pytest.raises(PrefillFailed, match="prefill failed: RuntimeError: boom"):
+            await asyncio.wait_for(p.prefill(order), 30)
+
+    try:
+        monkeypatch.setattr(p.runner, "prefill", boom)
+        monkeypatch.setattr(p.sender, "send_layers", send_layers)
+        monkeypatch.setattr(p.connector, "request_finished", finished)
+        asyncio.run(main())
+        assert faulted
         assert p.pool.num_free == p.pool.num_blocks
     finally:
         asyncio.run(p.shutdown())

@@ -52,10 +52,12 @@ from typing import Callable, Sequence
 import torch
 
 
-PROTOCOL_VERSION = 5  # 2: KV frames carry block_start; 3: CHALLENGE + HMAC auth,
+PROTOCOL_VERSION = 6  # 2: KV frames carry block_start; 3: CHALLENGE + HMAC auth,
 #                       CRC32C instead of zlib crc32 (frames.py); 4: a block is
 #                       [num_kv_heads, block_size, head_dim] (was [block_size, heads, d]);
-#                       5: BEGIN / BEGIN_ACK and the handshake's "nixl" (nixl.py)
+#                       5: BEGIN / BEGIN_ACK and the handshake's "nixl" (nixl.py);
+#                       6: KV and DONE frames name a KV head range, the layout a
+#                       tensor-parallel rank's share of the heads (tp_plan.py)
 
 # Longest request id (UTF-8 bytes) a frame may carry; bounds what a receiver reads
 # before it has validated anything else.
@@ -96,6 +98,13 @@ class KVLayout:
     model_id: a hash of the model config, so equal shapes of different models do not
         pair. dtype: torch dtype name without the ``torch.`` prefix ("bfloat16").
     block_size is in tokens.
+
+    A tensor-parallel rank's cache holds only its KV heads (engine/parallel.py
+    ``kv_head_range``): ``num_kv_heads`` of them, the model's heads
+    ``[kv_head_start, kv_head_start + num_kv_heads)`` of ``model_kv_heads`` (0: the
+    cache holds them all), on a worker of ``tp_size`` ranks. Two ranks pair when their
+    workers' partitions of the heads can (tp_plan.partition_mismatch); frames then
+    name the heads they carry in the model's numbering.
     """
 
     model_id: str
@@ -105,12 +114,23 @@ class KVLayout:
     block_size: int
     dtype: str
     protocol_version: int = PROTOCOL_VERSION
+    kv_head_start: int = 0
+    model_kv_heads: int = 0
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        for name in ("kv_head_start", "model_kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"KVLayout.{name} must be an int >= 0, got {value!r}")
+        if self.kv_head_start + self.num_kv_heads > self.total_kv_heads:
+            raise ValueError(f"KVLayout heads [{self.kv_head_start}, "
+                             f"{self.kv_head_start + self.num_kv_heads}) beyond the model's "
+                             f"{self.total_kv_heads}")
         if not isinstance(self.dtype, str) or not isinstance(
             getattr(torch, self.dtype, None), torch.dtype
         ):
@@ -122,26 +142,56 @@ class KVLayout:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    @functools.cached_property
-    def kv_bytes_per_block_layer(self) -> int:
-        """Bytes of K plus V for one block of one layer."""
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+    @property
+    def total_kv_heads(self) -> int:
+        """The model's KV heads (this cache holds num_kv_heads of them)."""
+        return self.model_kv_heads or self.num_kv_heads
 
-    def payload_bytes(self, num_layers: int, num_blocks: int) -> int:
-        """Bytes of a packed ``[num_layers, 2, num_blocks, heads, block_size, head_dim]``."""
-        return num_layers * num_blocks * self.kv_bytes_per_block_layer
+    @property
+    def heads(self) -> range:
+        """The model's KV heads this cache holds, in the model's numbering."""
+        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
+
+    @functools.cached_property
+    def head_bytes(self) -> int:
+        """Bytes of one KV head of one block, K or V: ``[block_size, head_dim]``."""
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.block_size * self.head_dim * itemsize
+
+    @property
+    def kv_bytes_per_block_layer(self) -> int:
+        """Bytes of K plus V for one block of one layer (all of this cache's heads)."""
+        return 2 * self.num_kv_heads * self.head_bytes
+
+    def payload_bytes(self, num_layers: int, num_blocks: int, num_heads: int | None = None) -> int:
+        """Bytes of a packed ``[num_layers, 2, num_blocks, num_heads, block_size,
+        head_dim]`` (num_heads: default, all of this cache's)."""
+        heads = self.num_kv_heads if num_heads is None else num_heads
+        return num_layers * num_blocks * 2 * heads * self.head_bytes
+
+    _PARTITION = ("num_kv_heads", "kv_head_start", "model_kv_heads", "tp_size")
 
     def mismatch(
         self, other: KVLayout, mine: str = "prefill", theirs: str = "decode"
     ) -> str | None:
         """None if the two layouts can pair, else one message naming every differing
-        field with both values, e.g. ``"block_size: prefill has 16, decode has 32"``."""
+        field with both values, e.g. ``"block_size: prefill has 16, decode has 32"``;
+        tensor-parallel ranks pair when their workers' head partitions can (the message
+        then names both sizes, tp_plan.partition_mismatch)."""
+        from .tp_plan import partition_mismatch
+
         diffs = [
             f"{f.name}: {mine} has {getattr(self, f.name)!r}, {theirs} has {getattr(other, f.name)!r}"
             for f in fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
+            if f.name not in self._PARTITION and getattr(self, f.name) != getattr(other, f.name)
         ]
+        if self.total_kv_heads != other.total_kv_heads:
+            diffs.append(f"num_kv_heads (the model's): {mine} has {self.total_kv_heads}, "
+                         f"{theirs} has {other.total_kv_heads}")
+        else:
+            bad = partition_mismatch(self.total_kv_heads, self.tp_size, other.tp_size)
+            if bad is not None:       # it names the sizes as prefill's and decode's
+                diffs.append(bad)
         return "; ".join(diffs) if diffs else None
 
     def to_json(self) -> str:
@@ -166,8 +216,11 @@ class KVLayout:
             raise ValueError(f"KVLayout JSON is incomplete: {e}") from e
 
     @classmethod
-    def for_cache(cls, kv: torch.Tensor, model_id: str) -> KVLayout:
-        """Layout of a cache tensor ``[num_layers, 2, num_blocks, heads, block_size, head_dim]``."""
+    def for_cache(cls, kv: torch.Tensor, model_id: str, *, kv_head_start: int = 0,
+                  model_kv_heads: int = 0, tp_size: int = 1) -> KVLayout:
+        """Layout of a cache tensor ``[num_layers, 2, num_blocks, heads, block_size,
+        head_dim]``; a tensor-parallel rank's names its share of the model's KV heads
+        (see the class docstring). ValueError for another shape."""
         if kv.dim() != 6 or kv.shape[1] != 2:
             raise ValueError(
                 "kv must be [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim], "
@@ -181,6 +234,9 @@ class KVLayout:
             head_dim=head_dim,
             block_size=block_size,
             dtype=str(kv.dtype).removeprefix("torch."),
+            kv_head_start=kv_head_start,
+            model_kv_heads=model_kv_heads,
+            tp_size=tp_size,
         )
 
 
@@ -212,7 +268,8 @@ def check_cache(kv: torch.Tensor, layout: KVLayout) -> None:
     """Raise KVLayoutMismatch unless ``kv`` is a contiguous cache of ``layout``."""
     if not kv.is_contiguous():
         raise ValueError("kv cache tensor must be contiguous")
-    mine = KVLayout.for_cache(kv, layout.model_id)
+    mine = KVLayout.for_cache(kv, layout.model_id, kv_head_start=layout.kv_head_start,
+                              model_kv_heads=layout.model_kv_heads, tp_size=layout.tp_size)
     msg = mine.mismatch(layout, mine="kv tensor", theirs="layout")
     if msg is not None:
         raise KVLayoutMismatch(f"kv tensor does not match its layout: {msg}")
@@ -233,9 +290,14 @@ class KVSender(ABC):
         self.layout = layout
 
     def _check_send(self, layer_start: int, layer_end: int, src_block_ids: Sequence[int],
-                    block_start: int) -> tuple[list[int], int]:
+                    block_start: int, heads: range | None = None) -> tuple[list[int], int]:
         """Validate send_layers arguments; returns (block ids, K/V payload bytes).
-        Raises ValueError naming the bad range, ids or block_start."""
+        Raises ValueError naming the bad range, ids, heads or block_start."""
+        mine = self.layout.heads
+        if heads is not None and not (len(heads) and mine.start <= heads.start
+                                      and heads.stop <= mine.stop and heads.step == 1):
+            raise ValueError(f"heads {heads} not a non-empty run within this cache's KV "
+                             f"heads {mine}")
         if block_start < 0:  # a non-int fails in frames.pack_header, also ValueError
             raise ValueError(f"block_start must be >= 0, got {block_start}")
         if not 0 <= layer_start < layer_end <= self.layout.num_layers:
@@ -245,7 +307,8 @@ class KVSender(ABC):
         total = self.kv.shape[2]
         if not ids or not all(0 <= b < total for b in ids):
             raise ValueError(f"src_block_ids must be non-empty ids in [0, {total}), got {ids}")
-        return ids, self.layout.payload_bytes(layer_end - layer_start, len(ids))
+        return ids, self.layout.payload_bytes(layer_end - layer_start, len(ids),
+                                              None if heads is None else len(heads))
 
     @abstractmethod
     def connect(self, addr: tuple[str, int]) -> int:
@@ -265,11 +328,14 @@ class KVSender(ABC):
         layer_end: int,
         src_block_ids: Sequence[int],
         block_start: int = 0,
+        heads: range | None = None,
     ) -> int:
         """Send K and V of layers ``[layer_start, layer_end)`` of P's blocks
         ``src_block_ids``; they land, in the same order, in D's reserved blocks at
         block-table positions ``block_start .. block_start + len(src_block_ids) - 1``
-        (the order D gave to expect()). Each (layer, position) must be sent exactly once
+        (the order D gave to expect()). ``heads``: only these KV heads (the model's
+        numbering, within this cache's; None: all of them), for a tensor-parallel
+        peer holding a share of the heads (tp_plan.py). Each (layer, position) must be sent exactly once
         before send_done; frames may come in any order. Returns the K/V payload bytes
         sent. Raises ValueError on bad arguments (block_start < 0 included),
         KVLayoutMismatch if D refuses the pairing, KVTransferError on socket failure; a
@@ -281,10 +347,13 @@ class KVSender(ABC):
         addr: tuple[str, int],
         request_id: str,
         epoch: int,
-        first_token: int,
+        first_token: int | None,
         num_layers_sent: int,
+        heads: range | None = None,
     ) -> None:
-        """Tell D the request's KV is complete and hand over the first sampled token."""
+        """Tell D the request's KV is complete (of ``heads``, as send_layers sent them;
+        None: all) and hand over the first sampled token (None from a tensor-parallel
+        rank that did not sample it)."""
 
     @abstractmethod
     def send_abort(self, addr: tuple[str, int], request_id: str, epoch: int, reason: str) -> None:

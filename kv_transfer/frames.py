@@ -14,17 +14,19 @@ payload (the 8-byte fields sit on 8-byte offsets)::
     | layer_start  |  layer_end   | block_start  |  num_blocks  |
     |    (u32)     |    (u32)     |    (u32)     |    (u32)     |
     +--------------+--------------+--------------+--------------+
-    32                             40                             48     50        56
-    +------------------------------+------------------------------+------+---------+
-    |     first_token (i64, -1     |      payload_len (u64)       |rid_ln|  zero   |
-    |       = no token)            |   (incl. trailing crc32c)    | u16  |   pad   |
-    +------------------------------+------------------------------+------+---------+
+    32                             40                             48     50     52     54  56
+    +------------------------------+------------------------------+------+------+------+---+
+    |     first_token (i64, -1     |      payload_len (u64)       |rid_ln|head_ |num_  |pad|
+    |       = no token)            |   (incl. trailing crc32c)    | u16  |start |heads |   |
+    +------------------------------+------------------------------+------+------+------+---+
     56                 56 + rid_len                               + payload_len
     +------------------+------------------------------------------+
     | request_id UTF-8 | payload                                  |
     +------------------+------------------------------------------+
 
-A KV frame carries layers [layer_start, layer_end) of the blocks at positions
+A KV frame carries KV heads [head_start, head_start + num_heads) (the model's numbering;
+num_heads 0: all the receiver's heads, the case of two workers of one rank each) of
+layers [layer_start, layer_end) of the blocks at positions
 [block_start, block_start + num_blocks) of the receiver's reservation (its block table,
 in the order D gave to expect()), so one request's KV may arrive as several frames per
 layer (one per prefill chunk, say), in any order; each (layer, block) exactly once::
@@ -47,11 +49,15 @@ Payload by frame type:
                    (a refusal for the cluster secret is {"error": AUTH_REFUSED} only:
                    nothing about D goes to a peer that has not proved the secret)
     KV             K/V bytes of a [layer_end - layer_start, 2, num_blocks,
-                   num_kv_heads, block_size, head_dim] tensor in the layout
+                   num_heads, block_size, head_dim] tensor in the layout
                    dtype, C order; + 4-byte LE CRC32C (Castagnoli,
                    google-crc32c) of them if flag bit 0
-    DONE           empty; first_token set, layer_end = number of layers sent,
-                   num_blocks = one-sided writes made for it (nixl.py; 0 on TCP)
+    DONE           empty; layer_end = number of layers sent, num_blocks =
+                   one-sided writes made for it (nixl.py; 0 on TCP); the
+                   sender has sent every frame of its heads [head_start,
+                   head_start + num_heads); first_token set by the sender
+                   that sampled it (a tensor-parallel P's rank 0), -1 by
+                   the other ranks
     ABORT          UTF-8 reason (<= MAX_REASON_BYTES)
     BEGIN          empty: P is about to write the request's KV into D's   (P -> D)
                    blocks with one-sided writes (nixl.py); D answers
@@ -77,7 +83,7 @@ import torch
 from .base import MAX_REQUEST_ID_BYTES, PROTOCOL_VERSION, KVFrameError, KVLayout
 
 MAGIC = b"PDKV"
-HEADER = struct.Struct("<4sBBBBQIIIIqQH6x")
+HEADER = struct.Struct("<4sBBBBQIIIIqQHHH2x")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 56, HEADER_SIZE
 _RID_LEN = 12  # index of the request id's length in HEADER's fields
@@ -124,6 +130,15 @@ class FrameHeader:
     dtype_code: int = 0
     first_token: int | None = None
     payload_len: int = 0  # bytes following the request id, crc included
+    head_start: int = 0   # KV, DONE: the model's KV heads [head_start, + num_heads)
+    num_heads: int = 0    # 0: all the receiver's heads
+
+    def heads(self, layout: KVLayout) -> range:
+        """The KV heads (the model's numbering) this frame covers on a receiver of
+        ``layout``."""
+        if self.num_heads == 0:
+            return layout.heads
+        return range(self.head_start, self.head_start + self.num_heads)
 
     @property
     def has_crc(self) -> bool:
@@ -147,7 +162,8 @@ def dtype_code(dtype: str) -> int:
 def pack_header(frame_type: FrameType, request_id: str = "", *, flags: int = 0,
                 epoch: int = 0, layer_start: int = 0, layer_end: int = 0,
                 block_start: int = 0, num_blocks: int = 0, dtype_code: int = 0,
-                first_token: int | None = None, payload_len: int = 0) -> bytes:
+                first_token: int | None = None, payload_len: int = 0,
+                head_start: int = 0, num_heads: int = 0) -> bytes:
     """Fixed header followed by the UTF-8 request id (fields: the module docstring).
     Raises ValueError on values that do not fit their fields."""
     rid = request_id.encode("utf-8")
@@ -158,7 +174,8 @@ def pack_header(frame_type: FrameType, request_id: str = "", *, flags: int = 0,
     try:
         fixed = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(frame_type), flags, dtype_code, epoch,
                             layer_start, layer_end, block_start, num_blocks,
-                            -1 if first_token is None else first_token, payload_len, len(rid))
+                            -1 if first_token is None else first_token, payload_len, len(rid),
+                            head_start, num_heads)
     except struct.error as e:
         raise ValueError(f"frame header field out of range: {e}") from e
     return fixed + rid
@@ -195,7 +212,8 @@ def unpack_header(
     Raises KVFrameError on any violation.
     """
     raw = _unpack_fixed(buf)
-    (_, _, ftype, flags, dcode, epoch, lstart, lend, bstart, nblocks, tok, plen, rid_len) = raw
+    (_, _, ftype, flags, dcode, epoch, lstart, lend, bstart, nblocks, tok, plen, rid_len,
+     hstart, nheads) = raw
     if len(buf) < HEADER_SIZE + rid_len:
         raise KVFrameError(
             f"truncated request_id: {len(buf) - HEADER_SIZE} of {rid_len} bytes"
@@ -207,7 +225,7 @@ def unpack_header(
     if tok < -1:
         raise KVFrameError(f"first_token {tok} is negative")
     h = FrameHeader(FrameType(ftype), rid, flags, epoch, lstart, lend, bstart, nblocks, dcode,
-                    None if tok == -1 else tok, plen)
+                    None if tok == -1 else tok, plen, hstart, nheads)
     _validate(h, layout, max_blocks)
     return h
 
@@ -238,12 +256,13 @@ def _validate(h: FrameHeader, layout: KVLayout | None, max_blocks: int | None) -
     elif t == FrameType.DONE:
         if h.payload_len != 0:
             raise KVFrameError(f"DONE frame has payload_len {h.payload_len}, expected 0")
-        if h.first_token is None:
-            raise KVFrameError("DONE frame without first_token")
+        if h.first_token is None and h.num_heads == 0:
+            raise KVFrameError("DONE frame for every head without first_token")
         if layout is not None and h.layer_end > layout.num_layers:
             raise KVFrameError(
                 f"DONE frame claims {h.layer_end} layers, layout has {layout.num_layers}"
             )
+        _validate_heads(h, layout)
     elif t == FrameType.KV:
         _validate_kv(h, layout, max_blocks)
 
@@ -265,16 +284,30 @@ def _validate_kv(h: FrameHeader, layout: KVLayout | None, max_blocks: int | None
             f"KV frame layer range [{h.layer_start}, {h.layer_end}) beyond "
             f"num_layers {layout.num_layers}"
         )
+    _validate_heads(h, layout)
     if h.dtype_code != DTYPE_CODES.get(layout.dtype):
         got = DTYPE_NAMES.get(h.dtype_code, f"code {h.dtype_code}")
         raise KVFrameError(f"KV frame dtype {got}, layout dtype {layout.dtype}")
-    expected = layout.payload_bytes(h.num_layers, h.num_blocks) + (CRC_BYTES if h.has_crc else 0)
+    heads = len(h.heads(layout))
+    expected = layout.payload_bytes(h.num_layers, h.num_blocks, heads) + (
+        CRC_BYTES if h.has_crc else 0)
     if h.payload_len != expected:
         raise KVFrameError(
             f"KV frame payload_len {h.payload_len}, expected {expected} for "
-            f"{h.num_layers} layers x {h.num_blocks} blocks of {layout.dtype}"
+            f"{h.num_layers} layers x {h.num_blocks} blocks x {heads} heads of {layout.dtype}"
             + (" + crc32c" if h.has_crc else "")
         )
+
+
+def _validate_heads(h: FrameHeader, layout: KVLayout | None) -> None:
+    """A frame's head range must lie within the receiver's heads."""
+    if layout is None or h.num_heads == 0:
+        return
+    mine = layout.heads
+    if h.head_start < mine.start or h.head_start + h.num_heads > mine.stop:
+        raise KVFrameError(
+            f"{h.frame_type.name} frame for KV heads [{h.head_start}, "
+            f"{h.head_start + h.num_heads}), this receiver holds [{mine.start}, {mine.stop})")
 
 
 def recv_exact(sock: socket.socket, buf: memoryview, *, eof_ok: bool = False) -> bool:
@@ -334,13 +367,16 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def done_header(request_id: str, epoch: int, first_token: int, num_layers_sent: int,
-                num_writes: int = 0) -> bytes:
-    """DONE frame (header only): the request's KV is complete; carries P's first token
-    and, in num_blocks, how many one-sided writes P made for it (nixl.py; 0 over TCP),
-    so D knows when their notifications are all in."""
+def done_header(request_id: str, epoch: int, first_token: int | None, num_layers_sent: int,
+                num_writes: int = 0, heads: range | None = None) -> bytes:
+    """DONE frame (header only): the request's KV (of ``heads``; None: all of them) is
+    complete; carries P's first token (None from a rank that did not sample it) and, in
+    num_blocks, how many one-sided writes P made for it (nixl.py; 0 over TCP), so D
+    knows when their notifications are all in."""
     return pack_header(FrameType.DONE, request_id, epoch=epoch, layer_end=num_layers_sent,
-                       num_blocks=num_writes, first_token=first_token)
+                       num_blocks=num_writes, first_token=first_token,
+                       head_start=heads.start if heads else 0,
+                       num_heads=len(heads) if heads else 0)
 
 
 def abort_frame(request_id: str, epoch: int, reason: str) -> tuple[bytes, bytes]:

@@ -79,20 +79,31 @@ class HostCacheView:
         self.usable = kv.device.type == "cpu"
         self.flat = tensor_bytes(kv) if self.usable else None     # the whole cache
         self.block_bytes = kv[0, 0, 0].numel() * kv.element_size()  # one block, one layer, K or V
+        self.head_bytes = kv[0, 0, 0, 0].numel() * kv.element_size()  # one head of one block
         self.num_blocks = kv.shape[2]
 
     def regions(self, layer_start: int, layer_end: int, runs: list[tuple[int, int]],
-                max_pieces: int | None = None) -> list[memoryview] | None:
+                max_pieces: int | None = None, heads: range | None = None
+                ) -> list[memoryview] | None:
         """Views in payload order; None for a CUDA cache, or more than ``max_pieces``
-        pieces (then through one staged buffer)."""
-        n = (layer_end - layer_start) * 2 * len(runs)
-        if not self.usable or (max_pieces is not None and n > max_pieces):
+        pieces (then through one staged buffer). ``heads``: only these of each block
+        (the cache's own indices; None: all), one region per block then, since a
+        block's heads [lo, hi) are contiguous but the next block's are not."""
+        per_run = [n for _, n in runs] if heads is not None else [1] * len(runs)
+        count = (layer_end - layer_start) * 2 * sum(per_run)
+        if not self.usable or (max_pieces is not None and count > max_pieces):
             return None
         flat, bb, out = self.flat, self.block_bytes, []
         for layer in range(layer_start, layer_end):
             for half in (0, 1):
                 base = (layer * 2 + half) * self.num_blocks * bb
-                out.extend(flat[base + first * bb: base + (first + n) * bb] for first, n in runs)
+                if heads is None:
+                    out.extend(flat[base + first * bb: base + (first + n) * bb]
+                               for first, n in runs)
+                    continue
+                lo, hi = heads.start * self.head_bytes, heads.stop * self.head_bytes
+                out.extend(flat[base + b * bb + lo: base + b * bb + hi]
+                           for first, n in runs for b in range(first, first + n))
         return out
 
 

@@ -265,6 +265,10 @@ class NixlKVSender(TcpKVSender):
             raise KVLayoutMismatch(
                 f"decode worker at {addr[0]}:{addr[1]} takes no NIXL writes (it runs the tcp "
                 "transport): start every worker with the same --transport")
+        if ack.layout.heads != self.layout.heads:   # a write is whole blocks, every head
+            raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]} holds KV heads "
+                                   f"{ack.layout.heads}, this rank {self.layout.heads}: "
+                                   "NIXL pairs equal shares only; use --transport tcp")
         try:
             md = base64.b64decode(ack.nixl["metadata"], validate=True)
             base, num_blocks = int(ack.nixl["kv_ptr"]), int(ack.nixl["num_blocks"])
@@ -292,8 +296,11 @@ class NixlKVSender(TcpKVSender):
 
     def send_layers(self, addr: tuple[str, int], request_id: str, epoch: int,
                     layer_start: int, layer_end: int, src_block_ids: Sequence[int],
-                    block_start: int = 0) -> int:
-        ids, nbytes = self._check_send(layer_start, layer_end, src_block_ids, block_start)
+                    block_start: int = 0, heads: range | None = None) -> int:
+        ids, nbytes = self._check_send(layer_start, layer_end, src_block_ids, block_start,
+                                       None if heads == self.layout.heads else heads)
+        if heads not in (None, self.layout.heads):
+            raise ValueError("NIXL writes whole blocks: heads must be this cache's")
         # One notification for the whole call, on lane 0's share: D only judges a request
         # at DONE, which P sends once every lane's WRITEs completed (landed at D), so a
         # notification naming blocks another lane carries is never read too early.

@@ -13,110 +13,27 @@ Every transition into DONE or FAILED is reported exactly once by ``get_finished(
 ``forget`` reports only the release, once no write into the blocks is in flight (a
 write, or a one-sided writer's lease). The public contract is KVReceiver's (base.py).
 
-A KV frame fills a rectangle of the reservation: layers [layer_start, layer_end) x
-block-table positions [block_start, block_start + num_blocks) (frames.py). Arrival is
-one byte per (layer, position); a frame whose rectangle overlaps one that arrived fails
-the request, and DONE counts only when every byte is set::
-
-                  position 0  1  2  3  4
-    arrived  layer 0      [1  1  1  0  0]     frame (layers [0, 2), blocks [0, 3))
-             layer 1      [1  1  1  0  0]     is in; blocks [3, 5) of both layers
-             ...                              are still to come
+How a frame's arrival is tracked, and when DONE counts: arrival.py.
 """
 
 from __future__ import annotations
 
 import logging
 import contextlib
-import functools
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
 from .base import MAX_REQUEST_ID_BYTES, KVCompletion, KVFinished, KVLayout, TransferState
 from . import frames, host_io
+from .arrival import Reservation
 from .frames import FrameHeader
 
 logger = logging.getLogger(__name__)
 
 MAX_FINISHED_RECORDS = 8192  # kept for state(): a D that never forgets stays bounded
-
-
-@dataclass(eq=False)
-class Reservation:
-    """One expected request. Mutable; guarded by ``lock`` (internal, never crosses a
-    module boundary except as an opaque handle to the transport)."""
-
-    request_id: str
-    block_ids: list[int]  # [num_blocks] D's blocks, in block-table order (expect())
-    dst_idx: torch.Tensor  # [num_blocks] int64, on kv.device: block_ids as a tensor
-    # [num_layers * num_blocks] 1 once (layer, block-table position) arrived, by layer
-    arrived: bytearray
-    state: TransferState = TransferState.WAITING
-    conn_ids: set[int] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    # Two-phase forget: set by forget(); whoever releases `lock` next with no write in
-    # flight reports the request released (guarded by `meta`), so the blocks go back to
-    # D's pool only once nothing writes into them, and forget() itself never blocks.
-    forgotten: bool = False
-    meta: threading.Lock = field(default_factory=threading.Lock)
-    # Writers that may put bytes into the blocks unseen (begin_writer: a one-sided
-    # write's lease); the release waits for them too. Guarded by `lock`.
-    writes_in_flight: int = 0
-    writer_conn: int | None = None  # the connection whose BEGIN leased the blocks (nixl.py)
-    num_writes: int = 0  # notifications of one-sided writes seen (nixl.py's poll thread)
-
-    @functools.cached_property
-    def runs(self) -> list[tuple[int, int]]:
-        """dst blocks as runs of consecutive ids (host_io.block_runs)."""
-        return host_io.block_runs(self.block_ids)
-
-    def runs_in(self, first: int, n: int) -> list[tuple[int, int]]:
-        """Runs of the blocks at table positions ``first .. first + n - 1``: equal to
-        ``host_io.block_runs(block_ids[first:first + n])``, cut from the cached runs."""
-        if first == 0 and n == self.num_blocks:
-            return self.runs
-        out, pos, end = [], 0, first + n
-        for start, count in self.runs:
-            lo, hi = max(pos, first), min(pos + count, end)
-            if lo < hi:
-                out.append((start + lo - pos, hi - lo))
-            pos += count
-            if pos >= end:
-                break
-        return out
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
-
-    def claim(self, h: FrameHeader) -> str | None:
-        """Mark the frame's (layer, position) rectangle arrived; if part of it arrived
-        before, mark nothing and say which pair. Caller holds ``lock``; admit_kv checked
-        that the rectangle lies inside the reservation."""
-        nb, a, b = self.num_blocks, h.block_start, h.block_start + h.num_blocks
-        rows = range(h.layer_start * nb, h.layer_end * nb, nb)  # where each layer starts
-        for row in rows:
-            i = self.arrived.find(1, row + a, row + b)
-            if i >= 0:
-                return f"layer {i // nb} block {i % nb} received twice"
-        ones = b"\x01" * h.num_blocks
-        for row in rows:
-            self.arrived[row + a : row + b] = ones
-        return None
-
-    def missing(self) -> str | None:
-        """None once every (layer, position) arrived, else how many did and the first
-        that did not. Caller holds ``lock``."""
-        first = self.arrived.find(0)
-        if first < 0:
-            return None
-        total, nb = len(self.arrived), self.num_blocks
-        return (f"{total - self.arrived.count(0)} of {total} (layer, block) pairs received; "
-                f"first missing: layer {first // nb} block {first % nb}")
 
 
 class ReservationTable:
@@ -165,7 +82,7 @@ class ReservationTable:
             self._finished.pop(request_id, None)
             self._active[request_id] = Reservation(
                 request_id, ids, torch.tensor(ids, dtype=torch.long, device=self.kv.device),
-                bytearray(self.layout.num_layers * len(ids)))
+                self.layout.heads, self.layout.num_layers)
 
     def forget(self, request_id: str) -> None:
         """KVReceiver.forget: released at once when no write is in flight (or the
@@ -258,10 +175,10 @@ class ReservationTable:
     def write(self, res: Reservation, h: FrameHeader,
               fill: Callable[[list[memoryview]], None] | None = None, *,
               payload: torch.Tensor | None = None) -> bool:
-        """The one way a KV frame's bytes reach the cache: claim the frame's (layer,
-        block) pairs and, under the reservation's lock, put its payload [n_layers, 2,
-        h.num_blocks, heads, block_size, head_dim] (layout dtype) into the blocks at
-        table positions ``h.block_start ..``, from one of:
+        """The one way a KV frame's bytes reach the cache: claim the frame's (head,
+        layer, block) triples and, under the reservation's lock, put its payload
+        [n_layers, 2, h.num_blocks, n_heads, block_size, head_dim] (layout dtype) into
+        the blocks at table positions ``h.block_start ..``, from one of:
 
         - ``fill(regions)`` (e.g. a socket's recv_into): ``regions`` are writable host
           views in payload order, the blocks themselves on a host cache
@@ -275,10 +192,11 @@ class ReservationTable:
         payload must be discarded: the request finished or was forgotten meanwhile, or
         a pair arrives twice (that fails it). Exceptions from ``fill`` propagate; the
         connection's requests then fail through connection_lost()."""
-        regions = None
+        regions, heads = None, h.heads(self.layout)
         if fill is not None or payload is not None:
             regions = self._host_view.regions(h.layer_start, h.layer_end,
-                                              res.runs_in(h.block_start, h.num_blocks))
+                                              res.runs_in(h.block_start, h.num_blocks),
+                                              heads=self._local(heads))
 
         def write_blocks() -> None:
             if regions is not None and fill is not None:
@@ -286,13 +204,13 @@ class ReservationTable:
             elif regions is not None:
                 host_io.copy_into(regions, frames.tensor_bytes(payload))
             elif fill is not None or payload is not None:
-                self._write_device(res, h, fill, payload)
+                self._write_device(res, h, heads, fill, payload)
 
         with self._hold(res):
             if res.state >= TransferState.DONE or res.forgotten:
                 logger.debug("request %s finished; dropping KV frame", res.request_id)
                 return False
-            dup = res.claim(h)
+            dup = res.claim(h, heads)
             if dup is None:
                 write_blocks()
                 res.state = TransferState.TRANSFERRING
@@ -300,20 +218,29 @@ class ReservationTable:
         self.fail(res, dup)
         return False
 
-    def _write_device(self, res: Reservation, h: FrameHeader,
+    def _local(self, heads: range) -> range | None:
+        """The cache's own head indices of the model's ``heads``; None for all."""
+        if heads == self.layout.heads:
+            return None
+        first = self.layout.kv_head_start
+        return range(heads.start - first, heads.stop - first)
+
+    def _write_device(self, res: Reservation, h: FrameHeader, heads: range,
                       fill: Callable[[list[memoryview]], None] | None,
                       payload: torch.Tensor | None) -> None:
         """A device cache: the payload (or a host staging buffer that ``fill`` fills:
-        pinned, one per thread) copied into the blocks."""
-        nbytes = self.layout.payload_bytes(h.num_layers, h.num_blocks)  # <= the reservation's
+        pinned, one per thread) copied into the blocks (their ``heads``)."""
+        nbytes = self.layout.payload_bytes(h.num_layers, h.num_blocks, len(heads))
         if payload is None:
             payload = self._staging.buf = frames.grow_buffer(
                 getattr(self._staging, "buf", None), nbytes, pinned=self.kv.is_cuda)
             fill([memoryview(payload.numpy())[:nbytes]])
         staged = payload[:nbytes].view(self.kv.dtype).view(
-            h.num_layers, 2, h.num_blocks, *self.kv.shape[3:])
+            h.num_layers, 2, h.num_blocks, len(heads), *self.kv.shape[4:])
         dst = res.dst_idx[h.block_start:h.block_start + h.num_blocks]  # [h.num_blocks]
-        self.kv[h.layer_start:h.layer_end].index_copy_(2, dst, staged.to(self.kv.device))
+        local = self._local(heads) or range(self.kv.shape[3])
+        self.kv[h.layer_start:h.layer_end, :, :, local.start:local.stop].index_copy_(
+            2, dst, staged.to(self.kv.device))
 
     def begin_writer(self, res: Reservation) -> bool:
         """A peer may write into the reservation's blocks from now on, unseen by D (a
@@ -334,20 +261,24 @@ class ReservationTable:
                     self._leased.pop(res.request_id, None)
 
     def on_done(self, h: FrameHeader) -> None:
+        """A sender's DONE for its heads: fails the request if a frame of those heads is
+        missing; completes it once DONEs covered every head (arrival.py)."""
         res = self.lookup(h.request_id, h.epoch, "DONE")
         if res is None:
             return
+        num_layers, heads, complete = self.layout.num_layers, h.heads(self.layout), False
         with self._hold(res):
-            missing = res.missing()
-        num_layers = self.layout.num_layers
-        if missing is not None:
-            self.fail(res, f"DONE with {missing} (sender claims {h.layer_end} of "
-                           f"{num_layers} layers sent)")
-            return
-        if h.layer_end != num_layers:
-            self.fail(res, f"DONE claims {h.layer_end} layers sent, layout has {num_layers}")
-            return
-        self._finish(res, KVCompletion(h.request_id, True, h.first_token, None))
+            error = res.missing(heads)
+            if error is not None:
+                error = f"DONE with {error} (sender claims {h.layer_end} of {num_layers} layers sent)"
+            elif h.layer_end != num_layers:
+                error = f"DONE claims {h.layer_end} layers sent, layout has {num_layers}"
+            else:
+                complete, error = res.done(heads, h.first_token)
+        if error is not None:
+            self.fail(res, error)
+        elif complete:
+            self._finish(res, KVCompletion(h.request_id, True, res.first_token, None))
 
     def on_abort(self, h: FrameHeader, reason: str) -> None:
         res = self.lookup(h.request_id, h.epoch, "ABORT")

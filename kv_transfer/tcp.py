@@ -319,7 +319,7 @@ class _Connection:
                 self._discard(h.payload_len)
             return
         # Checksummed: staged and checked first, so corrupt bytes never reach the cache.
-        body = self._recv_staged(self.layout.payload_bytes(h.num_layers, h.num_blocks))
+        body = self._recv_staged(h.payload_len - frames.CRC_BYTES)   # validated: frames.py
         crc = bytearray(frames.CRC_BYTES)
         frames.recv_exact(self.sock, memoryview(crc))
         want, got = int.from_bytes(crc, "little"), host_io.crc32c([body])

@@ -97,18 +97,23 @@ class TcpKVSender(KVSender):
         layer_end: int,
         src_block_ids: Sequence[int],
         block_start: int = 0,
+        heads: range | None = None,
     ) -> int:
-        ids, nbytes = self._check_send(layer_start, layer_end, src_block_ids, block_start)
+        ids, nbytes = self._check_send(layer_start, layer_end, src_block_ids, block_start,
+                                       heads)
+        local = self._local(heads)
         # Zero-copy when the cache is in host memory: each run of consecutive blocks is
         # one contiguous region per layer and K/V, sent straight from the cache (writev).
         # Otherwise gather into one fresh contiguous tensor (index_select), which is
         # exactly the wire payload [n_layers, 2, n_blocks, heads, block_size, head_dim].
         regions = self._host_view.regions(layer_start, layer_end, host_io.block_runs(ids),
-                                          host_io.MAX_DIRECT_PIECES)
+                                          host_io.MAX_DIRECT_PIECES, heads=local)
         packed = None
         if regions is None:
             src_idx = torch.tensor(ids, dtype=torch.long, device=self.kv.device)
             packed = self.kv[layer_start:layer_end].index_select(2, src_idx)
+            if local is not None:
+                packed = packed[:, :, :, local.start:local.stop].contiguous()
         header = frames.pack_header(
             FrameType.KV,
             request_id,
@@ -120,6 +125,7 @@ class TcpKVSender(KVSender):
             num_blocks=len(ids),
             dtype_code=self._dtype_code,
             payload_len=nbytes + (frames.CRC_BYTES if self.checksum else 0),
+            **self._head_fields(heads),
         )
 
         def send(conn: _SendConn) -> None:
@@ -142,11 +148,15 @@ class TcpKVSender(KVSender):
         return nbytes
 
     def send_done(self, addr: tuple[str, int], request_id: str, epoch: int,
-                  first_token: int, num_layers_sent: int) -> None:
+                  first_token: int | None, num_layers_sent: int,
+                  heads: range | None = None) -> None:
+        fields = self._head_fields(heads)
+        named = range(fields["head_start"], fields["head_start"] + fields["num_heads"])
+
         def done(conn: _SendConn) -> None:
             writes = self._settle(conn, request_id, epoch)
             conn.sock.sendall(frames.done_header(request_id, epoch, first_token,
-                                                 num_layers_sent, writes))
+                                                 num_layers_sent, writes, named or None))
 
         self._with_conn(addr, done)
 
@@ -169,6 +179,21 @@ class TcpKVSender(KVSender):
                 self._drop(conn)
 
     # ---- internals -----------------------------------------------------------------
+
+    def _local(self, heads: range | None) -> range | None:
+        """This cache's own indices of the model's KV ``heads``; None for all of them."""
+        if heads is None or heads == self.layout.heads:
+            return None
+        first = self.layout.kv_head_start
+        return range(heads.start - first, heads.stop - first)
+
+    def _head_fields(self, heads: range | None) -> dict[str, int]:
+        """A frame's head_start / num_heads for ``heads`` (None: this cache's): zero,
+        meaning all the receiver's heads, only when they are all the model's."""
+        heads = self.layout.heads if heads is None else heads
+        if heads == range(self.layout.total_kv_heads):
+            return {"head_start": 0, "num_heads": 0}
+        return {"head_start": heads.start, "num_heads": len(heads)}
 
     def _with_conn(self, addr: tuple[str, int], fn: Callable[[_SendConn], None]) -> None:
         addr = (addr[0], int(addr[1]))

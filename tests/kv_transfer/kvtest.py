@@ -176,10 +176,10 @@ def check_chunked_round_trip(env, dst_ids, seed, rx_kw=None, tx_kw=None):
 # says; the reservation is DST_IDS (3 blocks, so 12 (layer, block) pairs).
 INCONSISTENT_CASES = [
     pytest.param([(0, 1), (1, 2)], SRC_IDS,
-                 "DONE with 6 of 12 (layer, block) pairs received; first missing: layer 2 block 0",
+                 f"DONE with {6 * HEADS} of {12 * HEADS} (KV head, layer, block) triples received; first missing: layer 2 block 0",
                  id="done-early"),
     pytest.param([(0, NUM_LAYERS, 0, 2)], SRC_IDS,
-                 "DONE with 8 of 12 (layer, block) pairs received; first missing: layer 0 block 2",
+                 f"DONE with {8 * HEADS} of {12 * HEADS} (KV head, layer, block) triples received; first missing: layer 0 block 2",
                  id="blocks-omitted"),
     pytest.param([(0, 1, 2, 4)], SRC_IDS + [0],
                  "KV frame for layers [0, 1) carries blocks [2, 4), reservation has 3",

@@ -63,11 +63,12 @@ def test_header_layout_is_56_bytes_little_endian():
     buf = frames.pack_header(
         FrameType.KV, "r", epoch=2**40 + 1, layer_start=1, layer_end=2, block_start=0x01020304,
         num_blocks=6, dtype_code=1, first_token=9, payload_len=123, flags=frames.FLAG_CRC32C,
+        head_start=3, num_heads=2,
     )
-    assert len(buf) == 56 + 1 and buf[:4] == b"PDKV" and buf[4] == 5  # protocol version
-    assert struct.unpack_from("<QIIIIqQH", buf, 8) == (
-        2**40 + 1, 1, 2, 0x01020304, 6, 9, 123, 1)
-    assert buf[50:56] == bytes(6) and buf[56:] == b"r"
+    assert len(buf) == 56 + 1 and buf[:4] == b"PDKV" and buf[4] == 6  # protocol version
+    assert struct.unpack_from("<QIIIIqQHHH", buf, 8) == (
+        2**40 + 1, 1, 2, 0x01020304, 6, 9, 123, 1, 3, 2)
+    assert buf[54:56] == bytes(2) and buf[56:] == b"r"
     with pytest.raises(ValueError, match="out of range"):
         frames.pack_header(FrameType.KV, "r", block_start=2**32, num_blocks=1)
 

@@ -12,7 +12,7 @@ from pdserve.kv_transfer import KVLayout, TransferState, frames, host_io
 from pdserve.kv_transfer.frames import FrameType
 from pdserve.kv_transfer.reservations import ReservationTable
 
-from kvtest import EPOCH, MODEL, NUM_LAYERS, Completions, make_cache
+from kvtest import EPOCH, HEADS, MODEL, NUM_LAYERS, Completions, make_cache
 
 
 @pytest.fixture
@@ -96,7 +96,8 @@ def test_chunks_fill_the_table_and_done_counts_every_pair(table):
     table.expect("r", [4, 5, 6, 2, 3])
     res, h = admit(table, "r", 2, layers=(0, 2), block_start=3)
     assert table.write(res, h)
-    assert res.arrived == bytearray([0, 0, 0, 1, 1] * 2 + [0] * 5 * (NUM_LAYERS - 2))
+    per_head = [0, 0, 0, 1, 1] * 2 + [0] * 5 * (NUM_LAYERS - 2)   # head-major (arrival.py)
+    assert res.arrived == bytearray(per_head * HEADS)
     assert table.state("r") == TransferState.TRANSFERRING
     for layers, block_start, n in [((2, NUM_LAYERS), 3, 2), ((0, NUM_LAYERS), 0, 1)]:
         res, h = admit(table, "r", n, layers, block_start)
@@ -104,8 +105,9 @@ def test_chunks_fill_the_table_and_done_counts_every_pair(table):
     res, h = admit(table, "r", 2, layers=(1, NUM_LAYERS), block_start=1)
     assert table.write(res, h)
     assert res.missing() == (
-        f"{5 * NUM_LAYERS - 2} of {5 * NUM_LAYERS} (layer, block) pairs received; "
-        "first missing: layer 0 block 1"
+        f"{(5 * NUM_LAYERS - 2) * HEADS} of {5 * NUM_LAYERS * HEADS} (KV head, layer, block) "
+        "triples received; "
+        "first missing: layer 0 block 1 (KV head 0)"
     )
     res, h = admit(table, "r", 2, layers=(0, 1), block_start=1)
     assert table.write(res, h)
@@ -123,7 +125,8 @@ def test_done_before_every_pair_arrived_fails(table):
     table.on_done(done_header("r"))
     c = done.wait("r")
     assert not c.ok and (
-        f"DONE with {2 * NUM_LAYERS} of {3 * NUM_LAYERS} (layer, block) pairs received; "
+        f"DONE with {2 * NUM_LAYERS * HEADS} of {3 * NUM_LAYERS * HEADS} (KV head, layer, "
+        "block) triples received; "
         "first missing: layer 0 block 2" in c.error
     ), c.error
 

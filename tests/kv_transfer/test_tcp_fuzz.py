@@ -86,6 +86,8 @@ def forged_header(draw):
         first_token=draw(st.integers(-(2**63), 2**63 - 1)),
         payload_len=draw(st.one_of(st.integers(0, 4096), huge, u64)),
         rid_len=draw(st.one_of(st.just(len(rid)), st.integers(0, 2**16 - 1))),
+        head_start=draw(st.one_of(st.just(0), st.integers(0, 2**16 - 1))),
+        num_heads=draw(st.one_of(st.just(0), small, st.integers(0, 2**16 - 1))),
     )
     fixed = frames.HEADER.pack(frames.MAGIC, frames.PROTOCOL_VERSION, *fields.values())
     return fixed + rid + draw(st.binary(max_size=64))

@@ -1,0 +1,174 @@
+"""KV between tensor-parallel prefill and decode workers of different sizes, over TCP:
+each P rank's cache holds its KV heads only, each D rank's its own; every P rank sends
+the heads the plan gives it (kv_transfer/tp_plan.py) to each D rank, chunk by chunk,
+then a DONE for those heads (the first token from P rank 0 only). Every D rank must end
+with exactly the model's K/V of its heads in its reserved blocks."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from pdserve.engine.parallel import kv_head_range
+from pdserve.kv_transfer import KVLayout, KVLayoutMismatch, KVTransferError, make_receiver, make_sender
+from pdserve.kv_transfer.tp_plan import transfer_plan
+
+from kvtest import EPOCH, MODEL, Completions
+
+LAYERS, BLOCK, DIM = 3, 4, 8
+SRC = [5, 1, 6, 7, 8, 9, 2]            # P's blocks (every P rank holds the same ids)
+DST = [3, 4, 11, 12, 13, 0, 9]         # D's reserved blocks, in block-table order
+FIRST_TOKEN = 42
+
+
+def model_cache(heads, num_blocks=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYERS, 2, num_blocks, heads, BLOCK, DIM, generator=g)
+
+
+def layout(kv, heads, size, rank):
+    mine = kv_head_range(heads, size, rank)
+    return KVLayout.for_cache(kv, MODEL, kv_head_start=mine.start, model_kv_heads=heads,
+                              tp_size=size)
+
+
+class Workers:
+    """P ranks (senders over their shares of `full`) and D ranks (receivers)."""
+
+    def __init__(self, heads, p_size, d_size, checksum=False):
+        self.heads, self.p_size, self.d_size = heads, p_size, d_size
+        self.full = model_cache(heads)
+        self.made, self.rx, self.addr, self.done, self.dst = [], [], [], [], []
+        for d in range(d_size):
+            mine = kv_head_range(heads, d_size, d)
+            kv = torch.zeros(LAYERS, 2, 16, len(mine), BLOCK, DIM)
+            done = Completions()
+            rx = make_receiver("tcp", kv, layout(kv, heads, d_size, d), EPOCH, notify=done,
+                               io_timeout_s=2.0)
+            self.made.append(rx)
+            self.addr.append(rx.start())
+            self.rx.append(rx)
+            self.done.append(done.attach(rx))
+            self.dst.append(kv)
+        self.tx = []
+        for p in range(p_size):
+            mine = kv_head_range(heads, p_size, p)
+            kv = self.full[:, :, :, mine.start:mine.stop].contiguous()
+            tx = make_sender("tcp", kv, layout(kv, heads, p_size, p), checksum=checksum,
+                             connect_timeout_s=2.0, io_timeout_s=2.0)
+            self.made.append(tx)
+            self.tx.append(tx)
+
+    def close(self):
+        for obj in self.made:
+            obj.close()
+
+
+@pytest.mark.parametrize("heads,p_size,d_size", [
+    (4, 1, 2), (4, 2, 1), (4, 2, 2), (2, 1, 4), (2, 4, 2), (2, 4, 1), (3, 3, 1), (4, 4, 2),
+    (4, 1, 1)])
+@pytest.mark.parametrize("frames", ["per-layer", "whole"])
+def test_every_decode_rank_gets_exactly_its_heads(heads, p_size, d_size, frames):
+    w = Workers(heads, p_size, d_size, checksum=frames == "whole")
+    try:
+        for rx in w.rx:
+            rx.expect("r", DST)
+        plan = transfer_plan(heads, p_size, d_size)
+
+        def send(p):   # P rank p's share, as its step loop would send it (in parallel)
+            mine = [s for s in plan if s.p_rank == p]
+            chunks = [(0, 4), (4, len(SRC))]
+            layer_runs = ([(i, i + 1) for i in range(LAYERS)] if frames == "per-layer"
+                          else [(0, LAYERS)])
+            for lo, hi in chunks:
+                for a, b in layer_runs:
+                    for s in mine:
+                        w.tx[p].send_layers(w.addr[s.d_rank], "r", EPOCH, a, b, SRC[lo:hi],
+                                            block_start=lo, heads=s.heads)
+            for s in mine:
+                w.tx[p].send_done(w.addr[s.d_rank], "r", EPOCH,
+                                  FIRST_TOKEN if p == 0 else None, LAYERS, heads=s.heads)
+
+        threads = [threading.Thread(target=send, args=(p,)) for p in range(p_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        idx = torch.tensor(DST)
+        for d in range(d_size):
+            c = w.done[d].wait("r")
+            assert c.ok, c.error
+            # D rank 0 always hears from P rank 0 (tp_plan), which sampled the token
+            assert c.first_token == (FIRST_TOKEN if d == 0 else c.first_token)
+            mine = kv_head_range(heads, d_size, d)
+            want = w.full[:, :, torch.tensor(SRC)][:, :, :, mine.start:mine.stop]
+            assert torch.equal(w.dst[d][:, :, idx], want), f"decode rank {d}"
+            others = torch.ones(16, dtype=torch.bool)
+            others[idx] = False
+            assert not w.dst[d][:, :, others].any()      # nothing outside the reservation
+    finally:
+        w.close()
+
+
+def test_a_done_before_its_heads_arrived_fails_naming_the_head():
+    w = Workers(4, 2, 1)
+    try:
+        w.rx[0].expect("r", DST)
+        w.tx[0].send_layers(w.addr[0], "r", EPOCH, 0, LAYERS, SRC, heads=range(0, 2))
+        w.tx[0].send_done(w.addr[0], "r", EPOCH, FIRST_TOKEN, LAYERS, heads=range(0, 2))
+        # rank 1 sent half its layers, then DONE
+        w.tx[1].send_layers(w.addr[0], "r", EPOCH, 0, 1, SRC, heads=range(2, 4))
+        w.tx[1].send_done(w.addr[0], "r", EPOCH, None, LAYERS, heads=range(2, 4))
+        c = w.done[0].wait("r")
+        assert not c.ok and "first missing: layer 1 block 0 (KV head 2)" in c.error, c.error
+    finally:
+        w.close()
+
+
+def test_one_rank_done_is_not_the_request_done():
+    """P rank 0's DONE alone (its heads) leaves the request waiting for rank 1's."""
+    w = Workers(4, 2, 1)
+    try:
+        w.rx[0].expect("r", DST)
+        w.tx[0].send_layers(w.addr[0], "r", EPOCH, 0, LAYERS, SRC, heads=range(0, 2))
+        w.tx[0].send_done(w.addr[0], "r", EPOCH, FIRST_TOKEN, LAYERS, heads=range(0, 2))
+        w.tx[0].connect(w.addr[0])                 # a round trip: the DONE was read
+        assert w.done[0].calls == [] and w.rx[0].get_finished().completions == []
+        w.tx[1].send_layers(w.addr[0], "r", EPOCH, 0, LAYERS, SRC, heads=range(2, 4))
+        w.tx[1].send_done(w.addr[0], "r", EPOCH, None, LAYERS, heads=range(2, 4))
+        c = w.done[0].wait("r")
+        assert (c.ok, c.first_token) == (True, FIRST_TOKEN)
+    finally:
+        w.close()
+
+
+def test_heads_a_decode_rank_does_not_hold_are_refused():
+    w = Workers(4, 1, 2)
+    try:
+        w.rx[1].expect("r", DST)                   # D rank 1 holds heads 2-3
+        with pytest.raises(KVTransferError):       # D drops the connection at the header
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                w.tx[0].send_layers(w.addr[1], "r", EPOCH, 0, LAYERS, SRC, heads=range(0, 2))
+                time.sleep(0.05)
+        assert not w.dst[1].any()                  # no byte of it reached the cache
+    finally:
+        w.close()
+
+
+def test_partitions_that_cannot_pair_are_named():
+    kv = model_cache(4)
+    other = model_cache(2)
+    tx = make_sender("tcp", kv, layout(kv, 4, 1, 0), connect_timeout_s=2.0)
+    rx = make_receiver("tcp", other, layout(other, 2, 1, 0), EPOCH)
+    try:
+        with pytest.raises(KVLayoutMismatch, match=r"num_kv_heads \(the model's\): "
+                                                   "prefill has 4, decode has 2"):
+            tx.connect(rx.start())
+    finally:
+        tx.close()
+        rx.close()
+    assert "decode tensor-parallel size 3 cannot hold 4 KV heads" in (
+        layout(kv, 4, 1, 0).mismatch(KVLayout(MODEL, LAYERS, 1, DIM, BLOCK, "float32",
+                                              kv_head_start=3, model_kv_heads=4, tp_size=3)))

@@ -13,6 +13,9 @@ So scheduling, the prefix cache and the block pool exist once, on rank 0, and ev
 rank's KV cache holds the same blocks (its own KV heads of them). A callback such as
 `on_layer_done` (a prefill streaming its KV layer by layer) cannot cross processes:
 each rank passes its own (`follow(..., on_layer_done=)`), the leader's to its calls.
+Work of a follower beside the model (a prefill rank sending its KV heads to the decode
+worker) comes as orders of its own (`TPLeader.order`), run by the follower's
+`handler` in the same sequence as the step calls.
 
 An idle leader sends a heartbeat order every `heartbeat_s`, so followers waiting for
 the next order never reach the group's collective timeout while rank 0 is alive; a
@@ -84,6 +87,18 @@ class TPLeader:
                 raise TPGroupBroken(f"tensor-parallel {name} failed once ordered (rank 0 "
                                     f"alone, or a lost rank): {type(e).__name__}: {e}") from e
 
+    def order(self, name: str, **kwargs) -> None:
+        """Have every follower run ``handler.<name>(**kwargs)`` (follow), between the
+        step calls before and after this one; nothing runs here.
+
+        Raises: TPGroupBroken, the order could not be sent."""
+        with self._lock:
+            try:
+                self._order([name, kwargs])
+            except Exception as e:
+                raise TPGroupBroken(f"tensor-parallel order {name} not sent: "
+                                    f"{type(e).__name__}: {e}") from e
+
     def stop(self) -> None:
         self._stopped.set()
         with self._lock:
@@ -121,10 +136,12 @@ def _run(fn, kwargs: dict, on_layer_done: Callable[[int], None] | None):
 
 
 def follow(runner, tp: TensorParallel,
-           on_layer_done: Callable[[int], None] | None = None) -> int:
+           on_layer_done: Callable[[int], None] | None = None, handler: Any = None) -> int:
     """Run rank 0's calls on this rank's `runner` until its stop(); returns the number of
-    calls run. Raises what a call or the group raises (a rank gone), which ends this
-    rank: its worker is restarted as a whole."""
+    step calls run. An order that is not a step call (TPLeader.order) runs as
+    ``handler.<name>(**kwargs)``, one of the names in ``handler.ORDERS``. Raises what a
+    call or the group raises (a rank gone), which ends this rank: its worker is
+    restarted as a whole."""
     assert tp.rank > 0, tp
     calls = 0
     while True:
@@ -134,6 +151,9 @@ def follow(runner, tp: TensorParallel,
         if name == _STOP:
             return calls
         if name == _PING:
+            continue
+        if handler is not None and name in handler.ORDERS:
+            getattr(handler, name)(**kwargs)
             continue
         if name not in STEP_CALLS:
             raise ValueError(f"rank {tp.rank}: unknown step order {name!r}")

@@ -22,8 +22,12 @@ for GQA models; this plan covers every pair of sizes the model's KV heads allow.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..engine.parallel import kv_head_range
+
+if TYPE_CHECKING:
+    from .base import KVLayout
 
 
 @dataclass(frozen=True)
@@ -82,3 +86,24 @@ def transfer_plan(num_kv_heads: int, p_size: int, d_size: int) -> list[HeadSlice
             p_first = kv_head_range(num_kv_heads, p_size, p).start
             plan.append(HeadSlice(p, d, range(h, h + 1), h - p_first, h - mine.start))
     return plan
+
+
+def sent_heads(num_kv_heads: int, p_size: int, p_rank: int, d_size: int = 1,
+               d_rank: int = 0) -> range | None:
+    """The KV heads prefill rank `p_rank` sends to decode rank `d_rank` (one run, the
+    model's numbering), or None: it sends that rank nothing (another holds them)."""
+    for s in transfer_plan(num_kv_heads, p_size, d_size):
+        if (s.p_rank, s.d_rank) == (p_rank, d_rank):
+            return s.heads
+    return None
+
+
+def rank_layout(kv, model_id: str, num_kv_heads: int, tp) -> KVLayout:
+    """The KVLayout of a tensor-parallel rank's cache `kv` (engine/parallel.py
+    TensorParallel `tp`; its share of the model's `num_kv_heads`)."""
+    from .base import KVLayout
+
+    heads = kv_head_range(num_kv_heads, tp.size, tp.rank)
+    return KVLayout.for_cache(kv, model_id, kv_head_start=heads.start,
+                              model_kv_heads=num_kv_heads if tp.size > 1 else 0,
+                              tp_size=tp.size)

@@ -51,6 +51,7 @@ def _serve(args) -> int:
         cfg = ClusterConfig.local(
             args.model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
             transport=args.transport, host=args.host, port=args.port,
+            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
             prefill_blocks=args.prefill_kv_blocks, decode_blocks=args.decode_kv_blocks,
             threads_per_worker=args.threads_per_worker, log_level=args.log_level,
             kv_host=args.kv_host, **({"device": "cuda"} if args.gpus_per_worker else {}),
@@ -246,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="model and KV dtype (default float32, the CPU reference)")
     s.add_argument("--prefill-workers", type=int, default=1)
     s.add_argument("--decode-workers", type=int, default=1)
+    s.add_argument("--prefill-tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks per prefill worker (vLLM's "
+                        "--tensor-parallel-size, for the prefill pool): N Ray actors on one "
+                        "node, each with its share of every layer and of the KV heads")
+    s.add_argument("--decode-tp", type=int, default=1, metavar="M",
+                   help="tensor-parallel ranks per decode worker (not built yet above 1)")
     s.add_argument("--transport", default="tcp", choices=["tcp", "nixl", "ucx", "auto"],
                    help="KV transport between prefill and decode: tcp (frames over a socket), "
                         "nixl (one-sided RDMA writes over UCX; ucx is an alias), auto (nixl "

@@ -51,6 +51,7 @@ class Cluster:
         self._owns_ray = False
         self._core_share_dir: str | None = None   # pdserve/core_share.py, this start's
         self._ray_processes: list[psutil.Process] = []   # GCS, raylet... when _owns_ray
+        self._placement_groups: list = []   # one per tensor-parallel worker (tp_group.py)
 
     def start(self) -> int:
         """Start Ray (if needed), the workers and the router. Returns the gRPC port;
@@ -64,11 +65,10 @@ class Cluster:
         from .router.router import Router
 
         cfg = self.config
-        for role, w in (("prefill", cfg.prefill), ("decode", cfg.decode)):
-            if w.tensor_parallel_size > 1:   # the engine and tp_group.py have it; not serve
-                raise ClusterStartError(
-                    f"{role}.tensor_parallel_size={w.tensor_parallel_size}: serving with "
-                    "tensor-parallel workers is not built yet (docs/tensor_parallel.md)")
+        if cfg.decode.tensor_parallel_size > 1:   # prefill has it; decode's ranks do not yet
+            raise ClusterStartError(
+                f"decode.tensor_parallel_size={cfg.decode.tensor_parallel_size}: "
+                "tensor-parallel decode workers are not built yet (docs/tensor_parallel.md)")
         if cfg.prefill.kv_secret is None and cfg.decode.kv_secret is None:
             # KV ports pair only with peers proving this (kv_transfer/auth.py); one per start
             secret = secrets.token_hex(32)
@@ -97,12 +97,17 @@ class Cluster:
         # itself (router.py), so Ray never re-runs a call on its own.
         wopts = opts | {"max_restarts": cfg.max_worker_restarts, "max_task_retries": 0,
                         "num_gpus": cfg.gpus_per_worker}
-        self.decode = [ray.remote(DecodeWorker).options(
-            name=f"decode-{i}", resources=cfg.decode_resources or None, **wopts)
-            .remote(f"decode-{i}", cfg.decode) for i in range(cfg.num_decode_workers)]
-        self.prefill = [ray.remote(PrefillWorker).options(
-            name=f"prefill-{i}", resources=cfg.prefill_resources or None, **wopts)
-            .remote(f"prefill-{i}", cfg.prefill) for i in range(cfg.num_prefill_workers)]
+        try:
+            self.decode = [self._worker(DecodeWorker, f"decode-{i}", cfg.decode,
+                                        cfg.decode_resources, wopts)
+                           for i in range(cfg.num_decode_workers)]
+            self.prefill = [self._worker(PrefillWorker, f"prefill-{i}", cfg.prefill,
+                                         cfg.prefill_resources, wopts)
+                            for i in range(cfg.num_prefill_workers)]
+        except ray.exceptions.GetTimeoutError as e:
+            self.stop()
+            raise ClusterStartError(f"a tensor-parallel worker's ranks cannot be placed on "
+                                    f"one node: {e}") from e
         # The router serves gRPC and /metrics where `serve` runs (the head: its Service,
         # security group and port-forwards point there), never on a worker node.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
@@ -122,6 +127,22 @@ class Cluster:
             raise
         return self.port
 
+    def _worker(self, cls, worker_id: str, wcfg, resources: dict, wopts: dict):
+        """Start one worker actor; a tensor-parallel one in bundle 0 of a placement group
+        of its own (tp_group.py: its ranks take the other bundles, on the same node).
+        Raises GetTimeoutError: no node holds the group."""
+        from .tp_group import in_bundle, placement_group
+
+        opts = wopts | {"name": worker_id}
+        if wcfg.tensor_parallel_size == 1:
+            return ray.remote(cls).options(resources=resources or None, **opts).remote(
+                worker_id, wcfg)
+        pg = placement_group(wcfg.tensor_parallel_size, resources,
+                             num_gpus=opts.pop("num_gpus"), name=f"{worker_id}-ranks")
+        self._placement_groups.append(pg)
+        return ray.remote(cls).options(scheduling_strategy=in_bundle(pg, 0), **opts).remote(
+            worker_id, wcfg)
+
     def stop(self) -> None:
         """Stop serving, shut the workers down, and stop Ray if this cluster started it.
 
@@ -134,7 +155,13 @@ class Cluster:
                         "the workers went with them")
         else:
             self._stop_actors()
+            for pg in self._placement_groups:
+                try:
+                    ray.util.remove_placement_group(pg)
+                except Exception as e:     # Ray went away meanwhile: nothing to release
+                    logger.debug("placement group not removed: %s", e)
         self.router, self.prefill, self.decode = None, [], []
+        self._placement_groups = []
         if self._core_share_dir is not None:
             shutil.rmtree(self._core_share_dir, ignore_errors=True)
             self._core_share_dir = None

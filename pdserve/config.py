@@ -272,25 +272,29 @@ class ClusterConfig:
               transport: str = "tcp", host: str = "127.0.0.1", port: int = 50051,
               prefill_blocks: int = 512, decode_blocks: int = 1024,
               threads_per_worker: int | None = None, router_kw: dict | None = None,
-              kv_host: str | None = None, **worker_kw) -> "ClusterConfig":
+              kv_host: str | None = None, prefill_tp: int = 1, decode_tp: int = 1,
+              **worker_kw) -> "ClusterConfig":
         """A one-box cluster: cores split evenly among workers unless told otherwise.
 
         `router_kw` sets other RouterConfig fields (e.g. max_queued_requests); the rest of
         the keywords go to both WorkerConfigs. `host` is where the router serves;
         workers bind and advertise `kv_host` (default: `host`; "auto": their node's IP).
         `port=0` (tests) picks free ports for the router's metrics too, unless router_kw
-        names one.
+        names one. `prefill_tp` / `decode_tp`: tensor-parallel ranks per worker (each
+        rank gets its share of the cores).
         Raises:
             ValueError: a setting out of range (the message names it).
         """
         from .kv_transfer import resolve_transport
         transport = resolve_transport(transport)
-        n = prefill_workers + decode_workers
+        n = prefill_workers * prefill_tp + decode_workers * decode_tp    # processes
         threads = threads_per_worker or max(1, (os.cpu_count() or 1) // n)
         base = WorkerConfig(model=model, transport=transport, host=kv_host or host,
                             num_threads=threads, **worker_kw)
-        return cls(prefill=replace(base, num_kv_blocks=prefill_blocks),
-                   decode=replace(base, num_kv_blocks=decode_blocks),
+        return cls(prefill=replace(base, num_kv_blocks=prefill_blocks,
+                                   tensor_parallel_size=prefill_tp),
+                   decode=replace(base, num_kv_blocks=decode_blocks,
+                                  tensor_parallel_size=decode_tp),
                    router=RouterConfig(host=host, port=port, **({"metrics_port": 0} if port == 0
                                                                  else {}) | (router_kw or {})),
                    num_prefill_workers=prefill_workers, num_decode_workers=decode_workers)

@@ -111,6 +111,7 @@ class WorkerStatus:
     kv_address: str = ""              # decode: host:port of its KV receiver
     prefix_cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache
     prefix_cache_blocks: int = 0      # blocks held by the prefix cache now
+    tensor_parallel_size: int = 1     # ranks of this worker (rank 0's status)
     # prefill
     queued_tokens: int = 0            # prompt tokens waiting or in progress
     prefill_tokens_computed: int = 0

@@ -42,16 +42,17 @@ GROUP_TIMEOUT_S = 300.0    # a collective waiting longer than this on a hung ran
 
 def placement_group(size: int, resources: dict[str, float] | None = None,
                     num_gpus: float = 0, name: str = "") -> PlacementGroup:
-    """The bundles of one worker of `size` ranks, packed on one node: each holds a
-    rank's share of `resources` (Ray custom resources) and `num_gpus`. Returns it once
-    Ray has reserved it.
+    """The bundles of one worker of `size` ranks, packed on one node: each holds
+    `num_gpus`; bundle 0 (rank 0's) also the worker's `resources` (Ray custom resources,
+    which pick its node). Returns it once Ray has reserved it.
 
     Raises:
         ray.exceptions.GetTimeoutError: no node can hold all the bundles within 60 s.
     """
-    bundle = {"CPU": 0.001} | dict(resources or {}) | ({"GPU": num_gpus} if num_gpus else {})
-    pg = ray.util.placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK",
-                                  name=name)
+    gpu = {"GPU": num_gpus} if num_gpus else {}
+    first = {"CPU": 0.001} | dict(resources or {}) | gpu     # the node is rank 0's choice
+    pg = ray.util.placement_group([first] + [{"CPU": 0.001} | gpu] * (size - 1),
+                                  strategy="STRICT_PACK", name=name)
     try:
         ray.get(pg.ready(), timeout=60)
     except BaseException:
@@ -90,7 +91,7 @@ class TPRank:
     the group breaks (rank 0 died), the process exits."""
 
     def __init__(self, worker_id: str, rank: int, size: int, init_method: str,
-                 config: WorkerConfig):
+                 config: WorkerConfig, role: str | None = None, epoch: int = 0):
         from .engine.model_runner import ModelRunner
 
         logging.basicConfig(level=config.log_level)
@@ -98,6 +99,7 @@ class TPRank:
         self.tp = join(rank, size, init_method, config.device)
         self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
                                   rank_cpus(config.cpus, size, rank), tp=self.tp)
+        self.handler = _handler(role, self.runner, self.tp, config, epoch)
         self.calls = 0
         self._thread = threading.Thread(target=self._follow, name=f"tp-rank-{rank}",
                                         daemon=True)
@@ -106,11 +108,14 @@ class TPRank:
     def _follow(self) -> None:
         from .engine.tp_executor import follow
         try:
-            self.calls = follow(self.runner, self.tp)
+            self.calls = follow(self.runner, self.tp, handler=self.handler,
+                                on_layer_done=getattr(self.handler, "on_layer_done", None))
         except Exception as e:            # rank 0 gone, or a step failed here
             logger.error("%s rank %d: its group broke (%r); exiting", self.worker_id,
                          self.rank, e)
             os._exit(1)
+        if self.handler is not None:
+            self.handler.close()
         torch.distributed.destroy_process_group()
 
     def ready(self) -> dict:
@@ -125,18 +130,56 @@ class TPRank:
         return self.calls
 
 
-def start_ranks(worker_id: str, config: WorkerConfig, pg: PlacementGroup | None = None
-                ) -> tuple[TensorParallel, list]:
+def _handler(role: str | None, runner, tp: TensorParallel, config: WorkerConfig,
+             epoch: int):
+    """What a follower runs beside the model for its worker's `role`: a prefill rank
+    sends its KV heads (prefill_worker/rank.py); None: the model calls only."""
+    if role is None:
+        return None
+    if role != "prefill":
+        raise ValueError(f"tensor-parallel ranks of a {role} worker are not built yet")
+    from .kv_transfer import make_sender
+    from .kv_transfer.tp_plan import rank_layout, sent_heads
+    from .prefill_worker.rank import PrefillRankKV
+
+    model = runner.config
+    sender = make_sender(config.transport, runner.kv_cache,
+                         rank_layout(runner.kv_cache, model.model_id, model.num_kv_heads, tp),
+                         checksum=config.kv_checksum, secret=config.kv_secret, epoch=epoch,
+                         host=config.node_host())
+    return PrefillRankKV(sender, model.num_layers,
+                         sent_heads(model.num_kv_heads, tp.size, tp.rank))
+
+
+def check_model(model: str, size: int) -> None:
+    """Raises ValueError naming the model field that `size` ranks cannot split (before
+    any rank starts: a rank that fails to load would leave the others waiting)."""
+    from transformers import AutoConfig
+
+    from .engine.config import ModelConfig
+    from .engine.loader import resolve_model
+
+    model_dir = resolve_model(model)
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), model_dir)
+    TensorParallel(0, size, group=object()).check(cfg)
+
+
+def start_ranks(worker_id: str, config: WorkerConfig, pg: PlacementGroup | None = None,
+                role: str | None = None, epoch: int = 0) -> tuple[TensorParallel, list]:
     """Rank 0's part, called inside its actor: start ranks 1..N-1 (N =
     config.tensor_parallel_size) in bundles 1..N-1 of `pg` (default: the placement
     group this actor runs in, whose bundle 0 it holds), and join the group with them.
-    Returns (this rank's TensorParallel, their handles).
+    `role` ("prefill"; None: the model only) says what the ranks do beside the model,
+    `epoch` is the worker's (its KV handshakes). Returns (this rank's TensorParallel,
+    their handles).
 
     Raises:
+        ValueError: the model's heads, columns or vocabulary do not split N ways.
         RuntimeError: no placement group of N bundles (Cluster places a
             tensor-parallel worker in one).
     """
     size = config.tensor_parallel_size
+    check_model(config.model, size)
     pg = pg or ray.util.get_current_placement_group()
     if pg is None or len(pg.bundle_specs) != size:
         raise RuntimeError(f"{worker_id}: tensor_parallel_size={size} needs the worker in a "
@@ -147,7 +190,7 @@ def start_ranks(worker_id: str, config: WorkerConfig, pg: PlacementGroup | None 
     gpus = 1 if config.device.startswith("cuda") else 0      # placement_group(num_gpus=1)
     ranks = [ray.remote(TPRank).options(num_cpus=0, max_restarts=0, num_gpus=gpus,
                                         scheduling_strategy=in_bundle(pg, r))
-             .remote(worker_id, r, size, init, config) for r in range(1, size)]
+             .remote(worker_id, r, size, init, config, role, epoch) for r in range(1, size)]
     tp = join(0, size, init, config.device)
     logger.info("%s: tensor-parallel group of %d ranks joined", worker_id, size)
     return tp, ranks

@@ -50,7 +50,8 @@ class _SendLayers:
 @dataclass(frozen=True, slots=True)
 class _SendDone:
     req: PrefillRequest
-    first_token: int | None          # None: the prefill failed or was aborted
+    first_token: int | None          # None on a rank that did not sample it
+    ok: bool                         # False: the prefill failed or was aborted (ABORT)
 
 
 class PrefillKVConnector:
@@ -60,13 +61,16 @@ class PrefillKVConnector:
     (DONE says all were sent). notify: wakes the step loop (quick, thread-safe).
     on_done(req, first_token): runs on the send thread once DONE went out (the answer
     to the router; the blocks still wait for get_finished()). observe_transfer_s: gets
-    each completed transfer's seconds, first send to DONE.
+    each completed transfer's seconds, first send to DONE. heads: the KV heads this
+    rank sends (a tensor-parallel rank's slice of the plan, kv_transfer/tp_plan.py;
+    None: every head of its cache).
     """
 
     def __init__(self, sender: KVSender, num_layers: int, notify: Callable[[], None],
                  on_done: Callable[[PrefillRequest, int], None] | None = None,
-                 observe_transfer_s: Callable[[float], None] | None = None) -> None:
-        self.sender, self.num_layers = sender, num_layers
+                 observe_transfer_s: Callable[[float], None] | None = None,
+                 heads: range | None = None) -> None:
+        self.sender, self.num_layers, self.heads = sender, num_layers, heads
         self._notify, self._on_done, self._observe = notify, on_done, observe_transfer_s
         self.kv_bytes_sent = 0          # K/V payload bytes sent to decode workers
         self.kv_send_failures = 0       # requests whose KV could not be sent
@@ -84,10 +88,14 @@ class PrefillKVConnector:
         num_cached_blocks). Skipped once the request failed or was aborted."""
         self._tasks.put(_SendLayers(req, layer_start, layer_end, block_lo, block_hi))
 
-    def request_finished(self, req: PrefillRequest, first_token: int | None) -> None:
+    def request_finished(self, req: PrefillRequest, first_token: int | None,
+                         ok: bool | None = None) -> None:
         """The request's prompt is done (first_token), or failed / was aborted (None:
-        ABORT instead of DONE). Its blocks must stay until get_finished() lists it."""
-        self._tasks.put(_SendDone(req, first_token))
+        ABORT instead of DONE; ``ok=True`` with None: DONE without a token, from a
+        tensor-parallel rank that did not sample it). Its blocks must stay until
+        get_finished() lists it."""
+        self._tasks.put(_SendDone(req, first_token,
+                                  first_token is not None if ok is None else ok))
 
     def get_finished(self) -> list[PrefillRequest]:
         """Requests whose transfer ended since the last call, each once (``req.error``
@@ -110,12 +118,12 @@ class PrefillKVConnector:
                     if not (req.aborted or req.error):
                         self._send_layers(task)
                     continue
-                if req.aborted or req.error or task.first_token is None:
+                if req.aborted or req.error or not task.ok:
                     req.error = req.error or f"request {req.request_id} aborted"
                     self._try_send_abort(req)
                 else:
                     self.sender.send_done(req.kv_address, req.request_id, req.epoch,
-                                          task.first_token, self.num_layers)
+                                          task.first_token, self.num_layers, heads=self.heads)
                     if self._on_done is not None:
                         self._on_done(req, task.first_token)
                     if req.kv_send_started is not None and self._observe is not None:
@@ -140,7 +148,7 @@ class PrefillKVConnector:
         lo, hi = task.block_lo, task.block_hi
         self.kv_bytes_sent += self.sender.send_layers(
             req.kv_address, req.request_id, req.epoch, task.layer_start, task.layer_end,
-            req.block_table[lo:hi], block_start=lo - req.num_cached_blocks)
+            req.block_table[lo:hi], block_start=lo - req.num_cached_blocks, heads=self.heads)
 
     def _try_send_abort(self, req: PrefillRequest) -> None:
         try:

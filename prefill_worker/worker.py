@@ -41,9 +41,13 @@ from ..engine.request import RequestState
 from ..engine.logprobs import capture
 from ..engine.structured_output import apply_bitmask
 from ..engine.sampler import sample
-from ..kv_transfer import KVLayout, KVTransferError, make_sender
+from ..engine.parallel import SINGLE
+from ..engine.tp_executor import TPGroupBroken, TPLeader
+from ..kv_transfer import KVTransferError, make_sender
+from ..kv_transfer.tp_plan import rank_layout, sent_heads
 from ..messages import CacheEvents, PrefillOrder, PrefillResult, WorkerInfo, WorkerStatus
 from ..metrics import WorkerMetrics, serve as serve_metrics
+from ..tp_group import rank_cpus, start_ranks
 from .connector import PrefillKVConnector
 from .scheduler import PrefillRequest, PrefillScheduler
 
@@ -75,9 +79,15 @@ class PrefillWorker:
                                                 config.num_threads)
             except OSError as e:
                 logger.warning("idle cores not lent to decode: %s", e)
-        self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
-                                  config.cpus,
-                                  compile_model=config.compile and not config.enforce_eager)
+        self.tp, self._ranks = SINGLE, []
+        if config.tensor_parallel_size > 1:       # ranks 1..N-1 follow (prefill_worker/rank.py)
+            self.tp, self._ranks = start_ranks(worker_id, config, role="prefill",
+                                               epoch=self.epoch)
+        runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
+                             rank_cpus(config.cpus, self.tp.size, 0),
+                             compile_model=config.compile and not config.enforce_eager,
+                             tp=self.tp)
+        self.runner = runner if self.tp.size == 1 else TPLeader(runner, self.tp)
         self.num_layers = self.runner.config.num_layers
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
@@ -85,7 +95,8 @@ class PrefillWorker:
                                           config.enable_prefix_caching,
                                           config.prefill_chunk_size,
                                           config.schedule_policy)
-        layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)
+        model = self.runner.config
+        layout = rank_layout(self.runner.kv_cache, model.model_id, model.num_kv_heads, self.tp)
         self.sender = make_sender(config.transport, self.runner.kv_cache, layout,
                                   checksum=config.kv_checksum, secret=config.kv_secret,
                                   epoch=self.epoch, host=config.node_host())
@@ -100,7 +111,8 @@ class PrefillWorker:
             self.sender, self.num_layers, self._wake.set,
             on_done=lambda req, token: self._resolve(
                 req, result=PrefillResult(token, req.logprobs, tuple(req.prompt_logprobs))),
-            observe_transfer_s=self.metrics.kv_transfer_seconds.observe)
+            observe_transfer_s=self.metrics.kv_transfer_seconds.observe,
+            heads=sent_heads(model.num_kv_heads, self.tp.size, 0) if self.tp.size > 1 else None)
         self._step_thread = threading.Thread(target=self._step_loop, name="prefill-step",
                                              daemon=True)
         self._step_thread.start()
@@ -175,6 +187,11 @@ class PrefillWorker:
             self._benching = False
             self.pool.free(blocks)
 
+    async def ranks(self) -> list[dict]:
+        """Ranks 1..N-1 of a tensor-parallel worker: pid, node and KV heads each
+        (tp_group.TPRank.ready); [] at TP 1."""
+        return [await r.ready.remote() for r in self._ranks]
+
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
 
@@ -198,7 +215,7 @@ class PrefillWorker:
             prefix_cache_queries=self.scheduler.prefix_queries,
             prefix_cache_hits=self.scheduler.prefix_hits,
             prefix_cache_blocks=self.pool.num_cached,
-            kv_bytes_sent=self.connector.kv_bytes_sent)
+            kv_bytes_sent=self.connector.kv_bytes_sent, tensor_parallel_size=self.tp.size)
 
     def _metric_values(self) -> dict[str, float]:
         """Current gauges and counters for /metrics (pdserve/metrics.py), at scrape time."""
@@ -214,6 +231,8 @@ class PrefillWorker:
         self._stop.set()
         self._wake.set()
         self._step_thread.join(timeout=10)
+        if self.tp.size > 1:
+            self.runner.stop()       # the ranks' loops end; Ray kills them with this actor
         self.connector.close()
         self._finish_sent()
         if self.activity is not None:
@@ -241,8 +260,10 @@ class PrefillWorker:
     def _step_loop(self) -> None:
         while not self._stop.is_set():
             self._finish_sent()
-            for r in self.scheduler.take_aborted():   # between chunks: abort frame, release
+            aborted = self.scheduler.take_aborted()
+            for r in aborted:                          # between chunks: abort frame, release
                 self.connector.request_finished(r, None)
+            self._order_ranks("kv_finish", [(r, False) for r in aborted])
             batch = self.scheduler.schedule()
             if self.activity is not None:
                 self.activity.set_busy(bool(batch) or self._benching)
@@ -256,6 +277,8 @@ class PrefillWorker:
             # computes; D's cached prefix is never sent.
             ranges = [(r, *rng) for r in batch
                       if (rng := self.scheduler.kv_send_range(r))[0] < rng[1]]
+
+            self._order_ranks("kv_sends", ranges)
 
             def on_layer_done(i: int) -> None:
                 for r, lo, hi in ranges:
@@ -293,6 +316,8 @@ class PrefillWorker:
                 for r in done:
                     self.scheduler.cache_computed(r)
             except Exception as e:  # a model fault fails this batch, not the worker
+                if isinstance(e, TPGroupBroken):   # ... unless its ranks are out of step
+                    self._group_broken(e)
                 logger.exception("prefill batch of %d failed", len(batch))
                 self.scheduler.advance(batch, ok=False)
                 for r in batch:   # model_fault: the send thread may set error meanwhile
@@ -301,6 +326,32 @@ class PrefillWorker:
             for r, tok in zip(done, tokens):
                 r.state = RequestState.SENDING_KV
                 self.connector.request_finished(r, tok)
+            self._order_ranks("kv_finish", [(r, tok is not None) for r, tok in zip(done, tokens)])
+
+    def _order_ranks(self, name: str, items: list[tuple]) -> None:
+        """A tensor-parallel worker's orders to its ranks' KV sends (rank.py): "kv_sends"
+        with this step's (request, block_lo, block_hi), "kv_finish" with (request, ok)."""
+        if self.tp.size == 1 or (name == "kv_finish" and not items):
+            return
+        try:
+            if name == "kv_sends":
+                self.runner.order(name, sends=[
+                    (r.request_id, r.epoch, r.kv_address, r.num_cached_blocks,
+                     list(r.block_table), lo, hi) for r, lo, hi in items])
+            else:
+                self.runner.order(name, requests=[
+                    (r.request_id, r.epoch, r.kv_address, r.num_cached_blocks, ok)
+                    for r, ok in items])
+        except TPGroupBroken as e:
+            self._group_broken(e)
+
+    def _group_broken(self, e: TPGroupBroken) -> None:
+        """A rank is lost (or out of step): exit, so Ray restarts this actor, which
+        builds its ranks anew (new epoch; the router retries what was in flight)."""
+        logger.critical("%s: %s; exiting so Ray restarts the worker's ranks as a whole",
+                        self.worker_id, e)
+        logging.shutdown()
+        os._exit(1)
 
     def _matcher(self, req: PrefillRequest):
         """A grammar matcher for the request's first token: it has accepted the tokens

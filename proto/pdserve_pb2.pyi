@@ -184,7 +184,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "pid", "node_ip", "state", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests", "epoch", "kv_address", "metrics_address", "kv_reservations_leased", "kv_reservations_reclaimed")
+    __slots__ = ("worker_id", "role", "pid", "node_ip", "state", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests", "epoch", "kv_address", "metrics_address", "kv_reservations_leased", "kv_reservations_reclaimed", "tensor_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class WorkerStatus(_message.Message):
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_RESERVATIONS_LEASED_FIELD_NUMBER: _ClassVar[int]
     KV_RESERVATIONS_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     pid: int
@@ -213,7 +214,8 @@ class WorkerStatus(_message.Message):
     metrics_address: str
     kv_reservations_leased: int
     kv_reservations_reclaimed: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., pid: _Optional[int] = ..., node_ip: _Optional[str] = ..., state: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., kv_reservations_leased: _Optional[int] = ..., kv_reservations_reclaimed: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., pid: _Optional[int] = ..., node_ip: _Optional[str] = ..., state: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., kv_reservations_leased: _Optional[int] = ..., kv_reservations_reclaimed: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("model", "workers", "queued_requests", "queued_tokens", "metrics_address", "http_address")

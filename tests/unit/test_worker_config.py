@@ -28,7 +28,7 @@ def test_schedule_policy_is_checked():
         WorkerConfig(schedule_policy="lifo")
 
 
-def test_tensor_parallel_size_is_checked_and_serving_with_it_is_refused_for_now():
+def test_tensor_parallel_size_is_checked_and_decode_tp_is_refused_for_now():
     from dataclasses import replace
 
     from pdserve.cluster import Cluster, ClusterStartError

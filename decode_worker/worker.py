@@ -42,18 +42,22 @@ import ray
 import torch
 
 from ..engine.block_pool import BlockPool, NoFreeBlocksError
-from ..engine.model_runner import DecodeSeq, ModelRunner, PrefillSeq
+from ..engine.model_runner import DecodeSeq, PrefillSeq
 from ..engine.request import TokenEvent
 from ..engine.logprobs import TokenLogprobs, capture
 from ..engine.sampler import sample
 from ..engine.structured_output import apply_bitmask
 from ..engine.sampling_params import SamplingParams
-from ..kv_transfer import KVLayout, make_receiver
+from ..engine.tp_executor import TPGroupBroken
+from ..kv_transfer import make_receiver
+from ..kv_transfer.tp_plan import rank_layout
 from ..messages import DecodeReservation, WorkerInfo, WorkerStatus
 from ..metrics import WorkerMetrics, serve as serve_metrics
 from ..config import WorkerConfig
 from ..core_share import LentThreads
+from ..tp_group import worker_runner
 from .connector import DecodeKVConnector
+from .rank import TPReceiver, rank_addresses
 from .requests import DecodeRequest, SchedulerOutput
 from .scheduler import DecodeScheduler, RequestTooLargeError
 
@@ -74,18 +78,25 @@ class DecodeWorker:
         logging.basicConfig(level=config.log_level)
         self.worker_id, self.config = worker_id, config
         self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation of the process
-        self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
-                                  config.cpus,
-                                  enforce_eager=config.enforce_eager or not config.cuda_graphs,
-                                  compile_model=config.compile and not config.enforce_eager,
-                                  max_graph_batch_size=min(config.max_batch_size, 512))
+        # tensor-parallel: ranks 1..M-1 follow, each with its KV receiver (rank.py)
+        self.tp, self._ranks, self.runner = worker_runner(
+            worker_id, config, "decode", self.epoch,
+            enforce_eager=config.enforce_eager or not config.cuda_graphs,
+            compile_model=config.compile and not config.enforce_eager,
+            max_graph_batch_size=min(config.max_batch_size, 512))
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
-        layout = KVLayout.for_cache(self.runner.kv_cache, self.runner.config.model_id)
+        model = self.runner.config
+        layout = rank_layout(self.runner.kv_cache, model.model_id, model.num_kv_heads, self.tp)
         self._wake = threading.Event()   # the step loop's: new work, or the receiver has news
         self.receiver = make_receiver(config.transport, self.runner.kv_cache, layout, self.epoch,
                                       notify=self._wake.set, host=config.node_host(),
                                       secret=config.kv_secret)
         self.kv_address = self.receiver.start()
+        self.kv_rank_addresses: tuple[tuple[str, int], ...] = ()
+        if self.tp.size > 1:        # every rank's receiver, news polled by the step loop
+            self.kv_rank_addresses = rank_addresses(self._ranks)
+            self.receiver = TPReceiver(self.receiver, self.runner, self._ranks,
+                                       on_broken=self._group_broken)
         self.scheduler = DecodeScheduler(
             self.pool, self.runner.block_size, self.runner.config.max_model_len,
             self.runner.config.eos_token_ids, config.max_batch_size,
@@ -121,7 +132,7 @@ class DecodeWorker:
         self._loop = asyncio.get_running_loop()
         return WorkerInfo(self.worker_id, "decode", self.epoch, self.pool.num_blocks,
                           self.runner.block_size, ray.util.get_node_ip_address(),
-                          tuple(self.kv_address))
+                          tuple(self.kv_address), self.kv_rank_addresses)
 
     async def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
                       prompt_token_ids: list[int], lease_s: float | None = None,
@@ -154,8 +165,11 @@ class DecodeWorker:
             return None
         if r.local_prefill:
             self._wake.set()
+        elif self.tp.size > 1:      # every rank expects it before any prefill rank sends
+            await self.receiver.expect_ranks(request_id)
         return DecodeReservation(tuple(self.kv_address), self.epoch, len(r.block_ids),
-                                 r.num_cached_blocks, r.local_prefill, self.pool.num_free)
+                                 r.num_cached_blocks, r.local_prefill, self.pool.num_free,
+                                 self.kv_rank_addresses)
 
     async def events(self, epoch: int):
         """Yield lists of TokenEvents, every request's on this worker, as the step thread
@@ -210,7 +224,13 @@ class DecodeWorker:
             kv_reservations_leased=self.scheduler.num_reservations_active(),
             kv_reservations_reclaimed=self.scheduler.num_reclaimed,
             preempted_requests=self.scheduler.num_waiting_to_resume(),
-            local_prefills=self.scheduler.num_local_prefills)
+            local_prefills=self.scheduler.num_local_prefills,
+            tensor_parallel_size=self.tp.size)
+
+    async def ranks(self) -> list[dict]:
+        """Ranks 1..M-1 of a tensor-parallel worker: pid, node, KV heads, KV receiver and
+        its open reservations each (tp_group.TPRank.ready); [] at TP 1."""
+        return [await r.ready.remote() for r in self._ranks]
 
     def _metric_values(self) -> dict[str, float]:
         """Current gauges and counters for /metrics (pdserve/metrics.py), at scrape time."""
@@ -229,6 +249,8 @@ class DecodeWorker:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        if self.tp.size > 1:
+            self.runner.stop()       # the ranks' loops end; Ray kills them with this actor
         self.receiver.close()
         if self.lent is not None:
             self.lent.close()
@@ -277,6 +299,8 @@ class DecodeWorker:
                 self.runner.copy_blocks(out.blocks_to_copy)
                 tokens, logprobs = self._step(out, give_back)
             except Exception as e:  # a model or sampler fault fails the step, not the worker
+                if isinstance(e, TPGroupBroken):   # ... unless its ranks are out of step
+                    self._group_broken(e)
                 logger.exception("decode step of %d rows failed", len(out.requests))
                 for r in out.requests:      # they finish as errors (the router may retry)
                     sched.abort(r.request_id, error=f"decode step failed: "
@@ -287,6 +311,14 @@ class DecodeWorker:
                 events = [replace(e, logprobs=(logprobs[e.request_id],))
                           if e.token_ids and e.request_id in logprobs else e for e in events]
             self._publish(events)
+
+    def _group_broken(self, e: Exception) -> None:
+        """A rank is lost (or out of step): exit, so Ray restarts this actor and its
+        ranks as a whole (new epoch; the router migrates the streams, issue 6)."""
+        logger.critical("%s: %s; exiting so Ray restarts the worker's ranks as a whole",
+                        self.worker_id, e)
+        logging.shutdown()
+        os._exit(1)
 
     def _matcher(self, req: DecodeRequest):
         """The request's grammar matcher, built at its first sampling on D and fed the

@@ -99,6 +99,22 @@ class TPLeader:
                 raise TPGroupBroken(f"tensor-parallel order {name} not sent: "
                                     f"{type(e).__name__}: {e}") from e
 
+    def gather(self, name: str, **kwargs) -> list:
+        """Have every follower run ``handler.<name>(**kwargs)`` (a name in its
+        ``GATHERS``) and return what ranks 1..N-1 returned, in rank order (a decode
+        rank's KV receiver news, polled by rank 0's step loop).
+
+        Raises: TPGroupBroken, a rank did not answer."""
+        with self._lock:
+            try:
+                self._order([name, kwargs])
+                out = [None] * self.tp.size
+                torch.distributed.gather_object(None, out, dst=0, group=self.tp.group)
+                return out[1:]
+            except Exception as e:
+                raise TPGroupBroken(f"tensor-parallel gather {name} failed: "
+                                    f"{type(e).__name__}: {e}") from e
+
     def stop(self) -> None:
         self._stopped.set()
         with self._lock:
@@ -139,7 +155,8 @@ def follow(runner, tp: TensorParallel,
            on_layer_done: Callable[[int], None] | None = None, handler: Any = None) -> int:
     """Run rank 0's calls on this rank's `runner` until its stop(); returns the number of
     step calls run. An order that is not a step call (TPLeader.order) runs as
-    ``handler.<name>(**kwargs)``, one of the names in ``handler.ORDERS``. Raises what a
+    ``handler.<name>(**kwargs)``, one of the names in ``handler.ORDERS``; one of its
+    ``GATHERS`` (TPLeader.gather) also sends what it returns to rank 0. Raises what a
     call or the group raises (a rank gone), which ends this rank: its worker is
     restarted as a whole."""
     assert tp.rank > 0, tp
@@ -154,6 +171,10 @@ def follow(runner, tp: TensorParallel,
             continue
         if handler is not None and name in handler.ORDERS:
             getattr(handler, name)(**kwargs)
+            continue
+        if handler is not None and name in handler.GATHERS:
+            torch.distributed.gather_object(getattr(handler, name)(**kwargs), None, dst=0,
+                                            group=tp.group)
             continue
         if name not in STEP_CALLS:
             raise ValueError(f"rank {tp.rank}: unknown step order {name!r}")

@@ -416,6 +416,11 @@ class KVReceiver(ABC):
         """State of an expected request; KeyError if unknown or forgotten."""
         return self._table.state(request_id)
 
+    def num_active(self) -> int:
+        """Requests expected and not finished (or still leased to a writer): 0 once every
+        request was forgotten and released."""
+        return self._table.num_active()
+
     @abstractmethod
     def close(self) -> None:
         """Stop threads and close sockets. Idempotent."""

@@ -147,6 +147,11 @@ class ReservationTable:
             raise KeyError(f"request {request_id!r} is not expected")
         return state
 
+    def num_active(self) -> int:
+        """Requests expected and not finished, or forgotten with a writer's lease held."""
+        with self._lock:
+            return len(self._active) + len(self._leased)
+
     def fail_all(self, reason: str) -> None:
         """Fail every active request (the receiver shuts down)."""
         with self._lock:

@@ -21,6 +21,7 @@ for GQA models; this plan covers every pair of sizes the model's KV heads allow.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -88,16 +89,6 @@ def transfer_plan(num_kv_heads: int, p_size: int, d_size: int) -> list[HeadSlice
     return plan
 
 
-def sent_heads(num_kv_heads: int, p_size: int, p_rank: int, d_size: int = 1,
-               d_rank: int = 0) -> range | None:
-    """The KV heads prefill rank `p_rank` sends to decode rank `d_rank` (one run, the
-    model's numbering), or None: it sends that rank nothing (another holds them)."""
-    for s in transfer_plan(num_kv_heads, p_size, d_size):
-        if (s.p_rank, s.d_rank) == (p_rank, d_rank):
-            return s.heads
-    return None
-
-
 def rank_layout(kv, model_id: str, num_kv_heads: int, tp) -> KVLayout:
     """The KVLayout of a tensor-parallel rank's cache `kv` (engine/parallel.py
     TensorParallel `tp`; its share of the model's `num_kv_heads`)."""
@@ -107,3 +98,19 @@ def rank_layout(kv, model_id: str, num_kv_heads: int, tp) -> KVLayout:
     return KVLayout.for_cache(kv, model_id, kv_head_start=heads.start,
                               model_kv_heads=num_kv_heads if tp.size > 1 else 0,
                               tp_size=tp.size)
+
+
+@functools.lru_cache(maxsize=64)
+def rank_targets(num_kv_heads: int, p_size: int, p_rank: int, d_size: int
+                 ) -> tuple[tuple[int, range | None], ...]:
+    """What prefill rank `p_rank` of `p_size` sends a decode worker of `d_size` ranks:
+    (decode rank, KV heads) pairs, heads None meaning every head (both workers one
+    rank each); () when every head it holds reaches D from another replica.
+
+    Raises:
+        ValueError: the partitions cannot pair (partition_mismatch's message).
+    """
+    if p_size == d_size == 1:
+        return ((0, None),)
+    return tuple((s.d_rank, s.heads) for s in transfer_plan(num_kv_heads, p_size, d_size)
+                 if s.p_rank == p_rank)

@@ -65,10 +65,6 @@ class Cluster:
         from .router.router import Router
 
         cfg = self.config
-        if cfg.decode.tensor_parallel_size > 1:   # prefill has it; decode's ranks do not yet
-            raise ClusterStartError(
-                f"decode.tensor_parallel_size={cfg.decode.tensor_parallel_size}: "
-                "tensor-parallel decode workers are not built yet (docs/tensor_parallel.md)")
         if cfg.prefill.kv_secret is None and cfg.decode.kv_secret is None:
             # KV ports pair only with peers proving this (kv_transfer/auth.py); one per start
             secret = secrets.token_hex(32)

@@ -32,6 +32,8 @@ class WorkerInfo:
     block_size: int            # tokens per KV block
     node_ip: str
     kv_address: tuple[str, int] | None = None   # decode: where its KV receiver listens
+    # decode, tensor-parallel: ranks 1..M-1's KV receivers (each holds its KV heads)
+    kv_rank_addresses: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,8 @@ class DecodeReservation:
     leading ones D holds already (prefix cache): the prefill worker does not send them.
     local_prefill: D computes the prompt itself (no prefill worker is called; the first
     token comes on D's event stream). free_blocks: D's free pool after this reservation.
+    kv_rank_addresses: a tensor-parallel D's ranks 1..M-1 (kv_address is rank 0's); each
+    receives its own KV heads into the same blocks of its cache (kv_transfer/tp_plan.py).
     """
 
     kv_address: tuple[str, int]
@@ -50,13 +54,15 @@ class DecodeReservation:
     num_cached_blocks: int
     local_prefill: bool
     free_blocks: int
+    kv_rank_addresses: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillOrder:
     """What the router asks a prefill worker to do for one request: compute the KV of
     ``token_ids``, send the blocks past the first ``num_cached_blocks`` into D's
-    reservation at ``kv_address`` (D's ``epoch``), and return the first sampled token."""
+    reservation at ``kv_address`` (D's ``epoch``), and return the first sampled token.
+    A tensor-parallel D's other ranks are ``kv_rank_addresses`` (DecodeReservation)."""
 
     request_id: str
     token_ids: list[int]
@@ -64,6 +70,7 @@ class PrefillOrder:
     kv_address: tuple[str, int]
     epoch: int                 # D's epoch, carried by every KV frame
     num_cached_blocks: int = 0
+    kv_rank_addresses: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ sends heartbeats well within it (TPLeader).
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import socket
@@ -70,6 +71,8 @@ def in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrateg
 def join(rank: int, size: int, init_method: str, device: str) -> TensorParallel:
     """Join the worker's group as `rank`; blocks until every rank has joined."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "gloo":   # every rank is on this node (STRICT_PACK): loopback, not the
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # hostname's address (a netns)
     torch.distributed.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=size,
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
@@ -119,10 +122,25 @@ class TPRank:
         torch.distributed.destroy_process_group()
 
     def ready(self) -> dict:
-        """pid, node, and the KV heads this rank's cache holds."""
-        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
-                "kv_heads": tuple(self.tp.kv_heads(self.runner.config)),
-                "kv_cache_shape": tuple(self.runner.kv_cache.shape)}
+        """pid, node, the KV heads this rank's cache holds; a decode rank's KV receiver
+        address and its reservations still open (0 when idle)."""
+        out = {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+               "kv_heads": tuple(self.tp.kv_heads(self.runner.config)),
+               "kv_cache_shape": tuple(self.runner.kv_cache.shape)}
+        if hasattr(self.handler, "receiver"):
+            out |= {"kv_address": self.handler.address,
+                    "kv_reservations": self.handler.receiver.num_active()}
+        return out
+
+    def kv_address(self) -> tuple[str, int]:
+        """A decode rank's KV receiver (decode_worker/rank.py)."""
+        return self.handler.address
+
+    def kv_expect(self, request_id: str, block_ids: list[int], seq: int) -> None:
+        self.handler.kv_expect(request_id, block_ids, seq)
+
+    def kv_forget(self, request_id: str, seq: int) -> None:
+        self.handler.kv_forget(request_id, seq)
 
     def stopped(self, timeout_s: float = 10.0) -> int:
         """Wait for the step-order loop to end (rank 0's stop()); the calls it ran."""
@@ -133,22 +151,29 @@ class TPRank:
 def _handler(role: str | None, runner, tp: TensorParallel, config: WorkerConfig,
              epoch: int):
     """What a follower runs beside the model for its worker's `role`: a prefill rank
-    sends its KV heads (prefill_worker/rank.py); None: the model calls only."""
+    sends its KV heads (prefill_worker/rank.py), a decode rank receives them
+    (decode_worker/rank.py); None: the model calls only."""
     if role is None:
         return None
-    if role != "prefill":
-        raise ValueError(f"tensor-parallel ranks of a {role} worker are not built yet")
-    from .kv_transfer import make_sender
-    from .kv_transfer.tp_plan import rank_layout, sent_heads
-    from .prefill_worker.rank import PrefillRankKV
+    from .kv_transfer import make_receiver, make_sender
+    from .kv_transfer.tp_plan import rank_layout, rank_targets
 
     model = runner.config
+    if role == "decode":
+        from .decode_worker.rank import DecodeRankKV
+
+        return DecodeRankKV(make_receiver(
+            config.transport, runner.kv_cache,
+            rank_layout(runner.kv_cache, model.model_id, model.num_kv_heads, tp), epoch,
+            host=config.node_host(), secret=config.kv_secret))
+    from .prefill_worker.rank import PrefillRankKV
+
     sender = make_sender(config.transport, runner.kv_cache,
                          rank_layout(runner.kv_cache, model.model_id, model.num_kv_heads, tp),
                          checksum=config.kv_checksum, secret=config.kv_secret, epoch=epoch,
                          host=config.node_host())
     return PrefillRankKV(sender, model.num_layers,
-                         sent_heads(model.num_kv_heads, tp.size, tp.rank))
+                         functools.partial(rank_targets, model.num_kv_heads, tp.size, tp.rank))
 
 
 def check_model(model: str, size: int) -> None:
@@ -169,7 +194,7 @@ def start_ranks(worker_id: str, config: WorkerConfig, pg: PlacementGroup | None 
     """Rank 0's part, called inside its actor: start ranks 1..N-1 (N =
     config.tensor_parallel_size) in bundles 1..N-1 of `pg` (default: the placement
     group this actor runs in, whose bundle 0 it holds), and join the group with them.
-    `role` ("prefill"; None: the model only) says what the ranks do beside the model,
+    `role` ("prefill", "decode"; None: the model only) says what the ranks do beside it,
     `epoch` is the worker's (its KV handshakes). Returns (this rank's TensorParallel,
     their handles).
 
@@ -194,3 +219,22 @@ def start_ranks(worker_id: str, config: WorkerConfig, pg: PlacementGroup | None 
     tp = join(0, size, init, config.device)
     logger.info("%s: tensor-parallel group of %d ranks joined", worker_id, size)
     return tp, ranks
+
+
+def worker_runner(worker_id: str, config: WorkerConfig, role: str, epoch: int,
+                  **runner_kw) -> tuple[TensorParallel, list, object]:
+    """A worker's model runner, built by its actor (rank 0): with
+    config.tensor_parallel_size N > 1, ranks 1..N-1 started first (start_ranks, `role`
+    and `epoch` for their KV endpoints) and the runner a TPLeader over this rank's
+    shard. `runner_kw` go to ModelRunner. Returns (tp, the ranks' handles, runner).
+    Raises what start_ranks and ModelRunner raise."""
+    from .engine.model_runner import ModelRunner
+    from .engine.parallel import SINGLE
+    from .engine.tp_executor import TPLeader
+
+    tp, ranks = SINGLE, []
+    if config.tensor_parallel_size > 1:
+        tp, ranks = start_ranks(worker_id, config, role=role, epoch=epoch)
+    runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
+                         rank_cpus(config.cpus, tp.size, 0), tp=tp, **runner_kw)
+    return tp, ranks, runner if tp.size == 1 else TPLeader(runner, tp)

@@ -29,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..kv_transfer import KVSender, KVTransferError
@@ -61,16 +61,19 @@ class PrefillKVConnector:
     (DONE says all were sent). notify: wakes the step loop (quick, thread-safe).
     on_done(req, first_token): runs on the send thread once DONE went out (the answer
     to the router; the blocks still wait for get_finished()). observe_transfer_s: gets
-    each completed transfer's seconds, first send to DONE. heads: the KV heads this
-    rank sends (a tensor-parallel rank's slice of the plan, kv_transfer/tp_plan.py;
-    None: every head of its cache).
+    each completed transfer's seconds, first send to DONE. targets(d_size): what this
+    rank sends a decode worker of d_size ranks, (decode rank, KV heads or None for all)
+    pairs (kv_transfer/tp_plan.py rank_targets; default: one rank each side); a request's
+    decode ranks are at ``(req.kv_address, *req.kv_rank_addresses)``.
     """
 
     def __init__(self, sender: KVSender, num_layers: int, notify: Callable[[], None],
                  on_done: Callable[[PrefillRequest, int], None] | None = None,
                  observe_transfer_s: Callable[[float], None] | None = None,
-                 heads: range | None = None) -> None:
-        self.sender, self.num_layers, self.heads = sender, num_layers, heads
+                 targets: Callable[[int], Sequence[tuple[int, range | None]]] | None = None
+                 ) -> None:
+        self.sender, self.num_layers = sender, num_layers
+        self._targets = targets or (lambda d_size: ((0, None),))
         self._notify, self._on_done, self._observe = notify, on_done, observe_transfer_s
         self.kv_bytes_sent = 0          # K/V payload bytes sent to decode workers
         self.kv_send_failures = 0       # requests whose KV could not be sent
@@ -122,8 +125,9 @@ class PrefillKVConnector:
                     req.error = req.error or f"request {req.request_id} aborted"
                     self._try_send_abort(req)
                 else:
-                    self.sender.send_done(req.kv_address, req.request_id, req.epoch,
-                                          task.first_token, self.num_layers, heads=self.heads)
+                    for address, heads in self._destinations(req):
+                        self.sender.send_done(address, req.request_id, req.epoch,
+                                              task.first_token, self.num_layers, heads=heads)
                     if self._on_done is not None:
                         self._on_done(req, task.first_token)
                     if req.kv_send_started is not None and self._observe is not None:
@@ -146,12 +150,19 @@ class PrefillKVConnector:
         if req.kv_send_started is None:
             req.kv_send_started = time.perf_counter()
         lo, hi = task.block_lo, task.block_hi
-        self.kv_bytes_sent += self.sender.send_layers(
-            req.kv_address, req.request_id, req.epoch, task.layer_start, task.layer_end,
-            req.block_table[lo:hi], block_start=lo - req.num_cached_blocks, heads=self.heads)
+        for address, heads in self._destinations(req):
+            self.kv_bytes_sent += self.sender.send_layers(
+                address, req.request_id, req.epoch, task.layer_start, task.layer_end,
+                req.block_table[lo:hi], block_start=lo - req.num_cached_blocks, heads=heads)
+
+    def _destinations(self, req: PrefillRequest) -> list[tuple[tuple[str, int], range | None]]:
+        """(decode rank's KV address, KV heads) for each decode rank this rank sends."""
+        ranks = (req.kv_address, *req.kv_rank_addresses)
+        return [(ranks[d], heads) for d, heads in self._targets(len(ranks))]
 
     def _try_send_abort(self, req: PrefillRequest) -> None:
-        try:
-            self.sender.send_abort(req.kv_address, req.request_id, req.epoch, req.error)
-        except KVTransferError as e:
-            logger.debug("abort frame for %s not sent: %s", req.request_id, e)
+        for address, _ in self._destinations(req):
+            try:
+                self.sender.send_abort(address, req.request_id, req.epoch, req.error)
+            except KVTransferError as e:
+                logger.debug("abort frame for %s not sent: %s", req.request_id, e)

@@ -37,7 +37,8 @@ class RankRequest:
 
     request_id: str
     epoch: int
-    kv_address: tuple[str, int]
+    kv_address: tuple[str, int]          # decode rank 0's
+    kv_rank_addresses: tuple = ()        # decode ranks 1..M-1
     num_cached_blocks: int = 0
     block_table: list[int] = field(default_factory=list)
     aborted: bool = False
@@ -46,29 +47,29 @@ class RankRequest:
 
 
 class PrefillRankKV:
-    """A follower's KV sends (see the module docstring). ``heads``: the KV heads this
-    rank sends to the decode worker (tp_plan.sent_heads); None: it sends nothing (its
+    """A follower's KV sends (see the module docstring). ``targets(d_size)``: what this
+    rank sends a decode worker of d_size ranks (tp_plan.rank_targets; none where its
     heads reach D from another replica)."""
 
     ORDERS = ("kv_sends", "kv_finish")
+    GATHERS = ()
 
-    def __init__(self, sender, num_layers: int, heads: range | None):
-        self.heads, self.num_layers = heads, num_layers
+    def __init__(self, sender, num_layers: int, targets):
+        self.num_layers = num_layers
         self._news = threading.Event()
-        self.connector = PrefillKVConnector(sender, num_layers, self._news.set, heads=heads)
+        self.connector = PrefillKVConnector(sender, num_layers, self._news.set,
+                                            targets=targets)
         self._requests: dict[str, RankRequest] = {}
         self._sends: list[tuple[RankRequest, int, int]] = []
         self._closing: set[str] = set()     # finished here, maybe still on the send thread
 
     def kv_sends(self, sends: list[tuple]) -> None:
-        """The next step's sends: (request_id, epoch, kv_address, num_cached_blocks,
-        block_table, block_lo, block_hi) each."""
+        """The next step's sends: (request_id, epoch, decode ranks' KV addresses,
+        num_cached_blocks, block_table, block_lo, block_hi) each."""
         self._drain()
         self._sends = []
-        if self.heads is None:
-            return
-        for rid, epoch, address, cached, table, lo, hi in sends:
-            req = self._request(rid, epoch, address, cached)
+        for rid, epoch, addresses, cached, table, lo, hi in sends:
+            req = self._request(rid, epoch, addresses, cached)
             req.block_table = list(table)
             self._sends.append((req, lo, hi))
 
@@ -79,24 +80,23 @@ class PrefillRankKV:
             self._sends = []        # a prefill without kv_sends (a bench) sends nothing
 
     def kv_finish(self, requests: list[tuple]) -> None:
-        """(request_id, epoch, kv_address, num_cached_blocks, ok) each: DONE for this
-        rank's heads when ok, else ABORT."""
+        """(request_id, epoch, decode ranks' KV addresses, num_cached_blocks, ok) each:
+        DONE for this rank's heads when ok, else ABORT."""
         self._sends = []
-        if self.heads is None:
-            return
-        for rid, epoch, address, cached, ok in requests:
-            req = self._requests.pop(rid, None) or RankRequest(rid, epoch, tuple(address),
-                                                               cached)
+        for rid, epoch, addresses, cached, ok in requests:
+            req = self._requests.pop(rid, None) or self._request(rid, epoch, addresses, cached)
+            self._requests.pop(rid, None)
             self._closing.add(rid)
             self.connector.request_finished(req, None, ok=ok)
 
     def close(self) -> None:
         self.connector.close()
 
-    def _request(self, rid: str, epoch: int, address, cached: int) -> RankRequest:
+    def _request(self, rid: str, epoch: int, addresses, cached: int) -> RankRequest:
         req = self._requests.get(rid)
         if req is None:
-            req = self._requests[rid] = RankRequest(rid, epoch, tuple(address), cached)
+            first, *rest = (tuple(a) for a in addresses)
+            req = self._requests[rid] = RankRequest(rid, epoch, first, tuple(rest), cached)
         return req
 
     def _drain(self) -> None:

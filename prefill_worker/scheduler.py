@@ -59,6 +59,7 @@ class PrefillRequest:
     aborted: bool = False
     error: str | None = None
     model_fault: str | None = None       # the model step's error: it outranks the transfer's
+    kv_rank_addresses: tuple = ()        # a tensor-parallel D's ranks 1..M-1 (messages.py)
     logprobs: TokenLogprobs | None = None  # of the first token, when params.logprobs
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # grows per chunk
     arrived: float = field(default_factory=time.monotonic)   # schedule policy's clock

@@ -24,6 +24,7 @@ worker keeps serving.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -36,18 +37,17 @@ import torch
 from ..config import WorkerConfig
 from ..core_share import PrefillActivity
 from ..engine.block_pool import BlockPool, blocks_needed
-from ..engine.model_runner import ModelRunner, PrefillSeq
+from ..engine.model_runner import PrefillSeq
 from ..engine.request import RequestState
 from ..engine.logprobs import capture
 from ..engine.structured_output import apply_bitmask
 from ..engine.sampler import sample
-from ..engine.parallel import SINGLE
-from ..engine.tp_executor import TPGroupBroken, TPLeader
+from ..engine.tp_executor import TPGroupBroken
 from ..kv_transfer import KVTransferError, make_sender
-from ..kv_transfer.tp_plan import rank_layout, sent_heads
+from ..kv_transfer.tp_plan import rank_layout, rank_targets
 from ..messages import CacheEvents, PrefillOrder, PrefillResult, WorkerInfo, WorkerStatus
 from ..metrics import WorkerMetrics, serve as serve_metrics
-from ..tp_group import rank_cpus, start_ranks
+from ..tp_group import worker_runner
 from .connector import PrefillKVConnector
 from .scheduler import PrefillRequest, PrefillScheduler
 
@@ -79,15 +79,10 @@ class PrefillWorker:
                                                 config.num_threads)
             except OSError as e:
                 logger.warning("idle cores not lent to decode: %s", e)
-        self.tp, self._ranks = SINGLE, []
-        if config.tensor_parallel_size > 1:       # ranks 1..N-1 follow (prefill_worker/rank.py)
-            self.tp, self._ranks = start_ranks(worker_id, config, role="prefill",
-                                               epoch=self.epoch)
-        runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
-                             rank_cpus(config.cpus, self.tp.size, 0),
-                             compile_model=config.compile and not config.enforce_eager,
-                             tp=self.tp)
-        self.runner = runner if self.tp.size == 1 else TPLeader(runner, self.tp)
+        # tensor-parallel: ranks 1..N-1 follow, each sending its KV heads (rank.py)
+        self.tp, self._ranks, self.runner = worker_runner(
+            worker_id, config, "prefill", self.epoch,
+            compile_model=config.compile and not config.enforce_eager)
         self.num_layers = self.runner.config.num_layers
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
@@ -112,7 +107,7 @@ class PrefillWorker:
             on_done=lambda req, token: self._resolve(
                 req, result=PrefillResult(token, req.logprobs, tuple(req.prompt_logprobs))),
             observe_transfer_s=self.metrics.kv_transfer_seconds.observe,
-            heads=sent_heads(model.num_kv_heads, self.tp.size, 0) if self.tp.size > 1 else None)
+            targets=functools.partial(rank_targets, model.num_kv_heads, self.tp.size, 0))
         self._step_thread = threading.Thread(target=self._step_loop, name="prefill-step",
                                              daemon=True)
         self._step_thread.start()
@@ -154,7 +149,8 @@ class PrefillWorker:
         req = PrefillRequest(order.request_id, list(order.token_ids), order.params,
                              tuple(order.kv_address), order.epoch,
                              future=self._loop.create_future(),
-                             num_cached_blocks=order.num_cached_blocks)
+                             num_cached_blocks=order.num_cached_blocks,
+                             kv_rank_addresses=tuple(map(tuple, order.kv_rank_addresses)))
         self.scheduler.add(req)
         self._wake.set()
         try:
@@ -336,12 +332,12 @@ class PrefillWorker:
         try:
             if name == "kv_sends":
                 self.runner.order(name, sends=[
-                    (r.request_id, r.epoch, r.kv_address, r.num_cached_blocks,
-                     list(r.block_table), lo, hi) for r, lo, hi in items])
+                    (r.request_id, r.epoch, (r.kv_address, *r.kv_rank_addresses),
+                     r.num_cached_blocks, list(r.block_table), lo, hi) for r, lo, hi in items])
             else:
                 self.runner.order(name, requests=[
-                    (r.request_id, r.epoch, r.kv_address, r.num_cached_blocks, ok)
-                    for r, ok in items])
+                    (r.request_id, r.epoch, (r.kv_address, *r.kv_rank_addresses),
+                     r.num_cached_blocks, ok) for r, ok in items])
         except TPGroupBroken as e:
             self._group_broken(e)
 

@@ -122,8 +122,9 @@ class Router:
                                  for h, i in zip(self._decode_handles, infos)]
         # Pair every P with every D now, so a layout mismatch fails `serve` at start
         # with a message naming the field, not the first request.
-        await asyncio.gather(*(p.handle.pair.remote([i.kv_address for i in infos])
-                               for p in self.prefill))
+        await asyncio.gather(*(p.handle.pair.remote(
+            [a for i in infos for a in (i.kv_address, *i.kv_rank_addresses)])
+            for p in self.prefill))
         rc = self.config.router
         if rc.routing_policy == "kv_aware":
             self._cache_sync = asyncio.get_running_loop().create_task(admin.sync_prefix_caches(self))
@@ -291,7 +292,7 @@ class Router:
                     first: PrefillResult = await asyncio.wait_for(
                         p.handle.prefill.remote(PrefillOrder(
                             internal_id, ids, params, res.kv_address, res.epoch,
-                            res.num_cached_blocks)),
+                            res.num_cached_blocks, res.kv_rank_addresses)),
                         timeout=max(deadline - time.monotonic(), 0.001))
                 except ray.exceptions.RayError as e:
                     raise attempt_failed("prefill", p, e) from e

@@ -1,8 +1,13 @@
 """Multi-node for real: three network namespaces joined by a bridge act as three hosts
 on a private subnet that this test creates and deletes. Host 1 runs the Ray head and
 `pdserve serve --address` (the router), host 2 a Ray node with the `pdserve_prefill`
-resource, host 3 one with `pdserve_decode`. The prefill worker sends KV over TCP across
-the bridge to the decode worker's node address; greedy outputs must equal HF's, the
+resource, host 3 one with `pdserve_decode`. The model is a random-weight Llama of 4
+query / 2 KV heads (SmolLM2's tokenizer; the default model's 9 heads do not split in
+two). The prefill worker is tensor-parallel over 2 ranks (`--prefill-tp 2`), which sit
+on host 2 (a STRICT_PACK placement group; they
+join over host 2's loopback, which only a rank on host 2 can reach), and each rank
+sends its KV heads over TCP across the bridge to the decode worker's node address;
+greedy outputs must equal HF's (or differ first at a near-tie the test shows), the
 workers must sit on their own hosts, and every KV pool must be free at the end.
 
 Needs root and `ip netns` (iproute2); skipped with the reason otherwise. Every process
@@ -26,7 +31,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from serving import hf_greedy
+from serving import assert_greedy_equals_hf
+from tiny_models import tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +58,8 @@ with Client(sys.argv[1], timeout_s=120) as c:
         time.sleep(0.05)
     workers = [{"id": w.worker_id, "role": w.role, "node_ip": w.node_ip, "state": w.state,
                 "kv_address": w.kv_address, "free": w.kv_blocks_free,
-                "total": w.kv_blocks_total, "running": w.running_requests} for w in st.workers]
+                "total": w.kv_blocks_total, "running": w.running_requests,
+                "tp": w.tensor_parallel_size} for w in st.workers]
     drain = c.drain(sys.argv[4], 10)     # what a Kubernetes preStop hook does
 print(json.dumps({"tokens": out, "workers": workers,
                   "drain": {"workers": list(drain.worker_ids), "drained": drain.drained}}))
@@ -142,6 +149,7 @@ def test_fidelity_across_three_hosts(tmp_path):
 
     from pdserve.engine.loader import resolve_model
     tok = AutoTokenizer.from_pretrained(resolve_model("default"))   # converts once, shared
+    model = str(tiny_model_dir("llama"))          # the tiny models share that tokenizer
     temp = Path(tempfile.mkdtemp(prefix="pdmn-", dir="/tmp"))        # short: socket paths
     head = f"{SUBNET}.1:{RAY_PORT}"
     # This cluster's own Ray auth token, shared by its nodes (never ~/.ray/auth_token)
@@ -166,12 +174,13 @@ def test_fidelity_across_three_hosts(tmp_path):
                               # share socket paths
                               f"--temp-dir={temp / f'h{i + 1}'}", *ray_common],
                           env=env, stdout=logs[name], stderr=subprocess.STDOUT)
-            hosts.run(0, [str(BIN / "pdserve"), "serve", f"--address={head}",
+            hosts.run(0, [str(BIN / "pdserve"), "serve", f"--address={head}", f"--model={model}",
                           f"--host={SUBNET}.1", f"--port={GRPC_PORT}", "--kv-host=auto",
                           "--metrics-port=0", "--transport=tcp",
                           "--prefill-resources", '{"pdserve_prefill": 1}',
                           "--decode-resources", '{"pdserve_decode": 1}',
                           "--prefill-kv-blocks=128", "--decode-kv-blocks=128",
+                          "--prefill-tp=2",
                           "--threads-per-worker=1"],
                       env=env, stdout=logs["serve"], stderr=subprocess.STDOUT)
             _wait_for_ready(hosts.procs, 240, tmp_path / "serve.log")
@@ -192,8 +201,9 @@ def test_fidelity_across_three_hosts(tmp_path):
             shutil.rmtree(temp, ignore_errors=True)
 
     for p, ids in zip(PROMPTS, got["tokens"]):
-        assert ids == hf_greedy("default", tok(p)["input_ids"], MAX_TOKENS), p
+        assert_greedy_equals_hf(model, tok(p)["input_ids"], ids)
     by_role = {w["role"]: w for w in got["workers"]}
+    assert (by_role["prefill"]["tp"], by_role["decode"]["tp"]) == (2, 1), got["workers"]
     assert by_role["prefill"]["node_ip"] == f"{SUBNET}.2", got["workers"]
     assert by_role["decode"]["node_ip"] == f"{SUBNET}.3", got["workers"]
     assert by_role["decode"]["kv_address"].startswith(f"{SUBNET}.3:")   # the node's address

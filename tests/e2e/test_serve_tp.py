@@ -1,14 +1,17 @@
-"""Tensor-parallel prefill workers through the full path (gRPC → router → a prefill
-worker of N Ray actors in one placement group → each rank's KV heads over TCP → a
-decode worker of one rank), greedy outputs equal to HF transformers `generate` (or
-differing first at a near-tie that the test shows, serving.assert_greedy_equals_hf),
-every KV pool free afterwards. Sizes: 4 query / 2 KV heads at TP 2 (KV heads split),
-at TP 4 (replicated: two ranks send nothing, tp_plan.py), and the default model (9/3)
-at TP 3."""
+"""Tensor-parallel workers through the full path (gRPC → router → a prefill worker of
+N Ray actors in one placement group → each prefill rank's KV heads over TCP to the
+decode ranks that hold them → a decode worker of M ranks), greedy outputs equal to HF
+transformers `generate` (or differing first at a near-tie that the test shows,
+serving.assert_greedy_equals_hf), every KV pool free afterwards and every decode
+rank's receiver without an open reservation. (P TP, D TP) with 4 query / 2 KV heads:
+(2,1), (1,2), (2,2) split the KV heads; (4,1) replicates them on the prefill side (two
+ranks send nothing, tp_plan.py) and (1,4) on the decode side (two ranks receive each
+head); and the default model (9/3 heads) at (3,1)."""
 
 from __future__ import annotations
 
 import pytest
+import ray
 from serving import Served, assert_greedy_equals_hf, start_ray
 from tiny_models import tiny_model_dir
 
@@ -18,15 +21,24 @@ PROMPTS = [[1, 500, 77], list(range(100, 117)), list(range(2000, 2040)), [5] * 9
 NEW_TOKENS = 12
 
 
-@pytest.mark.parametrize("prefill_tp", [2, 4])
-def test_tiny_model_prefill_tp_equals_hf(prefill_tp):
+def assert_ranks_idle(served: Served) -> None:
+    """Every decode rank's KV receiver has no open reservation (rank 0's pool is
+    checked by Served.stop)."""
+    for d in served.cluster.decode:
+        assert [r["kv_reservations"] for r in ray.get(d.ranks.remote())] == [0] * (
+            ray.get(d.status.remote()).tensor_parallel_size - 1)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (4, 1), (1, 2), (2, 2), (1, 4)])
+def test_tiny_model_tp_equals_hf(prefill_tp, decode_tp):
     start_ray()
     model = str(tiny_model_dir("llama"))
     served = Served(model, decode_blocks=64, prefill_blocks=64, prefill_tp=prefill_tp,
+                    decode_tp=decode_tp,
                     prefill_chunk_size=16)          # the 40-token prompt goes in 3 chunks
     try:
         sizes = {w.role: w.tensor_parallel_size for w in served.client.status().workers}
-        assert sizes == {"prefill": prefill_tp, "decode": 1}
+        assert sizes == {"prefill": prefill_tp, "decode": decode_tp}
         results = served.generate_many(PROMPTS, max_tokens=NEW_TOKENS, temperature=0,
                                        ignore_eos=True)
         for prompt, (ids, _, reason) in zip(PROMPTS, results):
@@ -35,6 +47,8 @@ def test_tiny_model_prefill_tp_equals_hf(prefill_tp):
         again = served.generate(PROMPTS[2], max_tokens=NEW_TOKENS, temperature=0,
                                 ignore_eos=True)     # P's prefix cache, D's cached prefix
         assert again[0] == results[2][0]
+        served.assert_all_free()
+        assert_ranks_idle(served)
     finally:
         served.stop()          # asserts every KV block on every worker is free
 
@@ -97,5 +111,59 @@ def test_a_killed_rank_takes_its_worker_down_and_no_request_is_lost():
         assert after.epoch != before.epoch and after.pid != before.pid   # restarted whole
         [new_rank1] = ray.get(p.ranks.remote())
         assert new_rank1["pid"] != rank1["pid"]
+    finally:
+        served.stop()
+
+
+def test_a_killed_decode_rank_loses_no_stream():
+    """Issue 6's kill test with a decode worker of 2 ranks: kill -9 of rank 1 while
+    every stream is mid-decode; rank 0's next step fails, it exits, Ray restarts the
+    worker (new epoch, new ranks), and the router resumes each stream after the tokens
+    it had sent: nothing repeated, nothing missing, equal to HF."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from pdserve.client import make_request
+
+    start_ray()
+    model = str(tiny_model_dir("llama"))
+    n = 400
+    served = Served(model, decode_blocks=256, prefill_blocks=64, decode_tp=2)
+    try:
+        d = served.cluster.decode[0]
+        before = ray.get(d.status.remote())
+        [rank1] = ray.get(d.ranks.remote())
+        tokens = [[] for _ in PROMPTS]
+        errors = []
+
+        def run(i):
+            try:
+                for msg in served.client.stream(make_request(
+                        PROMPTS[i], max_tokens=n, temperature=0, ignore_eos=True)):
+                    tokens[i] += msg.token_ids
+            except Exception as e:      # grpc.RpcError: the test fails below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while not all(len(t) >= 4 for t in tokens):
+            assert time.monotonic() < deadline and not errors, (tokens, errors)
+            time.sleep(0.002)
+        assert all(len(t) < n for t in tokens), "finished before the kill"
+        os.kill(rank1["pid"], signal.SIGKILL)        # this test's own rank, by its pid
+        for t in threads:
+            t.join(240)
+        assert not errors, errors
+        for prompt, got in zip(PROMPTS, tokens):
+            assert len(got) == n
+            assert_greedy_equals_hf(model, prompt, got)
+        after = ray.get(d.status.remote())
+        assert after.epoch != before.epoch and after.pid != before.pid   # restarted whole
+        served.assert_all_free()
+        assert_ranks_idle(served)
     finally:
         served.stop()

@@ -172,3 +172,28 @@ def test_partitions_that_cannot_pair_are_named():
     assert "decode tensor-parallel size 3 cannot hold 4 KV heads" in (
         layout(kv, 4, 1, 0).mismatch(KVLayout(MODEL, LAYERS, 1, DIM, BLOCK, "float32",
                                               kv_head_start=3, model_kv_heads=4, tp_size=3)))
+
+
+def test_the_staged_paths_of_a_device_cache_move_head_slices(monkeypatch):
+    """The paths a CUDA cache takes, run on host memory: P gathers the slice into one
+    tensor (index_select, then the heads), D copies a staged payload into its heads of
+    the blocks (index_copy_ through a view of those heads)."""
+    from pdserve.kv_transfer import host_io
+
+    monkeypatch.setattr(host_io, "MAX_DIRECT_PIECES", 0)       # no zero-copy regions: P
+    w = Workers(4, 1, 2, checksum=True)                        # checksummed: D stages
+    try:
+        for rx in w.rx:
+            rx._table._host_view.usable = False                # D: as a device cache
+            rx.expect("r", DST)
+        for d, heads in ((0, range(0, 2)), (1, range(2, 4))):
+            w.tx[0].send_layers(w.addr[d], "r", EPOCH, 0, LAYERS, SRC, heads=heads)
+            w.tx[0].send_done(w.addr[d], "r", EPOCH, FIRST_TOKEN, LAYERS, heads=heads)
+        idx = torch.tensor(DST)
+        for d, heads in ((0, range(0, 2)), (1, range(2, 4))):
+            c = w.done[d].wait("r")
+            assert c.ok, c.error
+            want = w.full[:, :, torch.tensor(SRC)][:, :, :, heads.start:heads.stop]
+            assert torch.equal(w.dst[d][:, :, idx], want)
+    finally:
+        w.close()

@@ -28,15 +28,6 @@ def test_schedule_policy_is_checked():
         WorkerConfig(schedule_policy="lifo")
 
 
-def test_tensor_parallel_size_is_checked_and_decode_tp_is_refused_for_now():
-    from dataclasses import replace
-
-    from pdserve.cluster import Cluster, ClusterStartError
-    from pdserve.config import ClusterConfig
-
+def test_tensor_parallel_size_is_checked():
     with pytest.raises(ValueError, match="tensor_parallel_size=0"):
         WorkerConfig(tensor_parallel_size=0)
-    cfg = ClusterConfig.local("default")
-    cfg = replace(cfg, decode=replace(cfg.decode, tensor_parallel_size=2))
-    with pytest.raises(ClusterStartError, match="decode.tensor_parallel_size=2"):
-        Cluster(cfg).start()           # refused before Ray or any worker starts

@@ -1,0 +1,162 @@
+"""The KV receivers of a tensor-parallel decode worker: every rank has its own (its cache
+holds its KV heads of every block, engine/parallel.py), and the prefill ranks send each
+one its heads (kv_transfer/tp_plan.py). Rank 0 owns the scheduler and the block pool,
+so a request's KV is there only once every rank's share is, and its blocks are free
+only once no rank can still write into them::
+
+    rank 0 (DecodeWorker)                      rank i (DecodeRankKV, in its TPRank actor)
+    reserve(): expect locally, then
+      await rank.kv_expect(rid, blocks)  ──▶   expect: its receiver takes rid's frames
+      (before the router hears of the reservation, so before any P rank sends)
+    step loop: TPReceiver.get_finished()
+      own receiver's news, and
+      TPLeader.gather("kv_poll")         ──▶   kv_poll: its receiver's KVFinished
+      a completion once every rank's is ok (or at the first failure), a release once
+      every rank released
+    request_finished: forget locally,
+      rank.kv_forget(rid, seq)           ──▶   forget (the release comes back by kv_poll)
+
+Expects and forgets are actor calls (rank 0's RPC thread must not wait for a step to
+reach its ranks); the news come back through the step loop's own collectives. A forget
+may overtake its expect (a request aborted as it is reserved): each expect carries a
+sequence number, and a rank ignores an expect older than a forget it has seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import ray
+
+from ..kv_transfer import KVCompletion, KVFinished, KVReceiver, TransferState
+
+logger = logging.getLogger(__name__)
+
+_FORGOTTEN_KEPT = 4096     # forgets a rank remembers, to ignore an expect they overtook
+
+
+class DecodeRankKV:
+    """Rank i's receiver (see the module docstring); `receiver` started here."""
+
+    ORDERS = ()
+    GATHERS = ("kv_poll",)
+
+    def __init__(self, receiver: KVReceiver):
+        self.receiver = receiver
+        self.address = receiver.start()
+        self._forgotten: OrderedDict[str, int] = OrderedDict()   # rid -> seq of its forget
+
+    def kv_expect(self, request_id: str, block_ids: list[int], seq: int) -> None:
+        if self._forgotten.get(request_id, -1) >= seq:
+            return                                  # its forget came first
+        self.receiver.expect(request_id, block_ids)
+
+    def kv_forget(self, request_id: str, seq: int) -> None:
+        self._forgotten[request_id] = seq
+        self._forgotten.move_to_end(request_id)
+        while len(self._forgotten) > _FORGOTTEN_KEPT:
+            self._forgotten.popitem(last=False)
+        self.receiver.forget(request_id)
+
+    def kv_poll(self) -> KVFinished:
+        return self.receiver.get_finished()
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+class TPReceiver:
+    """Rank 0's view of every rank's receiver, with KVReceiver's interface for the
+    decode connector (decode_worker/connector.py); see the module docstring.
+
+    receiver: rank 0's own (started). leader: the TPLeader runner (its gather). ranks:
+    the TPRank handles of ranks 1..M-1. on_broken(error): a rank did not answer a
+    poll (the group must restart; it does not return)."""
+
+    def __init__(self, receiver: KVReceiver, leader, ranks: Sequence,
+                 on_broken: Callable[[Exception], None]):
+        self.receiver, self.leader, self.ranks = receiver, leader, list(ranks)
+        self.size = len(self.ranks) + 1
+        self._on_broken = on_broken
+        self._seq = 0
+        self._expects: dict[str, tuple[list[int], int]] = {}   # not yet sent to the ranks
+        self._seqs: dict[str, int] = {}                         # rid -> its expect's seq
+        self._done: dict[str, dict[int, KVCompletion]] = {}     # rid -> rank -> completion
+        self._reported: set[str] = set()        # completion reported; later ones dropped
+        self._released: dict[str, set[int]] = {}                # rid -> ranks released
+
+    def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
+        """Rank 0's expect (the scheduler's lock held); the ranks' is expect_ranks."""
+        self.receiver.expect(request_id, dst_block_ids)
+        self._seq += 1
+        self._seqs[request_id] = self._seq
+        self._expects[request_id] = (list(dst_block_ids), self._seq)
+        self._reported.discard(request_id)
+        self._done.pop(request_id, None)
+
+    async def expect_ranks(self, request_id: str) -> None:
+        """Have ranks 1..M-1 expect the request (DecodeWorker.reserve awaits this before
+        answering the router). Raises RayActorError: a rank is gone."""
+        pending = self._expects.pop(request_id, None)
+        if pending is not None:
+            await asyncio.gather(*(r.kv_expect.remote(request_id, *pending) for r in self.ranks))
+
+    def forget(self, request_id: str) -> None:
+        self._expects.pop(request_id, None)
+        seq = self._seqs.pop(request_id, self._seq)
+        self.receiver.forget(request_id)
+        for r in self.ranks:
+            r.kv_forget.remote(request_id, seq)     # its release comes back by kv_poll
+
+    def get_finished(self) -> KVFinished:
+        news = [self.receiver.get_finished()]
+        try:
+            news += self.leader.gather("kv_poll")
+        except Exception as e:              # TPGroupBroken: a rank is gone
+            self._on_broken(e)
+            raise
+        completions, released = [], []
+        for rank, finished in enumerate(news):
+            for c in finished.completions:
+                if (out := self._complete(rank, c)) is not None:
+                    completions.append(out)
+            for rid in finished.released:
+                ranks = self._released.setdefault(rid, set())
+                ranks.add(rank)
+                if len(ranks) == self.size:
+                    del self._released[rid]
+                    self._reported.discard(rid)
+                    self._done.pop(rid, None)       # aborted before every rank's arrived
+                    released.append(rid)
+        return KVFinished(completions, released)
+
+    def _complete(self, rank: int, c: KVCompletion) -> KVCompletion | None:
+        """The request's completion once all ranks' are in (or at a rank's failure)."""
+        rid = c.request_id
+        if rid in self._reported:
+            return None
+        if not c.ok:
+            self._reported.add(rid)
+            self._done.pop(rid, None)
+            return KVCompletion(rid, False, None, f"decode rank {rank}: {c.error}")
+        done = self._done.setdefault(rid, {})
+        done[rank] = c
+        if len(done) < self.size:
+            return None
+        self._reported.add(rid)
+        del self._done[rid]
+        return done[0]          # the first token came to rank 0, with prefill rank 0's DONE
+
+    def state(self, request_id: str) -> TransferState:
+        return self.receiver.state(request_id)
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+def rank_addresses(ranks: Sequence) -> tuple[tuple[str, int], ...]:
+    """The KV receivers' addresses of ranks 1..M-1 (TPRank.kv_address)."""
+    return tuple(tuple(a) for a in ray.get([r.kv_address.remote() for r in ranks]))

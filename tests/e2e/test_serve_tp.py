@@ -6,14 +6,15 @@ serving.assert_greedy_equals_hf), every KV pool free afterwards and every decode
 rank's receiver without an open reservation. (P TP, D TP) with 4 query / 2 KV heads:
 (2,1), (1,2), (2,2) split the KV heads; (4,1) replicates them on the prefill side (two
 ranks send nothing, tp_plan.py) and (1,4) on the decode side (two ranks receive each
-head); and the default model (9/3 heads) at (3,1)."""
+head); 8 / 2 heads at (4,2): replicated on P, split on D; and the default model (9/3
+heads) at (3,1)."""
 
 from __future__ import annotations
 
 import pytest
 import ray
 from serving import Served, assert_greedy_equals_hf, start_ray
-from tiny_models import tiny_model_dir
+from tiny_models import make_tiny_model, tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +30,13 @@ def assert_ranks_idle(served: Served) -> None:
             ray.get(d.status.remote()).tensor_parallel_size - 1)
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (4, 1), (1, 2), (2, 2), (1, 4)])
-def test_tiny_model_tp_equals_hf(prefill_tp, decode_tp):
+@pytest.mark.parametrize("prefill_tp, decode_tp, heads", [
+    (2, 1, 4), (4, 1, 4), (1, 2, 4), (2, 2, 4), (1, 4, 4),
+    (4, 2, 8)])                     # 8 / 2 heads: two query heads per rank at TP 4
+def test_tiny_model_tp_equals_hf(prefill_tp, decode_tp, heads, tmp_path):
     start_ray()
-    model = str(tiny_model_dir("llama"))
+    model = str(tiny_model_dir("llama") if heads == 4 else
+                make_tiny_model("llama", tmp_path / "m", num_attention_heads=heads))
     served = Served(model, decode_blocks=64, prefill_blocks=64, prefill_tp=prefill_tp,
                     decode_tp=decode_tp,
                     prefill_chunk_size=16)          # the 40-token prompt goes in 3 chunks

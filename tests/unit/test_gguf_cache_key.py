@@ -1,0 +1,22 @@
+"""engine/loader.py: a GGUF's conversion is keyed by the file's content, so the same
+file installed again (another venv path, another mtime) reuses the conversion, and a
+different file does not."""
+
+import os
+
+from pdserve.engine import loader
+
+
+def test_the_same_content_elsewhere_maps_to_one_conversion(tmp_path, monkeypatch):
+    monkeypatch.setattr(loader, "cache_dir", lambda: tmp_path / "cache")
+    a, b, c = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for path, data in ((a, b"GGUF" * 1000), (b, b"GGUF" * 1000), (c, b"GGUF" * 999 + b"FUGG")):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    os.utime(b, ns=(1, 1))                        # another install: another mtime
+    converted = []
+    monkeypatch.setattr(loader, "_convert",
+                        lambda gguf, out: (out.mkdir(parents=True), converted.append(gguf)))
+    assert loader._converted_gguf(a) == loader._converted_gguf(b)
+    assert loader._converted_gguf(c) != loader._converted_gguf(a)
+    assert converted == [a, c]                    # b found a's conversion

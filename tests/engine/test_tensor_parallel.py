@@ -32,12 +32,14 @@ RANK_SCRIPT = Path(__file__).with_name("tp_rank.py")
 NEAR_TIE = 1e-4          # HF's top-2 logit gap where a summation order may flip the argmax
 
 
-def run_ranks(model_dir: Path, size: int, prompts, new_tokens: int, tmp: Path) -> dict:
-    """Run `size` rank processes; rank 0's tokens, logits and KV cache shape."""
+def run_ranks(model_dir: Path, size: int, prompts, new_tokens: int, tmp: Path,
+              device: str = "cpu") -> dict:
+    """Run `size` rank processes (every one on `device`); rank 0's tokens, logits and KV
+    cache shape, on the CPU."""
     io = tmp / f"tp{size}.pt"
     torch.save({"prompts": [list(p) for p in prompts]}, io)
     rdzv = tmp / f"rdzv{size}"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PDSERVE_TP_TEST_DEVICE=device)
     procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(r), str(size), str(rdzv),
                                str(model_dir), str(io), str(new_tokens)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -52,7 +54,7 @@ def run_ranks(model_dir: Path, size: int, prompts, new_tokens: int, tmp: Path) -
             raise
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out[-3000:]}"
-    got = torch.load(str(io) + ".out")
+    got = torch.load(str(io) + ".out", map_location="cpu")
     for r in range(1, size):       # every follower ran every step order rank 0 sent
         assert torch.load(f"{io}.rank{r}")["calls"] == got["calls"] > 1, r
     return got
@@ -102,6 +104,25 @@ def test_tiny_models_sharded_equal_hf(family, size, overrides, tmp_path):
         (p_mixed, d_mixed), (p_apart, d_apart) = got["mixed"]
         torch.testing.assert_close(p_mixed, p_apart, atol=1e-4, rtol=0)
         torch.testing.assert_close(d_mixed, d_apart, atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("size", [2, 4])
+def test_sharded_on_cuda_equals_hf(size, tmp_path):
+    """The same sharded model code on CUDA tensors (Triton decode attention, the KV
+    write kernel), every rank on the one device, joined by gloo; fp32 against HF's fp32
+    on the CPU. A decode from a copied block and a mixed step too."""
+    model_dir = tiny_model_dir("llama")
+    refs = [_hf_reference(_hf_model(model_dir), p, 8) for p in PROMPTS]
+    got = run_ranks(model_dir, size, PROMPTS, 8, tmp_path, device="cuda")
+    assert_equals_hf(got, refs, atol=1e-3)
+    from_copy, from_source = got["copy"]
+    torch.testing.assert_close(from_copy, from_source, atol=1e-5, rtol=0)
+    if "mixed" in got:
+        (p_mixed, d_mixed), (p_apart, d_apart) = got["mixed"]
+        torch.testing.assert_close(p_mixed, p_apart, atol=1e-3, rtol=0)
+        torch.testing.assert_close(d_mixed, d_apart, atol=1e-3, rtol=0)
 
 
 @pytest.mark.slow

@@ -12,8 +12,12 @@ its orders (engine/tp_executor.py) and save how many they ran. Rank 0's calls:
                decode row) and the same rows as a prefill and a decode step apart
 
     python tp_rank.py RANK SIZE INIT_FILE MODEL_DIR PROMPTS_AND_OUT.pt NEW_TOKENS
+
+$PDSERVE_TP_TEST_DEVICE=cuda puts every rank's shard and cache on the one CUDA device
+(gloo still joins them: NCCL refuses two ranks on one device, ncclInvalidUsage).
 """
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,13 +38,14 @@ from pdserve.engine.tp_executor import TPLeader, follow  # noqa: E402
 
 def main(rank: int, size: int, init_file: str, model_dir: str, io: str, new_tokens: int):
     torch.set_num_threads(1)
+    device = os.environ.get("PDSERVE_TP_TEST_DEVICE", "cpu")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=size)
     try:
         tp = TensorParallel(rank, size, dist.group.WORLD)
         prompts = torch.load(io)["prompts"]
-        runner = ModelRunner(model_dir, CacheConfig(num_blocks=64, block_size=16),
-                             num_threads=1, tp=tp)
+        runner = ModelRunner(model_dir, CacheConfig(num_blocks=64, block_size=16,
+                                                    device=device), num_threads=1, tp=tp)
         if rank > 0:
             torch.save({"calls": follow(runner, tp)}, f"{io}.rank{rank}")
             return

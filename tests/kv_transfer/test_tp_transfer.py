@@ -20,6 +20,8 @@ LAYERS, BLOCK, DIM = 3, 4, 8
 SRC = [5, 1, 6, 7, 8, 9, 2]            # P's blocks (every P rank holds the same ids)
 DST = [3, 4, 11, 12, 13, 0, 9]         # D's reserved blocks, in block-table order
 FIRST_TOKEN = 42
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
 
 
 def model_cache(heads, num_blocks=16, seed=0):
@@ -36,13 +38,13 @@ def layout(kv, heads, size, rank):
 class Workers:
     """P ranks (senders over their shares of `full`) and D ranks (receivers)."""
 
-    def __init__(self, heads, p_size, d_size, checksum=False):
+    def __init__(self, heads, p_size, d_size, checksum=False, device="cpu"):
         self.heads, self.p_size, self.d_size = heads, p_size, d_size
-        self.full = model_cache(heads)
+        self.full = model_cache(heads).to(device)
         self.made, self.rx, self.addr, self.done, self.dst = [], [], [], [], []
         for d in range(d_size):
             mine = kv_head_range(heads, d_size, d)
-            kv = torch.zeros(LAYERS, 2, 16, len(mine), BLOCK, DIM)
+            kv = torch.zeros(LAYERS, 2, 16, len(mine), BLOCK, DIM, device=device)
             done = Completions()
             rx = make_receiver("tcp", kv, layout(kv, heads, d_size, d), EPOCH, notify=done,
                                io_timeout_s=2.0)
@@ -69,8 +71,10 @@ class Workers:
     (4, 1, 2), (4, 2, 1), (4, 2, 2), (2, 1, 4), (2, 4, 2), (2, 4, 1), (3, 3, 1), (4, 4, 2),
     (4, 1, 1)])
 @pytest.mark.parametrize("frames", ["per-layer", "whole"])
-def test_every_decode_rank_gets_exactly_its_heads(heads, p_size, d_size, frames):
-    w = Workers(heads, p_size, d_size, checksum=frames == "whole")
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_decode_rank_gets_exactly_its_heads(heads, p_size, d_size, frames, device):
+    """On CUDA: P stages each slice through pinned memory, D copies into its heads."""
+    w = Workers(heads, p_size, d_size, checksum=frames == "whole", device=device)
     try:
         for rx in w.rx:
             rx.expect("r", DST)
@@ -95,16 +99,16 @@ def test_every_decode_rank_gets_exactly_its_heads(heads, p_size, d_size, frames)
             t.start()
         for t in threads:
             t.join(10)
-        idx = torch.tensor(DST)
+        idx = torch.tensor(DST, device=device)
         for d in range(d_size):
             c = w.done[d].wait("r")
             assert c.ok, c.error
             # D rank 0 always hears from P rank 0 (tp_plan), which sampled the token
             assert c.first_token == (FIRST_TOKEN if d == 0 else c.first_token)
             mine = kv_head_range(heads, d_size, d)
-            want = w.full[:, :, torch.tensor(SRC)][:, :, :, mine.start:mine.stop]
+            want = w.full[:, :, torch.tensor(SRC, device=device)][:, :, :, mine.start:mine.stop]
             assert torch.equal(w.dst[d][:, :, idx], want), f"decode rank {d}"
-            others = torch.ones(16, dtype=torch.bool)
+            others = torch.ones(16, dtype=torch.bool, device=device)
             others[idx] = False
             assert not w.dst[d][:, :, others].any()      # nothing outside the reservation
     finally:

@@ -1,6 +1,6 @@
-"""engine/loader.py: a GGUF's conversion is keyed by the file's content, so the same
-file installed again (another venv path, another mtime) reuses the conversion, and a
-different file does not."""
+"""engine/loader.py: $PDSERVE_DEFAULT_MODEL names the default model; a GGUF's
+conversion is keyed by the file's content, so the same file installed again (another
+venv path, another mtime) reuses the conversion, and a different file does not."""
 
 import os
 
@@ -20,3 +20,10 @@ def test_the_same_content_elsewhere_maps_to_one_conversion(tmp_path, monkeypatch
     assert loader._converted_gguf(a) == loader._converted_gguf(b)
     assert loader._converted_gguf(c) != loader._converted_gguf(a)
     assert converted == [a, c]                    # b found a's conversion
+
+
+def test_the_environment_can_name_the_default_model(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setenv("PDSERVE_DEFAULT_MODEL", str(tmp_path))
+    assert loader.resolve_model("default") == tmp_path
+    assert loader.resolve_model(None) == tmp_path

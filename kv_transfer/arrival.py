@@ -57,8 +57,11 @@ class Reservation:
     # Writers that may put bytes into the blocks unseen (begin_writer: a one-sided
     # write's lease); the release waits for them too. Guarded by `lock`.
     writes_in_flight: int = 0
-    writer_conn: int | None = None  # the connection whose BEGIN leased the blocks (nixl.py)
-    num_writes: int = 0  # notifications of one-sided writes seen (nixl.py's poll thread)
+    # the connections whose BEGIN leased the blocks (nixl.py; a tensor-parallel prefill
+    # worker's ranks each write their heads), and the notifications of one-sided writes
+    # seen from each (nixl_receiver.py's poll thread)
+    writer_conns: set[int] = field(default_factory=set)
+    writes_by_conn: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.arrived = bytearray(len(self.heads) * self.num_layers * self.num_blocks)

@@ -59,8 +59,9 @@ Payload by frame type:
                    that sampled it (a tensor-parallel P's rank 0), -1 by
                    the other ranks
     ABORT          UTF-8 reason (<= MAX_REASON_BYTES)
-    BEGIN          empty: P is about to write the request's KV into D's   (P -> D)
-                   blocks with one-sided writes (nixl.py); D answers
+    BEGIN          empty: P is about to write the request's KV (its KV   (P -> D)
+                   heads, as a KV frame names them) into D's blocks
+                   with one-sided writes (nixl.py); D answers
     BEGIN_ACK      JSON {"block_ids": [...]} (D's reserved blocks, in      (D -> P)
                    block-table order) or {"error": "<why not>"}; <=
                    MAX_BEGIN_ACK_BYTES. From then until P's DONE or ABORT
@@ -246,6 +247,7 @@ def _validate(h: FrameHeader, layout: KVLayout | None, max_blocks: int | None) -
     elif t == FrameType.BEGIN:
         if h.payload_len != 0:
             raise KVFrameError(f"BEGIN frame has payload_len {h.payload_len}, expected 0")
+        _validate_heads(h, layout)
     elif t == FrameType.BEGIN_ACK:
         if not 0 < h.payload_len <= MAX_BEGIN_ACK_BYTES:
             raise KVFrameError(

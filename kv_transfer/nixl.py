@@ -153,6 +153,24 @@ class DescRows:
         return (layers * self.stride + self.layer0).reshape(-1)
 
 
+class HeadRows(DescRows):
+    """Rows of a cache's per-head descriptors (Lane.head_src, or a peer's list paired
+    with `heads`) of a set of blocks and heads ``[first, first + n)`` of each (this
+    cache's own head indices), in the order (layer, K/V, block, head): row =
+    block row * num_heads + head. Both ends of a WRITE list their heads in that order,
+    so a share of heads pairs row for row."""
+
+    def __init__(self, block_ids: np.ndarray, num_blocks: int, num_heads: int,
+                 first: int, n: int) -> None:
+        super().__init__(block_ids, num_blocks)
+        self.num_heads = num_heads
+        self.heads = np.arange(first, first + n, dtype=np.int32)
+
+    def rows(self, layer_start: int, layer_end: int) -> np.ndarray:
+        blocks = super().rows(layer_start, layer_end)
+        return (blocks[:, None] * self.num_heads + self.heads[None, :]).reshape(-1)
+
+
 # The two roles; this module is the name the transport registry points at.
 from .nixl_receiver import NixlKVReceiver  # noqa: E402
 from .nixl_sender import NixlKVSender  # noqa: E402

@@ -9,6 +9,11 @@ sender); one poll thread takes the notifications of P's WRITEs and marks the
     notification -> ReservationTable.write(res, h) (a KV frame whose bytes landed)
     DONE(rid, n) -> end the lease; finish once n notifications are in (DONE_GRACE_S)
     ABORT / connection lost -> end the lease (lost: LOST_WRITER_GRACE_S later); fail
+
+A BEGIN names the KV heads its sender writes. Tensor-parallel prefill ranks each write
+their own heads of one request (kv_transfer/tp_plan.py): every one holds a lease of its
+own, counted apart (the blocks are released once the last ends), and its DONE waits for
+its own notifications; a BEGIN for heads another connection is writing is refused.
 """
 
 from __future__ import annotations
@@ -51,7 +56,9 @@ class NixlKVReceiver(TcpKVReceiver):
         self._nlock = threading.Lock()     # guards the four fields below
         self._agents: dict[str, int] = {}  # P's agent name -> its control connection id
         self._writers: dict[int, dict[str, Reservation]] = {}  # conn id -> rid -> leased
-        self._pending_done: dict[str, tuple[FrameHeader, float]] = {}  # rid -> (DONE, deadline)
+        self._leased_heads: dict[tuple[int, str], range] = {}  # (conn id, rid) -> its heads
+        # (rid, conn id) -> (DONE, deadline): waiting for that writer's notifications
+        self._pending_done: dict[tuple[str, int], tuple[FrameHeader, float]] = {}
         self._lost: list[tuple[float, Reservation]] = []  # (release time, lease to end)
         self.num_writes = 0   # notifications of one-sided writes taken (poll thread)
         self._poller = threading.Thread(target=self._poll_loop, daemon=True)
@@ -97,12 +104,16 @@ class NixlKVReceiver(TcpKVReceiver):
 
     def _on_begin(self, conn: _Connection, h: FrameHeader) -> None:
         rid, error = h.request_id, None
+        heads = h.heads(self.layout)
         res = self._table.lookup(rid, h.epoch, "BEGIN")
-        with self._nlock:   # check and take in one step: one writer per request
+        with self._nlock:   # check and take in one step: one writer per head
             leases = self._writers.get(conn.conn_id)
-            taken = any(rid in w for w in self._writers.values())
-            if leases is not None and res is not None and not taken:
+            taken = any(c != conn.conn_id and r == rid and _overlap(hs, heads)
+                        for (c, r), hs in self._leased_heads.items())
+            again = leases is not None and rid in leases
+            if leases is not None and res is not None and not taken and not again:
                 leases[rid] = res
+                self._leased_heads[(conn.conn_id, rid)] = heads
         if leases is None:
             error = "this connection did not pair for NIXL writes"
         elif res is None:
@@ -110,35 +121,40 @@ class NixlKVReceiver(TcpKVReceiver):
                      f"(receiver epoch {self.epoch})")
         elif taken:
             error = "another prefill worker is writing it"
+        elif again:
+            error = "BEGIN twice on one connection"
         elif not self._table.begin_writer(res):
             with self._nlock:
                 leases.pop(rid, None)
+                self._leased_heads.pop((conn.conn_id, rid), None)
             error = "already finished"
         else:
             res.conn_ids.add(conn.conn_id)
-            res.writer_conn = conn.conn_id
+            res.writer_conns.add(conn.conn_id)
         ack = control.begin_ack_frame(rid, h.epoch, None if error else res.block_ids, error)
         conn.sock.sendall(ack)
 
     def _on_done(self, conn_id: int, h: FrameHeader) -> None:
         self._end_lease(conn_id, h.request_id)
         res = self._table.lookup(h.request_id, h.epoch, "DONE")
-        if res is None or res.num_writes >= h.num_blocks:
+        if res is None or res.writes_by_conn.get(conn_id, 0) >= h.num_blocks:
             super()._on_done(conn_id, h)
             return
         with self._nlock:   # the poll thread finishes it once its notifications are in
-            self._pending_done[h.request_id] = (h, time.monotonic() + DONE_GRACE_S)
+            self._pending_done[(h.request_id, conn_id)] = (h, time.monotonic() + DONE_GRACE_S)
 
     def _on_abort(self, conn_id: int, h: FrameHeader, reason: str) -> None:
         self._end_lease(conn_id, h.request_id)
         with self._nlock:
-            self._pending_done.pop(h.request_id, None)
+            self._pending_done.pop((h.request_id, conn_id), None)
         super()._on_abort(conn_id, h, reason)
 
     def _connection_lost(self, conn_id: int, why: str) -> None:
         release_at = time.monotonic() + LOST_WRITER_GRACE_S
         with self._nlock:
             leases = self._writers.pop(conn_id, {})
+            for rid in leases:
+                self._leased_heads.pop((conn_id, rid), None)
             self._agents = {a: c for a, c in self._agents.items() if c != conn_id}
             self._lost += [(release_at, res) for res in leases.values()]
         super()._connection_lost(conn_id, why)
@@ -146,6 +162,7 @@ class NixlKVReceiver(TcpKVReceiver):
     def _end_lease(self, conn_id: int, request_id: str) -> None:
         with self._nlock:
             res = self._writers.get(conn_id, {}).pop(request_id, None)
+            self._leased_heads.pop((conn_id, request_id), None)
         if res is not None:
             self._table.end_writer(res)
 
@@ -176,11 +193,11 @@ class NixlKVReceiver(TcpKVReceiver):
             self._lost = [(t, res) for t, res in self._lost if t > now]
         for res in due:
             self._table.end_writer(res)
-        for rid, (h, deadline) in pending:
+        for (rid, conn_id), (h, deadline) in pending:
             res = self._table.lookup(rid, h.epoch, "DONE")
-            if res is None or res.num_writes >= h.num_blocks or now > deadline:
+            if res is None or res.writes_by_conn.get(conn_id, 0) >= h.num_blocks or now > deadline:
                 with self._nlock:
-                    self._pending_done.pop(rid, None)
+                    self._pending_done.pop((rid, conn_id), None)
                 if res is not None:
                     self._table.on_done(h)   # fails it, naming what is missing, if late
         return bool(notifs) or bool(pending)
@@ -212,8 +229,13 @@ class NixlKVReceiver(TcpKVReceiver):
         res = self._table.admit_kv(h, conn_id)
         if res is None:
             return
-        res.num_writes += 1   # only this thread writes it; DONE handling reads it
-        if res.writer_conn != conn_id:
+        # only this thread writes it; DONE handling reads it
+        res.writes_by_conn[conn_id] = res.writes_by_conn.get(conn_id, 0) + 1
+        if conn_id not in res.writer_conns:
             self._table.fail(res, "KV written without a BEGIN on its connection")
             return
         self._table.write(res, h)
+
+
+def _overlap(a: range, b: range) -> bool:
+    return a.start < b.stop and b.start < a.stop

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import base64
 import logging
-import queue
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -29,8 +28,8 @@ import torch
 from . import control, frames
 from .base import KVFrameError, KVLayout, KVLayoutMismatch, KVTransferError
 from .frames import FrameType
-from .nixl import (BUSY_POLL_S, LANE_MIN_BYTES, LANE_POLL_S, LANES, MAX_LANES,
-                   MAX_MERGED_SHARES, DescRows, block_descs, make_agent, memory_of)
+from .nixl import BUSY_POLL_S, LANE_MIN_BYTES, LANES, MAX_LANES, DescRows, HeadRows, memory_of
+from .nixl_lane import Lane
 
 from .tcp_sender import TcpKVSender, _SendConn
 
@@ -76,154 +75,11 @@ class _Peer:
     agent: str                 # D's agent name
     dst: list                  # per lane: the prepared descriptor list of D's whole cache
     num_blocks: int            # D's cache size in blocks
+    # D's KV heads (the model's numbering), when they differ from this cache's: then
+    # dst lists one descriptor per (layer, K/V, block, head) and a share names heads
+    heads: range | None = None
     begun: dict[tuple[str, int], _Begun] = field(default_factory=dict)  # by (rid, epoch)
     checked_at: float = 0.0    # time.monotonic() of the last _peer_closed check
-
-
-class _Lane:
-    """One NIXL agent (its own UCX worker) with its own thread posting WRITEs and
-    driving their progress; the caller only queues shares. With cma the copy runs
-    inside ``transfer()`` on the posting thread, so lanes copy in parallel. Shares
-    queued while the lane was busy go out as one WRITE (their descriptors and
-    notifications concatenated): fewer, larger posts when P produces faster than the
-    link drains (docs/nixl.md). Idle: blocked on its queue, not spinning."""
-
-    def __init__(self, index: int, kv: torch.Tensor, layout: KVLayout, host: str,
-                 mem: str, device_id: int, unit: int) -> None:
-        self.agent = make_agent(f"prefill{index}", host)
-        self.agent.register_memory([kv])
-        self.src = self.agent.prep_xfer_dlist(
-            "", block_descs(kv.data_ptr(), layout.num_layers, kv.shape[2], unit, device_id),
-            mem)
-        self.remote: dict[str, Any] = {}    # D's agent name -> prepared dst list
-        self.lock = threading.Lock()        # the agent, and in_flight
-        self.in_flight: list[tuple[list[_Begun], Any]] = []
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.closed = False
-        self.thread = threading.Thread(target=self._run, name=f"kvsend-nixl-{index}",
-                                       daemon=True)
-        self.thread.start()
-
-    def pair(self, metadata: bytes, base: int, num_blocks: int, num_layers: int,
-             unit: int, mem: str, device_id: int) -> tuple[str, Any]:
-        with self.lock:
-            name = self.agent.add_remote_agent(metadata)
-            name = name.decode() if isinstance(name, bytes) else name
-            if name not in self.remote:  # a reconnect to the same D reuses its list
-                self.remote[name] = self.agent.prep_xfer_dlist(
-                    name, block_descs(base, num_layers, num_blocks, unit, device_id), mem)
-                self.agent.make_connection(name)
-        return name, self.remote[name]
-
-    def post(self, jobs: list[tuple]) -> None:
-        """One WRITE of every job (all to the same dst list), its notifications
-        concatenated; each job's request counts it finished when the WRITE does.
-        Never raises: a job that is not posted is counted finished with the reason."""
-        live = []
-        for job in jobs:
-            if job[0].cancelled or self.closed:  # D may have handed these blocks on already
-                job[0].finished_one("not posted: the request failed, its connection "
-                                    "dropped, or the sender closed")
-            else:
-                live.append(job)
-        if not live:
-            return
-        begun = [job[0] for job in live]
-        try:
-            dst = live[0][1]
-            src_rows = np.concatenate([job[2] for job in live])
-            dst_rows = np.concatenate([job[3] for job in live])
-            notif = b"".join(job[4] for job in live)
-            with self.lock:
-                handle = self.agent.make_prepped_xfer("WRITE", self.src, src_rows, dst,
-                                                      dst_rows, notif_msg=notif)
-                if self.agent.transfer(handle) != "ERR":
-                    self.in_flight.append((begun, handle))
-                    return
-                handle.release()
-            error = "NIXL refused to post a WRITE"
-        except Exception as e:  # nixl raises its own error types; these WRITEs fail
-            error = f"NIXL WRITE failed to post: {type(e).__name__}: {e}"
-        for b in begun:
-            b.finished_one(error)
-
-    def reap(self) -> bool:
-        """One progress pass: completed WRITEs, oldest first up to the first still in
-        progress (they complete in order; checking all would make a long queue cost
-        a call per WRITE per pass), are released and counted on their requests. True
-        while some are still in flight."""
-        with self.lock:
-            done = []
-            while self.in_flight:
-                try:
-                    state = self.agent.check_xfer_state(self.in_flight[0][1])
-                except Exception as e:  # NIXL raises its own errors for a failed transfer
-                    logger.warning("NIXL WRITE failed: %s: %s", type(e).__name__, e)
-                    state = "ERR"
-                if state == "PROC":
-                    break
-                begun, handle = self.in_flight.pop(0)
-                try:
-                    handle.release()
-                except Exception as e:  # a failed transfer's handle may refuse; NIXL logs it
-                    logger.debug("NIXL handle release: %s", e)
-                done.append((begun, state))
-            busy = bool(self.in_flight)
-        for begun, state in done:
-            for b in begun:
-                b.finished_one(None if state == "DONE" else "a NIXL WRITE failed")
-        return busy
-
-    def close(self) -> None:
-        self.closed = True         # what is still queued is not posted
-        self.jobs.put(None)
-        self.thread.join(5.0)
-        if self.thread.is_alive():   # stuck in a transfer: its handles stay (a leak, not a crash)
-            logger.warning("NIXL lane %s did not stop in 5s", self.agent.name)
-            return
-        with self.lock:
-            for begun, handle in self.in_flight:
-                for b in begun:
-                    b.finished_one("sender closed")
-            self.in_flight = []
-            for handle in [self.src, *self.remote.values()]:
-                handle.release()
-            self.remote.clear()
-
-    def _take(self) -> tuple[list[tuple], bool]:
-        """Block for the next share (LANE_POLL_S at most while WRITEs are in flight),
-        then take every share queued behind it: (shares, whether to stop)."""
-        try:
-            job = self.jobs.get(timeout=LANE_POLL_S if self.in_flight else None)
-        except queue.Empty:
-            return [], False
-        jobs = []
-        while job is not None:
-            jobs.append(job)
-            if len(jobs) >= MAX_MERGED_SHARES:
-                return jobs, False
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                return jobs, False
-        return jobs, True
-
-    def _run(self) -> None:
-        # No spinning: a progress pass after each post, and every LANE_POLL_S while
-        # WRITEs are in flight; whoever waits for a request's WRITEs (_settle) also drives
-        # every lane's progress itself.
-        stop = False
-        while not stop:
-            jobs, stop = self._take()
-            try:
-                start = 0
-                for i in range(1, len(jobs) + 1):   # one WRITE per run of the same peer
-                    if i == len(jobs) or jobs[i][1] is not jobs[start][1]:
-                        self.post(jobs[start:i])
-                        start = i
-                self.reap()
-            except Exception:  # a bug here must cost its requests, not every later one
-                logger.exception("NIXL lane %s failed a pass", self.agent.name)
 
 
 def _peer_closed(sock: socket.socket) -> bool:
@@ -254,7 +110,7 @@ class NixlKVSender(TcpKVSender):
             raise ValueError(f"lanes={lanes}: must be in [1, {MAX_LANES}]")
         self._mem, self._device_id = memory_of(kv)
         self._unit = kv[0, 0, 0].numel() * kv.element_size()  # one block of one layer's K
-        self._lanes = [_Lane(i, kv, layout, host, self._mem, self._device_id, self._unit)
+        self._lanes = [Lane(i, kv, layout, host, self._mem, self._device_id, self._unit)
                        for i in range(lanes)]
 
     def _handshake_extra(self) -> dict | None:
@@ -265,10 +121,9 @@ class NixlKVSender(TcpKVSender):
             raise KVLayoutMismatch(
                 f"decode worker at {addr[0]}:{addr[1]} takes no NIXL writes (it runs the tcp "
                 "transport): start every worker with the same --transport")
-        if ack.layout.heads != self.layout.heads:   # a write is whole blocks, every head
-            raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]} holds KV heads "
-                                   f"{ack.layout.heads}, this rank {self.layout.heads}: "
-                                   "NIXL pairs equal shares only; use --transport tcp")
+        # tensor-parallel peers holding other KV heads (the layouts' partitions pair:
+        # _connect checked): one descriptor per head, a share is a run of heads
+        split = ack.layout.heads if ack.layout.heads != self.layout.heads else None
         try:
             md = base64.b64decode(ack.nixl["metadata"], validate=True)
             base, num_blocks = int(ack.nixl["kv_ptr"]), int(ack.nixl["num_blocks"])
@@ -279,12 +134,14 @@ class NixlKVSender(TcpKVSender):
             raise KVLayoutMismatch(f"decode worker at {addr[0]}:{addr[1]}: cache in {mem} "
                                    f"({num_blocks} blocks), this prefill worker's in {self._mem}")
         try:
-            paired = [lane.pair(md, base, num_blocks, self.layout.num_layers, self._unit, mem,
-                                device_id) for lane in self._lanes]
+            heads = len(split) if split else 0
+            unit = self.layout.head_bytes * ack.layout.num_kv_heads   # one block of D's K
+            paired = [lane.pair(md, base, num_blocks, self.layout.num_layers, unit, mem,
+                                device_id, heads) for lane in self._lanes]
         except Exception as e:  # NIXL's own error types; the connection is dropped
             raise ConnectionError(f"NIXL pairing with {addr[0]}:{addr[1]} failed: "
                                   f"{type(e).__name__}: {e}") from e
-        conn.peer = _Peer(paired[0][0], [dst for _, dst in paired], num_blocks)
+        conn.peer = _Peer(paired[0][0], [dst for _, dst in paired], num_blocks, heads=split)
 
     def _drop(self, conn: _SendConn) -> None:
         """Also stop the dropped connection's requests: their queued shares are never
@@ -298,23 +155,26 @@ class NixlKVSender(TcpKVSender):
                     layer_start: int, layer_end: int, src_block_ids: Sequence[int],
                     block_start: int = 0, heads: range | None = None) -> int:
         ids, nbytes = self._check_send(layer_start, layer_end, src_block_ids, block_start,
-                                       None if heads == self.layout.heads else heads)
-        if heads not in (None, self.layout.heads):
-            raise ValueError("NIXL writes whole blocks: heads must be this cache's")
+                                       heads)
+        heads = self.layout.heads if heads is None else heads
+        fields = self._head_fields(heads)
         # One notification for the whole call, on lane 0's share: D only judges a request
         # at DONE, which P sends once every lane's WRITEs completed (landed at D), so a
         # notification naming blocks another lane carries is never read too early.
         notif = frames.pack_header(
             FrameType.KV, request_id, epoch=epoch, layer_start=layer_start,
             layer_end=layer_end, block_start=block_start, num_blocks=len(ids),
-            dtype_code=self._dtype_code, payload_len=nbytes)
+            dtype_code=self._dtype_code, payload_len=nbytes, **fields)
 
         def write(conn: _SendConn) -> None:
             peer: _Peer = conn.peer
+            if peer.heads is None and heads != self.layout.heads:
+                raise ValueError(f"heads {heads}: the decode worker at {addr} holds this "
+                                 f"cache's heads {self.layout.heads}; send them all")
             begun = peer.begun.get((request_id, epoch))
             if begun is None:
                 begun = peer.begun[(request_id, epoch)] = _Begun(
-                    self._begin(conn, request_id, epoch))
+                    self._begin(conn, request_id, epoch, fields))
             if begun.error is not None:
                 raise ConnectionError(f"request {request_id}: {begun.error}")
             now = time.monotonic()
@@ -325,17 +185,19 @@ class NixlKVSender(TcpKVSender):
             if self.kv.is_cuda:  # on_layer_done fires when the layer is queued, not done
                 torch.cuda.current_stream(self.kv.device).synchronize()
             lanes = max(1, min(len(self._lanes), len(ids), nbytes // LANE_MIN_BYTES))
-            shares = begun.shares.get((block_start, len(ids), lanes))
+            key = (block_start, len(ids), lanes, heads.start, heads.stop)
+            shares = begun.shares.get(key)
             if shares is None or shares[0] != ids:
-                shares = begun.shares[(block_start, len(ids), lanes)] = (
-                    ids, self._cut(request_id, begun, ids, block_start, lanes, peer))
-            jobs = [(begun, peer.dst[k], src.rows(layer_start, layer_end),
+                shares = begun.shares[key] = (
+                    ids, self._cut(request_id, begun, ids, block_start, lanes, peer, heads))
+            jobs = [(begun, self._lanes[k].head_src() if peer.heads else self._lanes[k].src,
+                     peer.dst[k], src.rows(layer_start, layer_end),
                      dst.rows(layer_start, layer_end), b"" if k else notif)
                     for k, (src, dst) in enumerate(shares[1])]
             with begun.cond:
                 begun.num_writes += 1      # notifications: lane 0's share carries the one
                 begun.pending += lanes
-            for lane, job in zip(self._lanes, jobs):   # (begun, dst list, rows, rows, notif)
+            for lane, job in zip(self._lanes, jobs):   # Lane.post's job
                 lane.jobs.put(job)
 
         self._with_conn(addr, write)
@@ -349,9 +211,10 @@ class NixlKVSender(TcpKVSender):
     # ---- internals -----------------------------------------------------------------
 
     def _cut(self, request_id: str, begun: _Begun, ids: list[int], block_start: int,
-             lanes: int, peer: _Peer) -> list[tuple[DescRows, DescRows]]:
+             lanes: int, peer: _Peer, heads: range) -> list[tuple[DescRows, DescRows]]:
         """P's blocks ``ids`` and D's blocks from ``block_start`` on, cut into one
-        contiguous share per lane: (src rows, dst rows) of each."""
+        contiguous share per lane: (src rows, dst rows) of each; of the KV ``heads``
+        only, on a peer holding other heads than this cache (HeadRows)."""
         dst_ids = begun.dst_block_ids
         if block_start + len(ids) > len(dst_ids):
             raise KVTransferError(
@@ -360,13 +223,22 @@ class NixlKVSender(TcpKVSender):
         src = np.asarray(ids, dtype=np.int64)
         dst = dst_ids[block_start:block_start + len(ids)]
         cuts = [len(ids) * k // lanes for k in range(lanes + 1)]
-        return [(DescRows(src[a:b], self.kv.shape[2]), DescRows(dst[a:b], peer.num_blocks))
+        if peer.heads is None:
+            return [(DescRows(src[a:b], self.kv.shape[2]), DescRows(dst[a:b], peer.num_blocks))
+                    for a, b in zip(cuts, cuts[1:])]
+        mine, n = self.layout.heads, len(heads)
+        return [(HeadRows(src[a:b], self.kv.shape[2], len(mine), heads.start - mine.start, n),
+                 HeadRows(dst[a:b], peer.num_blocks, len(peer.heads),
+                          heads.start - peer.heads.start, n))
                 for a, b in zip(cuts, cuts[1:])]
 
-    def _begin(self, conn: _SendConn, request_id: str, epoch: int) -> np.ndarray:
-        """BEGIN round trip: D's reserved block ids for the request [n] int64.
-        KVTransferError when D refuses (the connection stays up)."""
-        conn.sock.sendall(frames.pack_header(FrameType.BEGIN, request_id, epoch=epoch))
+    def _begin(self, conn: _SendConn, request_id: str, epoch: int,
+               fields: dict[str, int]) -> np.ndarray:
+        """BEGIN round trip (naming the KV heads this sender writes, ``fields``): D's
+        reserved block ids for the request [n] int64. KVTransferError when D refuses
+        (the connection stays up)."""
+        conn.sock.sendall(frames.pack_header(FrameType.BEGIN, request_id, epoch=epoch,
+                                             **fields))
         try:
             h, body = self._read_frame(conn.sock, FrameType.BEGIN_ACK)
         except (TimeoutError, BlockingIOError) as e:   # the socket's kernel timeout

@@ -18,6 +18,9 @@ from tiny_models import make_tiny_model, tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
+NIXL = pytest.mark.skipif(
+    __import__("pdserve.kv_transfer.nixl", fromlist=["x"]).find_module() is None,
+    reason="NIXL (nixl-cu12) not installed")
 PROMPTS = [[1, 500, 77], list(range(100, 117)), list(range(2000, 2040)), [5] * 9]
 NEW_TOKENS = 12
 
@@ -30,15 +33,17 @@ def assert_ranks_idle(served: Served) -> None:
             ray.get(d.status.remote()).tensor_parallel_size - 1)
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp, heads", [
-    (2, 1, 4), (4, 1, 4), (1, 2, 4), (2, 2, 4), (1, 4, 4),
-    (4, 2, 8)])                     # 8 / 2 heads: two query heads per rank at TP 4
-def test_tiny_model_tp_equals_hf(prefill_tp, decode_tp, heads, tmp_path):
+@pytest.mark.parametrize("prefill_tp, decode_tp, heads, transport", [
+    (2, 1, 4, "tcp"), (4, 1, 4, "tcp"), (1, 2, 4, "tcp"), (2, 2, 4, "tcp"), (1, 4, 4, "tcp"),
+    (4, 2, 8, "tcp"),               # 8 / 2 heads: two query heads per rank at TP 4
+    # NIXL's one-sided writes of head runs: two writers per request, one writer to two
+    pytest.param(2, 1, 4, "nixl", marks=NIXL), pytest.param(1, 2, 4, "nixl", marks=NIXL)])
+def test_tiny_model_tp_equals_hf(prefill_tp, decode_tp, heads, transport, tmp_path):
     start_ray()
     model = str(tiny_model_dir("llama") if heads == 4 else
                 make_tiny_model("llama", tmp_path / "m", num_attention_heads=heads))
     served = Served(model, decode_blocks=64, prefill_blocks=64, prefill_tp=prefill_tp,
-                    decode_tp=decode_tp,
+                    decode_tp=decode_tp, transport=transport,
                     prefill_chunk_size=16)          # the 40-token prompt goes in 3 chunks
     try:
         sizes = {w.role: w.tensor_parallel_size for w in served.client.status().workers}

@@ -38,7 +38,7 @@ def layout(kv, heads, size, rank):
 class Workers:
     """P ranks (senders over their shares of `full`) and D ranks (receivers)."""
 
-    def __init__(self, heads, p_size, d_size, checksum=False, device="cpu"):
+    def __init__(self, heads, p_size, d_size, checksum=False, device="cpu", kind="tcp"):
         self.heads, self.p_size, self.d_size = heads, p_size, d_size
         self.full = model_cache(heads).to(device)
         self.made, self.rx, self.addr, self.done, self.dst = [], [], [], [], []
@@ -46,7 +46,7 @@ class Workers:
             mine = kv_head_range(heads, d_size, d)
             kv = torch.zeros(LAYERS, 2, 16, len(mine), BLOCK, DIM, device=device)
             done = Completions()
-            rx = make_receiver("tcp", kv, layout(kv, heads, d_size, d), EPOCH, notify=done,
+            rx = make_receiver(kind, kv, layout(kv, heads, d_size, d), EPOCH, notify=done,
                                io_timeout_s=2.0)
             self.made.append(rx)
             self.addr.append(rx.start())
@@ -57,7 +57,7 @@ class Workers:
         for p in range(p_size):
             mine = kv_head_range(heads, p_size, p)
             kv = self.full[:, :, :, mine.start:mine.stop].contiguous()
-            tx = make_sender("tcp", kv, layout(kv, heads, p_size, p), checksum=checksum,
+            tx = make_sender(kind, kv, layout(kv, heads, p_size, p), checksum=checksum,
                              connect_timeout_s=2.0, io_timeout_s=2.0)
             self.made.append(tx)
             self.tx.append(tx)
@@ -74,13 +74,40 @@ class Workers:
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_decode_rank_gets_exactly_its_heads(heads, p_size, d_size, frames, device):
     """On CUDA: P stages each slice through pinned memory, D copies into its heads."""
-    w = Workers(heads, p_size, d_size, checksum=frames == "whole", device=device)
+    _move(Workers(heads, p_size, d_size, checksum=frames == "whole", device=device),
+          heads, p_size, d_size, frames, device)
+
+
+@pytest.mark.parametrize("heads,p_size,d_size", [
+    (4, 1, 2), (4, 2, 1), (4, 2, 2), (2, 1, 4), (2, 4, 2), (3, 3, 1)])
+def test_nixl_writes_each_decode_rank_its_heads(heads, p_size, d_size):
+    """One-sided writes of head runs (one descriptor per block and head where the two
+    ranks hold different heads), several prefill ranks leasing one request's blocks on
+    a decode rank, each DONE waiting for its own writes' notifications."""
+    from pdserve.kv_transfer.nixl import find_module
+
+    if find_module() is None:
+        pytest.skip("NIXL (nixl-cu12) not installed")
+    _move(Workers(heads, p_size, d_size, kind="nixl"), heads, p_size, d_size, "per-layer",
+          "cpu")
+
+
+def _move(w: Workers, heads, p_size, d_size, frames, device):
+    """Every P rank sends its plan's heads, chunk by chunk; every D rank must hold
+    exactly the model's K/V of its heads in its reserved blocks, and nothing else."""
     try:
         for rx in w.rx:
             rx.expect("r", DST)
         plan = transfer_plan(heads, p_size, d_size)
+        errors = []
 
-        def send(p):   # P rank p's share, as its step loop would send it (in parallel)
+        def send(p):
+            try:
+                send_share(p)
+            except Exception as e:     # fails the test below, naming the rank
+                errors.append((p, e))
+
+        def send_share(p):   # P rank p's share, as its step loop would send it (in parallel)
             mine = [s for s in plan if s.p_rank == p]
             chunks = [(0, 4), (4, len(SRC))]
             layer_runs = ([(i, i + 1) for i in range(LAYERS)] if frames == "per-layer"
@@ -99,6 +126,7 @@ def test_every_decode_rank_gets_exactly_its_heads(heads, p_size, d_size, frames,
             t.start()
         for t in threads:
             t.join(10)
+        assert not errors, errors
         idx = torch.tensor(DST, device=device)
         for d in range(d_size):
             c = w.done[d].wait("r")
@@ -199,5 +227,32 @@ def test_the_staged_paths_of_a_device_cache_move_head_slices(monkeypatch):
             assert c.ok, c.error
             want = w.full[:, :, torch.tensor(SRC)][:, :, :, heads.start:heads.stop]
             assert torch.equal(w.dst[d][:, :, idx], want)
+    finally:
+        w.close()
+
+
+def test_nixl_refuses_a_second_writer_of_the_same_heads():
+    """Two prefill workers (or ranks) writing the same heads of one request: the second
+    BEGIN is refused, the first goes on."""
+    from pdserve.kv_transfer.nixl import find_module
+
+    if find_module() is None:
+        pytest.skip("NIXL (nixl-cu12) not installed")
+    w = Workers(4, 2, 1, kind="nixl")
+    other = make_sender("nixl", w.tx[0].kv, w.tx[0].layout, connect_timeout_s=2.0,
+                        io_timeout_s=2.0)
+    w.made.append(other)
+    try:
+        w.rx[0].expect("r", DST)
+        w.tx[0].send_layers(w.addr[0], "r", EPOCH, 0, 1, SRC, heads=range(0, 2))
+        with pytest.raises(KVTransferError, match="another prefill worker is writing it"):
+            other.send_layers(w.addr[0], "r", EPOCH, 1, 2, SRC, heads=range(0, 2))
+        for p, heads in ((0, range(0, 2)), (1, range(2, 4))):
+            w.tx[p].send_layers(w.addr[0], "r", EPOCH, 0 if p else 1, LAYERS, SRC,
+                                heads=heads)
+            w.tx[p].send_done(w.addr[0], "r", EPOCH, FIRST_TOKEN if p == 0 else None,
+                              LAYERS, heads=heads)
+        c = w.done[0].wait("r")
+        assert c.ok and c.first_token == FIRST_TOKEN, c.error
     finally:
         w.close()

@@ -9,7 +9,8 @@ only once no rank can still write into them::
       await rank.kv_expect(rid, blocks)  ──▶   expect: its receiver takes rid's frames
       (before the router hears of the reservation, so before any P rank sends)
     step loop: TPReceiver.get_finished()
-      own receiver's news, and
+      own receiver's news, and (while a
+      rank may have news: wants_poll)
       TPLeader.gather("kv_poll")         ──▶   kv_poll: its receiver's KVFinished
       a completion once every rank's is ok (or at the first failure), a release once
       every rank released
@@ -87,15 +88,29 @@ class TPReceiver:
         self._done: dict[str, dict[int, KVCompletion]] = {}     # rid -> rank -> completion
         self._reported: set[str] = set()        # completion reported; later ones dropped
         self._released: dict[str, set[int]] = {}                # rid -> ranks released
+        # what the ranks may still report: expected and not yet complete, forgotten and
+        # not yet released (get_finished polls them only then: no collective when idle)
+        self._waiting: set[str] = set()
+        self._releasing: set[str] = set()
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
-        """Rank 0's expect (the scheduler's lock held); the ranks' is expect_ranks."""
+        """Rank 0's expect (the scheduler's lock held); the ranks' is expect_ranks.
+        Idempotent, as the receiver's: a repeated reserve keeps what the ranks said."""
         self.receiver.expect(request_id, dst_block_ids)
+        if request_id in self._seqs:
+            return
         self._seq += 1
         self._seqs[request_id] = self._seq
         self._expects[request_id] = (list(dst_block_ids), self._seq)
         self._reported.discard(request_id)
         self._done.pop(request_id, None)
+        self._waiting.add(request_id)
+
+    @property
+    def wants_poll(self) -> bool:
+        """Whether some rank may have news (then the step loop polls soon, not at its
+        idle period: a rank's news does not wake it)."""
+        return bool(self._waiting or self._releasing)
 
     async def expect_ranks(self, request_id: str) -> None:
         """Have ranks 1..M-1 expect the request (DecodeWorker.reserve awaits this before
@@ -107,17 +122,20 @@ class TPReceiver:
     def forget(self, request_id: str) -> None:
         self._expects.pop(request_id, None)
         seq = self._seqs.pop(request_id, self._seq)
+        self._waiting.discard(request_id)
+        self._releasing.add(request_id)
         self.receiver.forget(request_id)
         for r in self.ranks:
             r.kv_forget.remote(request_id, seq)     # its release comes back by kv_poll
 
     def get_finished(self) -> KVFinished:
         news = [self.receiver.get_finished()]
-        try:
-            news += self.leader.gather("kv_poll")
-        except Exception as e:              # TPGroupBroken: a rank is gone
-            self._on_broken(e)
-            raise
+        if self.wants_poll:
+            try:
+                news += self.leader.gather("kv_poll")
+            except Exception as e:          # TPGroupBroken: a rank is gone
+                self._on_broken(e)
+                raise
         completions, released = [], []
         for rank, finished in enumerate(news):
             for c in finished.completions:
@@ -128,6 +146,7 @@ class TPReceiver:
                 ranks.add(rank)
                 if len(ranks) == self.size:
                     del self._released[rid]
+                    self._releasing.discard(rid)
                     self._reported.discard(rid)
                     self._done.pop(rid, None)       # aborted before every rank's arrived
                     released.append(rid)
@@ -140,6 +159,7 @@ class TPReceiver:
             return None
         if not c.ok:
             self._reported.add(rid)
+            self._waiting.discard(rid)
             self._done.pop(rid, None)
             return KVCompletion(rid, False, None, f"decode rank {rank}: {c.error}")
         done = self._done.setdefault(rid, {})
@@ -147,6 +167,7 @@ class TPReceiver:
         if len(done) < self.size:
             return None
         self._reported.add(rid)
+        self._waiting.discard(rid)
         del self._done[rid]
         return done[0]          # the first token came to rank 0, with prefill rank 0's DONE
 

@@ -69,6 +69,7 @@ class StaleEpochError(RuntimeError):
 
 
 _IDLE_WAIT_S = 0.05   # step thread's wake-up period when idle (lease checks, shutdown)
+_RANK_POLL_S = 0.005  # ... while a tensor-parallel rank's KV may be arriving
 
 
 class DecodeWorker:
@@ -80,7 +81,7 @@ class DecodeWorker:
         self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation of the process
         # tensor-parallel: ranks 1..M-1 follow, each with its KV receiver (rank.py)
         self.tp, self._ranks, self.runner = worker_runner(
-            worker_id, config, "decode", self.epoch,
+            worker_id, config, "decode", self.epoch, self._group_broken,
             enforce_eager=config.enforce_eager or not config.cuda_graphs,
             compile_model=config.compile and not config.enforce_eager,
             max_graph_batch_size=min(config.max_batch_size, 512))
@@ -274,7 +275,9 @@ class DecodeWorker:
             out = sched.schedule()
             if not out.requests:
                 self._publish(sched.drain_events())
-                self._wake.wait(_IDLE_WAIT_S)
+                # a TP worker's ranks report arrivals only when polled (rank.py)
+                self._wake.wait(_RANK_POLL_S if getattr(self.receiver, "wants_poll", False)
+                                else _IDLE_WAIT_S)
                 self._wake.clear()
                 continue
             if self.lent is not None and (n := self.lent.threads()) != threads:

@@ -53,12 +53,15 @@ class TPLeader:
     """Rank 0's runner: the ModelRunner's interface, with each call of STEP_CALLS sent to
     the followers before it runs here (under one lock: calls from several threads stay
     whole); other attributes are the runner's. `stop()` ends the followers' loops.
+    `on_broken(error)`: an idle leader's heartbeat found a rank gone (the worker exits).
 
     Raises (from a step call): TPGroupBroken, once its order went out."""
 
-    def __init__(self, runner, tp: TensorParallel, heartbeat_s: float | None = 10.0):
+    def __init__(self, runner, tp: TensorParallel, heartbeat_s: float | None = 10.0,
+                 on_broken: Callable[[Exception], None] | None = None):
         assert tp.rank == 0, tp
         self.runner, self.tp = runner, tp
+        self._on_broken = on_broken        # a heartbeat found the group broken (idle)
         self.num_calls = 0          # step orders sent (each follower runs as many)
         self._lock = threading.Lock()
         self._last_order = time.monotonic()
@@ -128,8 +131,10 @@ class TPLeader:
                 if time.monotonic() - self._last_order >= interval_s:
                     try:
                         self._order([_PING, {}])
-                    except Exception as e:    # a lost rank: the next step order says so
+                    except Exception as e:    # a lost rank, while idle
                         logger.warning("tensor-parallel heartbeat failed: %r", e)
+                        if self._on_broken is not None:
+                            self._on_broken(TPGroupBroken(f"heartbeat failed: {e!r}"))
                         return
 
     def _order(self, order: list) -> None:

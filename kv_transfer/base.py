@@ -271,6 +271,8 @@ def check_cache(kv: torch.Tensor, layout: KVLayout) -> None:
     mine = KVLayout.for_cache(kv, layout.model_id, kv_head_start=layout.kv_head_start,
                               model_kv_heads=layout.model_kv_heads, tp_size=layout.tp_size)
     msg = mine.mismatch(layout, mine="kv tensor", theirs="layout")
+    if msg is None and mine.num_kv_heads != layout.num_kv_heads:   # mismatch pairs shares
+        msg = f"num_kv_heads: kv tensor has {mine.num_kv_heads}, layout has {layout.num_kv_heads}"
     if msg is not None:
         raise KVLayoutMismatch(f"kv tensor does not match its layout: {msg}")
 

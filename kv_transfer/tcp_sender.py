@@ -152,6 +152,8 @@ class TcpKVSender(KVSender):
                   heads: range | None = None) -> None:
         fields = self._head_fields(heads)
         named = range(fields["head_start"], fields["head_start"] + fields["num_heads"])
+        if first_token is None and not named:   # a tokenless DONE names its heads (a
+            named = heads or self.layout.heads   # rank of a one-KV-head model: all of them)
 
         def done(conn: _SendConn) -> None:
             writes = self._settle(conn, request_id, epoch)

@@ -222,11 +222,12 @@ def start_ranks(worker_id: str, config: WorkerConfig, pg: PlacementGroup | None 
 
 
 def worker_runner(worker_id: str, config: WorkerConfig, role: str, epoch: int,
-                  **runner_kw) -> tuple[TensorParallel, list, object]:
+                  on_broken=None, **runner_kw) -> tuple[TensorParallel, list, object]:
     """A worker's model runner, built by its actor (rank 0): with
     config.tensor_parallel_size N > 1, ranks 1..N-1 started first (start_ranks, `role`
     and `epoch` for their KV endpoints) and the runner a TPLeader over this rank's
-    shard. `runner_kw` go to ModelRunner. Returns (tp, the ranks' handles, runner).
+    shard (`on_broken(error)`: its idle heartbeat found a rank gone). `runner_kw` go to
+    ModelRunner. Returns (tp, the ranks' handles, runner).
     Raises what start_ranks and ModelRunner raise."""
     from .engine.model_runner import ModelRunner
     from .engine.parallel import SINGLE
@@ -237,4 +238,4 @@ def worker_runner(worker_id: str, config: WorkerConfig, role: str, epoch: int,
         tp, ranks = start_ranks(worker_id, config, role=role, epoch=epoch)
     runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
                          rank_cpus(config.cpus, tp.size, 0), tp=tp, **runner_kw)
-    return tp, ranks, runner if tp.size == 1 else TPLeader(runner, tp)
+    return tp, ranks, runner if tp.size == 1 else TPLeader(runner, tp, on_broken=on_broken)

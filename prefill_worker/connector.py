@@ -137,7 +137,8 @@ class PrefillKVConnector:
                     logger.exception("KV send of %s failed unexpectedly", req.request_id)
                 if req.error is None:
                     self.kv_send_failures += 1
-                req.error = f"KV transfer to {req.kv_address[0]}:{req.kv_address[1]} failed: {e}"
+                req.error = (str(e) if isinstance(e, KVTransferError)  # names the address
+                             else f"KV send failed: {type(e).__name__}: {e}")
                 logger.warning("%s: %s", req.request_id, req.error)
                 if isinstance(task, _SendLayers):
                     continue      # the request's _SendDone, still queued, finishes it

@@ -5,11 +5,15 @@ own heads and the first token. The scheduler, block pool and prefix cache are ra
 alone, so rank 0 tells its ranks what to send through orders (engine/tp_executor.py
 TPLeader.order) in step with the model calls::
 
-    rank 0 (PrefillWorker step loop)          rank i (this handler, in follow())
-    order kv_sends(sends)              ──▶    kv_sends: the step's (request, blocks)
+    rank 0 (PrefillRanks, worker.py's step loop)  rank i (PrefillRankKV, in follow())
+    gather kv_sends(sends)             ──▶    kv_sends: the step's (request, blocks);
+                                       ◀──    the requests that left its send thread
     runner.prefill(seqs, on_layer_done) ──▶   prefill; on_layer_done(i) queues layer i
                                               of each send on its connector
     order kv_finish(requests)          ──▶    DONE (no token) or ABORT for each
+    gather kv_poll (idle, while some   ──▶    the requests that left its send thread
+    request is still on a rank)        ◀──    since (done, or failed: rank 0 aborts
+                                              them on the decode worker)
 
 Blocks rank 0 frees are reused by a later step: before a step's sends are taken, a rank
 waits until every request it finished has left its send thread, so no forward writes
@@ -22,8 +26,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..kv_transfer import KVTransferError
 from .connector import PrefillKVConnector
 
 logger = logging.getLogger(__name__)
@@ -49,10 +55,12 @@ class RankRequest:
 class PrefillRankKV:
     """A follower's KV sends (see the module docstring). ``targets(d_size)``: what this
     rank sends a decode worker of d_size ranks (tp_plan.rank_targets; none where its
-    heads reach D from another replica)."""
+    heads reach D from another replica). kv_sends and kv_poll answer rank 0 with the
+    requests that left this rank since the last answer: (done request ids, failed as
+    (request_id, epoch, decode rank 0's address, error))."""
 
-    ORDERS = ("kv_sends", "kv_finish")
-    GATHERS = ()
+    ORDERS = ("kv_finish",)
+    GATHERS = ("kv_sends", "kv_poll", "kv_pair")
 
     def __init__(self, sender, num_layers: int, targets):
         self.num_layers = num_layers
@@ -61,32 +69,53 @@ class PrefillRankKV:
                                             targets=targets)
         self._requests: dict[str, RankRequest] = {}
         self._sends: list[tuple[RankRequest, int, int]] = []
-        self._closing: set[str] = set()     # finished here, maybe still on the send thread
+        self._closing: dict[str, bool] = {}   # finished here (ok?), maybe still sending
+        self._done: list[str] = []
+        self._failed: list[tuple[str, int, tuple, str]] = []
 
-    def kv_sends(self, sends: list[tuple]) -> None:
+    def kv_sends(self, sends: list[tuple]) -> tuple[list, list]:
         """The next step's sends: (request_id, epoch, decode ranks' KV addresses,
-        num_cached_blocks, block_table, block_lo, block_hi) each."""
+        num_cached_blocks, block_table, block_lo, block_hi) each. Waits until every
+        request finished here has left the send thread first (the step may reuse its
+        blocks)."""
         self._drain()
         self._sends = []
         for rid, epoch, addresses, cached, table, lo, hi in sends:
             req = self._request(rid, epoch, addresses, cached)
             req.block_table = list(table)
             self._sends.append((req, lo, hi))
+        return self._answer()
+
+    def kv_poll(self) -> tuple[list, list]:
+        """What left the send thread since the last answer (rank 0 idle)."""
+        self._collect()
+        return self._answer()
+
+    def kv_pair(self, addresses: list[tuple[str, int]]) -> list[str]:
+        """Connect (handshake) to every decode rank; the errors, as messages."""
+        errors = []
+        for address in addresses:
+            try:
+                self.connector.sender.connect(tuple(address))
+            except Exception as e:       # KVLayoutMismatch, KVAuthError, KVTransferError
+                errors.append(f"{type(e).__name__}: {e}")
+        return errors
 
     def on_layer_done(self, layer: int) -> None:
         for req, lo, hi in self._sends:
             self.connector.save_layers(req, layer, layer + 1, lo, hi)
         if layer == self.num_layers - 1:
-            self._sends = []        # a prefill without kv_sends (a bench) sends nothing
+            self._sends = []        # a prefill without kv_sends sends nothing
 
     def kv_finish(self, requests: list[tuple]) -> None:
         """(request_id, epoch, decode ranks' KV addresses, num_cached_blocks, ok) each:
         DONE for this rank's heads when ok, else ABORT."""
         self._sends = []
         for rid, epoch, addresses, cached, ok in requests:
-            req = self._requests.pop(rid, None) or self._request(rid, epoch, addresses, cached)
-            self._requests.pop(rid, None)
-            self._closing.add(rid)
+            req = self._request(rid, epoch, addresses, cached)
+            del self._requests[rid]
+            req.aborted = not ok            # its layers still queued are not sent
+            self._closing[rid] = ok
             self.connector.request_finished(req, None, ok=ok)
 
     def close(self) -> None:
@@ -99,14 +128,24 @@ class PrefillRankKV:
             req = self._requests[rid] = RankRequest(rid, epoch, first, tuple(rest), cached)
         return req
 
+    def _collect(self) -> None:
+        for req in self.connector.get_finished():
+            ok = self._closing.pop(req.request_id, False)
+            if ok and req.error is not None:     # a transfer failure, not an abort
+                logger.warning("%s: %s", req.request_id, req.error)
+                self._failed.append((req.request_id, req.epoch, req.kv_address, req.error))
+            else:
+                self._done.append(req.request_id)
+
+    def _answer(self) -> tuple[list, list]:
+        out, self._done, self._failed = (self._done, self._failed), [], []
+        return out
+
     def _drain(self) -> None:
         """Wait until every request finished here has left the send thread."""
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while True:
-            for req in self.connector.get_finished():
-                self._closing.discard(req.request_id)
-                if req.error is not None:
-                    logger.warning("%s: %s", req.request_id, req.error)
+            self._collect()
             if not self._closing:
                 return
             if time.monotonic() > deadline:
@@ -114,3 +153,78 @@ class PrefillRankKV:
                                    f"after {DRAIN_TIMEOUT_S} s")
             self._news.wait(0.05)
             self._news.clear()
+
+
+class PrefillRanks:
+    """Rank 0's side of its ranks' KV sends: the orders (see the module docstring) and
+    what comes back. A request a rank could not send (its decode rank unreachable, say)
+    is aborted on the decode worker from here, so D fails it at once and the router
+    retries, rather than D waiting for those heads until the lease ends.
+
+    leader: the TPLeader runner. sender: rank 0's KVSender (its ABORT frames).
+    on_broken(error): a rank did not answer (the worker exits; does not return)."""
+
+    def __init__(self, leader, sender, size: int, on_broken: Callable[[Exception], None]):
+        self.leader, self.sender, self.size = leader, sender, size
+        self._on_broken = on_broken
+        self._open: dict[str, int] = {}      # kv_finish sent: ranks yet to report it
+
+    def sends(self, ranges: list[tuple]) -> None:
+        """Before a step: its (request, block_lo, block_hi) sends, to every rank."""
+        self._answers(self._gather("kv_sends", sends=[
+            (r.request_id, r.epoch, (r.kv_address, *r.kv_rank_addresses),
+             r.num_cached_blocks, list(r.block_table), lo, hi) for r, lo, hi in ranges]))
+
+    def finish(self, items: list[tuple]) -> None:
+        """After a step: (request, ok) of the requests it ended (DONE, or ABORT)."""
+        if not items:
+            return
+        try:
+            self.leader.order("kv_finish", requests=[
+                (r.request_id, r.epoch, (r.kv_address, *r.kv_rank_addresses),
+                 r.num_cached_blocks, ok) for r, ok in items])
+        except Exception as e:          # TPGroupBroken
+            self._on_broken(e)
+        for r, _ in items:
+            self._open[r.request_id] = self.size - 1
+
+    def pair(self, addresses: list[tuple[str, int]]) -> list[str]:
+        """Every rank connects to every decode rank at `addresses`, as rank 0 does at
+        start (PrefillWorker.pair): their errors, each naming its rank."""
+        return [f"prefill rank {rank}: {error}"
+                for rank, errors in enumerate(self._gather("kv_pair", addresses=addresses),
+                                              start=1) for error in errors]
+
+    def poll(self) -> None:
+        """Idle: what the ranks finished sending since (only while some are open)."""
+        if self._open:
+            self._answers(self._gather("kv_poll"))
+
+    def _gather(self, name: str, **kwargs) -> list:
+        try:
+            return self.leader.gather(name, **kwargs)
+        except Exception as e:          # TPGroupBroken
+            self._on_broken(e)
+            raise
+
+    def _answers(self, answers: list) -> None:
+        aborted = set()
+        for rank, (done, failed) in enumerate(answers, start=1):
+            for rid in done:
+                self._close(rid)
+            for rid, epoch, address, error in failed:
+                self._close(rid)
+                if rid in aborted:
+                    continue
+                aborted.add(rid)
+                try:
+                    self.sender.send_abort(address, rid, epoch, f"prefill rank {rank}: {error}")
+                except KVTransferError as e:
+                    logger.warning("abort of %s on the decode worker not sent: %s", rid, e)
+
+    def _close(self, rid: str) -> None:
+        left = self._open.get(rid, 1) - 1
+        if left > 0:
+            self._open[rid] = left
+        else:
+            self._open.pop(rid, None)

@@ -49,6 +49,7 @@ from ..messages import CacheEvents, PrefillOrder, PrefillResult, WorkerInfo, Wor
 from ..metrics import WorkerMetrics, serve as serve_metrics
 from ..tp_group import worker_runner
 from .connector import PrefillKVConnector
+from .rank import PrefillRanks
 from .scheduler import PrefillRequest, PrefillScheduler
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class PrefillWorker:
                 logger.warning("idle cores not lent to decode: %s", e)
         # tensor-parallel: ranks 1..N-1 follow, each sending its KV heads (rank.py)
         self.tp, self._ranks, self.runner = worker_runner(
-            worker_id, config, "prefill", self.epoch,
+            worker_id, config, "prefill", self.epoch, self._group_broken,
             compile_model=config.compile and not config.enforce_eager)
         self.num_layers = self.runner.config.num_layers
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
@@ -108,6 +109,10 @@ class PrefillWorker:
                 req, result=PrefillResult(token, req.logprobs, tuple(req.prompt_logprobs))),
             observe_transfer_s=self.metrics.kv_transfer_seconds.observe,
             targets=functools.partial(rank_targets, model.num_kv_heads, self.tp.size, 0))
+        # tensor-parallel: the ranks' KV sends, ordered around each step (rank.py)
+        self.tp_ranks = (PrefillRanks(self.runner, self.sender, self.tp.size,
+                                      self._group_broken) if self.tp.size > 1 else None)
+        self._step_lock = threading.Lock()   # one step (or bench forward) at a time
         self._step_thread = threading.Thread(target=self._step_loop, name="prefill-step",
                                              daemon=True)
         self._step_thread.start()
@@ -123,9 +128,15 @@ class PrefillWorker:
         """Connect to each decode worker's KV receiver and exchange layouts and epochs.
 
         Returns the decode workers' epochs. Raises KVLayoutMismatch naming every field
-        that differs (block_size, dtype, model_id, ...) with both values.
+        that differs (block_size, dtype, model_id, ...) with both values; with tensor
+        parallelism, every rank pairs, and KVTransferError names a rank that cannot.
         """
-        return [await asyncio.to_thread(self.sender.connect, tuple(a)) for a in kv_addresses]
+        epochs = [await asyncio.to_thread(self.sender.connect, tuple(a)) for a in kv_addresses]
+        if self.tp_ranks is not None:      # ranks 1..N-1 send their heads there too
+            errors = await asyncio.to_thread(self.tp_ranks.pair, [tuple(a) for a in kv_addresses])
+            if errors:
+                raise KVTransferError("; ".join(errors))
+        return epochs
 
     async def prefill(self, order: PrefillOrder) -> PrefillResult:
         """Prefill `order.token_ids` into the decode worker's reserved blocks at
@@ -175,9 +186,12 @@ class PrefillWorker:
             self.activity.set_busy(True)
         try:
             def step() -> float:
-                t0 = time.perf_counter()
-                self.runner.prefill([PrefillSeq(ids, blocks)])
-                return time.perf_counter() - t0
+                with self._step_lock:        # not between a step's sends and its forward
+                    if self.tp_ranks is not None:
+                        self.tp_ranks.sends([])   # the ranks: nothing to send of it
+                    t0 = time.perf_counter()
+                    self.runner.prefill([PrefillSeq(ids, blocks)])
+                    return time.perf_counter() - t0
             return await asyncio.to_thread(step)
         finally:
             self._benching = False
@@ -259,87 +273,80 @@ class PrefillWorker:
             aborted = self.scheduler.take_aborted()
             for r in aborted:                          # between chunks: abort frame, release
                 self.connector.request_finished(r, None)
-            self._order_ranks("kv_finish", [(r, False) for r in aborted])
+            if self.tp_ranks is not None:
+                self.tp_ranks.finish([(r, False) for r in aborted])
             batch = self.scheduler.schedule()
             if self.activity is not None:
                 self.activity.set_busy(bool(batch) or self._benching)
             if not batch:
+                if self.tp_ranks is not None:
+                    with self._step_lock:
+                        self.tp_ranks.poll()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            self.metrics.batch_size.labels(phase="prefill").observe(len(batch))
-            # Each chunk streams every layer's K/V of the blocks it completed (and, with
-            # a prompt's first chunk, of P's cached blocks D lacks) while the next layer
-            # computes; D's cached prefix is never sent.
-            ranges = [(r, *rng) for r in batch
-                      if (rng := self.scheduler.kv_send_range(r))[0] < rng[1]]
+            with self._step_lock:   # a bench_prefill forward never falls between these
+                self._step(batch)
 
-            self._order_ranks("kv_sends", ranges)
+    def _step(self, batch: list[PrefillRequest]) -> None:
+        """One prefill step of `batch` (the ranks' KV sends ordered around it)."""
+        self.metrics.batch_size.labels(phase="prefill").observe(len(batch))
+        # Each chunk streams every layer's K/V of the blocks it completed (and, with
+        # a prompt's first chunk, of P's cached blocks D lacks) while the next layer
+        # computes; D's cached prefix is never sent.
+        ranges = [(r, *rng) for r in batch
+                  if (rng := self.scheduler.kv_send_range(r))[0] < rng[1]]
+        if self.tp_ranks is not None:
+            self.tp_ranks.sends(ranges)
 
-            def on_layer_done(i: int) -> None:
-                for r, lo, hi in ranges:
-                    self.connector.save_layers(r, i, i + 1, lo, hi)
-                self._finish_sent()       # a transfer that ended waits one layer at most
+        def on_layer_done(i: int) -> None:
+            for r, lo, hi in ranges:
+                self.connector.save_layers(r, i, i + 1, lo, hi)
+            self._finish_sent()       # a transfer that ended waits one layer at most
 
-            try:
-                seqs = [PrefillSeq(r.token_ids[:r.chunk_end], r.block_table,
-                                   r.num_computed_tokens) for r in batch]
-                if any(r.params.prompt_logprobs is not None for r in batch):
-                    logits, entries = self.runner.prefill_with_prompt_logprobs(seqs, [
-                        None if r.params.prompt_logprobs is None
-                        else (r.token_ids, r.params.prompt_logprobs) for r in batch],
-                        on_layer_done)
-                    for r, e in zip(batch, entries):
-                        r.prompt_logprobs += e or []
-                else:
-                    logits = self.runner.prefill(seqs, on_layer_done)
-                # sampled before advance(): a failure below leaves no chunked request
-                # queued for a next chunk (advance(ok=False) then fails them all)
-                rows = [i for i, r in enumerate(batch) if r.chunk_end == len(r.token_ids)]
-                done, tokens = [batch[i] for i in rows], []
-                if done:
-                    done_logits, params = logits[rows], [r.params for r in done]
-                    matchers = [self._matcher(r) for r in done]
-                    if any(m is not None for m in matchers):   # logprobs see the mask
-                        apply_bitmask(done_logits, self.runner.grammars.bitmask(matchers))
-                    captured = capture(done_logits, params)
-                    tokens = sample(done_logits, params, [0] * len(done),
-                                    [r.token_ids if r.params.penalized else None for r in done],
-                                    self.runner.config.eos_token_ids)
-                    for r, lp in zip(done, captured.of(tokens)):
-                        r.logprobs = lp
-                assert self.scheduler.advance(batch) == done, "chunk bookkeeping"
-                for r in done:
-                    self.scheduler.cache_computed(r)
-            except Exception as e:  # a model fault fails this batch, not the worker
-                if isinstance(e, TPGroupBroken):   # ... unless its ranks are out of step
-                    self._group_broken(e)
-                logger.exception("prefill batch of %d failed", len(batch))
-                self.scheduler.advance(batch, ok=False)
-                for r in batch:   # model_fault: the send thread may set error meanwhile
-                    r.model_fault = r.error = f"prefill failed: {type(e).__name__}: {e}"
-                done, tokens = batch, [None] * len(batch)
-            for r, tok in zip(done, tokens):
-                r.state = RequestState.SENDING_KV
-                self.connector.request_finished(r, tok)
-            self._order_ranks("kv_finish", [(r, tok is not None) for r, tok in zip(done, tokens)])
-
-    def _order_ranks(self, name: str, items: list[tuple]) -> None:
-        """A tensor-parallel worker's orders to its ranks' KV sends (rank.py): "kv_sends"
-        with this step's (request, block_lo, block_hi), "kv_finish" with (request, ok)."""
-        if self.tp.size == 1 or (name == "kv_finish" and not items):
-            return
         try:
-            if name == "kv_sends":
-                self.runner.order(name, sends=[
-                    (r.request_id, r.epoch, (r.kv_address, *r.kv_rank_addresses),
-                     r.num_cached_blocks, list(r.block_table), lo, hi) for r, lo, hi in items])
+            seqs = [PrefillSeq(r.token_ids[:r.chunk_end], r.block_table,
+                               r.num_computed_tokens) for r in batch]
+            if any(r.params.prompt_logprobs is not None for r in batch):
+                logits, entries = self.runner.prefill_with_prompt_logprobs(seqs, [
+                    None if r.params.prompt_logprobs is None
+                    else (r.token_ids, r.params.prompt_logprobs) for r in batch],
+                    on_layer_done)
+                for r, e in zip(batch, entries):
+                    r.prompt_logprobs += e or []
             else:
-                self.runner.order(name, requests=[
-                    (r.request_id, r.epoch, (r.kv_address, *r.kv_rank_addresses),
-                     r.num_cached_blocks, ok) for r, ok in items])
-        except TPGroupBroken as e:
-            self._group_broken(e)
+                logits = self.runner.prefill(seqs, on_layer_done)
+            # sampled before advance(): a failure below leaves no chunked request
+            # queued for a next chunk (advance(ok=False) then fails them all)
+            rows = [i for i, r in enumerate(batch) if r.chunk_end == len(r.token_ids)]
+            done, tokens = [batch[i] for i in rows], []
+            if done:
+                done_logits, params = logits[rows], [r.params for r in done]
+                matchers = [self._matcher(r) for r in done]
+                if any(m is not None for m in matchers):   # logprobs see the mask
+                    apply_bitmask(done_logits, self.runner.grammars.bitmask(matchers))
+                captured = capture(done_logits, params)
+                tokens = sample(done_logits, params, [0] * len(done),
+                                [r.token_ids if r.params.penalized else None for r in done],
+                                self.runner.config.eos_token_ids)
+                for r, lp in zip(done, captured.of(tokens)):
+                    r.logprobs = lp
+            assert self.scheduler.advance(batch) == done, "chunk bookkeeping"
+            for r in done:
+                self.scheduler.cache_computed(r)
+        except Exception as e:  # a model fault fails this batch, not the worker
+            if isinstance(e, TPGroupBroken):   # ... unless its ranks are out of step
+                self._group_broken(e)
+            logger.exception("prefill batch of %d failed", len(batch))
+            self.scheduler.advance(batch, ok=False)
+            for r in batch:   # model_fault: the send thread may set error meanwhile
+                r.model_fault = r.error = f"prefill failed: {type(e).__name__}: {e}"
+            done, tokens = batch, [None] * len(batch)
+        for r, tok in zip(done, tokens):
+            r.state = RequestState.SENDING_KV
+            self.connector.request_finished(r, tok)
+        if self.tp_ranks is not None:
+            self.tp_ranks.finish([(r, tok is not None) for r, tok in zip(done, tokens)])
 
     def _group_broken(self, e: TPGroupBroken) -> None:
         """A rank is lost (or out of step): exit, so Ray restarts this actor, which

@@ -69,7 +69,8 @@ class Workers:
 
 @pytest.mark.parametrize("heads,p_size,d_size", [
     (4, 1, 2), (4, 2, 1), (4, 2, 2), (2, 1, 4), (2, 4, 2), (2, 4, 1), (3, 3, 1), (4, 4, 2),
-    (4, 1, 1)])
+    (4, 1, 1),
+    (1, 2, 2), (1, 2, 1), (1, 1, 2)])   # one KV head (MQA): every rank holds all of it
 @pytest.mark.parametrize("frames", ["per-layer", "whole"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_decode_rank_gets_exactly_its_heads(heads, p_size, d_size, frames, device):
@@ -79,7 +80,7 @@ def test_every_decode_rank_gets_exactly_its_heads(heads, p_size, d_size, frames,
 
 
 @pytest.mark.parametrize("heads,p_size,d_size", [
-    (4, 1, 2), (4, 2, 1), (4, 2, 2), (2, 1, 4), (2, 4, 2), (3, 3, 1)])
+    (4, 1, 2), (4, 2, 1), (4, 2, 2), (2, 1, 4), (2, 4, 2), (3, 3, 1), (1, 2, 2)])
 def test_nixl_writes_each_decode_rank_its_heads(heads, p_size, d_size):
     """One-sided writes of head runs (one descriptor per block and head where the two
     ranks hold different heads), several prefill ranks leasing one request's blocks on

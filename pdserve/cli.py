@@ -192,6 +192,19 @@ def _drain(args) -> int:
     return 0 if r.drained else 1
 
 
+def _scale(args) -> int:
+    r, rc = _admin_call(args, "scale", lambda c: c.scale(args.prefill, args.decode,
+                                                         args.timeout_s))
+    if r is None:
+        return rc
+    print(f"serving: {r.num_prefill_workers} prefill, {r.num_decode_workers} decode"
+          + (f"; started {', '.join(r.started)}" if r.started else "")
+          + (f"; retired {', '.join(r.retired)}" if r.retired else "")
+          + (f"; stopped at {args.timeout_s:g} s, their requests moved on: "
+             f"{', '.join(r.migrated)}" if r.migrated else ""))
+    return 0
+
+
 def _status(args) -> int:
     st, rc = _admin_call(args, "status", lambda c: c.status())
     if st is None:
@@ -364,6 +377,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="how long to wait for their requests (seconds)")
     _add_client_security_args(dr)
     dr.set_defaults(fn=_drain)
+
+    sc = sub.add_parser("scale", help="start or retire workers at runtime (Admin.Scale): a "
+                                      "retiring worker finishes its requests first")
+    sc.add_argument("--server", default="127.0.0.1:50051")
+    sc.add_argument("--prefill", type=int, required=True, help="prefill workers wanted")
+    sc.add_argument("--decode", type=int, required=True, help="decode workers wanted")
+    sc.add_argument("--timeout-s", type=float, default=300.0,
+                    help="how long a retiring worker may take to finish its requests; "
+                         "then they move to the others (retry, stream migration)")
+    _add_client_security_args(sc)
+    sc.set_defaults(fn=_scale)
 
     from .bench.commands import add_bench_parser
     add_bench_parser(sub)

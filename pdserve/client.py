@@ -110,6 +110,17 @@ class Client:
         return self.admin.Drain(pb.DrainRequest(node_ip=node_ip, timeout_s=timeout_s),
                                 timeout=timeout_s + 30, metadata=self.metadata)
 
+    def scale(self, num_prefill: int, num_decode: int, timeout_s: float = 300.0
+              ) -> pb.ScaleResponse:
+        """Admin.Scale: start or retire workers until there are `num_prefill` prefill
+        and `num_decode` decode workers, a retiring one stopped once its requests
+        finished, or after `timeout_s` seconds with what it still has moved to the
+        others. grpc.RpcError on failure."""
+        return self.admin.Scale(pb.ScaleRequest(num_prefill_workers=num_prefill,
+                                                num_decode_workers=num_decode,
+                                                timeout_s=timeout_s),
+                                timeout=timeout_s + 600, metadata=self.metadata)
+
     def close(self) -> None:
         self.channel.close()
 

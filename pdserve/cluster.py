@@ -35,6 +35,39 @@ def _core_share_dir() -> str:
     return os.path.join(base, f"pdserve-cores-{uuid.uuid4().hex[:12]}")
 
 
+def start_worker(cfg: ClusterConfig, role: str, worker_id: str):
+    """Start one `role` ("prefill" | "decode") worker actor named `worker_id` with the
+    cluster's options (Cluster.start, and the router scaling at runtime); a
+    tensor-parallel one in bundle 0 of a placement group of its own (tp_group.py: its
+    ranks take the other bundles, on the same node). Returns (handle, that placement
+    group or None); the actor is starting (its ready() says when it serves).
+
+    Raises:
+        ray.exceptions.GetTimeoutError: no node can hold the placement group.
+    """
+    from .decode_worker.worker import DecodeWorker
+    from .prefill_worker.worker import PrefillWorker
+    from .tp_group import in_bundle, placement_group
+
+    cls, wcfg, resources = ((PrefillWorker, cfg.prefill, cfg.prefill_resources)
+                            if role == "prefill" else
+                            (DecodeWorker, cfg.decode, cfg.decode_resources))
+    # Actors take no Ray CPUs: each worker pins its own torch threads (num_threads), so
+    # several workers share a small box without Ray refusing to place them. A dead
+    # worker is restarted by Ray (new epoch); the router retries its requests itself
+    # (router.py), so Ray never re-runs a call on its own.
+    opts = {"num_cpus": 0, "max_concurrency": 1000, "name": worker_id,
+            "max_restarts": cfg.max_worker_restarts, "max_task_retries": 0}
+    if wcfg.tensor_parallel_size == 1:
+        return ray.remote(cls).options(resources=resources or None,
+                                       num_gpus=cfg.gpus_per_worker, **opts).remote(
+            worker_id, wcfg), None
+    pg = placement_group(wcfg.tensor_parallel_size, resources, num_gpus=cfg.gpus_per_worker,
+                         name=f"{worker_id}-ranks")
+    return ray.remote(cls).options(scheduling_strategy=in_bundle(pg, 0), **opts).remote(
+        worker_id, wcfg), pg
+
+
 class ClusterStartError(RuntimeError):
     """A worker or the router failed to start; the message names the first cause
     (e.g. a KV layout mismatch between a prefill and a decode worker)."""
@@ -60,8 +93,6 @@ class Cluster:
         Raises:
             ray.exceptions.RayActorError / GetTimeoutError: a worker failed to start.
         """
-        from .decode_worker.worker import DecodeWorker
-        from .prefill_worker.worker import PrefillWorker
         from .router.router import Router
 
         cfg = self.config
@@ -86,20 +117,14 @@ class Cluster:
                                            if p.pid not in before]
                 else:
                     ray.init(address=cfg.ray_address, namespace="pdserve")
-        # Actors take no Ray CPUs: each worker pins its own torch threads (num_threads),
-        # so several workers share a small box without Ray refusing to place them.
         opts = {"num_cpus": 0, "max_concurrency": 1000}
-        # A dead worker is restarted by Ray (new epoch); the router retries its requests
-        # itself (router.py), so Ray never re-runs a call on its own.
-        wopts = opts | {"max_restarts": cfg.max_worker_restarts, "max_task_retries": 0,
-                        "num_gpus": cfg.gpus_per_worker}
         try:
-            self.decode = [self._worker(DecodeWorker, f"decode-{i}", cfg.decode,
-                                        cfg.decode_resources, wopts)
-                           for i in range(cfg.num_decode_workers)]
-            self.prefill = [self._worker(PrefillWorker, f"prefill-{i}", cfg.prefill,
-                                         cfg.prefill_resources, wopts)
-                            for i in range(cfg.num_prefill_workers)]
+            for role, n, workers in (("decode", cfg.num_decode_workers, self.decode),
+                                     ("prefill", cfg.num_prefill_workers, self.prefill)):
+                for i in range(n):
+                    handle, pg = start_worker(cfg, role, f"{role}-{i}")
+                    workers.append(handle)
+                    self._placement_groups += [pg] if pg is not None else []
         except ray.exceptions.GetTimeoutError as e:
             self.stop()
             raise ClusterStartError(f"a tensor-parallel worker's ranks cannot be placed on "
@@ -122,22 +147,6 @@ class Cluster:
                 raise ClusterStartError(f"{type(cause).__name__}: {cause}") from e
             raise
         return self.port
-
-    def _worker(self, cls, worker_id: str, wcfg, resources: dict, wopts: dict):
-        """Start one worker actor; a tensor-parallel one in bundle 0 of a placement group
-        of its own (tp_group.py: its ranks take the other bundles, on the same node).
-        Raises GetTimeoutError: no node holds the group."""
-        from .tp_group import in_bundle, placement_group
-
-        opts = wopts | {"name": worker_id}
-        if wcfg.tensor_parallel_size == 1:
-            return ray.remote(cls).options(resources=resources or None, **opts).remote(
-                worker_id, wcfg)
-        pg = placement_group(wcfg.tensor_parallel_size, resources,
-                             num_gpus=opts.pop("num_gpus"), name=f"{worker_id}-ranks")
-        self._placement_groups.append(pg)
-        return ray.remote(cls).options(scheduling_strategy=in_bundle(pg, 0), **opts).remote(
-            worker_id, wcfg)
 
     def stop(self) -> None:
         """Stop serving, shut the workers down, and stop Ray if this cluster started it.

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpdserve.proto\x12\npdserve.v1\"2\n\x0c\x44rainRequest\x12\x0f\n\x07node_ip\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"N\n\rDrainResponse\x12\x12\n\nworker_ids\x18\x01 \x03(\t\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\x12\x18\n\x10running_requests\x18\x03 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x96\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12\x0e\n\x01n\x18\x12 \x01(\rH\x0c\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x13 \x01(\rH\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\n\n\x08_best_of\"\x8d\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"\x8d\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05token\x18\x04 \x01(\t\x12,\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.TopLogprobB\n\n\x08_logprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\"\x16\n\x14\x43lusterStatusRequest\"\xde\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x0f\n\x07node_ip\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x18\n\x10running_requests\x18\x08 \x01(\r\x12\x18\n\x10waiting_requests\x18\t \x01(\r\x12\r\n\x05\x65poch\x18\n \x01(\x04\x12\x12\n\nkv_address\x18\x0b \x01(\t\x12\x17\n\x0fmetrics_address\x18\x0c \x01(\t\x12\x1e\n\x16kv_reservations_leased\x18\r \x01(\r\x12!\n\x19kv_reservations_reclaimed\x18\x0e \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x0f \x01(\r\"\xb0\x01\n\x15\x43lusterStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\r\x12\x15\n\rqueued_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fmetrics_address\x18\x05 \x01(\t\x12\x14\n\x0chttp_address\x18\x06 \x01(\t2T\n\tGenerator\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32\x9b\x01\n\x05\x41\x64min\x12T\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a!.pdserve.v1.ClusterStatusResponse\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpdserve.proto\x12\npdserve.v1\"Z\n\x0cScaleRequest\x12\x1b\n\x13num_prefill_workers\x18\x01 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x02 \x01(\r\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"|\n\rScaleResponse\x12\x0f\n\x07started\x18\x01 \x03(\t\x12\x0f\n\x07retired\x18\x02 \x03(\t\x12\x10\n\x08migrated\x18\x03 \x03(\t\x12\x1b\n\x13num_prefill_workers\x18\x04 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x05 \x01(\r\"2\n\x0c\x44rainRequest\x12\x0f\n\x07node_ip\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"N\n\rDrainResponse\x12\x12\n\nworker_ids\x18\x01 \x03(\t\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\x12\x18\n\x10running_requests\x18\x03 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x96\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x12\x0e\n\x01n\x18\x12 \x01(\rH\x0c\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x13 \x01(\rH\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\n\n\x08_best_of\"\x8d\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"\x8d\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05token\x18\x04 \x01(\t\x12,\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.TopLogprobB\n\n\x08_logprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\"\x16\n\x14\x43lusterStatusRequest\"\xde\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x0f\n\x07node_ip\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x18\n\x10running_requests\x18\x08 \x01(\r\x12\x18\n\x10waiting_requests\x18\t \x01(\r\x12\r\n\x05\x65poch\x18\n \x01(\x04\x12\x12\n\nkv_address\x18\x0b \x01(\t\x12\x17\n\x0fmetrics_address\x18\x0c \x01(\t\x12\x1e\n\x16kv_reservations_leased\x18\r \x01(\r\x12!\n\x19kv_reservations_reclaimed\x18\x0e \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x0f \x01(\r\"\xb0\x01\n\x15\x43lusterStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\r\x12\x15\n\rqueued_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fmetrics_address\x18\x05 \x01(\t\x12\x14\n\x0chttp_address\x18\x06 \x01(\t2T\n\tGenerator\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32\xd9\x01\n\x05\x41\x64min\x12T\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a!.pdserve.v1.ClusterStatusResponse\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponse\x12<\n\x05Scale\x12\x18.pdserve.v1.ScaleRequest\x1a\x19.pdserve.v1.ScaleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,42 +33,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_DRAINREQUEST']._serialized_start=29
-  _globals['_DRAINREQUEST']._serialized_end=79
-  _globals['_DRAINRESPONSE']._serialized_start=81
-  _globals['_DRAINRESPONSE']._serialized_end=159
-  _globals['_CHATMESSAGE']._serialized_start=161
-  _globals['_CHATMESSAGE']._serialized_end=205
-  _globals['_CHATMESSAGES']._serialized_start=207
-  _globals['_CHATMESSAGES']._serialized_end=264
-  _globals['_TOKENIDS']._serialized_start=266
-  _globals['_TOKENIDS']._serialized_end=289
-  _globals['_SAMPLINGPARAMS']._serialized_start=292
-  _globals['_SAMPLINGPARAMS']._serialized_end=1082
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=832
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=880
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1085
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1226
-  _globals['_CHOICES']._serialized_start=1228
-  _globals['_CHOICES']._serialized_end=1254
-  _globals['_GENERATEREQUEST']._serialized_start=1257
-  _globals['_GENERATEREQUEST']._serialized_end=1455
-  _globals['_TOPLOGPROB']._serialized_start=1457
-  _globals['_TOPLOGPROB']._serialized_end=1519
-  _globals['_TOKENLOGPROB']._serialized_start=1522
-  _globals['_TOKENLOGPROB']._serialized_end=1663
-  _globals['_USAGE']._serialized_start=1665
-  _globals['_USAGE']._serialized_end=1722
-  _globals['_GENERATERESPONSE']._serialized_start=1725
-  _globals['_GENERATERESPONSE']._serialized_end=1963
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1965
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1987
-  _globals['_WORKERSTATUS']._serialized_start=1990
-  _globals['_WORKERSTATUS']._serialized_end=2340
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2343
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2519
-  _globals['_GENERATOR']._serialized_start=2521
-  _globals['_GENERATOR']._serialized_end=2605
-  _globals['_ADMIN']._serialized_start=2608
-  _globals['_ADMIN']._serialized_end=2763
+  _globals['_SCALEREQUEST']._serialized_start=29
+  _globals['_SCALEREQUEST']._serialized_end=119
+  _globals['_SCALERESPONSE']._serialized_start=121
+  _globals['_SCALERESPONSE']._serialized_end=245
+  _globals['_DRAINREQUEST']._serialized_start=247
+  _globals['_DRAINREQUEST']._serialized_end=297
+  _globals['_DRAINRESPONSE']._serialized_start=299
+  _globals['_DRAINRESPONSE']._serialized_end=377
+  _globals['_CHATMESSAGE']._serialized_start=379
+  _globals['_CHATMESSAGE']._serialized_end=423
+  _globals['_CHATMESSAGES']._serialized_start=425
+  _globals['_CHATMESSAGES']._serialized_end=482
+  _globals['_TOKENIDS']._serialized_start=484
+  _globals['_TOKENIDS']._serialized_end=507
+  _globals['_SAMPLINGPARAMS']._serialized_start=510
+  _globals['_SAMPLINGPARAMS']._serialized_end=1300
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1050
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1098
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1303
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1444
+  _globals['_CHOICES']._serialized_start=1446
+  _globals['_CHOICES']._serialized_end=1472
+  _globals['_GENERATEREQUEST']._serialized_start=1475
+  _globals['_GENERATEREQUEST']._serialized_end=1673
+  _globals['_TOPLOGPROB']._serialized_start=1675
+  _globals['_TOPLOGPROB']._serialized_end=1737
+  _globals['_TOKENLOGPROB']._serialized_start=1740
+  _globals['_TOKENLOGPROB']._serialized_end=1881
+  _globals['_USAGE']._serialized_start=1883
+  _globals['_USAGE']._serialized_end=1940
+  _globals['_GENERATERESPONSE']._serialized_start=1943
+  _globals['_GENERATERESPONSE']._serialized_end=2181
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2183
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2205
+  _globals['_WORKERSTATUS']._serialized_start=2208
+  _globals['_WORKERSTATUS']._serialized_end=2558
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2561
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2737
+  _globals['_GENERATOR']._serialized_start=2739
+  _globals['_GENERATOR']._serialized_end=2823
+  _globals['_ADMIN']._serialized_start=2826
+  _globals['_ADMIN']._serialized_end=3043
 # @@protoc_insertion_point(module_scope)

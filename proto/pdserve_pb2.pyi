@@ -6,6 +6,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ScaleRequest(_message.Message):
+    __slots__ = ("num_prefill_workers", "num_decode_workers", "timeout_s")
+    NUM_PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    num_prefill_workers: int
+    num_decode_workers: int
+    timeout_s: float
+    def __init__(self, num_prefill_workers: _Optional[int] = ..., num_decode_workers: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("started", "retired", "migrated", "num_prefill_workers", "num_decode_workers")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    started: _containers.RepeatedScalarFieldContainer[str]
+    retired: _containers.RepeatedScalarFieldContainer[str]
+    migrated: _containers.RepeatedScalarFieldContainer[str]
+    num_prefill_workers: int
+    num_decode_workers: int
+    def __init__(self, started: _Optional[_Iterable[str]] = ..., retired: _Optional[_Iterable[str]] = ..., migrated: _Optional[_Iterable[str]] = ..., num_prefill_workers: _Optional[int] = ..., num_decode_workers: _Optional[int] = ...) -> None: ...
+
 class DrainRequest(_message.Message):
     __slots__ = ("node_ip", "timeout_s")
     NODE_IP_FIELD_NUMBER: _ClassVar[int]

@@ -120,6 +120,11 @@ class AdminStub:
                 request_serializer=pdserve__pb2.DrainRequest.SerializeToString,
                 response_deserializer=pdserve__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/pdserve.v1.Admin/Scale',
+                request_serializer=pdserve__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.ScaleResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -139,6 +144,17 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Start or retire workers until the cluster has num_prefill_workers prefill and
+        num_decode_workers decode workers (`pdserve scale`). New workers pair with every
+        peer before they take requests; a retiring one takes no new request and is stopped
+        once its own have finished, or at timeout_s, when the router moves what it still
+        had to the others (issue 6's retry and stream migration): nothing is refused or lost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +167,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=pdserve__pb2.DrainRequest.FromString,
                     response_serializer=pdserve__pb2.DrainResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=pdserve__pb2.ScaleRequest.FromString,
+                    response_serializer=pdserve__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -207,6 +228,33 @@ class Admin:
             '/pdserve.v1.Admin/Drain',
             pdserve__pb2.DrainRequest.SerializeToString,
             pdserve__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/Scale',
+            pdserve__pb2.ScaleRequest.SerializeToString,
+            pdserve__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,10 +58,16 @@ async def cluster_status(router) -> pb.ClusterStatusResponse:
             role = "prefill" if w in router.prefill else "decode"
             return pb.WorkerStatus(worker_id=w.worker_id, role=role, state=f"dead: {e}"[:200],
                                    kv_blocks_total=w.num_blocks)
-        return s.to_proto()
+        out = s.to_proto()
+        if w.draining:           # Drain, or retiring (Admin.Scale): no new requests
+            out.state = "draining"
+        return out
 
+    starting = [pb.WorkerStatus(worker_id=worker_id, role=role, state="starting")
+                for role, worker_id in router.scaler.starting]
     return pb.ClusterStatusResponse(model=router.model_name,
-                                    workers=await asyncio.gather(*map(one, workers)),
+                                    workers=[*await asyncio.gather(*map(one, workers)),
+                                             *starting],
                                     queued_requests=router.admission.queued_requests,
                                     queued_tokens=router.admission.queued_tokens,
                                     metrics_address=router.metrics_address,

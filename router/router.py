@@ -51,6 +51,7 @@ from .errors import RequestError
 from .relay import Relay
 from .samples import best_of, by_request, merge, retry_groups, sample_relays
 from .placement import Placement
+from .scaling import Scaler
 from .routing import PrefillRouter
 from .streams import DecodeStreams
 from .workers import AttemptFailed, Worker, attempt_failed
@@ -84,6 +85,7 @@ class Router:
         self.prefill_router = PrefillRouter(rc.routing_policy, config.prefill.block_size,
                                             rc.kv_load_weight)
         self.placement = Placement(config, self.prefill_router)   # workers from start() on
+        self.scaler = Scaler(self)                                  # Admin.Scale
         self._cache_sync: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None
         self._pending: set[asyncio.Task] = set()    # fire-and-forget calls in flight
@@ -159,6 +161,7 @@ class Router:
             await self._server.stop(grace_s)
             self._server = None
         await self.streams.stop()
+        self.scaler.stop()
 
     # --- Generate -------------------------------------------------------------------
 
@@ -381,3 +384,7 @@ class Router:
 
     async def cluster_status(self) -> pb.ClusterStatusResponse:
         return await admin.cluster_status(self)
+
+    async def scale(self, num_prefill: int, num_decode: int, timeout_s: float
+                    ) -> pb.ScaleResponse:
+        return await self.scaler.scale(num_prefill, num_decode, timeout_s)

@@ -120,6 +120,16 @@ class AdminService(pb_grpc.AdminServicer):
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
+    async def Scale(self, request, context):
+        try:
+            return await self.router.scale(request.num_prefill_workers,
+                                           request.num_decode_workers, request.timeout_s)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:   # a new worker failed to start or pair: named
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"scaling failed: {type(e).__name__}: {e}"[:2000])
+
 
 def build_server(router, address: str) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server (not started) with every service; returns it and the bound port.

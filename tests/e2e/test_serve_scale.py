@@ -1,0 +1,121 @@
+"""Admin.Scale under steady load (issue 21): 1P+1D → 2P+2D → 1P+1D while client
+threads keep sending ShareGPT prompts. No request is refused or lost, greedy outputs
+equal HF's, the new workers take requests, the retired ones' Ray actors are gone, and
+every KV pool is free at the end. Then a decode worker retired with long streams still
+on it past timeout_s: they move to the other (stream migration) and still equal HF."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+from serving import Served, hf_greedy, start_ray
+from tiny_models import tiny_model_dir
+
+from pdserve.client import make_request
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 8
+
+
+def test_scale_up_and_down_under_load_loses_nothing():
+    from transformers import AutoTokenizer
+
+    from pdserve.sharegpt import sample_prompts
+
+    start_ray()
+    model = str(tiny_model_dir("llama"))
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = [tok(p)["input_ids"][:48] for p in sample_prompts(12, max_chars=400)]
+    served = Served(model, decode_blocks=128, prefill_blocks=128)
+    stop, results, errors = threading.Event(), [], []
+
+    def load(i):
+        k = i
+        while not stop.is_set():
+            ids = prompts[k % len(prompts)]
+            k += 3
+            try:
+                out = served.client.generate(make_request(ids, max_tokens=NEW_TOKENS,
+                                                          temperature=0, ignore_eos=True))
+                results.append((tuple(ids), tuple(out[0])))
+            except Exception as e:          # grpc.RpcError: refused or lost
+                errors.append(e)
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        up = served.client.scale(2, 2, timeout_s=120)
+        assert sorted(up.started) == ["decode-1", "prefill-1"], up
+        assert (up.num_prefill_workers, up.num_decode_workers) == (2, 2)
+        st = served.client.status()
+        assert sorted((w.role, w.state) for w in st.workers) == [
+            ("decode", "ready")] * 2 + [("prefill", "ready")] * 2
+        served_before = len(results)
+        deadline = time.monotonic() + 60      # the new workers take requests
+        p1, d1 = ray.get_actor("prefill-1"), ray.get_actor("decode-1")
+        while not (ray.get(p1.status.remote()).prefill_tokens_computed > 0 and
+                   ray.get(d1.status.remote()).peak_batch_size > 0):
+            assert time.monotonic() < deadline, "a new worker took no request"
+            time.sleep(0.05)
+        down = served.client.scale(1, 1, timeout_s=120)
+        assert sorted(down.retired) == ["decode-1", "prefill-1"] and not down.migrated
+        assert (down.num_prefill_workers, down.num_decode_workers) == (1, 1)
+        assert len(results) > served_before
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    try:
+        assert not errors, errors[:3]
+        assert len(results) >= 12
+        for ids, got in set(results):
+            assert list(got) == hf_greedy(model, list(ids), NEW_TOKENS, ignore_eos=True)
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+        assert not {"prefill-1", "decode-1"} & names, names
+        assert sorted(w.worker_id for w in served.client.status().workers) == [
+            "decode-0", "prefill-0"]
+    finally:
+        served.stop()          # asserts every KV block on every worker is free
+
+
+def test_a_decode_worker_retired_mid_stream_moves_its_streams_on():
+    start_ray()
+    model = str(tiny_model_dir("llama"))
+    n = 1200
+    served = Served(model, decode_blocks=512, prefill_blocks=128, decode_workers=2)
+    prompts = [[1, 500, 77], list(range(100, 117)), list(range(2000, 2030)), [5] * 9]
+    tokens = [[] for _ in prompts]
+    errors = []
+
+    def run(i):
+        try:
+            for msg in served.client.stream(make_request(prompts[i], max_tokens=n,
+                                                         temperature=0, ignore_eos=True)):
+                tokens[i] += msg.token_ids
+        except Exception as e:          # grpc.RpcError: the test fails below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    try:
+        deadline = time.monotonic() + 60
+        for i, t in enumerate(threads):   # one at a time: each goes to the less loaded D
+            t.start()
+            while len(tokens[i]) < 4:
+                assert time.monotonic() < deadline and not errors, (tokens, errors)
+                time.sleep(0.002)
+        d1 = ray.get(ray.get_actor("decode-1").status.remote())
+        assert d1.running_requests > 0            # it has streams to move on
+        r = served.client.scale(1, 1, timeout_s=0.2)
+        assert r.migrated == ["decode-1"] and not r.retired, r
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        for prompt, got in zip(prompts, tokens):
+            assert got == hf_greedy(model, prompt, n, ignore_eos=True)
+    finally:
+        served.stop()

@@ -85,12 +85,16 @@ def test_nixl_writes_each_decode_rank_its_heads(heads, p_size, d_size):
     """One-sided writes of head runs (one descriptor per block and head where the two
     ranks hold different heads), several prefill ranks leasing one request's blocks on
     a decode rank, each DONE waiting for its own writes' notifications."""
+    _need_nixl()
+    _move(Workers(heads, p_size, d_size, kind="nixl"), heads, p_size, d_size, "per-layer",
+          "cpu")
+
+
+def _need_nixl() -> None:
     from pdserve.kv_transfer.nixl import find_module
 
     if find_module() is None:
         pytest.skip("NIXL (nixl-cu12) not installed")
-    _move(Workers(heads, p_size, d_size, kind="nixl"), heads, p_size, d_size, "per-layer",
-          "cpu")
 
 
 def _move(w: Workers, heads, p_size, d_size, frames, device):
@@ -144,15 +148,21 @@ def _move(w: Workers, heads, p_size, d_size, frames, device):
         w.close()
 
 
+def _send_half(w: Workers, p: int, layers: int) -> None:
+    """P rank p of 2 (4 KV heads) sends layers [0, layers) of its two heads to D rank 0,
+    then its DONE (the first token from rank 0)."""
+    heads = range(2 * p, 2 * p + 2)
+    w.tx[p].send_layers(w.addr[0], "r", EPOCH, 0, layers, SRC, heads=heads)
+    w.tx[p].send_done(w.addr[0], "r", EPOCH, FIRST_TOKEN if p == 0 else None, LAYERS,
+                      heads=heads)
+
+
 def test_a_done_before_its_heads_arrived_fails_naming_the_head():
     w = Workers(4, 2, 1)
     try:
         w.rx[0].expect("r", DST)
-        w.tx[0].send_layers(w.addr[0], "r", EPOCH, 0, LAYERS, SRC, heads=range(0, 2))
-        w.tx[0].send_done(w.addr[0], "r", EPOCH, FIRST_TOKEN, LAYERS, heads=range(0, 2))
-        # rank 1 sent half its layers, then DONE
-        w.tx[1].send_layers(w.addr[0], "r", EPOCH, 0, 1, SRC, heads=range(2, 4))
-        w.tx[1].send_done(w.addr[0], "r", EPOCH, None, LAYERS, heads=range(2, 4))
+        _send_half(w, 0, LAYERS)
+        _send_half(w, 1, 1)         # rank 1 sent one of its layers, then DONE
         c = w.done[0].wait("r")
         assert not c.ok and "first missing: layer 1 block 0 (KV head 2)" in c.error, c.error
     finally:
@@ -164,12 +174,10 @@ def test_one_rank_done_is_not_the_request_done():
     w = Workers(4, 2, 1)
     try:
         w.rx[0].expect("r", DST)
-        w.tx[0].send_layers(w.addr[0], "r", EPOCH, 0, LAYERS, SRC, heads=range(0, 2))
-        w.tx[0].send_done(w.addr[0], "r", EPOCH, FIRST_TOKEN, LAYERS, heads=range(0, 2))
+        _send_half(w, 0, LAYERS)
         w.tx[0].connect(w.addr[0])                 # a round trip: the DONE was read
         assert w.done[0].calls == [] and w.rx[0].get_finished().completions == []
-        w.tx[1].send_layers(w.addr[0], "r", EPOCH, 0, LAYERS, SRC, heads=range(2, 4))
-        w.tx[1].send_done(w.addr[0], "r", EPOCH, None, LAYERS, heads=range(2, 4))
+        _send_half(w, 1, LAYERS)
         c = w.done[0].wait("r")
         assert (c.ok, c.first_token) == (True, FIRST_TOKEN)
     finally:
@@ -235,10 +243,7 @@ def test_the_staged_paths_of_a_device_cache_move_head_slices(monkeypatch):
 def test_nixl_refuses_a_second_writer_of_the_same_heads():
     """Two prefill workers (or ranks) writing the same heads of one request: the second
     BEGIN is refused, the first goes on."""
-    from pdserve.kv_transfer.nixl import find_module
-
-    if find_module() is None:
-        pytest.skip("NIXL (nixl-cu12) not installed")
+    _need_nixl()
     w = Workers(4, 2, 1, kind="nixl")
     other = make_sender("nixl", w.tx[0].kv, w.tx[0].layout, connect_timeout_s=2.0,
                         io_timeout_s=2.0)

@@ -14,6 +14,15 @@ from pdserve.messages import PrefillOrder
 from pdserve.prefill_worker.worker import PrefillFailed, PrefillWorker
 
 
+async def _prefill_fails_with_boom(p: PrefillWorker) -> None:
+    """A 5-token prompt whose model step raises "boom" fails as PrefillFailed (nothing
+    listens at the decode address: only an abort frame would go there)."""
+    order = PrefillOrder("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4),
+                         ("127.0.0.1", 9), epoch=1)
+    with pytest.raises(PrefillFailed, match="prefill failed: RuntimeError: boom"):
+        await asyncio.wait_for(p.prefill(order), 30)
+
+
 def test_a_model_fault_fails_the_request_as_such_and_frees_its_blocks(monkeypatch):
     p = PrefillWorker("prefill-0", WorkerConfig(model=str(tiny_model_dir("llama")),
                                                 num_kv_blocks=16, block_size=4))
@@ -21,16 +30,9 @@ def test_a_model_fault_fails_the_request_as_such_and_frees_its_blocks(monkeypatc
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    async def main():
-        # nothing listens at the decode address: only the abort frame would go there
-        order = PrefillOrder("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4),
-                             ("127.0.0.1", 9), epoch=1)
-        with pytest.raises(PrefillFailed, match="prefill failed: RuntimeError: boom"):
-            await asyncio.wait_for(p.prefill(order), 30)
-
     try:
         monkeypatch.setattr(p.runner, "prefill", boom)
-        asyncio.run(main())
+        asyncio.run(_prefill_fails_with_boom(p))
         assert p.connector.kv_send_failures == 0
         assert p.pool.num_free == p.pool.num_blocks
     finally:
@@ -100,17 +102,11 @@ def test_a_model_fault_outranks_a_transfer_failure_that_lands_after_it(monkeypat
             time.sleep(0.001)
         raise KVTransferError("peer gone")
 
-    async def main():
-        order = PrefillOrder("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4),
-                             ("127.0.0.1", 9), epoch=1)
-        with pytest.raises(PrefillFailed, match="prefill failed: RuntimeError: boom"):
-            await asyncio.wait_for(p.prefill(order), 30)
-
     try:
         monkeypatch.setattr(p.runner, "prefill", boom)
         monkeypatch.setattr(p.sender, "send_layers", send_layers)
         monkeypatch.setattr(p.connector, "request_finished", finished)
-        asyncio.run(main())
+        asyncio.run(_prefill_fails_with_boom(p))
         assert faulted
         assert p.pool.num_free == p.pool.num_blocks
     finally:

@@ -51,7 +51,7 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.tp_executor import TPGroupBroken
 from ..kv_transfer import make_receiver
 from ..kv_transfer.tp_plan import rank_layout
-from ..messages import DecodeReservation, WorkerInfo, WorkerStatus
+from ..messages import DecodeReservation, StepStats, WorkerInfo, WorkerStatus
 from ..metrics import WorkerMetrics, serve as serve_metrics
 from ..config import WorkerConfig
 from ..core_share import LentThreads
@@ -120,6 +120,7 @@ class DecodeWorker:
             except OSError as e:
                 logger.warning("idle prefill cores not borrowed: %s", e)
         self.peak_batch_size = 0      # largest decode batch so far (tests prove batching)
+        self.step_stats = StepStats()  # (rows, seconds) of its decode-only steps
         self.step_threads = config.num_threads   # torch threads the latest step started on
         self.metrics = WorkerMetrics("decode", self._metric_values)
         self.metrics_address = "%s:%d" % serve_metrics(
@@ -221,6 +222,7 @@ class DecodeWorker:
             # KV that arrived by one-sided writes (NIXL), not over the socket
             kv_one_sided_writes=getattr(self.receiver, "num_writes", 0),
             peak_batch_size=self.peak_batch_size, step_threads=self.step_threads,
+            step_stats=self.step_stats,
             num_preemptions=self.scheduler.num_preemptions,
             kv_reservations_leased=self.scheduler.num_reservations_active(),
             kv_reservations_reclaimed=self.scheduler.num_reclaimed,
@@ -296,11 +298,14 @@ class DecodeWorker:
                         threads = n
             self.peak_batch_size = max(self.peak_batch_size, len(out.requests))
             self.metrics.batch_size.labels(phase="decode").observe(len(out.requests))
+            t0 = time.perf_counter()
             try:
                 # a forked sample's block (fork.py); its row is in this step: one token
                 # left, and a decode row always gets its token (schedule_policy.step_tokens)
                 self.runner.copy_blocks(out.blocks_to_copy)
                 tokens, logprobs = self._step(out, give_back)
+                if max(out.num_scheduled_tokens) == 1:   # decode rows only (the planner)
+                    self.step_stats += StepStats.of(len(out.requests), time.perf_counter() - t0)
             except Exception as e:  # a model or sampler fault fails the step, not the worker
                 if isinstance(e, TPGroupBroken):   # ... unless its ranks are out of step
                     self._group_broken(e)

@@ -73,8 +73,24 @@ def _serve(args) -> int:
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
     from dataclasses import replace
+
+    from .config import PlannerConfig
     try:
-        cfg = replace(cfg, ray_address=args.address,
+        planner = None
+        names = ("min_prefill_workers", "max_prefill_workers", "min_decode_workers",
+                 "max_decode_workers", "max_workers")
+        given = {k: v for k in names + ("adjustment_interval_s",)
+                 if (v := getattr(args, "planner_interval_s" if k == "adjustment_interval_s"
+                                  else k)) is not None}
+        if args.planner == "slo":
+            if args.slo_ttft_ms is None or args.slo_itl_ms is None:
+                raise ValueError("--planner slo needs its targets: --slo-ttft-ms and "
+                                 "--slo-itl-ms")
+            planner = PlannerConfig(args.slo_ttft_ms, args.slo_itl_ms, **given)
+        elif given or args.slo_itl_ms is not None:
+            raise ValueError("--slo-itl-ms, --min/--max-*-workers, --max-workers and "
+                             "--planner-interval-s are the planner's: add --planner slo")
+        cfg = replace(cfg, ray_address=args.address, planner=planner,
                       prefill_resources=args.prefill_resources or {},
                       decode_resources=args.decode_resources or {},
                       gpus_per_worker=args.gpus_per_worker,
@@ -182,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--tensor-parallel-size, for the prefill pool): N Ray actors on one "
                         "node, each with its share of every layer and of the KV heads")
     s.add_argument("--decode-tp", type=int, default=1, metavar="M",
-                   help="tensor-parallel ranks per decode worker (not built yet above 1)")
+                   help="tensor-parallel ranks per decode worker (vLLM's "
+                        "--tensor-parallel-size, for the decode pool)")
     s.add_argument("--transport", default="tcp", choices=["tcp", "nixl", "ucx", "auto"],
                    help="KV transport between prefill and decode: tcp (frames over a socket), "
                         "nixl (one-sided RDMA writes over UCX; ucx is an alias), auto (nixl "
@@ -211,9 +228,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="router's Prometheus /metrics port (default 9464; workers pick free "
                         "ports, listed by `pdserve status`)")
     s.add_argument("--slo-ttft-ms", type=float, default=None,
-                   help="goodput SLO: time to first token (pdserve_goodput_requests_total)")
+                   help="goodput SLO: time to first token (pdserve_goodput_requests_total); "
+                        "with --planner slo also its mean TTFT target")
     s.add_argument("--slo-tpot-ms", type=float, default=None,
                    help="goodput SLO: time per output token after the first")
+    s.add_argument("--planner", choices=["none", "slo"], default="none",
+                   help="slo: size the prefill and decode pools at runtime to --slo-ttft-ms "
+                        "and --slo-itl-ms (router/planner.py: Dynamo's throughput model "
+                        "with capacities measured online), within the bounds below")
+    s.add_argument("--slo-itl-ms", type=float, default=None,
+                   help="planner: mean inter-token latency target")
+    for role in ("prefill", "decode"):
+        for bound, default in (("min", 1), ("max", 4)):
+            s.add_argument(f"--{bound}-{role}-workers", type=int, default=None,
+                           help=f"planner: {bound}imum {role} workers (default {default})")
+    s.add_argument("--max-workers", type=int, default=None,
+                   help="planner: most workers of both roles together (Dynamo's "
+                        "--max-gpu-budget; default: the two maxima added)")
+    s.add_argument("--planner-interval-s", type=float, default=None,
+                   help="planner: seconds between decisions (Dynamo's adjustment "
+                        "interval; default 30)")
     s.add_argument("--max-prefill-queue-tokens", type=int, default=None,
                    help="conditional disaggregation (Dynamo's max_prefill_queue_size, in "
                         "tokens): a decode worker prefills a prompt itself when every "

@@ -226,6 +226,52 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class PlannerConfig:
+    """`serve --planner slo` (router/planner.py): every adjustment_interval_s the router
+    sizes the prefill and decode pools to the TTFT and ITL targets, within the bounds."""
+
+    slo_ttft_ms: float               # target mean time to first token
+    slo_itl_ms: float                # target mean inter-token latency
+    min_prefill_workers: int = 1
+    max_prefill_workers: int = 4
+    min_decode_workers: int = 1
+    max_decode_workers: int = 4
+    max_workers: int | None = None   # both roles together (Dynamo's --max-gpu-budget);
+                                     # None: max_prefill_workers + max_decode_workers
+    adjustment_interval_s: float = 30.0  # Dynamo's adjustment_interval; a worker starts in
+                                     # ~5-10 s here (model load), a decision needs a few
+                                     # hundred steps behind it
+    scale_down_intervals: int = 2    # hysteresis: fewer workers only after this many
+                                     # intervals in a row ask for fewer (more: at once)
+    drain_timeout_s: float = 60.0    # a retired worker's requests finish within this, or
+                                     # move on (Admin.Scale's timeout_s)
+
+    def __post_init__(self):
+        for name in ("slo_ttft_ms", "slo_itl_ms", "adjustment_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0")
+        for role in ("prefill", "decode"):
+            lo, hi = getattr(self, f"min_{role}_workers"), getattr(self, f"max_{role}_workers")
+            if not 1 <= lo <= hi <= 256:      # 256: router/scaling.py MAX_WORKERS
+                raise ValueError(f"min_{role}_workers={lo}, max_{role}_workers={hi}: need "
+                                 "1 <= min <= max <= 256")
+        if self.max_workers is not None and self.max_workers < (self.min_prefill_workers
+                                                                + self.min_decode_workers):
+            raise ValueError(f"max_workers={self.max_workers}: must be >= min_prefill_workers"
+                             " + min_decode_workers")
+        if self.scale_down_intervals < 1:
+            raise ValueError(f"scale_down_intervals={self.scale_down_intervals}: must be >= 1")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s={self.drain_timeout_s}: must be >= 0")
+
+    @property
+    def budget(self) -> int:
+        """Most workers of both roles together."""
+        return (self.max_workers if self.max_workers is not None
+                else self.max_prefill_workers + self.max_decode_workers)
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
     decode: WorkerConfig = field(default_factory=WorkerConfig)
@@ -243,6 +289,7 @@ class ClusterConfig:
     # CPU workers not pinned to cores: an idle prefill worker's threads run the decode
     # steps of the decode workers on its node (pdserve/core_share.py)
     lend_idle_prefill_cores: bool = True
+    planner: PlannerConfig | None = None   # serve --planner slo; None: fixed pools
 
     def lends_idle_prefill_cores(self) -> bool:
         """Core lending applies: asked for, CPU workers, none pinned to CPUs."""
@@ -266,6 +313,17 @@ class ClusterConfig:
                              "(-1: unlimited)")
         if self.prefill.model != self.decode.model:
             raise ValueError("prefill and decode workers must serve the same model")
+        if (pl := self.planner) is not None:
+            for role in ("prefill", "decode"):
+                n, lo, hi = (getattr(self, f"num_{role}_workers"),
+                             getattr(pl, f"min_{role}_workers"), getattr(pl, f"max_{role}_workers"))
+                if not lo <= n <= hi:
+                    raise ValueError(f"{role} workers at start ({n}) outside the planner's "
+                                     f"bounds [{lo}, {hi}]")
+            if self.num_prefill_workers + self.num_decode_workers > pl.budget:
+                raise ValueError(f"{self.num_prefill_workers} prefill + "
+                                 f"{self.num_decode_workers} decode workers at start exceed "
+                                 f"the planner's max_workers={pl.budget}")
 
     @classmethod
     def local(cls, model: str = "default", *, prefill_workers: int = 1, decode_workers: int = 1,
@@ -273,7 +331,7 @@ class ClusterConfig:
               prefill_blocks: int = 512, decode_blocks: int = 1024,
               threads_per_worker: int | None = None, router_kw: dict | None = None,
               kv_host: str | None = None, prefill_tp: int = 1, decode_tp: int = 1,
-              **worker_kw) -> "ClusterConfig":
+              planner: PlannerConfig | None = None, **worker_kw) -> "ClusterConfig":
         """A one-box cluster: cores split evenly among workers unless told otherwise.
 
         `router_kw` sets other RouterConfig fields (e.g. max_queued_requests); the rest of
@@ -281,7 +339,7 @@ class ClusterConfig:
         workers bind and advertise `kv_host` (default: `host`; "auto": their node's IP).
         `port=0` (tests) picks free ports for the router's metrics too, unless router_kw
         names one. `prefill_tp` / `decode_tp`: tensor-parallel ranks per worker (each
-        rank gets its share of the cores).
+        rank gets its share of the cores). `planner`: size the pools at runtime.
         Raises:
             ValueError: a setting out of range (the message names it).
         """
@@ -297,4 +355,5 @@ class ClusterConfig:
                                   tensor_parallel_size=decode_tp),
                    router=RouterConfig(host=host, port=port, **({"metrics_port": 0} if port == 0
                                                                  else {}) | (router_kw or {})),
-                   num_prefill_workers=prefill_workers, num_decode_workers=decode_workers)
+                   num_prefill_workers=prefill_workers, num_decode_workers=decode_workers,
+                   planner=planner)

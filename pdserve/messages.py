@@ -99,6 +99,52 @@ class CacheEvents:
 
 
 @dataclass(frozen=True, slots=True)
+class StepStats:
+    """A worker's model steps so far, as the sums a least-squares line through
+    (x, seconds) needs: x is the tokens a step computes (a prefill worker's prompt
+    tokens; a decode worker's rows, of its steps with no prefill chunk in them). The SLO planner (router/planner.py) takes the difference of two
+    readings to get one interval's steps, and fits `seconds = a + b * x` to them.
+
+    `StepStats() + StepStats.of(x, t)` adds a step; `-` of two readings of one worker
+    (one epoch) is the steps between them."""
+
+    steps: int = 0
+    x: float = 0.0                     # sum of x (tokens or rows)
+    xx: float = 0.0                    # sum of x * x
+    seconds: float = 0.0               # sum of step wall time (s)
+    x_seconds: float = 0.0             # sum of x * seconds
+
+    @classmethod
+    def of(cls, x: float, seconds: float) -> "StepStats":
+        return cls(1, x, x * x, seconds, x * seconds)
+
+    def __add__(self, o: "StepStats") -> "StepStats":
+        return StepStats(*(a + b for a, b in zip(self.astuple(), o.astuple())))
+
+    def __sub__(self, o: "StepStats") -> "StepStats":
+        return StepStats(*(a - b for a, b in zip(self.astuple(), o.astuple())))
+
+    def astuple(self) -> tuple:
+        return (self.steps, self.x, self.xx, self.seconds, self.x_seconds)
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b) of `seconds = a + b * x` by least squares, None without a step. When
+        x hardly varied (every step the same size), the line through the origin and the
+        mean: a = 0, b = mean seconds / mean x (an upper bound on the slope's share of
+        a step, so the planner errs toward more workers)."""
+        n = self.steps
+        if n == 0 or self.x <= 0:
+            return None
+        var = n * self.xx - self.x * self.x
+        if var > 1e-9 * n * self.xx and n >= 3:
+            b = (n * self.x_seconds - self.x * self.seconds) / var
+            a = (self.seconds - b * self.x) / n
+            if b > 0 and a >= 0:
+                return a, b
+        return 0.0, self.seconds / self.x
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerStatus:
     """A worker's status() (pdserve status, Admin.ClusterStatus, tests). The fields the
     public WorkerStatus proto has go out through to_proto; the rest are for tests and
@@ -119,6 +165,7 @@ class WorkerStatus:
     prefix_cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache
     prefix_cache_blocks: int = 0      # blocks held by the prefix cache now
     tensor_parallel_size: int = 1     # ranks of this worker (rank 0's status)
+    step_stats: StepStats = StepStats()   # this epoch's model steps (router/planner.py)
     # prefill
     queued_tokens: int = 0            # prompt tokens waiting or in progress
     prefill_tokens_computed: int = 0

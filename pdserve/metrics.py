@@ -20,6 +20,12 @@ router (`RouterMetrics`, observed per request by the gRPC Generate handler)
                                                   TTFT and TPOT SLOs (DistServe's goodput)
     pdserve_num_requests_running / _waiting       gauges: streaming / queued for the
                                                   first token (admission queue)
+planner (`PlannerMetrics`, serve --planner slo: router/planner.py; on the router's endpoint)
+    pdserve_planner_workers_needed{role}          gauge: the last interval's fractional
+                                                  workers needed at the SLO (-1: no
+                                                  number of workers meets it)
+    pdserve_planner_workers_target{role}          gauge: the workers the planner asked for
+    pdserve_planner_scale_actions_total{role,direction}   counter: up | down
 workers (`WorkerMetrics`; values read from the worker at scrape time, plus histograms)
     pdserve_num_requests_running / _waiting       gauges
     pdserve_batch_size{phase}                     histogram: requests per prefill/decode step
@@ -44,6 +50,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -75,6 +82,19 @@ def slo_label(ttft_ms: float | None, tpot_ms: float | None) -> str:
     return ",".join(parts) or "none"
 
 
+@dataclass
+class RouterTotals:
+    """Cumulative figures the SLO planner differences per interval (router/planner.py):
+    finished requests and their output tokens, the sums and counts of TTFT and ITL."""
+
+    finished: int = 0
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    ttft_count: int = 0
+    itl_s: float = 0.0
+    itl_count: int = 0
+
+
 class RouterMetrics:
     """The router's request metrics in their own registry (see the module docstring).
 
@@ -85,6 +105,7 @@ class RouterMetrics:
                  slo_tpot_ms: float | None = None):
         r = self.registry = CollectorRegistry()
         self.running = 0
+        self.totals = RouterTotals()
         p = "pdserve_"
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token.",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -152,10 +173,15 @@ class RequestTimer:
         if self.first is None:
             self.first = self.last = now
             self.m.ttft.observe(now - self.t0)
+            self.m.totals.ttft_s += now - self.t0
+            self.m.totals.ttft_count += 1
             self.m.running += 1
             n -= 1                       # the first token has a TTFT, not an ITL
         for _ in range(n):               # tokens coalesced in one message share its gap
             self.m.itl.observe((now - self.last) / n)
+        if n > 0:
+            self.m.totals.itl_s += now - self.last
+            self.m.totals.itl_count += n
         self.last = now
 
     def finish(self, status: str, prompt_tokens: int = 0) -> None:
@@ -168,6 +194,9 @@ class RequestTimer:
         m.e2e.observe(now - self.t0)
         m.prompt_tokens.inc(prompt_tokens)
         m.generation_tokens.inc(self.num_tokens + self.other_tokens)
+        if status in ("stop", "length"):
+            m.totals.finished += 1
+            m.totals.output_tokens += self.num_tokens + self.other_tokens
         if self.first is None:
             return
         m.running -= 1
@@ -177,6 +206,20 @@ class RequestTimer:
             m.tpot.observe(tpot)
         if status in ("stop", "length") and m.meets_slo(ttft, tpot):
             m.goodput.labels(slo=m.slo).inc()
+
+
+class PlannerMetrics:
+    """The SLO planner's decisions (router/planner.py), in the router's registry."""
+
+    def __init__(self, registry: CollectorRegistry):
+        p = "pdserve_planner_"
+        self.needed = Gauge(p + "workers_needed", "Workers the last interval's load needs "
+                            "at the SLO (fractional), by role.", ["role"], registry=registry)
+        self.target = Gauge(p + "workers_target", "Workers the planner asks for, by role.",
+                            ["role"], registry=registry)
+        self.actions = Counter(p + "scale_actions", "Scale actions the planner took, by "
+                               "role and direction (up, down).", ["role", "direction"],
+                               registry=registry)
 
 
 class WorkerMetrics:

@@ -45,7 +45,8 @@ from ..engine.sampler import sample
 from ..engine.tp_executor import TPGroupBroken
 from ..kv_transfer import KVTransferError, make_sender
 from ..kv_transfer.tp_plan import rank_layout, rank_targets
-from ..messages import CacheEvents, PrefillOrder, PrefillResult, WorkerInfo, WorkerStatus
+from ..messages import (CacheEvents, PrefillOrder, PrefillResult, StepStats, WorkerInfo,
+                        WorkerStatus)
 from ..metrics import WorkerMetrics, serve as serve_metrics
 from ..tp_group import worker_runner
 from .connector import PrefillKVConnector
@@ -103,6 +104,7 @@ class PrefillWorker:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._benching = False   # bench_prefill computing: busy to the node's decode workers
+        self.step_stats = StepStats()   # (prompt tokens, seconds) of every step (the planner)
         self.connector = PrefillKVConnector(
             self.sender, self.num_layers, self._wake.set,
             on_done=lambda req, token: self._resolve(
@@ -225,7 +227,8 @@ class PrefillWorker:
             prefix_cache_queries=self.scheduler.prefix_queries,
             prefix_cache_hits=self.scheduler.prefix_hits,
             prefix_cache_blocks=self.pool.num_cached,
-            kv_bytes_sent=self.connector.kv_bytes_sent, tensor_parallel_size=self.tp.size)
+            kv_bytes_sent=self.connector.kv_bytes_sent, tensor_parallel_size=self.tp.size,
+            step_stats=self.step_stats)
 
     def _metric_values(self) -> dict[str, float]:
         """Current gauges and counters for /metrics (pdserve/metrics.py), at scrape time."""
@@ -285,8 +288,11 @@ class PrefillWorker:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            tokens = sum(r.chunk_end - r.num_computed_tokens for r in batch)
+            t0 = time.perf_counter()
             with self._step_lock:   # a bench_prefill forward never falls between these
                 self._step(batch)
+            self.step_stats += StepStats.of(tokens, time.perf_counter() - t0)
 
     def _step(self, batch: list[PrefillRequest]) -> None:
         """One prefill step of `batch` (the ranks' KV sends ordered around it)."""

@@ -32,6 +32,9 @@ class Admission:
         self.max_tokens = max_tokens
         self.queued_requests = 0
         self.queued_tokens = 0      # prompt tokens of the queued requests
+        # since start, with their prompt tokens: the SLO planner's arrivals (planner.py)
+        self.admitted_requests = self.admitted_tokens = 0
+        self.refused_requests = self.refused_tokens = 0   # over a bound (not too long)
 
     def admit(self, num_tokens: int) -> Ticket:
         """Queue a request of `num_tokens` prompt tokens; release the ticket once its first
@@ -46,6 +49,10 @@ class Admission:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"prompt of {num_tokens} tokens exceeds max_queued_tokens="
                                f"{self.max_tokens}: it can never be queued; shorten the prompt")
+        if (self.queued_requests + 1 > self.max_requests
+                or self.queued_tokens + num_tokens > self.max_tokens):
+            self.refused_requests += 1
+            self.refused_tokens += num_tokens
         if self.queued_requests + 1 > self.max_requests:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server overloaded: {self.queued_requests} requests already "
@@ -58,6 +65,8 @@ class Admission:
                                f"{self.max_tokens}; retry later")
         self.queued_requests += 1
         self.queued_tokens += num_tokens
+        self.admitted_requests += 1
+        self.admitted_tokens += num_tokens
         return Ticket(self, num_tokens)
 
 

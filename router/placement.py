@@ -36,6 +36,7 @@ class Placement:
         self.prefill_router = prefill_router
         self.prefill: list[Worker] = prefill or []
         self.decode: list[Worker] = decode or []
+        self.local_prefill_tokens = 0   # prompts decode workers prefilled (the planner)
 
     async def available(self, workers: list[Worker], role: str, deadline: float
                          ) -> list[Worker]:
@@ -87,15 +88,16 @@ class Placement:
                                                 "worker's KV pool")
 
     async def reserve(self, rid: str, prompt_len: int, params, deadline: float,
-                       ids: list[int]) -> tuple[Worker, DecodeReservation, Worker | None]:
+                       ids: list[int], num_samples: int = 1
+                       ) -> tuple[Worker, DecodeReservation, Worker | None]:
         """Reserve on the best live decode worker with room, waiting for room (or for
         Ray to restart a dead one) until reserve_timeout_s, and choose who prefills:
         returns (D, D's reservation, P), P None when D prefills the prompt itself. The
         prompt's tokens are charged to P's queue (P.load) or D's own
-        (D.local_prefill_load) when the choice is made, before the reserve call is
-        awaited: the requests of a burst, whose choices are made while the first
-        reservations are in flight, see each other's load. The caller releases the
-        charge. The reservation's lease ends with the request's deadline at the
+        (D.local_prefill_load), and its `num_samples` streams to D.load, when the choice
+        is made, before the reserve call is awaited: the requests of a burst, whose
+        choices are made while the first reservations are in flight, see each other's
+        load (they spread over the decode workers). The caller releases the charge. The reservation's lease ends with the request's deadline at the
         latest, so D reclaims it even if this router goes away."""
         give_up = min(deadline, time.monotonic() + self.config.router.reserve_timeout_s)
         delay = 0.01
@@ -109,25 +111,27 @@ class Placement:
                 local = params.prompt_logprobs is None and self.prefill_on_decode(d, prompt_len)
                 p = None if local else self.prefill_router.pick(
                     [w for w in live_p if w.available] or live_p, ids)[0]
-                self.charge(d, p, prompt_len, 1)
+                self.charge(d, p, prompt_len, 1, num_samples)
                 try:
                     res = await d.handle.reserve.remote(rid, prompt_len, params, ids, lease_s,
                                                         local)
                 except ray.exceptions.RayActorError:   # dead or restarting: try the next
-                    self.charge(d, p, prompt_len, -1)
+                    self.charge(d, p, prompt_len, -1, num_samples)
                     d.alive = False
                     continue
                 except BaseException:
-                    self.charge(d, p, prompt_len, -1)
+                    self.charge(d, p, prompt_len, -1, num_samples)
                     raise
                 if res is None:
-                    self.charge(d, p, prompt_len, -1)
+                    self.charge(d, p, prompt_len, -1, num_samples)
                     continue
                 d.free_blocks = res.free_blocks
                 if res.local_prefill and p is not None:   # D's own threshold chose it
                     self.charge(d, p, prompt_len, -1)
                     self.charge(d, None, prompt_len, 1)
                     p = None
+                if p is None:
+                    self.local_prefill_tokens += prompt_len
                 return d, res, p
             if not any(d.available for d in live):
                 continue          # every one died meanwhile: wait for a restart above
@@ -139,9 +143,10 @@ class Placement:
             delay = min(delay * 2, 0.2)
 
     @staticmethod
-    def charge(d: Worker, p: Worker | None, tokens: int, sign: int) -> None:
+    def charge(d: Worker, p: Worker | None, tokens: int, sign: int, streams: int = 0) -> None:
         """Add (sign 1) or take back (-1) a prompt's tokens on the queue of whoever
-        prefills it: P, or D itself when p is None."""
+        prefills it (P, or D itself when p is None), and its `streams` on D's load."""
+        d.load += sign * streams
         if p is not None:
             p.load += sign * tokens
         else:

@@ -51,6 +51,7 @@ from .errors import RequestError
 from .relay import Relay
 from .samples import best_of, by_request, merge, retry_groups, sample_relays
 from .placement import Placement
+from .planner import Planner
 from .scaling import Scaler
 from .routing import PrefillRouter
 from .streams import DecodeStreams
@@ -92,6 +93,8 @@ class Router:
         self.streams = DecodeStreams()              # decode workers' token events
         self.metrics = RouterMetrics(lambda: self.admission.queued_requests,
                                      rc.slo_ttft_ms, rc.slo_tpot_ms)
+        self.planner = None if config.planner is None else Planner(self, config.planner)
+        self._plan: asyncio.Task | None = None      # serve --planner slo (planner.py)
         self.metrics_address = ""
         self._http = None               # http_server.HTTPServer when router.http_port is set
         self.http_address = ""
@@ -131,6 +134,8 @@ class Router:
         if rc.routing_policy == "kv_aware":
             self._cache_sync = asyncio.get_running_loop().create_task(admin.sync_prefix_caches(self))
         self._watch = asyncio.get_running_loop().create_task(admin.watch_workers(self))
+        if self.planner is not None:
+            self._plan = asyncio.get_running_loop().create_task(self.planner.run())
         self._server, port = build_server(self, f"{rc.host}:{rc.port}")
         await self._server.start()
         self.metrics_address = "%s:%d" % serve_metrics(self.metrics.registry, rc.host,
@@ -150,10 +155,10 @@ class Router:
         return self._http.port if self._http is not None else None
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        for task in (self._cache_sync, self._watch):
+        for task in (self._cache_sync, self._watch, self._plan):
             if task is not None:
                 task.cancel()
-        self._cache_sync = self._watch = None
+        self._cache_sync = self._watch = self._plan = None
         if self._http is not None:
             await self._http.stop(grace_s)
             self._http = None
@@ -280,11 +285,11 @@ class Router:
         on_d = {sample_id(internal_id, k): r for k, r in enumerate(relays)}
         self.streams.open(internal_id, tuple(on_d)[1:])  # before D may produce a token
         try:
-            d, res, p = await self.placement.reserve(internal_id, len(ids), params, deadline, ids)
+            d, res, p = await self.placement.reserve(   # charges D.load with the relays
+                internal_id, len(ids), params, deadline, ids, len(relays))
         except BaseException:
             self.streams.close(internal_id)
             raise
-        d.load += len(relays)
         # prompt tokens charged by _reserve to P's queue or to D's own, until the first token
         local_tokens, p_tokens = (0, len(ids)) if p is not None else (len(ids), 0)
         finished = False
@@ -387,4 +392,7 @@ class Router:
 
     async def scale(self, num_prefill: int, num_decode: int, timeout_s: float
                     ) -> pb.ScaleResponse:
+        if self.planner is not None:    # it would undo the call at its next interval
+            raise RuntimeError("the SLO planner sizes the pools (serve --planner slo); "
+                               "Admin.Scale is off while it runs")
         return await self.scaler.scale(num_prefill, num_decode, timeout_s)

@@ -81,7 +81,7 @@ class Scaler:
 
     async def _start(self, more_prefill: int, more_decode: int) -> list[str]:
         """Start the workers, pair them, then let them take requests; their ids."""
-        from ..cluster import start_worker
+        from ..cluster import STARTUP_TIMEOUT_S, start_worker
 
         router, placement = self.router, self.router.placement
         new: list[tuple[str, str, object]] = []
@@ -97,7 +97,9 @@ class Scaler:
         if not new:
             return []
         try:
-            infos = await asyncio.gather(*(h.ready.remote() for _, _, h in new))
+            # a worker Ray cannot place (no node has its resources) fails the call here
+            infos = await asyncio.wait_for(asyncio.gather(*(h.ready.remote() for _, _, h in new)),
+                                           STARTUP_TIMEOUT_S)
             workers = [(role, Worker(h, i.worker_id, i.num_blocks, i.epoch, node_ip=i.node_ip,
                                      free_blocks=i.num_blocks if role == "decode" else 0), i)
                        for (role, _, h), i in zip(new, infos)]

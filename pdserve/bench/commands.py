@@ -206,6 +206,35 @@ def _bench_gpu(args) -> int:
     return 0
 
 
+def _bench_planner(args) -> int:
+    import json
+
+    from transformers import AutoTokenizer
+
+    from . import planner
+    from ..engine.loader import resolve_model
+
+    try:
+        cfg = planner.PlannerBenchConfig(
+            model=args.model, budget=args.budget, slo_ttft_ms=args.slo_ttft_ms,
+            slo_itl_ms=args.slo_itl_ms, phase_s=args.phase_s, prefill_rate=args.prefill_rate,
+            decode_rate=args.decode_rate, interval_s=args.planner_interval_s,
+            planner_margin=args.planner_margin, seed=args.seed,
+            transport=args.transport)
+    except ValueError as e:
+        print(f"pdserve bench planner: {e}", file=sys.stderr)
+        return 2
+    requests, times = planner.trace(cfg, AutoTokenizer.from_pretrained(resolve_model(cfg.model)))
+    print(f"{len(requests)} ShareGPT requests over 2 x {cfg.phase_s:g} s; runs: planner, "
+          + ", ".join(f"{p}P+{d}D" for p, d in cfg.splits()), flush=True)
+    runs = planner.run(cfg, requests, times)
+    print(planner.table(cfg, runs))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(planner.as_json(cfg, runs) | {"command": " ".join(sys.argv)}, f, indent=2)
+    return 0
+
+
 def add_bench_parser(sub) -> None:
     """The `bench` subcommand and its own subcommands, on `sub` (argparse subparsers)."""
     b = sub.add_parser("bench", help="benchmarks, each against its baseline in the same run")
@@ -272,6 +301,26 @@ def add_bench_parser(sub) -> None:
     bs.add_argument("--plot", default=None, help="write PNG plots into this directory")
     _add_common(bs)
     bs.set_defaults(fn=_bench_serve)
+
+    bp = bsub.add_parser("planner", help="goodput at the SLO on a trace shifting from "
+                                         "prefill-heavy to decode-heavy: the SLO planner vs "
+                                         "every fixed split of the same workers")
+    bp.add_argument("--budget", type=int, default=3, help="workers of both roles, every run")
+    bp.add_argument("--slo-ttft-ms", type=float, default=5000.0)
+    bp.add_argument("--slo-itl-ms", type=float, default=100.0,
+                    help="the planner's ITL target, and goodput's TPOT bound")
+    bp.add_argument("--phase-s", type=float, default=90.0, help="seconds of each phase")
+    bp.add_argument("--prefill-rate", type=float, default=0.7,
+                    help="req/s of the prefill-heavy phase (long prompts, 1 token out)")
+    bp.add_argument("--decode-rate", type=float, default=2.0,
+                    help="req/s of the decode-heavy phase (short prompts, long answers)")
+    bp.add_argument("--planner-interval-s", type=float, default=8.0)
+    bp.add_argument("--planner-margin", type=float, default=0.75,
+                    help="the planner's mean TTFT/ITL targets as a share of the SLO "
+                         "goodput counts each request against")
+    bp.add_argument("--seed", type=int, default=0)
+    _add_common(bp)
+    bp.set_defaults(fn=_bench_planner)
 
     bst = bsub.add_parser("step", help="decode and prefill step time per engine optimization "
                                        "vs the engine without it (one process, CPU)")

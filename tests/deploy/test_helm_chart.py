@@ -24,7 +24,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pdserve import cli
+from pdserve import cli, cli_admin
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve"
 GPU_VALUES_FILE = CHART / "values-gpu-rdma.yaml"
@@ -34,8 +34,8 @@ TLS_DIR = "/etc/pdserve/tls"
 
 # Fields of KubeRay's ray.io/v1 RayCluster this chart may set (a typo would be dropped
 # silently by the API server's pruning, so it fails here instead).
-RAYCLUSTER_SPEC_FIELDS = {"rayVersion", "enableInTreeAutoscaling", "headGroupSpec",
-                          "workerGroupSpecs"}
+RAYCLUSTER_SPEC_FIELDS = {"rayVersion", "enableInTreeAutoscaling", "autoscalerOptions",
+                          "headGroupSpec", "workerGroupSpecs"}
 HEAD_GROUP_FIELDS = {"rayStartParams", "template", "serviceType"}
 WORKER_GROUP_FIELDS = {"groupName", "replicas", "minReplicas", "maxReplicas",
                        "rayStartParams", "template"}
@@ -46,12 +46,6 @@ def _gpu_values() -> dict:
 
 
 VALUE_SETS = {"default": {}, "gpu-rdma": _gpu_values()}
-
-
-@pytest.fixture(scope="module")
-def chart():
-    with helm.Chart.load(CHART) as c:
-        yield c
 
 
 def _render(chart, values: dict | None = None) -> list[dict]:
@@ -88,7 +82,8 @@ def _container(template: dict) -> dict:
 def _cli_args(argv: list[str], monkeypatch, command: str) -> dict:
     """Parse argv with pdserve's own CLI parser; returns the parsed namespace as a dict."""
     seen = {}
-    monkeypatch.setattr(cli, f"_{command}", lambda a: seen.update(vars(a)) or 0)
+    module = cli if hasattr(cli, f"_{command}") else cli_admin   # status, drain, scale
+    monkeypatch.setattr(module, f"_{command}", lambda a: seen.update(vars(a)) or 0)
     assert cli.main(argv) == 0
     return seen
 

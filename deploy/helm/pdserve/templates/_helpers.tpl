@@ -104,6 +104,25 @@ import ray, sys; ray.init(address="auto", logging_level="ERROR", log_to_driver=F
 {{- if $v.http.enabled }}
 {{- $args = concat $args (list "--http-port" (toString $v.http.port)) }}
 {{- end }}
+{{- if $v.planner.enabled }}
+{{- $args = concat $args (list "--planner" "slo" "--slo-ttft-ms" (toString $v.planner.sloTtftMs)
+      "--slo-itl-ms" (toString $v.planner.sloItlMs)
+      "--planner-interval-s" (toString $v.planner.intervalSeconds)) }}
+{{- range $role := list "prefill" "decode" }}
+{{- $g := index $v $role }}
+{{- if lt (include "pdserve.replicaBound" (dict "group" $g "bound" "minReplicas") | int) 1 }}
+{{- fail (printf "planner.enabled: %s.minReplicas must be >= 1 (the planner keeps a worker of each role)" $role) }}
+{{- end }}
+{{- $args = concat $args (list (printf "--min-%s-workers" $role) (include "pdserve.replicaBound" (dict "group" $g "bound" "minReplicas"))
+      (printf "--max-%s-workers" $role) (include "pdserve.replicaBound" (dict "group" $g "bound" "maxReplicas"))) }}
+{{- end }}
+{{- if not (kindIs "invalid" $v.planner.maxWorkers) }}
+{{- if lt (int $v.planner.maxWorkers) (add $v.prefill.replicas $v.decode.replicas | int) }}
+{{- fail (printf "planner.maxWorkers (%v) is below prefill.replicas + decode.replicas (%v): the planner starts with those" $v.planner.maxWorkers (add $v.prefill.replicas $v.decode.replicas)) }}
+{{- end }}
+{{- $args = concat $args (list "--max-workers" (toString $v.planner.maxWorkers)) }}
+{{- end }}
+{{- end }}
 {{- if $v.threadsPerWorker }}
 {{- $args = concat $args (list "--threads-per-worker" (toString $v.threadsPerWorker)) }}
 {{- end }}
@@ -199,6 +218,12 @@ volumes:
 {{- end }}
 {{- end }}
 
+{{/* A worker group's minReplicas or maxReplicas ("bound"), its replicas when unset. */}}
+{{- define "pdserve.replicaBound" -}}
+{{- $b := index .group .bound }}
+{{- if kindIs "invalid" $b }}{{ .group.replicas }}{{ else }}{{ $b }}{{ end }}
+{{- end }}
+
 {{/*
 A worker group of the RayCluster: call with (dict "root" $ "role" "prefill"). Each pod's
 Ray node declares pdserve_<role>: 1, so exactly one pdserve worker of that role lands on it.
@@ -207,8 +232,8 @@ Ray node declares pdserve_<role>: 1, so exactly one pdserve worker of that role 
 {{- $root := .root }}
 {{- $v := $root.Values }}
 {{- $g := index $v .role }}
-{{- $min := $g.replicas }}{{ if not (kindIs "invalid" $g.minReplicas) }}{{ $min = $g.minReplicas }}{{ end }}
-{{- $max := $g.replicas }}{{ if not (kindIs "invalid" $g.maxReplicas) }}{{ $max = $g.maxReplicas }}{{ end }}
+{{- $min := include "pdserve.replicaBound" (dict "group" $g "bound" "minReplicas") | int }}
+{{- $max := include "pdserve.replicaBound" (dict "group" $g "bound" "maxReplicas") | int }}
 {{- if or (gt (int $min) (int $g.replicas)) (lt (int $max) (int $g.replicas)) }}
 {{- fail (printf "%s: want minReplicas (%v) <= replicas (%v) <= maxReplicas (%v)" .role $min $g.replicas $max) }}
 {{- end }}

@@ -36,7 +36,6 @@ class Placement:
         self.prefill_router = prefill_router
         self.prefill: list[Worker] = prefill or []
         self.decode: list[Worker] = decode or []
-        self.local_prefill_tokens = 0   # prompts decode workers prefilled (the planner)
 
     async def available(self, workers: list[Worker], role: str, deadline: float
                          ) -> list[Worker]:
@@ -130,8 +129,6 @@ class Placement:
                     self.charge(d, p, prompt_len, -1)
                     self.charge(d, None, prompt_len, 1)
                     p = None
-                if p is None:
-                    self.local_prefill_tokens += prompt_len
                 return d, res, p
             if not any(d.available for d in live):
                 continue          # every one died meanwhile: wait for a restart above

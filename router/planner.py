@@ -274,17 +274,19 @@ class Planner:
 
     def _totals(self) -> tuple:
         t, a = self.router.metrics.totals, self.router.admission
-        local = self.router.placement.local_prefill_tokens
+        # prompts a decode worker prefilled count too: the router sends them there when
+        # every prefill worker's queue is long (conditional disaggregation), which is
+        # prefill demand the pool did not meet (a bench at 1.2 long prompts/s saw the
+        # prefill pool shrink when they were left out)
         return (self.clock(), a.admitted_requests + a.refused_requests,
-                a.admitted_tokens + a.refused_tokens - local, t.finished, t.output_tokens,
+                a.admitted_tokens + a.refused_tokens, t.finished, t.output_tokens,
                 t.ttft_s, t.ttft_count, t.itl_s, t.itl_count)
 
     async def observe(self) -> Interval:
         """The intervals since the window's start (at most HISTORY of them: a Poisson
         load's count over one short interval is noisy, at 1 req/s 3 s hold none 5% of
         the time), with the pools as they are now. Requests refused at admission count
-        as load; prompts the decode workers prefilled themselves do not count as
-        prefill load."""
+        as load, and so do prompts the decode workers prefilled."""
         placement = self.router.placement
         prefill, decode = list(placement.prefill), list(placement.decode)
         steps = {"prefill": StepStats(), "decode": StepStats()}

@@ -177,8 +177,7 @@ def test_the_planner_observes_its_window_and_scales():
 
     metrics = RouterMetrics(lambda: 0)
     router = SimpleNamespace(metrics=metrics, admission=Admission(100, 10 ** 6),
-                             placement=SimpleNamespace(prefill=[prefill], decode=[decode],
-                                                       local_prefill_tokens=0),
+                             placement=SimpleNamespace(prefill=[prefill], decode=[decode]),
                              scaler=SimpleNamespace(scale=scale))
     cfg = PlannerConfig(slo_ttft_ms=2000, slo_itl_ms=60, max_prefill_workers=2,
                         max_decode_workers=2, max_workers=3, adjustment_interval_s=1)
@@ -282,6 +281,6 @@ def test_a_burst_of_reservations_spreads_over_the_decode_workers():
     assert queued == 4 * 8                          # every prompt's tokens on P, once
 
 
-def test_prompts_all_prefilled_on_decode_workers_need_no_prefill_worker():
-    plan = size(interval(requests=10, isl=0), CFG)     # no token reached a prefill worker
+def test_no_prompt_tokens_need_no_prefill_worker():
+    plan = size(interval(requests=10, isl=0), CFG)     # no prompt tokens in the window
     assert plan.prefill_needed == 0 and plan.num_prefill == 1

@@ -49,16 +49,17 @@ class Admission:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"prompt of {num_tokens} tokens exceeds max_queued_tokens="
                                f"{self.max_tokens}: it can never be queued; shorten the prompt")
-        if (self.queued_requests + 1 > self.max_requests
-                or self.queued_tokens + num_tokens > self.max_tokens):
+        over_requests = self.queued_requests + 1 > self.max_requests
+        over_tokens = self.queued_tokens + num_tokens > self.max_tokens
+        if over_requests or over_tokens:
             self.refused_requests += 1
             self.refused_tokens += num_tokens
-        if self.queued_requests + 1 > self.max_requests:
+        if over_requests:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server overloaded: {self.queued_requests} requests already "
                                f"queued for prefill (max_queued_requests={self.max_requests}); "
                                "retry later")
-        if self.queued_tokens + num_tokens > self.max_tokens:
+        if over_tokens:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server overloaded: {self.queued_tokens} prompt tokens queued + "
                                f"{num_tokens} in this request > max_queued_tokens="

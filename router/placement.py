@@ -96,8 +96,9 @@ class Placement:
         (D.local_prefill_load), and its `num_samples` streams to D.load, when the choice
         is made, before the reserve call is awaited: the requests of a burst, whose
         choices are made while the first reservations are in flight, see each other's
-        load (they spread over the decode workers). The caller releases the charge. The reservation's lease ends with the request's deadline at the
-        latest, so D reclaims it even if this router goes away."""
+        load (they spread over the decode workers). The caller releases the charge.
+        The reservation's lease ends with the request's deadline at the latest, so D
+        reclaims it even if this router goes away."""
         give_up = min(deadline, time.monotonic() + self.config.router.reserve_timeout_s)
         delay = 0.01
         while True:

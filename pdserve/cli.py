@@ -66,7 +66,7 @@ def _serve(args) -> int:
                                       "slo_tpot_ms", "tls_cert_file", "tls_key_file",
                                       "tls_client_ca_file", "api_key", "max_request_bytes",
                                       "max_migrations", "http_port",
-                                      "max_prefill_queue_tokens",
+                                      "max_prefill_queue_tokens", "rebalance_on_scale_up",
                                       "local_prefill_when_prefill_idle")
                        if (v := getattr(args, k)) is not None})   # unset: RouterConfig's default
     except ValueError as e:   # a setting out of range: the message names it
@@ -255,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
                         "more than that decode worker has queued for its own prefills "
                         "(default: one prefill step, --max-num-batched-tokens; 0: always "
                         "use a prefill worker)")
+    s.add_argument("--rebalance-on-scale-up", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="a decode worker that joins (pdserve scale, the planner) takes the "
+                        "running streams the others have above the mean, moved by "
+                        "recomputing their KV on a prefill worker (default off: see "
+                        "docs/planner.md)")
     s.add_argument("--local-prefill-when-prefill-idle", action=argparse.BooleanOptionalAction,
                    default=None,
                    help="a decode worker prefills a prompt itself when an idle prefill "

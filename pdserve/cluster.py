@@ -21,6 +21,7 @@ import psutil
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from . import cpu_limit
 from .config import ClusterConfig
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class Cluster:
         self._core_share_dir: str | None = None   # pdserve/core_share.py, this start's
         self._ray_processes: list[psutil.Process] = []   # GCS, raylet... when _owns_ray
         self._placement_groups: list = []   # one per tensor-parallel worker (tp_group.py)
+        self._cpu_limit_group: str | None = None   # pdserve/cpu_limit.py, this start's
 
     def start(self) -> int:
         """Start Ray (if needed), the workers and the router. Returns the gRPC port;
@@ -105,6 +107,10 @@ class Cluster:
             self._core_share_dir = _core_share_dir()
             cfg = replace(cfg, prefill=replace(cfg.prefill, core_share_dir=self._core_share_dir),
                           decode=replace(cfg.decode, core_share_dir=self._core_share_dir))
+        if cfg.prefill.cpu_limit or cfg.decode.cpu_limit:
+            self._cpu_limit_group = cpu_limit.group_name()
+            cfg = replace(cfg, prefill=replace(cfg.prefill, cpu_limit_group=self._cpu_limit_group),
+                          decode=replace(cfg.decode, cpu_limit_group=self._cpu_limit_group))
         if not ray.is_initialized():
             with _keep_signal_handlers():
                 if cfg.ray_address is None:
@@ -170,6 +176,9 @@ class Cluster:
         if self._core_share_dir is not None:
             shutil.rmtree(self._core_share_dir, ignore_errors=True)
             self._core_share_dir = None
+        if self._cpu_limit_group is not None:
+            cpu_limit.remove_group(self._cpu_limit_group)
+            self._cpu_limit_group = None
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray, self._ray_processes = False, []

@@ -25,6 +25,12 @@ class WorkerConfig:
     num_threads: int = 1             # torch intra-op threads (pin compute to the cores it owns)
     cpus: tuple[int, ...] | None = None  # CPU ids the worker process is pinned to (Linux
                                          # sched_setaffinity); None: wherever the OS runs it
+    cpu_limit: float | None = None   # cores the worker's processes may use in all: a CFS
+                                     # quota on a cgroup of its own, as a Kubernetes pod's
+                                     # limits.cpu (pdserve/cpu_limit.py); one fixed-size
+                                     # "device" per worker on a shared box. None: no cap
+    cpu_limit_group: str | None = None  # set by Cluster.start when cpu_limit is: the cgroup
+                                     # its workers' cgroups go under
     tensor_parallel_size: int = 1    # ranks of one worker (engine/parallel.py; tp_group.py)
     transport: str = "tcp"
     host: str = "127.0.0.1"          # address the KV transport and /metrics bind and advertise;
@@ -89,6 +95,8 @@ class WorkerConfig:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
         if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
             raise ValueError(f"cpus={self.cpus}: give CPU ids >= 0 (or None: not pinned)")
+        if self.cpu_limit is not None and not self.cpu_limit > 0:
+            raise ValueError(f"cpu_limit={self.cpu_limit}: must be > 0 cores (or None: no cap)")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be "
                              f">= block_size={self.block_size}")
@@ -156,6 +164,13 @@ class RouterConfig:
     cache_sync_interval_s: float = 0.1  # kv_aware: how often prefill caches are mirrored
     max_migrations: int = 3          # retries of a request after a worker died or its KV
                                      # transfer failed (each resumes after the tokens sent)
+    rebalance_on_scale_up: bool = False  # decode workers that join (Admin.Scale, the
+                                     # planner) take the busier ones' streams above the
+                                     # mean at once, moved by recompute (router/scaling.py).
+                                     # Off: the recompute prefills queue before new
+                                     # prompts; in `pdserve bench planner` (one 0.6-core
+                                     # prefill worker) moving 21 streams cut the
+                                     # decode-heavy phase's goodput from 1.99 to 0.27 req/s
     worker_probe_interval_s: float = 0.5  # how often a worker found dead is asked if it is back
     metrics_port: int = 9464         # Prometheus /metrics on `host`; 0: a free port
     slo_ttft_ms: float | None = None  # goodput: TTFT bound (None: unconstrained)

@@ -85,10 +85,12 @@ def slo_label(ttft_ms: float | None, tpot_ms: float | None) -> str:
 @dataclass
 class RouterTotals:
     """Cumulative figures the SLO planner differences per interval (router/planner.py):
-    finished requests and their output tokens, the sums and counts of TTFT and ITL."""
+    finished requests, their output tokens and the most they could have had, the sums
+    and counts of TTFT and ITL."""
 
     finished: int = 0
     output_tokens: int = 0
+    finished_max_output: int = 0     # their max_tokens x n (router.generate)
     ttft_s: float = 0.0
     ttft_count: int = 0
     itl_s: float = 0.0
@@ -126,7 +128,8 @@ class RouterMetrics:
                                          registry=r)
         self.retries = Counter(p + "request_retries",
                                "Request attempts retried on live workers after a worker died "
-                               "or a KV transfer failed, by the phase that failed.", ["reason"],
+                               "or a KV transfer failed, by the phase that failed (rebalance: "
+                               "moved to a decode worker that joined).", ["reason"],
                                registry=r)
         self.slo = slo_label(slo_ttft_ms, slo_tpot_ms)
         self.slo_ttft_s = None if slo_ttft_ms is None else slo_ttft_ms / 1e3

@@ -99,6 +99,7 @@ class TPRank:
 
         logging.basicConfig(level=config.log_level)
         self.worker_id, self.rank = worker_id, rank
+        _cap(worker_id, config)
         self.tp = join(rank, size, init_method, config.device)
         self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
                                   rank_cpus(config.cpus, size, rank), tp=self.tp)
@@ -221,6 +222,15 @@ def start_ranks(worker_id: str, config: WorkerConfig, pg: PlacementGroup | None 
     return tp, ranks
 
 
+def _cap(worker_id: str, config: WorkerConfig) -> None:
+    """This process into its worker's CPU cap (WorkerConfig.cpu_limit), if it has one.
+    Raises cpu_limit.CpuLimitError when the cap cannot be set."""
+    if config.cpu_limit is not None:
+        from .cpu_limit import join as join_cap
+        path = join_cap(config.cpu_limit_group or "pdserve", worker_id, config.cpu_limit)
+        logger.info("%s: capped at %g cores (%s)", worker_id, config.cpu_limit, path)
+
+
 def worker_runner(worker_id: str, config: WorkerConfig, role: str, epoch: int,
                   on_broken=None, **runner_kw) -> tuple[TensorParallel, list, object]:
     """A worker's model runner, built by its actor (rank 0): with
@@ -233,6 +243,7 @@ def worker_runner(worker_id: str, config: WorkerConfig, role: str, epoch: int,
     from .engine.parallel import SINGLE
     from .engine.tp_executor import TPLeader
 
+    _cap(worker_id, config)
     tp, ranks = SINGLE, []
     if config.tensor_parallel_size > 1:
         tp, ranks = start_ranks(worker_id, config, role=role, epoch=epoch)

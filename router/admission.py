@@ -35,9 +35,11 @@ class Admission:
         # since start, with their prompt tokens: the SLO planner's arrivals (planner.py)
         self.admitted_requests = self.admitted_tokens = 0
         self.refused_requests = self.refused_tokens = 0   # over a bound (not too long)
+        self.arrived_max_output = 0     # max_tokens x n of every arrival (both of those)
 
-    def admit(self, num_tokens: int) -> Ticket:
-        """Queue a request of `num_tokens` prompt tokens; release the ticket once its first
+    def admit(self, num_tokens: int, max_output_tokens: int = 0) -> Ticket:
+        """Queue a request of `num_tokens` prompt tokens (and at most `max_output_tokens`
+        output tokens, all its samples: the planner's output estimate); release the ticket once its first
         token is back or it fails (a `with` block releases it on every path).
 
         Raises:
@@ -49,6 +51,7 @@ class Admission:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"prompt of {num_tokens} tokens exceeds max_queued_tokens="
                                f"{self.max_tokens}: it can never be queued; shorten the prompt")
+        self.arrived_max_output += max_output_tokens
         over_requests = self.queued_requests + 1 > self.max_requests
         over_tokens = self.queued_tokens + num_tokens > self.max_tokens
         if over_requests or over_tokens:

@@ -3,10 +3,11 @@ router sizes its prefill and decode pools to a TTFT and an ITL target, through t
 Scaler.scale as Admin.Scale (router/scaling.py: new workers pair before they serve,
 retired ones drain or move their requests on, so nothing is lost).
 
-    observe   the interval's arrivals (admitted requests and their prompt tokens,
-              admission.py), finished requests' output tokens, mean TTFT and ITL
-              (metrics.RouterTotals), each worker's model steps (WorkerStatus.step_stats)
-              and the decode workers' KV blocks in use
+    observe   the interval's arrivals (admitted requests, their prompt tokens and
+              max_tokens, admission.py), finished requests' output tokens and
+              max_tokens, tokens streamed, mean TTFT and ITL (metrics.RouterTotals),
+              each worker's model steps (WorkerStatus.step_stats) and the decode
+              workers' KV blocks in use
     predict   the next interval's load = this one's (Dynamo's constant predictor)
     size      the workers each pool needs at its target: `size()`, below
     decide    bounds, the budget of both pools together, hysteresis: `Hysteresis`
@@ -26,8 +27,11 @@ all taken over the last `HISTORY` intervals:
 - decode: a step of B tokens (one per decoding row) takes t(B) = a + b B (least
   squares over the steps); one worker holds B* = (ITL target - a) / b tokens per step
   within the target, generating B* / target tokens/s; the pool needs (arrivals/s x
-  mean output tokens) / that, and no fewer than the KV blocks in use / (KV_HEADROOM x
-  one worker's).
+  expected output tokens, or the tokens streamed per second if more) / that, and no
+  fewer than the KV blocks in use / (KV_HEADROOM x one worker's). Expected output: the
+  arrivals' mean max_tokens x the share of their max_tokens the finished requests
+  used; the arrivals' own max_tokens follow a shift to longer answers at once, where
+  the finished requests' mean lags it by the length of an answer.
 - correction (Dynamo's): the window's mean TTFT (ITL) over what the model expects for
   it (M/D/1 at the pool's utilization; t(mean tokens per step)) measures what the
   model leaves out (queueing outside the steps, transfers, cores shared with the other
@@ -72,8 +76,11 @@ class Interval:
     prompt_tokens: int                # of those requests
     output_len: float | None          # mean output tokens of the requests finished in it
                                       # (None: none yet, ever)
+    output_share: float | None        # their output tokens / their max_tokens (the same)
+    max_output_len: float             # mean max_tokens (x n) of the requests that arrived
     ttft_s: float | None              # mean TTFT of its first tokens (None: none)
     itl_s: float | None               # mean ITL of its tokens after the first
+    tokens_after_first: int           # streamed in it, of every request (running ones too)
     kv_blocks_used: int               # decode pools, at its end
     kv_blocks_per_decode: int         # one decode worker's pool
     prefill_steps: StepStats          # every prefill worker's steps, last HISTORY intervals
@@ -147,16 +154,22 @@ def _decode_need(iv: Interval, target: float, why: list[str]) -> float:
     """Decode workers for iv's output tokens/s at a mean ITL of `target` seconds: tokens
     per step of a worker from the step line, the target corrected by observed / expected ITL."""
     line = iv.decode_steps.line()
-    if line is None or iv.output_len is None:
+    osl = (iv.output_share * iv.max_output_len if iv.output_share is not None
+           else iv.output_len)
+    if line is None or (osl is None and not iv.tokens_after_first):
         return float(iv.num_decode)
     a, b = line
     # a token's mean step time: steps weighted by their tokens, as ITL counts them
     per_token = a + b * iv.decode_steps.xx / iv.decode_steps.x
     target = _correct(target, iv.itl_s, per_token, "ITL", why)
     rows = max((target - a) / b, 1.0)                      # B*: tokens within the target
-    tokens_s = iv.requests / iv.seconds * iv.output_len
-    why.append(f"OSL {iv.output_len:.0f} step {a * 1e3:.1f}+{b * 1e3:.2f}/tok ms "
-               f"B* {rows:.1f}")
+    # demand: arrivals x their expected output (their max_tokens x the share of it the
+    # finished requests used: the arrivals' own max_tokens follow a change of output
+    # length at once, where the finished requests' output lags it by an answer), or the
+    # tokens the pool streamed, whichever is more
+    tokens_s = max(iv.requests * (osl or 0), iv.tokens_after_first) / iv.seconds
+    why.append(f"OSL {osl or 0:.0f} (max {iv.max_output_len:.0f}) streamed "
+               f"{iv.tokens_after_first} step {a * 1e3:.1f}+{b * 1e3:.2f}/tok ms B* {rows:.1f}")
     return tokens_s / (rows / max(target, a + b * rows))
 
 
@@ -218,6 +231,7 @@ class Planner:
         self._steps: dict[str, tuple[int, StepStats]] = {}   # worker id -> (epoch, last)
         self._history: deque[tuple[StepStats, StepStats]] = deque(maxlen=HISTORY)
         self._output_len: float | None = None
+        self._output_share: float | None = None
         self._marks: deque[tuple] = deque(maxlen=HISTORY + 1)
         self.restart_window()
 
@@ -280,7 +294,8 @@ class Planner:
         # prefill pool shrink when they were left out)
         return (self.clock(), a.admitted_requests + a.refused_requests,
                 a.admitted_tokens + a.refused_tokens, t.finished, t.output_tokens,
-                t.ttft_s, t.ttft_count, t.itl_s, t.itl_count)
+                t.ttft_s, t.ttft_count, t.itl_s, t.itl_count, a.arrived_max_output,
+                t.finished_max_output)
 
     async def observe(self) -> Interval:
         """The intervals since the window's start (at most HISTORY of them: a Poisson
@@ -305,19 +320,23 @@ class Planner:
         self._steps = {k: v for k, v in self._steps.items() if k in serving}   # retired
         self._history.append((steps["prefill"], steps["decode"]))
         self._marks.append(self._totals())
-        (t0, req0, tok0, fin0, out0, ttft0, nttft0, itl0, nitl0) = self._marks[0]
-        (t1, req1, tok1, fin1, out1, ttft1, nttft1, itl1, nitl1) = self._marks[-1]
+        (t0, req0, tok0, fin0, out0, ttft0, nttft0, itl0, nitl0, amax0, fmax0) = self._marks[0]
+        (t1, req1, tok1, fin1, out1, ttft1, nttft1, itl1, nitl1, amax1, fmax1) = self._marks[-1]
         if fin1 > fin0:
             self._output_len = (out1 - out0) / (fin1 - fin0)
+        if fmax1 > fmax0:
+            self._output_share = min((out1 - out0) / (fmax1 - fmax0), 1.0)
         sum_p, sum_d = StepStats(), StepStats()
         for p, d in self._history:
             sum_p, sum_d = sum_p + p, sum_d + d
         return Interval(
             seconds=max(t1 - t0, 1e-3), num_prefill=len(prefill), num_decode=len(decode),
             requests=req1 - req0, prompt_tokens=max(tok1 - tok0, 0),
-            output_len=self._output_len,
+            output_len=self._output_len, output_share=self._output_share,
+            max_output_len=(amax1 - amax0) / (req1 - req0) if req1 > req0 else 0.0,
             ttft_s=(ttft1 - ttft0) / (nttft1 - nttft0) if nttft1 > nttft0 else None,
             itl_s=(itl1 - itl0) / (nitl1 - nitl0) if nitl1 > nitl0 else None,
+            tokens_after_first=nitl1 - nitl0,
             kv_blocks_used=used,
             kv_blocks_per_decode=min((w.num_blocks for w in decode), default=0),
             prefill_steps=sum_p, decode_steps=sum_d)

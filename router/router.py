@@ -210,15 +210,16 @@ class Router:
         # Admitted before any wait (a full queue is refused here, at once). The ticket is
         # released at the first token, or by the `with` on any earlier exit: reserve
         # timeout, error, client cancel, deadline. release() is idempotent.
-        with self.admission.admit(len(ids)) as queued:
+        with self.admission.admit(len(ids), params.max_tokens * params.n) as queued:
             async with aclosing(self._serve(rid, ids, params, deadline, relays, queued,
                                             [])) as stream:
                 if ranked:
                     for msg in await best_of(stream, relays, params.n):
                         yield msg
-                    return
-                async for msg in stream:
-                    yield msg
+                else:
+                    async for msg in stream:
+                        yield msg
+        self.metrics.totals.finished_max_output += params.max_tokens * params.n
 
     async def _serve(self, rid: str, ids: list[int], params, deadline: float,
                      relays: list[Relay], queued, failures: list[str]
@@ -258,7 +259,7 @@ class Router:
                     async for msg in tried:
                         yield msg
             except AttemptFailed as e:
-                failures.append(str(e))
+                failures += [str(e)] if e.reason != "rebalance" else []   # not a fault
                 self.metrics.retries.labels(reason=e.reason).inc()
                 limit = self.config.router.max_migrations
                 if len(failures) > limit:

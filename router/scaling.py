@@ -5,7 +5,8 @@
              once ready(), every new prefill worker pairs with every decode worker and
              every prefill worker with every new decode worker (a layout mismatch fails
              the call and stops the new workers), then they join the placement's lists
-             and take requests
+             and take requests; new decode workers also take the streams the others
+             have above the mean (`rebalance`, router.rebalance_on_scale_up)
       down:  the newest workers beyond P and D are marked draining (placement.available
              skips them: no new request, no new reservation); each is stopped (shutdown,
              then killed) once neither it nor the router has a request of its own on it,
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 
@@ -96,6 +98,7 @@ class Scaler:
                 self.starting.append((role, worker_id))
         if not new:
             return []
+        t0 = time.monotonic()
         try:
             # a worker Ray cannot place (no node has its resources) fails the call here
             infos = await asyncio.wait_for(asyncio.gather(*(h.ready.remote() for _, _, h in new)),
@@ -122,13 +125,43 @@ class Scaler:
                              {(role, worker_id) for role, worker_id, _ in new}]
         placement.prefill = placement.prefill + new_p
         placement.decode = placement.decode + [w for w, _ in new_d]
-        logger.warning("started %s", [worker_id for _, worker_id, _ in new])
+        logger.warning("started %s in %.1f s", [worker_id for _, worker_id, _ in new],
+                       time.monotonic() - t0)
+        if new_d and router.config.router.rebalance_on_scale_up:
+            self.rebalance()
         return [worker_id for _, worker_id, _ in new]
+
+    def rebalance(self) -> int:
+        """Move the streams each decode worker has above the pool's mean (rounded up)
+        off it: each such attempt fails with streams.Moved and is retried like a death,
+        its prompt and the tokens it streamed prefilled again and decoded on the least
+        loaded worker, the one that just joined (token-identical: greedy outputs do not
+        depend on the batch). Llumnix balances instances the same way, by migrating
+        requests (Sun et al., OSDI 2024, section 4); it copies their KV live, here it is
+        recomputed (a short prompt's prefill, on an idle prefill pool when decode is the
+        short one). Returns how many moved."""
+        decode = [d for d in self.router.placement.decode if d.available]
+        if len(decode) < 2:
+            return 0
+        share = math.ceil(sum(d.load for d in decode) / len(decode))
+        moved = 0
+        for d in decode:
+            excess = d.load - share
+            for rid in self.router.streams.decoding_on(d.worker_id):
+                if excess <= 0:
+                    break
+                if self.router.streams.move(rid):
+                    excess -= 1
+                    moved += 1
+        if moved:
+            logger.warning("moved %d streams onto the decode workers that joined", moved)
+        return moved
 
     async def _retire(self, role: str, w: Worker, timeout_s: float) -> bool:
         """Wait until `w` has nothing of its own (True), or timeout_s (False: what it
         still has moves on when it stops), then stop it."""
         deadline = time.monotonic() + timeout_s
+        self._issued(role, [w.worker_id])           # its name is never issued again
         while True:
             try:
                 s = await asyncio.wait_for(w.handle.status.remote(), timeout=5)
@@ -174,8 +207,13 @@ class Scaler:
     def _next_id(self, role: str, have: list[Worker], new: list) -> str:
         """`role-N`, N past every id of the role this router has had (a retired one's
         name may still be Ray's for a moment)."""
-        used = [int(m.group(1)) for wid in [w.worker_id for w in have] +
-                [worker_id for r, worker_id, _ in new if r == role]
-                if (m := re.fullmatch(rf"{role}-(\d+)", wid))]
-        self._last[role] = max([self._last.get(role, -1), *used]) + 1
+        self._issued(role, [w.worker_id for w in have] +
+                     [worker_id for r, worker_id, _ in new if r == role])
+        self._last[role] += 1
         return f"{role}-{self._last[role]}"
+
+    def _issued(self, role: str, worker_ids: list[str]) -> None:
+        """Note `role-N` ids as had (a worker the cluster started, then retired, too)."""
+        used = [int(m.group(1)) for wid in worker_ids
+                if (m := re.fullmatch(rf"{role}-(\d+)", wid))]
+        self._last[role] = max([self._last.get(role, -1), *used])

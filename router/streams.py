@@ -10,6 +10,8 @@ worker incarnation (DecodeWorker.events), fanned out to one queue per request at
               every attempt bound to it gets the error
               batches(rid, deadline) ─ the attempt's events, as lists
               close(rid) ─ always, in a finally
+    scaling:  move(rid) ─ a decoding attempt fails with `Moved` (retried like a death,
+              on the least loaded decode worker: router/scaling.py's rebalance)
 
 One stream per worker carries a step's tokens for all its requests as one Ray message;
 a stream per request cost one message (and one object-store report on each side) per
@@ -27,7 +29,7 @@ from collections.abc import AsyncIterator
 import ray
 
 from ..engine.request import TokenEvent
-from .workers import Worker
+from .workers import Moved, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class DecodeStreams:
         self._samples: dict[str, tuple[str, ...]] = {}       # attempt id -> its ids on D
         self._bound: dict[tuple[str, int], set[str]] = {}    # (worker id, epoch) -> attempts
         self._pumps: dict[tuple[str, int], asyncio.Task] = {}
+        self._decoding: set[str] = set()    # attempts of one sample that got events
 
     def open(self, rid: str, sample_ids: tuple[str, ...] = ()) -> None:
         """Start collecting the events of attempt `rid` (before its reservation), and of
@@ -74,6 +77,23 @@ class DecodeStreams:
             self._queues.pop(i, None)
         for key, rids in list(self._bound.items()):
             rids.discard(rid)
+        self._decoding.discard(rid)
+
+    def decoding_on(self, worker_id: str) -> list[str]:
+        """The attempts of one sample each (n = 1) bound to `worker_id` that are decoding
+        there (D has streamed them tokens)."""
+        return [rid for (w, _), rids in self._bound.items() if w == worker_id
+                for rid in rids if rid in self._decoding]
+
+    def move(self, rid: str) -> bool:
+        """Fail decoding attempt `rid` with `Moved` at its next wait for events; False
+        when it is not decoding (finished meanwhile)."""
+        if rid not in self._decoding:
+            return False
+        self._decoding.discard(rid)
+        self._queues[rid].put_nowait(_Failed(Moved(f"attempt {rid} moved to balance the "
+                                                   "decode workers")))
+        return True
 
     async def batches(self, rid: str, deadline: float) -> AsyncIterator[list[TokenEvent]]:
         """The events of attempt `rid`, every one that piled up in each list, each wait
@@ -96,6 +116,8 @@ class DecodeStreams:
             if get.cancelled() or not get.done():
                 raise asyncio.TimeoutError
             item = get.result()
+            if len(self._samples.get(rid, ())) == 1 and not isinstance(item, _Failed):
+                self._decoding.add(rid)
             batch = []
             while True:
                 if isinstance(item, _Failed):

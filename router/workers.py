@@ -27,12 +27,18 @@ class Worker:
         return self.alive and not self.draining
 
 
+class Moved(ray.exceptions.RayError):
+    """The router moved an attempt off its decode worker (streams.move: a decode worker
+    joined); retried like a death, after the tokens it streamed."""
+
+
 class AttemptFailed(Exception):
     """One attempt at a request failed in a way a retry on live workers can mend."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
-        self.reason = reason    # "prefill" | "decode": the phase that failed
+        self.reason = reason    # "prefill" | "decode": the phase that failed;
+                                # "rebalance": moved to another decode worker
 
 
 def attempt_failed(phase: str, w: Worker, e: Exception) -> AttemptFailed:
@@ -41,6 +47,8 @@ def attempt_failed(phase: str, w: Worker, e: Exception) -> AttemptFailed:
     if isinstance(e, ray.exceptions.RayActorError):
         w.alive = False
         return AttemptFailed(phase, f"{phase} worker {w.worker_id} died: {type(e).__name__}")
+    if isinstance(e, Moved):
+        return AttemptFailed("rebalance", str(e))
     cause = getattr(e, "cause", None) or e     # the worker-side exception
     return AttemptFailed(phase, f"{phase} on {w.worker_id} failed: "
                                  f"{type(cause).__name__}: {cause}")

@@ -220,6 +220,8 @@ def _bench_planner(args) -> int:
             slo_itl_ms=args.slo_itl_ms, phase_s=args.phase_s, prefill_rate=args.prefill_rate,
             decode_rate=args.decode_rate, interval_s=args.planner_interval_s,
             planner_margin=args.planner_margin, seed=args.seed,
+            cpu_limit=args.cpu_limit or None, conditional_disagg=args.conditional_disagg,
+            poisson=args.poisson, rebalance_on_scale_up=args.rebalance_on_scale_up,
             transport=args.transport)
     except ValueError as e:
         print(f"pdserve bench planner: {e}", file=sys.stderr)
@@ -307,17 +309,26 @@ def add_bench_parser(sub) -> None:
                                          "every fixed split of the same workers")
     bp.add_argument("--budget", type=int, default=3, help="workers of both roles, every run")
     bp.add_argument("--slo-ttft-ms", type=float, default=5000.0)
-    bp.add_argument("--slo-itl-ms", type=float, default=100.0,
+    bp.add_argument("--slo-itl-ms", type=float, default=200.0,
                     help="the planner's ITL target, and goodput's TPOT bound")
     bp.add_argument("--phase-s", type=float, default=90.0, help="seconds of each phase")
-    bp.add_argument("--prefill-rate", type=float, default=0.7,
+    bp.add_argument("--prefill-rate", type=float, default=0.5,
                     help="req/s of the prefill-heavy phase (long prompts, 1 token out)")
-    bp.add_argument("--decode-rate", type=float, default=2.0,
+    bp.add_argument("--decode-rate", type=float, default=1.0,
                     help="req/s of the decode-heavy phase (short prompts, long answers)")
-    bp.add_argument("--planner-interval-s", type=float, default=8.0)
+    bp.add_argument("--planner-interval-s", type=float, default=5.0)
     bp.add_argument("--planner-margin", type=float, default=0.75,
                     help="the planner's mean TTFT/ITL targets as a share of the SLO "
                          "goodput counts each request against")
+    bp.add_argument("--cpu-limit", type=float, default=0.5,
+                    help="cores each worker may use (a cgroup quota, as a pod's limits.cpu; "
+                         "needs root): each worker one fixed-size device. 0: uncapped")
+    bp.add_argument("--conditional-disagg", action="store_true",
+                    help="let decode workers prefill when every prefill queue is long")
+    bp.add_argument("--rebalance-on-scale-up", action="store_true",
+                    help="move running streams onto a decode worker that joins")
+    bp.add_argument("--poisson", action="store_true",
+                    help="Poisson arrivals (seeded) instead of evenly spaced ones")
     bp.add_argument("--seed", type=int, default=0)
     _add_common(bp)
     bp.set_defaults(fn=_bench_planner)

@@ -2,18 +2,22 @@
 planner (router/planner.py) against fixed splits of the same number of workers.
 
 Trace (the issue's): ShareGPT V3 first turns in two phases of `phase_s` seconds each,
-Poisson arrivals (seeded; or evenly spaced), the same prompts and times for every run:
+evenly spaced arrivals (or Poisson, seeded), the same prompts and times for every run:
 
-- prefill-heavy: prompts of `long_prompt` tokens or more (up to 1024), `short_output`
+- prefill-heavy: prompts of `long_prompt` to `long_prompt_max` tokens, `short_output`
   output tokens each (1: the prefill worker's token alone, so TTFT);
 - decode-heavy: prompts of at most `short_prompt` tokens, each answered with its
   ShareGPT reply's length clipped to `long_output` (ignore_eos).
 
 Runs: `planner` (starts at 1 prefill + 1 decode worker, bounds 1..budget-1 per role,
-`budget` workers in all), then each fixed split P + D = budget. Every worker has one
-torch thread, and no core lending (`--no-lend-idle-prefill-cores`: on one box an idle
-prefill worker's threads would run its node's decode steps, so every split would adapt
-by itself; the planner is for pools that cannot share, on separate nodes or devices).
+`budget` workers in all), then each fixed split P + D = budget. Each worker is one
+fixed-size device, as a GPU or a CPU-limited pod is: one torch thread, capped at
+`cpu_limit` cores (a cgroup quota, pdserve/cpu_limit.py), no core lending, and prompts
+always prefilled by prefill workers (no conditional disaggregation). Without these an
+idle worker's cores serve the busy role on one box (the OS schedules the uncapped
+threads of all 3 workers on 2 cores; an idle prefill worker lends its threads; decode
+workers prefill when prefill queues are long), so every split adapts by itself and
+the splits hardly differ: the planner is for pools that cannot share.
 Goodput (DistServe): requests per second of the trace whose TTFT and TPOT are both
 within the SLO; the planner aims its means at `planner_margin` of it. Each run ends
 with every KV pool checked free, and the planner's serving ("ready") workers are
@@ -39,24 +43,39 @@ from .workload import BenchRequest, arrival_times, summarize
 class PlannerBenchConfig:
     model: str = "default"
     budget: int = 3                   # workers of both roles, every run
-    # defaults: this 2-core box, one torch thread per worker; a prefill worker computes
-    # ~390 prompt tokens/s, a decode worker ~140 tokens/s (tests/e2e/test_serve_planner.py)
+    # defaults: this 2-core box, workers of 0.5 core (cpu_limit; the other 0.5 for the
+    # router, the client and Ray) and one torch thread; a prefill worker computes ~165
+    # prompt tokens/s, a decode step takes ~105 ms + ~5.6 ms per row (the planner's
+    # log): one worker of the role short of each phase's load, two enough
     slo_ttft_ms: float = 5000.0
-    slo_itl_ms: float = 100.0
+    slo_itl_ms: float = 200.0
     phase_s: float = 90.0             # seconds of each phase
-    prefill_rate: float = 0.7         # req/s, prefill-heavy phase: ~540 prompt tokens/s
-    decode_rate: float = 2.0          # req/s, decode-heavy phase: ~200 output tokens/s
-    long_prompt: int = 600            # tokens, at least (prefill-heavy)
+    prefill_rate: float = 0.5         # req/s, prefill-heavy phase: ~235 prompt tokens/s
+    decode_rate: float = 1.0          # req/s, decode-heavy phase: ~95 output tokens/s
+    long_prompt: int = 256            # tokens, at least (prefill-heavy)
+    long_prompt_max: int = 768        # tokens, at most
     short_output: int = 1             # the prefill worker's token only: a phase of
                                       # TTFT (e.g. classification, scoring)
     short_prompt: int = 64            # tokens, at most (decode-heavy)
     long_output: int = 128
-    interval_s: float = 8.0           # the planner's adjustment interval
+    interval_s: float = 5.0           # the planner's adjustment interval
     planner_margin: float = 0.75      # the planner's mean TTFT / ITL targets, as a share
                                       # of the SLO each request's goodput counts against
                                       # (a mean at the bound leaves half the requests over)
+    cpu_limit: float | None = 0.5     # cores each worker may use (a cgroup quota, as a
+                                      # pod's limits.cpu; pdserve/cpu_limit.py): each
+                                      # worker one fixed-size device. None: uncapped
+    conditional_disagg: bool = False  # prompts prefilled on decode workers when every
+                                      # prefill queue is long (False: always on a prefill
+                                      # worker, the disaggregation a planner sizes)
+    rebalance_on_scale_up: bool = False   # RouterConfig's: running streams move onto
+                                      # a decode worker that joins
     seed: int = 0
-    poisson: bool = True              # arrivals: Poisson (seeded), or evenly spaced
+    poisson: bool = False             # arrivals: evenly spaced, or Poisson (seeded): at
+                                      # 0.5 req/s the planner's 15 s window of Poisson
+                                      # arrivals holds less than half the mean (3 or
+                                      # fewer) 6% of the time, and it follows those
+                                      # gaps, not the phases (seed 0: none in 16-28 s)
     transport: str = "tcp"
 
     def __post_init__(self):
@@ -78,9 +97,12 @@ class PlannerBenchConfig:
             self.budget, self.interval_s, drain_timeout_s=self.phase_s)
         cfg = ClusterConfig.local(self.model, port=0, prefill_workers=p, decode_workers=d,
                                   transport=self.transport, threads_per_worker=1,
-                                  decode_blocks=2048,
+                                  decode_blocks=2048, cpu_limit=self.cpu_limit,
                                   router_kw={"slo_ttft_ms": self.slo_ttft_ms,
-                                             "slo_tpot_ms": self.slo_itl_ms})
+                                             "slo_tpot_ms": self.slo_itl_ms}
+                                  | {"rebalance_on_scale_up": self.rebalance_on_scale_up}
+                                  | ({} if self.conditional_disagg
+                                     else {"max_prefill_queue_tokens": 0}))
         # no core lending: an idle prefill worker's threads would run the decode steps
         # (and prompts) of its node's decode workers, which makes any split adapt on
         # one box by itself; the planner sizes pools of workers that cannot share, as
@@ -99,7 +121,7 @@ def trace(cfg: PlannerBenchConfig, tokenizer) -> tuple[list[BenchRequest], list[
     for prompt, reply in first_turns():
         ids = tokenizer(prompt)["input_ids"]
         out = len(tokenizer(reply)["input_ids"])
-        if cfg.long_prompt <= len(ids) <= 1024 and len(long_) < counts[0]:
+        if cfg.long_prompt <= len(ids) <= cfg.long_prompt_max and len(long_) < counts[0]:
             long_.append(BenchRequest(list(ids), cfg.short_output))
         elif 4 <= len(ids) <= cfg.short_prompt and out >= 16 and len(short) < counts[1]:
             short.append(BenchRequest(list(ids), min(out, cfg.long_output)))

@@ -18,8 +18,8 @@ from pdserve.config import PlannerConfig
 
 pytestmark = pytest.mark.slow
 
-PHASE_S = 40.0   # a decode-heavy phase long enough for its answers to finish inside the
-                 # planner's window (its output length comes from finished requests)
+PHASE_S = 40.0   # each phase several of the planner's windows long (3 s x 3), with a
+                 # worker start (~5-10 s here) and a settling interval in between
 
 
 def test_planner_moves_the_split_the_right_way():
@@ -37,7 +37,8 @@ def test_planner_moves_the_split_the_right_way():
     # other pool one worker each time
     bench = PlannerBenchConfig(phase_s=PHASE_S, prefill_rate=0.6, decode_rate=1.8,
                                slo_ttft_ms=4000, slo_itl_ms=100, short_output=4, long_output=128,
-                               interval_s=3.0, poisson=False)
+                               interval_s=3.0, poisson=False, long_prompt=600,
+                               long_prompt_max=1024)
     requests, times = trace(bench, AutoTokenizer.from_pretrained(resolve_model("default")))
     planner = PlannerConfig(bench.slo_ttft_ms, bench.slo_itl_ms, 1, 2, 1, 2, max_workers=3,
                             adjustment_interval_s=bench.interval_s, drain_timeout_s=30)

@@ -2,7 +2,8 @@
 threads keep sending ShareGPT prompts. No request is refused or lost, greedy outputs
 equal HF's, the new workers take requests, the retired ones' Ray actors are gone, and
 every KV pool is free at the end. Then a decode worker retired with long streams still
-on it past timeout_s: they move to the other (stream migration) and still equal HF."""
+on it past timeout_s: they move to the other (stream migration); and a decode worker
+started while they run takes half of them (rebalance_on_scale_up); all equal HF."""
 
 from __future__ import annotations
 
@@ -83,11 +84,12 @@ def test_scale_up_and_down_under_load_loses_nothing():
         served.stop()          # asserts every KV block on every worker is free
 
 
-def test_a_decode_worker_retired_mid_stream_moves_its_streams_on():
+def test_streams_move_off_a_retired_decode_worker_and_onto_one_that_joins():
     start_ray()
     model = str(tiny_model_dir("llama"))
-    n = 1200
-    served = Served(model, decode_blocks=512, prefill_blocks=128, decode_workers=2)
+    n = 1200                     # still ~900 tokens to go when decode-2 joins, here
+    served = Served(model, decode_blocks=512, prefill_blocks=128, decode_workers=2,
+                    router_kw={"rebalance_on_scale_up": True})
     prompts = [[1, 500, 77], list(range(100, 117)), list(range(2000, 2030)), [5] * 9]
     tokens = [[] for _ in prompts]
     errors = []
@@ -112,6 +114,16 @@ def test_a_decode_worker_retired_mid_stream_moves_its_streams_on():
         assert d1.running_requests > 0            # it has streams to move on
         r = served.client.scale(1, 1, timeout_s=0.2)
         assert r.migrated == ["decode-1"] and not r.retired, r
+        # a decode worker joins while no request comes: it gets streams only by the
+        # rebalance (those above the mean move off decode-0)
+        r = served.client.scale(1, 2, timeout_s=60)
+        assert r.started == ["decode-2"], r
+        at_join = [len(t) for t in tokens]
+        d2, deadline = ray.get_actor("decode-2"), time.monotonic() + 30
+        while ray.get(d2.status.remote()).peak_batch_size < 2:
+            assert time.monotonic() < deadline and not errors, (tokens, errors)
+            time.sleep(0.05)
+        assert min(at_join) < n, at_join          # the streams were running when it joined
         for t in threads:
             t.join(300)
         assert not errors, errors
@@ -119,3 +131,4 @@ def test_a_decode_worker_retired_mid_stream_moves_its_streams_on():
             assert got == hf_greedy(model, prompt, n, ignore_eos=True)
     finally:
         served.stop()
+

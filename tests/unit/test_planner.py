@@ -36,6 +36,8 @@ def interval(requests=10, isl=500, osl=100, seconds=10.0, p=1, d=1, ttft=None, i
     return Interval(seconds=seconds, num_prefill=p, num_decode=d, requests=requests,
                     prompt_tokens=requests * isl, output_len=osl, ttft_s=ttft, itl_s=itl,
                     kv_blocks_used=used, kv_blocks_per_decode=1000,
+                    tokens_after_first=kw.get("streamed", 0),
+                    output_share=kw.get("share"), max_output_len=kw.get("max_out", 0.0),
                     prefill_steps=kw.get("prefill_steps", PREFILL),
                     decode_steps=kw.get("decode_steps", DECODE))
 
@@ -72,6 +74,16 @@ def test_decode_pool_follows_output_tokens_against_the_itl_target():
     # KV in use sets a floor: 2000 blocks held of 1000 per worker at 80%
     assert size(interval(requests=1, used=2000), CFG).num_decode == 3
 
+    # answers got longer: the running requests streamed 8000 tokens in 10 s while the
+    # finished ones (the old, short answers) say 10 x 100; the streamed rate counts
+    longer = size(interval(requests=10, osl=100, streamed=8000), CFG)
+    assert longer.decode_needed == pytest.approx(800 / (20 / 0.060))
+    # and before any request finished, streamed tokens alone size the pool
+    assert size(interval(requests=10, osl=None, streamed=8000), CFG).num_decode == 3
+    # the arrivals ask for up to 800 tokens each, and finished requests used half of
+    # theirs: 400 expected, where the finished ones' mean (100) lags the change
+    asked = size(interval(requests=10, osl=100, share=0.5, max_out=800.0), CFG)
+    assert asked.decode_needed == pytest.approx(400 / (20 / 0.060))
 
 def test_a_missed_target_tightens_the_models_target():
     # 800 tokens/s on one worker: rho 0.8, M/D/1 expects 1.5 s; 3 s observed halves the

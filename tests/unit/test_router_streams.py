@@ -144,3 +144,43 @@ def test_a_stream_that_ends_fails_its_attempts_and_nothing_waits_past_the_deadli
         fake.end()
         await s.stop()
     asyncio.run(main())
+
+
+def test_rebalance_moves_the_streams_above_the_mean_off_the_busy_worker():
+    """A decode worker joins: Scaler.rebalance fails decoding attempts of the busiest
+    worker with Moved (the router retries them on the least loaded one, the new worker)
+    until it holds no more than the mean; attempts not yet decoding (no event) and
+    sampling groups (n > 1) stay; an attempt that already finished is not moved."""
+    from pdserve.router.scaling import Scaler
+    from pdserve.router.workers import AttemptFailed, Moved, attempt_failed
+
+    async def main():
+        f0, f1, s = FakeEvents(), FakeEvents(), DecodeStreams()
+        busy, new = worker(f0, "decode-0"), worker(f1, "decode-1")
+        rids = ["a", "b", "c", "d", "e"]
+        for rid in rids:
+            s.open(rid)
+            s.bind(rid, busy, 1)
+        s.open("g", ("g#1",))                           # a sampling group (n = 2)
+        s.bind("g", busy, 1)
+        f0.push(*(TokenEvent(r, (1,)) for r in rids[:4] + ["g"]))   # "e": still prefilling
+        for rid in rids[:4] + ["g"]:
+            await take(s, rid)
+        busy.load, new.load = 7, 0                      # 5 streams + the group's 2
+        router = SimpleNamespace(streams=s, placement=SimpleNamespace(decode=[busy, new]))
+        assert sorted(s.decoding_on("decode-0")) == ["a", "b", "c", "d"]
+        assert Scaler(router).rebalance() == 3          # 7 -> the mean, 4 (rounded up)
+        moved = [r for r in "abcd" if r not in s.decoding_on("decode-0")]
+        assert len(moved) == 3
+        for rid in moved:
+            with pytest.raises(Moved) as e:
+                await take(s, rid)
+            failed = attempt_failed("decode", busy, e.value)
+            assert isinstance(failed, AttemptFailed) and failed.reason == "rebalance"
+            assert busy.alive                           # moved, not found dead
+        s.close(moved[0])
+        assert not s.move(moved[0])                     # gone: nothing to move
+        f0.end()
+        f1.end()
+        await s.stop()
+    asyncio.run(main())

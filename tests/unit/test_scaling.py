@@ -25,3 +25,6 @@ def test_new_ids_never_reuse_a_retired_workers_name():
     assert s._next_id("prefill", have[:1], []) == "prefill-4"     # prefill-3 retired since
     assert s._next_id("decode", [Worker(None, "decode-0", 8)], [("prefill", "prefill-5", None)]
                       ) == "decode-1"
+    # a worker the cluster started, retired before the router issued an id of its role
+    s._issued("decode", ["decode-7"])          # what _retire notes
+    assert s._next_id("decode", [Worker(None, "decode-0", 8)], []) == "decode-8"

@@ -176,12 +176,12 @@ class Cluster:
         if self._core_share_dir is not None:
             shutil.rmtree(self._core_share_dir, ignore_errors=True)
             self._core_share_dir = None
-        if self._cpu_limit_group is not None:
-            cpu_limit.remove_group(self._cpu_limit_group)
-            self._cpu_limit_group = None
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray, self._ray_processes = False, []
+        if self._cpu_limit_group is not None:     # once the workers' processes are gone
+            cpu_limit.remove_group(self._cpu_limit_group)
+            self._cpu_limit_group = None
 
     def _stop_actors(self) -> None:
         """The router first (no new requests), then each worker; a call that fails is

@@ -171,6 +171,7 @@ class RouterConfig:
                                      # prompts; in `pdserve bench planner` (one 0.6-core
                                      # prefill worker) moving 21 streams cut the
                                      # decode-heavy phase's goodput from 1.99 to 0.27 req/s
+                                     # (docs/planner.md)
     worker_probe_interval_s: float = 0.5  # how often a worker found dead is asked if it is back
     metrics_port: int = 9464         # Prometheus /metrics on `host`; 0: a free port
     slo_ttft_ms: float | None = None  # goodput: TTFT bound (None: unconstrained)

@@ -1,6 +1,7 @@
 """A CPU cap per worker: its processes in a cgroup of their own with a CFS bandwidth
 quota, the mechanism a Kubernetes container's `resources.limits.cpu` uses (the kubelet
-writes the same quota; kubernetes.io, "Resource Management for Pods and Containers").
+writes such a quota, over a 100 ms period; kubernetes.io, "Resource Management for Pods
+and Containers").
 
 `WorkerConfig.cpu_limit` cores: every process of the worker (its actor, and a
 tensor-parallel worker's other ranks) joins `<cpu controller>/<group>/<worker_id>`,
@@ -11,7 +12,9 @@ cores an idle neighbour leaves (the planner bench, `pdserve bench planner`, size
 of such workers). Cgroup v1 (the `cpu` controller's `cpu.cfs_quota_us`) or v2
 (`cpu.max`, under the hierarchy's root, whose subtree_control must enable `cpu`).
 Writing there needs root or a delegated hierarchy; `Cluster.start` makes the group's
-name and `Cluster.stop` removes it (`remove_group`).
+name and `Cluster.stop` removes it (`remove_group`) on its own node: it is meant for one
+box (benchmarks); on other nodes the empty cgroups stay until removed by hand. A quota
+below 1 ms per period (0.1 core) is raised to it, the kernel's least.
 """
 
 from __future__ import annotations
@@ -30,14 +33,15 @@ class CpuLimitError(RuntimeError):
     """No writable cgroup cpu controller; the message says what was found."""
 
 
-def _cpu_root() -> tuple[str, int]:
-    """(mount point, cgroup version) of this machine's cpu controller.
+def _cpu_root(mountinfo: str = "/proc/self/mountinfo") -> tuple[str, int]:
+    """(mount point, cgroup version) of this machine's cpu controller, from `mountinfo`
+    (proc(5)'s format).
 
     Raises:
         CpuLimitError: neither a v1 `cpu` hierarchy nor a v2 root with `cpu` enabled.
     """
     v2 = None
-    with open("/proc/self/mountinfo") as f:
+    with open(mountinfo) as f:
         for line in f:
             pre, _, post = line.partition(" - ")
             fstype, _, options = post.split()[:3]
@@ -55,6 +59,19 @@ def _cpu_root() -> tuple[str, int]:
             pass
     raise CpuLimitError("cpu_limit needs a cgroup cpu controller: no v1 'cpu' hierarchy "
                         "is mounted and no cgroup2 root enables 'cpu' in subtree_control")
+
+
+def writable() -> str:
+    """The cpu controller's mount point, if this process may make cgroups there.
+
+    Raises:
+        CpuLimitError: no cpu controller, or it is not writable (no root).
+    """
+    root, _ = _cpu_root()
+    if not os.access(root, os.W_OK):
+        raise CpuLimitError(f"cpu_limit: {root} is not writable here; it needs root or a "
+                            "delegated cgroup hierarchy")
+    return root
 
 
 def group_name() -> str:

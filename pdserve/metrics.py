@@ -85,12 +85,20 @@ def slo_label(ttft_ms: float | None, tpot_ms: float | None) -> str:
 @dataclass
 class RouterTotals:
     """Cumulative figures the SLO planner differences per interval (router/planner.py):
-    finished requests, their output tokens and the most they could have had, the sums
-    and counts of TTFT and ITL."""
+    finished requests and their output tokens, the sums and counts of TTFT and ITL
+    (sample 0's tokens), and every sample's tokens of the completed requests against
+    their max_tokens."""
 
     finished: int = 0
     output_tokens: int = 0
-    finished_max_output: int = 0     # their max_tokens x n (router.generate)
+    completed_tokens: int = 0        # every sample's tokens, of the requests that ran
+                                     # to their end (router.generate), and
+    completed_max_tokens: int = 0    # their max_tokens x samples
+
+    def complete(self, tokens: int, max_tokens: int) -> None:
+        """A request ran to its end with `tokens` of at most `max_tokens` (all samples)."""
+        self.completed_tokens += tokens
+        self.completed_max_tokens += max_tokens
     ttft_s: float = 0.0
     ttft_count: int = 0
     itl_s: float = 0.0

@@ -35,11 +35,11 @@ class Admission:
         # since start, with their prompt tokens: the SLO planner's arrivals (planner.py)
         self.admitted_requests = self.admitted_tokens = 0
         self.refused_requests = self.refused_tokens = 0   # over a bound (not too long)
-        self.arrived_max_output = 0     # max_tokens x n of every arrival (both of those)
+        self.arrived_max_output = 0     # max_tokens x samples of every arrival (both)
 
     def admit(self, num_tokens: int, max_output_tokens: int = 0) -> Ticket:
         """Queue a request of `num_tokens` prompt tokens (and at most `max_output_tokens`
-        output tokens, all its samples: the planner's output estimate); release the ticket once its first
+        output tokens, every sample it decodes: the planner's output estimate); release the ticket once its first
         token is back or it fails (a `with` block releases it on every path).
 
         Raises:

@@ -29,9 +29,11 @@ all taken over the last `HISTORY` intervals:
   within the target, generating B* / target tokens/s; the pool needs (arrivals/s x
   expected output tokens, or the tokens streamed per second if more) / that, and no
   fewer than the KV blocks in use / (KV_HEADROOM x one worker's). Expected output: the
-  arrivals' mean max_tokens x the share of their max_tokens the finished requests
-  used; the arrivals' own max_tokens follow a shift to longer answers at once, where
-  the finished requests' mean lags it by the length of an answer.
+  arrivals' mean max_tokens x the share of their max_tokens the completed requests
+  used; the arrivals' own max_tokens follow a shift to longer answers at once (when
+  clients' max_tokens track their answers), where the finished requests' mean lags it
+  by the length of an answer. A rise of max_tokens alone (the same answers) overshoots
+  until the completed requests show the lower share, an answer's length later.
 - correction (Dynamo's): the window's mean TTFT (ITL) over what the model expects for
   it (M/D/1 at the pool's utilization; t(mean tokens per step)) measures what the
   model leaves out (queueing outside the steps, transfers, cores shared with the other
@@ -76,11 +78,12 @@ class Interval:
     prompt_tokens: int                # of those requests
     output_len: float | None          # mean output tokens of the requests finished in it
                                       # (None: none yet, ever)
-    output_share: float | None        # their output tokens / their max_tokens (the same)
-    max_output_len: float             # mean max_tokens (x n) of the requests that arrived
+    output_share: float | None        # tokens / max_tokens of the requests completed in it
+    max_output_len: float             # mean max_tokens (x samples) of its arrivals
     ttft_s: float | None              # mean TTFT of its first tokens (None: none)
     itl_s: float | None               # mean ITL of its tokens after the first
-    tokens_after_first: int           # streamed in it, of every request (running ones too)
+    tokens_after_first: int           # streamed in it after the first, running requests'
+                                      # too (sample 0's: n > 1 undercounts)
     kv_blocks_used: int               # decode pools, at its end
     kv_blocks_per_decode: int         # one decode worker's pool
     prefill_steps: StepStats          # every prefill worker's steps, last HISTORY intervals
@@ -295,7 +298,7 @@ class Planner:
         return (self.clock(), a.admitted_requests + a.refused_requests,
                 a.admitted_tokens + a.refused_tokens, t.finished, t.output_tokens,
                 t.ttft_s, t.ttft_count, t.itl_s, t.itl_count, a.arrived_max_output,
-                t.finished_max_output)
+                t.completed_tokens, t.completed_max_tokens)
 
     async def observe(self) -> Interval:
         """The intervals since the window's start (at most HISTORY of them: a Poisson
@@ -320,12 +323,12 @@ class Planner:
         self._steps = {k: v for k, v in self._steps.items() if k in serving}   # retired
         self._history.append((steps["prefill"], steps["decode"]))
         self._marks.append(self._totals())
-        (t0, req0, tok0, fin0, out0, ttft0, nttft0, itl0, nitl0, amax0, fmax0) = self._marks[0]
-        (t1, req1, tok1, fin1, out1, ttft1, nttft1, itl1, nitl1, amax1, fmax1) = self._marks[-1]
+        (t0, req0, tok0, fin0, out0, ttft0, nttft0, itl0, nitl0, amax0, c0, cmax0) = self._marks[0]
+        (t1, req1, tok1, fin1, out1, ttft1, nttft1, itl1, nitl1, amax1, c1, cmax1) = self._marks[-1]
         if fin1 > fin0:
             self._output_len = (out1 - out0) / (fin1 - fin0)
-        if fmax1 > fmax0:
-            self._output_share = min((out1 - out0) / (fmax1 - fmax0), 1.0)
+        if cmax1 > cmax0:
+            self._output_share = min((c1 - c0) / (cmax1 - cmax0), 1.0)
         sum_p, sum_d = StepStats(), StepStats()
         for p, d in self._history:
             sum_p, sum_d = sum_p + p, sum_d + d

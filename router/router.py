@@ -210,7 +210,7 @@ class Router:
         # Admitted before any wait (a full queue is refused here, at once). The ticket is
         # released at the first token, or by the `with` on any earlier exit: reserve
         # timeout, error, client cancel, deadline. release() is idempotent.
-        with self.admission.admit(len(ids), params.max_tokens * params.n) as queued:
+        with self.admission.admit(len(ids), params.max_tokens * len(relays)) as queued:
             async with aclosing(self._serve(rid, ids, params, deadline, relays, queued,
                                             [])) as stream:
                 if ranked:
@@ -219,7 +219,8 @@ class Router:
                 else:
                     async for msg in stream:
                         yield msg
-        self.metrics.totals.finished_max_output += params.max_tokens * params.n
+        self.metrics.totals.complete(sum(len(r.token_ids) for r in relays),
+                                     params.max_tokens * len(relays))
 
     async def _serve(self, rid: str, ids: list[int], params, deadline: float,
                      relays: list[Relay], queued, failures: list[str]

@@ -138,8 +138,9 @@ class Scaler:
         loaded worker, the one that just joined (token-identical: greedy outputs do not
         depend on the batch). Llumnix balances instances the same way, by migrating
         requests (Sun et al., OSDI 2024, section 4); it copies their KV live, here it is
-        recomputed (a short prompt's prefill, on an idle prefill pool when decode is the
-        short one). Returns how many moved."""
+        recomputed: a prefill of the prompt and every token streamed so far, queued on
+        the prefill workers with new prompts (why it is off by default). Returns how
+        many moved."""
         decode = [d for d in self.router.placement.decode if d.available]
         if len(decode) < 2:
             return 0

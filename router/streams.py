@@ -55,6 +55,7 @@ class DecodeStreams:
         self._bound: dict[tuple[str, int], set[str]] = {}    # (worker id, epoch) -> attempts
         self._pumps: dict[tuple[str, int], asyncio.Task] = {}
         self._decoding: set[str] = set()    # attempts of one sample that got events
+        self._moved: set[str] = set()       # attempts move() failed (never moved twice)
 
     def open(self, rid: str, sample_ids: tuple[str, ...] = ()) -> None:
         """Start collecting the events of attempt `rid` (before its reservation), and of
@@ -78,6 +79,7 @@ class DecodeStreams:
         for key, rids in list(self._bound.items()):
             rids.discard(rid)
         self._decoding.discard(rid)
+        self._moved.discard(rid)
 
     def decoding_on(self, worker_id: str) -> list[str]:
         """The attempts of one sample each (n = 1) bound to `worker_id` that are decoding
@@ -91,6 +93,7 @@ class DecodeStreams:
         if rid not in self._decoding:
             return False
         self._decoding.discard(rid)
+        self._moved.add(rid)
         self._queues[rid].put_nowait(_Failed(Moved(f"attempt {rid} moved to balance the "
                                                    "decode workers")))
         return True
@@ -116,7 +119,8 @@ class DecodeStreams:
             if get.cancelled() or not get.done():
                 raise asyncio.TimeoutError
             item = get.result()
-            if len(self._samples.get(rid, ())) == 1 and not isinstance(item, _Failed):
+            if (len(self._samples.get(rid, ())) == 1 and not isinstance(item, _Failed)
+                    and rid not in self._moved):
                 self._decoding.add(rid)
             batch = []
             while True:

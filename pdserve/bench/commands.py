@@ -226,6 +226,14 @@ def _bench_planner(args) -> int:
     except ValueError as e:
         print(f"pdserve bench planner: {e}", file=sys.stderr)
         return 2
+    if cfg.cpu_limit is not None:
+        from ..cpu_limit import CpuLimitError, writable
+        try:
+            writable()
+        except CpuLimitError as e:
+            print(f"pdserve bench planner: {e} (--cpu-limit 0: uncapped workers)",
+                  file=sys.stderr)
+            return 2
     requests, times = planner.trace(cfg, AutoTokenizer.from_pretrained(resolve_model(cfg.model)))
     print(f"{len(requests)} ShareGPT requests over 2 x {cfg.phase_s:g} s; runs: planner, "
           + ", ".join(f"{p}P+{d}D" for p, d in cfg.splits()), flush=True)

@@ -55,3 +55,25 @@ def test_cpu_limit_must_be_positive():
         WorkerConfig(cpu_limit=0)
     with pytest.raises(ValueError, match="cpu_limit=-1"):
         cpu_limit.join("g", "w", -1)
+
+
+def test_the_cpu_controller_is_found_in_mountinfo(tmp_path):
+    """cgroup v1's `cpu` hierarchy wins; else a cgroup2 root whose subtree_control
+    enables cpu; else a clear error (runs without root: no cgroup is touched)."""
+    v2 = tmp_path / "unified"
+    v2.mkdir()
+    (v2 / "cgroup.subtree_control").write_text("cpuset memory\n")
+    lines = {
+        "v1": f"30 25 0:26 / /sys/fs/cgroup/cpu rw,nosuid - cgroup cgroup rw,cpu,cpuacct\n"
+              f"31 25 0:27 / {v2} rw - cgroup2 cgroup2 rw\n",
+        "v2": f"31 25 0:27 / {v2} rw - cgroup2 cgroup2 rw\n"
+              f"32 25 0:28 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n",
+    }
+    info = {k: tmp_path / f"mountinfo-{k}" for k in lines}
+    for k, text in lines.items():
+        info[k].write_text(text)
+    assert cpu_limit._cpu_root(str(info["v1"])) == ("/sys/fs/cgroup/cpu", 1)
+    with pytest.raises(cpu_limit.CpuLimitError, match="no v1 'cpu' hierarchy"):
+        cpu_limit._cpu_root(str(info["v2"]))            # cpu not enabled in v2's root
+    (v2 / "cgroup.subtree_control").write_text("cpuset cpu memory\n")
+    assert cpu_limit._cpu_root(str(info["v2"])) == (str(v2), 2)

@@ -150,7 +150,7 @@ def test_rebalance_moves_the_streams_above_the_mean_off_the_busy_worker():
     """A decode worker joins: Scaler.rebalance fails decoding attempts of the busiest
     worker with Moved (the router retries them on the least loaded one, the new worker)
     until it holds no more than the mean; attempts not yet decoding (no event) and
-    sampling groups (n > 1) stay; an attempt that already finished is not moved."""
+    sampling groups (n > 1) stay; one moved or closed is not moved (again)."""
     from pdserve.router.scaling import Scaler
     from pdserve.router.workers import AttemptFailed, Moved, attempt_failed
 
@@ -178,6 +178,10 @@ def test_rebalance_moves_the_streams_above_the_mean_off_the_busy_worker():
             failed = attempt_failed("decode", busy, e.value)
             assert isinstance(failed, AttemptFailed) and failed.reason == "rebalance"
             assert busy.alive                           # moved, not found dead
+        assert not s.move(moved[0])                     # moved once: never twice
+        f0.push(TokenEvent(moved[1], (2,)))             # an event that came after the move
+        assert await take(s, moved[1]) == [[((2,), None)]]
+        assert moved[1] not in s.decoding_on("decode-0")
         s.close(moved[0])
         assert not s.move(moved[0])                     # gone: nothing to move
         f0.end()

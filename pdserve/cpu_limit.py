@@ -126,10 +126,13 @@ def remove_group(group: str, wait_s: float = 5.0) -> None:
         return
     parent = os.path.join(root, group)
     deadline = time.monotonic() + wait_s
-    while os.path.isdir(parent):
+    while True:
+        try:
+            children = [os.path.join(parent, c) for c in os.listdir(parent)]
+        except FileNotFoundError:             # gone (never made: no worker started)
+            return
         busy = False
-        for d in [*(os.path.join(parent, c) for c in os.listdir(parent)
-                    if os.path.isdir(os.path.join(parent, c))), parent]:
+        for d in [*filter(os.path.isdir, children), parent]:
             try:
                 os.rmdir(d)
             except OSError as e:

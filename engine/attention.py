@@ -50,13 +50,16 @@ def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype,
                       device: torch.device | str) -> torch.Tensor:
     """A zeroed KV cache tensor of ``shape``; on a Linux host, its own anonymous mapping,
     2 MiB aligned and backed by transparent huge pages where the kernel allows them (THP
-    ``madvise`` or ``always``).
+    ``madvise`` or ``always``), whose pages are committed as they are first written.
 
     Why: a KV transfer pins and copies the cache page by page (UCX's cma
     ``process_vm_writev``, a socket's copy); with 4 KiB pages that cost the copying
     threads ~15% (bench transfer profile, docs/nixl.md). The hint is given before the
-    first touch, so the zeroing faults huge pages in; where THP is off the cache is as
-    torch.zeros would make it. The mapping lives as long as the tensor (and its views).
+    first touch, so the pages fault in huge. An anonymous mapping reads as zeros until
+    written (the kernel's zero page), so the cache is not written here: a pool sized
+    from a memory budget (pdserve/kv_memory.py) costs memory only as its blocks fill.
+    Where THP is off the pages are plain; off Linux and on devices the cache is
+    torch.zeros. The mapping lives as long as the tensor (and its views).
     """
     device = torch.device(device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -70,7 +73,7 @@ def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype,
     except OSError:   # a kernel built without THP, a sandbox refusing it: plain pages
         pass
     raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
-    return raw.view(dtype).view(shape).zero_()
+    return raw.view(dtype).view(shape)
 
 
 @functools.cache

@@ -10,6 +10,7 @@ import sys
 import threading
 
 from .cli_admin import add_admin_parsers, add_client_security_args, make_client
+from .kv_memory import parse_bytes
 
 _SERVE_CHILD_ENV = "PDSERVE_SERVE_CHILD"
 
@@ -48,30 +49,6 @@ def _serve(args) -> int:
     from .cluster import Cluster, ClusterStartError
     from .config import ClusterConfig
 
-    try:
-        cfg = ClusterConfig.local(
-            args.model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-            transport=args.transport, host=args.host, port=args.port,
-            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-            prefill_blocks=args.prefill_kv_blocks, decode_blocks=args.decode_kv_blocks,
-            threads_per_worker=args.threads_per_worker, log_level=args.log_level,
-            kv_host=args.kv_host, **({"device": "cuda"} if args.gpus_per_worker else {}),
-            **({"dtype": args.dtype} if args.dtype else {}),
-            compile=args.compile, enforce_eager=args.enforce_eager,
-            **{k: v for k in ("local_prefill_max_tokens", "max_num_batched_tokens",
-                              "schedule_policy")
-               if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
-            router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
-                                      "routing_policy", "metrics_port", "slo_ttft_ms",
-                                      "slo_tpot_ms", "tls_cert_file", "tls_key_file",
-                                      "tls_client_ca_file", "api_key", "max_request_bytes",
-                                      "max_migrations", "http_port",
-                                      "max_prefill_queue_tokens", "rebalance_on_scale_up",
-                                      "local_prefill_when_prefill_idle")
-                       if (v := getattr(args, k)) is not None})   # unset: RouterConfig's default
-    except ValueError as e:   # a setting out of range: the message names it
-        print(f"pdserve: {e}", file=sys.stderr)
-        return 2
     from dataclasses import replace
 
     from .config import PlannerConfig
@@ -90,14 +67,42 @@ def _serve(args) -> int:
         elif given or args.slo_itl_ms is not None:
             raise ValueError("--slo-itl-ms, --min/--max-*-workers, --max-workers and "
                              "--planner-interval-s are the planner's: add --planner slo")
-        cfg = replace(cfg, ray_address=args.address, planner=planner,
+        cfg = ClusterConfig.local(
+            args.model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+            transport=args.transport, host=args.host, port=args.port,
+            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, planner=planner,
+            prefill_blocks=args.prefill_kv_blocks, decode_blocks=args.decode_kv_blocks,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            prefill_kv_cache_memory_bytes=args.prefill_kv_cache_memory_bytes,
+            threads_per_worker=args.threads_per_worker, log_level=args.log_level,
+            kv_host=args.kv_host, **({"device": "cuda"} if args.gpus_per_worker else {}),
+            **({"dtype": args.dtype} if args.dtype else {}),
+            compile=args.compile, enforce_eager=args.enforce_eager,
+            **{k: v for k in ("local_prefill_max_tokens", "max_num_batched_tokens",
+                              "schedule_policy")
+               if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
+            router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
+                                      "routing_policy", "metrics_port", "slo_ttft_ms",
+                                      "slo_tpot_ms", "tls_cert_file", "tls_key_file",
+                                      "tls_client_ca_file", "api_key", "max_request_bytes",
+                                      "max_migrations", "http_port",
+                                      "max_prefill_queue_tokens", "rebalance_on_scale_up",
+                                      "local_prefill_when_prefill_idle")
+                       if (v := getattr(args, k)) is not None})   # unset: RouterConfig's default
+        if args.gpus_per_worker:
+            # each worker's share of the device(s) Ray gives it, not of one shared node
+            share = args.gpu_memory_utilization * min(args.gpus_per_worker, 1.0)
+            cfg = replace(cfg, prefill=replace(cfg.prefill, memory_utilization=share),
+                          decode=replace(cfg.decode, memory_utilization=share))
+        cfg = replace(cfg, ray_address=args.address,
                       prefill_resources=args.prefill_resources or {},
                       decode_resources=args.decode_resources or {},
                       gpus_per_worker=args.gpus_per_worker,
                       lend_idle_prefill_cores=args.lend_idle_prefill_cores,
                       **({"max_worker_restarts": args.max_worker_restarts}
                          if args.max_worker_restarts is not None else {}))
-    except ValueError as e:
+    except ValueError as e:   # a setting out of range: the message names it
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
@@ -206,8 +211,22 @@ def main(argv: list[str] | None = None) -> int:
                         "when NIXL imports)")
     s.add_argument("--address", default=None, help="join this Ray cluster ('auto') instead of "
                                                    "starting a local one")
-    s.add_argument("--prefill-kv-blocks", type=int, default=512, help="16-token KV blocks per prefill worker")
-    s.add_argument("--decode-kv-blocks", type=int, default=1024, help="16-token KV blocks per decode worker")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.92, metavar="F",
+                   help="vLLM's flag, for a node of workers: the share of each node's "
+                        "memory (of a GPU's, on CUDA) its workers use in all, weights and "
+                        "KV pools, a decode worker taking 3 prefill workers' shares; "
+                        "each KV pool is its share less the worker's weights and runtime "
+                        "(pages committed as blocks fill; default 0.92, vLLM's)")
+    s.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None, metavar="BYTES",
+                   help="vLLM's flag: each decode worker's KV pool in bytes (e.g. 4GiB; "
+                        "vLLM CPU's VLLM_CPU_KVCACHE_SPACE=4), instead of its share of "
+                        "--gpu-memory-utilization")
+    s.add_argument("--prefill-kv-cache-memory-bytes", type=parse_bytes, default=None,
+                   metavar="BYTES", help="each prefill worker's KV pool in bytes")
+    s.add_argument("--prefill-kv-blocks", type=int, default=None,
+                   help="16-token KV blocks per prefill worker (overrides the bytes flags)")
+    s.add_argument("--decode-kv-blocks", type=int, default=None,
+                   help="16-token KV blocks per decode worker (overrides the bytes flags)")
     s.add_argument("--threads-per-worker", type=int, default=None,
                    help="torch threads per worker (default: cores / workers)")
     s.add_argument("--lend-idle-prefill-cores", action=argparse.BooleanOptionalAction,

@@ -20,7 +20,17 @@ class WorkerConfig:
     model: str = "default"           # HF dir, .gguf file, or "default" (SmolLM2-135M-Instruct)
     device: str = "cpu"
     dtype: str = "float32"           # the CPU reference (HF fp32) is what fidelity is checked on
-    num_kv_blocks: int = 1024        # 16-token blocks; SmolLM2 fp32: 0.7 MiB each
+    num_kv_blocks: int | None = None  # KV pool in blocks (SmolLM2 fp32: 0.7 MiB each);
+                                     # None: from kv_cache_memory_bytes, else from
+                                     # memory_utilization (pdserve/kv_memory.py), when
+                                     # the worker starts
+    kv_cache_memory_bytes: int | None = None  # vLLM's flag: the KV pool's bytes (all
+                                     # TP ranks), overriding memory_utilization
+    memory_utilization: float = 0.92  # the share of its node's memory (a GPU's: its
+                                     # device's) this worker uses in all, KV pool
+                                     # included; vLLM's --gpu-memory-utilization for one
+                                     # engine. ClusterConfig.local divides it among the
+                                     # workers of a node
     block_size: int = 16             # tokens per KV block
     num_threads: int = 1             # torch intra-op threads (pin compute to the cores it owns)
     cpus: tuple[int, ...] | None = None  # CPU ids the worker process is pinned to (Linux
@@ -115,6 +125,14 @@ class WorkerConfig:
                              "must be >= 0 tokens (0 disables local prefill)")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s={self.lease_s}: must be > 0 seconds")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: need at least 1 (or None: "
+                             "from the memory budget)")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes}: must be > 0")
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization={self.memory_utilization}: a share of the "
+                             "node's memory in (0, 1]")
 
     def node_host(self) -> str:
         """The address to bind and advertise: `host`, or for "auto" this node's IP as Ray
@@ -125,6 +143,9 @@ class WorkerConfig:
         return ray.util.get_node_ip_address()
 
     def cache_config(self) -> CacheConfig:
+        """The KV cache's geometry; num_kv_blocks must be resolved first
+        (kv_memory.resolve_kv_blocks)."""
+        assert self.num_kv_blocks is not None, "num_kv_blocks unresolved: resolve_kv_blocks"
         return CacheConfig(self.num_kv_blocks, self.block_size, _DTYPES[self.dtype], self.device)
 
 
@@ -137,7 +158,10 @@ class RouterConfig:
 
     host: str = "127.0.0.1"
     port: int = 50051                # 0 picks a free port (tests)
-    reserve_timeout_s: float = 30.0  # how long a request waits for decode KV space
+    reserve_timeout_s: float | None = None  # how long a request waits for decode KV
+                                     # space before RESOURCE_EXHAUSTED; None: until its
+                                     # deadline, queued in arrival order as vLLM's waiting
+                                     # queue holds it (bounded by max_queued_*)
     request_timeout_s: float = 600.0  # upper bound when the client sets no gRPC deadline
     max_queued_requests: int = 256   # requests queued at once; more fail fast, not wait unbounded
     max_queued_tokens: int = 262144  # prompt tokens queued at once: 256 requests x 1024 tokens
@@ -208,6 +232,9 @@ class RouterConfig:
                 raise ValueError(f"{name}={v}: must be > 0 milliseconds (or unset)")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port={self.metrics_port}: must be in [0, 65535]")
+        if self.reserve_timeout_s is not None and not self.reserve_timeout_s > 0:
+            raise ValueError(f"reserve_timeout_s={self.reserve_timeout_s}: must be > 0 seconds "
+                             "(or None: until the request's deadline)")
         if self.cache_sync_interval_s <= 0:
             raise ValueError(f"cache_sync_interval_s={self.cache_sync_interval_s}: must be > 0")
         if self.max_migrations < 0:
@@ -344,12 +371,21 @@ class ClusterConfig:
     @classmethod
     def local(cls, model: str = "default", *, prefill_workers: int = 1, decode_workers: int = 1,
               transport: str = "tcp", host: str = "127.0.0.1", port: int = 50051,
-              prefill_blocks: int = 512, decode_blocks: int = 1024,
+              prefill_blocks: int | None = None, decode_blocks: int | None = None,
+              gpu_memory_utilization: float = 0.92, kv_cache_memory_bytes: int | None = None,
+              prefill_kv_cache_memory_bytes: int | None = None,
               threads_per_worker: int | None = None, router_kw: dict | None = None,
               kv_host: str | None = None, prefill_tp: int = 1, decode_tp: int = 1,
               planner: PlannerConfig | None = None, **worker_kw) -> "ClusterConfig":
         """A one-box cluster: cores split evenly among workers unless told otherwise.
 
+        KV pools: `prefill_blocks` / `decode_blocks` blocks each when given; else
+        `prefill_kv_cache_memory_bytes` / `kv_cache_memory_bytes` bytes each (vLLM's
+        flag names the decode side: its pool bounds the batch); else each worker's share
+        of `gpu_memory_utilization` of the box's memory (vLLM's default, 0.92), a decode
+        worker getting kv_memory.DECODE_WEIGHT times a prefill worker's, over the most
+        workers the box holds (the planner's bounds when it sizes the pools); on CUDA
+        the workers share the one device's memory the same way.
         `router_kw` sets other RouterConfig fields (e.g. max_queued_requests); the rest of
         the keywords go to both WorkerConfigs. `host` is where the router serves;
         workers bind and advertise `kv_host` (default: `host`; "auto": their node's IP).
@@ -359,15 +395,28 @@ class ClusterConfig:
         Raises:
             ValueError: a setting out of range (the message names it).
         """
+        from .kv_memory import DECODE_WEIGHT
         from .kv_transfer import resolve_transport
         transport = resolve_transport(transport)
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}: a share of "
+                             "the node's memory in (0, 1]")
         n = prefill_workers * prefill_tp + decode_workers * decode_tp    # processes
         threads = threads_per_worker or max(1, (os.cpu_count() or 1) // n)
+        # the heaviest mix of workers the box may hold, in prefill workers' shares
+        mixes = ([(p, d) for p in range(planner.min_prefill_workers, planner.max_prefill_workers + 1)
+                  for d in range(planner.min_decode_workers, planner.max_decode_workers + 1)
+                  if p + d <= planner.budget] if planner is not None
+                 else [(prefill_workers, decode_workers)])
+        unit = gpu_memory_utilization / max(p + DECODE_WEIGHT * d for p, d in mixes)
         base = WorkerConfig(model=model, transport=transport, host=kv_host or host,
                             num_threads=threads, **worker_kw)
         return cls(prefill=replace(base, num_kv_blocks=prefill_blocks,
-                                   tensor_parallel_size=prefill_tp),
+                                   kv_cache_memory_bytes=prefill_kv_cache_memory_bytes,
+                                   memory_utilization=unit, tensor_parallel_size=prefill_tp),
                    decode=replace(base, num_kv_blocks=decode_blocks,
+                                  kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                  memory_utilization=unit * DECODE_WEIGHT,
                                   tensor_parallel_size=decode_tp),
                    router=RouterConfig(host=host, port=port, **({"metrics_port": 0} if port == 0
                                                                  else {}) | (router_kw or {})),

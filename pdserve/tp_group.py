@@ -177,17 +177,22 @@ def _handler(role: str | None, runner, tp: TensorParallel, config: WorkerConfig,
                          functools.partial(rank_targets, model.num_kv_heads, tp.size, tp.rank))
 
 
-def check_model(model: str, size: int) -> None:
-    """Raises ValueError naming the model field that `size` ranks cannot split (before
-    any rank starts: a rank that fails to load would leave the others waiting)."""
+def model_config(model: str):
+    """The engine's ModelConfig of `model` (a name, directory or .gguf), from its HF
+    config alone (no weights loaded)."""
     from transformers import AutoConfig
 
     from .engine.config import ModelConfig
     from .engine.loader import resolve_model
 
     model_dir = resolve_model(model)
-    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), model_dir)
-    TensorParallel(0, size, group=object()).check(cfg)
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), model_dir)
+
+
+def check_model(model: str, size: int) -> None:
+    """Raises ValueError naming the model field that `size` ranks cannot split (before
+    any rank starts: a rank that fails to load would leave the others waiting)."""
+    TensorParallel(0, size, group=object()).check(model_config(model))
 
 
 def start_ranks(worker_id: str, config: WorkerConfig, pg: PlacementGroup | None = None,
@@ -237,13 +242,18 @@ def worker_runner(worker_id: str, config: WorkerConfig, role: str, epoch: int,
     config.tensor_parallel_size N > 1, ranks 1..N-1 started first (start_ranks, `role`
     and `epoch` for their KV endpoints) and the runner a TPLeader over this rank's
     shard (`on_broken(error)`: its idle heartbeat found a rank gone). `runner_kw` go to
-    ModelRunner. Returns (tp, the ranks' handles, runner).
-    Raises what start_ranks and ModelRunner raise."""
+    ModelRunner. The KV pool's size is resolved here, before any rank allocates it
+    (kv_memory.resolve_kv_blocks), so every rank holds the same blocks. Returns (tp,
+    the ranks' handles, runner).
+    Raises what resolve_kv_blocks, start_ranks and ModelRunner raise."""
     from .engine.model_runner import ModelRunner
     from .engine.parallel import SINGLE
     from .engine.tp_executor import TPLeader
+    from .kv_memory import resolve_kv_blocks
 
     _cap(worker_id, config)
+    if config.num_kv_blocks is None:
+        config = resolve_kv_blocks(config, model_config(config.model))
     tp, ranks = SINGLE, []
     if config.tensor_parallel_size > 1:
         tp, ranks = start_ranks(worker_id, config, role=role, epoch=epoch)

@@ -2,12 +2,17 @@
 active requests, then most free blocks), and who prefills it: a prefill worker P
 (routing.py's policy), or D itself (conditional disaggregation, prefill_on_decode).
 Each worker's load, as the router counts it, is charged when the choice is made.
-Workers found dead are probed back (Ray restarts them) within a request's deadline.
+Requests no decode worker has KV room for wait in arrival order (RoomQueue), as a
+colocated engine's waiting queue holds them, within their deadline and the admission
+bounds. Workers found dead are probed back (Ray restarts them) within a request's
+deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import time
 
@@ -25,6 +30,63 @@ from .workers import Worker
 logger = logging.getLogger(__name__)
 
 
+class RoomQueue:
+    """Requests waiting for decode KV space, first come first served (vLLM's waiting
+    queue, FCFS): only the oldest asks the decode workers for room, again whenever a
+    request ends on one (`freed`: its blocks come back) and every POLL_S at least (a
+    lease that ran out, a worker restarted); the next asks once it got room or left.
+    A newcomer asks at once only while none waits, so it never overtakes a waiting
+    request. Runs on the router's event loop."""
+
+    POLL_S = 0.25
+
+    def __init__(self):
+        self._turns: collections.deque[asyncio.Future] = collections.deque()
+        self._freed = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, give_up: float):
+        """Wait for this request's turn to ask (at once when none waits); the next
+        request's turn starts when the block exits.
+
+        Raises:
+            TimeoutError: `give_up` (time.monotonic()) passed first.
+        """
+        me = asyncio.get_running_loop().create_future()
+        self._turns.append(me)
+        if len(self._turns) == 1:
+            me.set_result(None)
+        try:
+            if not me.done():
+                # asyncio.timeout, not wait_for: wait_for swallows a cancel that lands as
+                # the future completes (a client gone as its turn came)
+                async with asyncio.timeout(max(give_up - time.monotonic(), 0)):
+                    await asyncio.shield(me)
+            yield
+        finally:
+            head = self._turns[0] is me
+            self._turns.remove(me)
+            if head and self._turns:
+                self._turns[0].set_result(None)
+
+    def freed(self) -> None:
+        """A request ended on a decode worker: the oldest waiting one asks again."""
+        self._freed.set()
+
+    def clear(self) -> None:
+        """Called before asking: a free after this wakes the next wait()."""
+        self._freed.clear()
+
+    async def wait(self, give_up: float) -> None:
+        """Until something was freed since clear(), POLL_S, or `give_up`."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(min(self.POLL_S, give_up - time.monotonic()), 0)):
+                await self._freed.wait()
+
+
 class Placement:
     """The router's workers of both roles and the choice of D and P for each request.
     Runs on the router's event loop (no locks: a choice and its charge happen with no
@@ -36,6 +98,7 @@ class Placement:
         self.prefill_router = prefill_router
         self.prefill: list[Worker] = prefill or []
         self.decode: list[Worker] = decode or []
+        self.room = RoomQueue()
 
     async def available(self, workers: list[Worker], role: str, deadline: float
                          ) -> list[Worker]:
@@ -89,8 +152,9 @@ class Placement:
     async def reserve(self, rid: str, prompt_len: int, params, deadline: float,
                        ids: list[int], num_samples: int = 1
                        ) -> tuple[Worker, DecodeReservation, Worker | None]:
-        """Reserve on the best live decode worker with room, waiting for room (or for
-        Ray to restart a dead one) until reserve_timeout_s, and choose who prefills:
+        """Reserve on the best live decode worker with room, waiting for room in arrival
+        order (RoomQueue) or for Ray to restart a dead one, until the request's
+        deadline (or router.reserve_timeout_s when set), and choose who prefills:
         returns (D, D's reservation, P), P None when D prefills the prompt itself. The
         prompt's tokens are charged to P's queue (P.load) or D's own
         (D.local_prefill_load), and its `num_samples` streams to D.load, when the choice
@@ -98,9 +162,45 @@ class Placement:
         choices are made while the first reservations are in flight, see each other's
         load (they spread over the decode workers). The caller releases the charge.
         The reservation's lease ends with the request's deadline at the latest, so D
-        reclaims it even if this router goes away."""
-        give_up = min(deadline, time.monotonic() + self.config.router.reserve_timeout_s)
-        delay = 0.01
+        reclaims it even if this router goes away.
+
+        Raises:
+            RequestError: DEADLINE_EXCEEDED, no room before the deadline;
+                RESOURCE_EXHAUSTED, none within reserve_timeout_s; UNAVAILABLE, no
+                worker of a role came back (Placement.available).
+        """
+        timeout_s = self.config.router.reserve_timeout_s
+        give_up = deadline if timeout_s is None else min(deadline, time.monotonic() + timeout_s)
+        args = (rid, prompt_len, params, deadline, ids, num_samples, give_up)
+        if not len(self.room):       # none waiting: ask at once (a burst's asks overlap)
+            placed = await self._try_reserve(*args)
+            if placed is not None:
+                return placed
+        try:
+            async with self.room.turn(give_up):
+                while True:
+                    self.room.clear()
+                    placed = await self._try_reserve(*args)
+                    if placed is not None:
+                        return placed
+                    if time.monotonic() >= give_up:
+                        break
+                    await self.room.wait(give_up)
+        except TimeoutError:
+            pass
+        if give_up < deadline:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"no decode worker had free KV blocks for this request within "
+                               f"router.reserve_timeout_s={timeout_s}; retry later or lower "
+                               "max_tokens")
+        raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded while "
+                           "waiting for decode KV space")
+
+    async def _try_reserve(self, rid: str, prompt_len: int, params, deadline: float,
+                           ids: list[int], num_samples: int, give_up: float
+                           ) -> tuple[Worker, DecodeReservation, Worker | None] | None:
+        """One pass over the live decode workers, best first (waiting for a dead role
+        to restart until `give_up`); None when none had room."""
         while True:
             live = await self.available(self.decode, "decode", give_up)
             live_p = await self.available(self.prefill, "prefill", deadline)
@@ -131,14 +231,9 @@ class Placement:
                     self.charge(d, None, prompt_len, 1)
                     p = None
                 return d, res, p
-            if not any(d.available for d in live):
-                continue          # every one died meanwhile: wait for a restart above
-            if time.monotonic() + delay > give_up:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   "no decode worker has free KV blocks for this request; "
-                                   "retry later or lower max_tokens")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.2)
+            if any(d.available for d in live):
+                return None
+            # every one died meanwhile: wait for a restart (available, above)
 
     @staticmethod
     def charge(d: Worker, p: Worker | None, tokens: int, sign: int, streams: int = 0) -> None:

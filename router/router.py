@@ -5,7 +5,7 @@ Lifecycle of one Generate call (ARCHITECTURE.md, "Request lifecycle"):
     validate + tokenize (chat template for messages)
     admit: queued requests / prompt tokens over max_queued_* → RESOURCE_EXHAUSTED at once
     pick decode worker D (fewest active requests, then most free blocks) → reserve
-        (no room anywhere: retry until reserve_timeout_s, then RESOURCE_EXHAUSTED);
+        (no room anywhere: wait in arrival order until the deadline, placement.py);
         D says how many leading prompt blocks its own prefix cache holds
     if D prefills locally (its uncached part is short, see local_prefill_max_tokens; or
         the prefill workers on D's node are idle and lend D their cores, or every
@@ -186,8 +186,8 @@ class Router:
         Raises:
             InvalidRequestError: bad input (→ INVALID_ARGUMENT).
             RequestError: capacity (RESOURCE_EXHAUSTED: the router's queue is full, see
-                admission.py, or no decode KV space within reserve_timeout_s); the
-                deadline (DEADLINE_EXCEEDED); UNAVAILABLE when no worker of a role is up
+                admission.py, or no decode KV space within reserve_timeout_s when set);
+                the deadline (DEADLINE_EXCEEDED, waiting for KV space included); UNAVAILABLE when no worker of a role is up
                 within the deadline or the request failed more than max_migrations times.
         """
         cfg = self.model_config
@@ -359,6 +359,7 @@ class Router:
         finally:
             self.streams.close(internal_id)
             d.load -= len(relays)
+            self.placement.room.freed()     # its blocks come back: a waiting request asks
             d.local_prefill_load -= local_tokens
             if p is not None:
                 p.load -= p_tokens

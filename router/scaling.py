@@ -125,6 +125,7 @@ class Scaler:
                              {(role, worker_id) for role, worker_id, _ in new}]
         placement.prefill = placement.prefill + new_p
         placement.decode = placement.decode + [w for w, _ in new_d]
+        placement.room.freed()          # a request waiting for KV space may fit there
         logger.warning("started %s in %.1f s", [worker_id for _, worker_id, _ in new],
                        time.monotonic() - t0)
         if new_d and router.config.router.rebalance_on_scale_up:

@@ -45,8 +45,9 @@ def _start_serve(*args: str) -> tuple[subprocess.Popen, list[str]]:
 
 def test_serve_generate_status_and_sigint():
     port = _free_port()
-    server, _ = _start_serve("--port", str(port), "--decode-kv-blocks", "128",
-                             "--prefill-kv-blocks", "128", "--max-queued-requests", "8")
+    # the decode pool in bytes (vLLM's flag), the prefill pool its share of the box
+    server, _ = _start_serve("--port", str(port), "--kv-cache-memory-bytes", "64MiB",
+                             "--max-queued-requests", "8")
     try:
         addr = f"127.0.0.1:{port}"
         gen = subprocess.run([*PDSERVE, "generate", "--server", addr, "--max-tokens", "8",
@@ -63,7 +64,11 @@ def test_serve_generate_status_and_sigint():
         assert st.returncode == 0, st.stderr
         rows = [line.split() for line in st.stdout.splitlines()[2:]]
         assert {r[1] for r in rows} == {"prefill", "decode"}
-        assert all(r[6] == r[7] == "128" for r in rows), st.stdout   # every block free
+        assert all(r[6] == r[7] for r in rows), st.stdout           # every block free
+        blocks = {r[1]: int(r[7]) for r in rows}
+        per_block = 30 * 2 * 16 * 3 * 64 * 4     # layers, K/V, tokens, KV heads, head_dim, fp32
+        assert blocks["decode"] == (64 << 20) // per_block, st.stdout
+        assert blocks["prefill"] > 1024, st.stdout     # 0.92 / 4 of the box, less weights
         assert "queued for prefill: 0 requests, 0 prompt tokens" in st.stdout.splitlines()[0]
     finally:
         os.killpg(server.pid, signal.SIGINT) if server.poll() is None else None

@@ -72,8 +72,10 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/vllm bench serve --help >/dev/null
 	touch $@
 
+# pdserve against vLLM through vLLM's own client (pdserve/bench/peer.py): e.g.
+# PEER_ARGS="--tune" sweeps vLLM's settings first, PEER_ARGS="--kv equal" gives both 4 GiB.
 bench-vllm: $(KERNELS) $(VLLM_STAMP)
-	bash bench/vllm_peer.sh
+	$(BIN)/pdserve bench peer $(PEER_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

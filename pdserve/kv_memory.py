@@ -10,13 +10,17 @@ share of the node's memory (ClusterConfig.local: decode workers DECODE_WEIGHT ti
 prefill worker's, since the decode pool is what bounds the batch), and its pool is that
 share less what the worker holds besides KV:
 
-    kv_bytes   = memory_utilization x node memory - non-KV bytes          (per worker)
-    non-KV     = (this process's RSS now + its weights + activations) x TP ranks
+    kv_bytes   = memory_utilization x (node memory - NODE_RESERVE_BYTES) - non-KV
+    non-KV     = weights + (this process's RSS now + activations) x TP ranks
     num_blocks = kv_bytes // bytes of one block over all ranks
 
-On CUDA the node memory is the device's and the process's host RSS is replaced by
-CUDA_CONTEXT_BYTES. The pool's pages are committed as blocks are first written
-(engine/attention.py allocate_kv_cache), so a large pool costs nothing until it fills.
+On a CPU node the workers share the machine with Ray's own processes, the router, a
+client and the OS, which NODE_RESERVE_BYTES keeps for them: vLLM 0.32 at its 0.92 of
+this 24 GiB box was killed by the kernel's OOM killer in its first burst (its worker's
+RSS reached 22.5 GiB against the 20.1 GiB it planned). On CUDA the node memory is the
+device's, with no reserve, and the process's host RSS is replaced by CUDA_CONTEXT_BYTES.
+The pool's pages are committed as blocks are first written (engine/attention.py
+allocate_kv_cache), so a large pool costs nothing until it fills.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ logger = logging.getLogger(__name__)
 DECODE_WEIGHT = 3            # a decode worker's share of a node's memory, in prefill
                              # workers' shares
 CUDA_CONTEXT_BYTES = 1 << 30  # CUDA context, cuBLAS/flash-attn workspaces (an estimate)
+NODE_RESERVE_BYTES = 2 << 30  # a CPU node's memory kept from the workers: Ray's GCS,
+                             # raylet and dashboard, the router, the OS (~1.5 GiB here)
 MIN_BLOCKS = 16              # a budget that leaves fewer is refused
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -108,14 +114,16 @@ def kv_cache_bytes(config, model) -> tuple[int, str]:
     from .config import _DTYPES
 
     dtype, tp = _DTYPES[config.dtype], config.tensor_parallel_size
-    total = node_memory_bytes(config.device)
-    process = CUDA_CONTEXT_BYTES if config.device.startswith("cuda") else rss_bytes()
+    cuda = config.device.startswith("cuda")
+    total = node_memory_bytes(config.device) - (0 if cuda else NODE_RESERVE_BYTES)
+    process = CUDA_CONTEXT_BYTES if cuda else rss_bytes()
     non_kv = (weight_bytes(model, dtype)
               + tp * (process + activation_bytes(model, config.max_num_batched_tokens,
                                                  config.max_batch_size)))
     share = int(config.memory_utilization * total)
     how = (f"memory_utilization {config.memory_utilization:.3f} of {total / 2**30:.1f} GiB "
-           f"less {non_kv / 2**30:.2f} GiB of weights, activations and process")
+           f"(the node's less its reserve) less {non_kv / 2**30:.2f} GiB of weights, "
+           "activations and process")
     if share <= non_kv:
         raise ValueError(f"memory_utilization={config.memory_utilization:.3f} of "
                          f"{total / 2**30:.1f} GiB leaves no KV memory after "

@@ -11,8 +11,9 @@ from tiny_models import make_tiny_model, tiny_model_dir
 from pdserve.config import ClusterConfig, PlannerConfig, WorkerConfig
 from pdserve.engine.attention import allocate_kv_cache
 from pdserve.engine.config import CacheConfig
-from pdserve.kv_memory import (DECODE_WEIGHT, MIN_BLOCKS, kv_cache_bytes, node_memory_bytes,
-                               parse_bytes, resolve_kv_blocks, rss_bytes, weight_bytes)
+from pdserve.kv_memory import (DECODE_WEIGHT, MIN_BLOCKS, NODE_RESERVE_BYTES, kv_cache_bytes,
+                               node_memory_bytes, parse_bytes, resolve_kv_blocks, rss_bytes,
+                               weight_bytes)
 from pdserve.tp_group import model_config
 
 
@@ -68,7 +69,7 @@ def test_a_share_of_the_node_less_weights_and_runtime():
     model = model_config(str(tiny_model_dir("llama")))
     cfg = WorkerConfig(memory_utilization=0.1)
     nbytes, how = kv_cache_bytes(cfg, model)
-    share = int(0.1 * node_memory_bytes("cpu"))
+    share = int(0.1 * (node_memory_bytes("cpu") - NODE_RESERVE_BYTES))
     assert share - nbytes >= weight_bytes(model, torch.float32) + rss_bytes() // 2
     assert 0 < nbytes < share and "memory_utilization 0.100" in how
     per = CacheConfig(1, 16, torch.float32).bytes_per_block(model)

@@ -1,0 +1,499 @@
+"""`pdserve bench peer`: pdserve against vLLM's CPU build, both driven by vLLM's own client
+(`vllm bench serve`, ShareGPT V3, a burst of `num_prompts` requests of `output_len`
+tokens, ignore_eos), as a user comparing the two would.
+
+Design (what makes a figure hold):
+- **Cells** are (dtype, temperature, prompt sample): every dtype x temperature is
+  measured on `samples` prompt samples (client seeds), none of them the `tune_seed`
+  sample that vLLM's settings are swept on and pdserve's defaults were tuned on. Each
+  temperature draws its own seeds (temperature t: 1 + 100 t_index + i), so no prompt
+  repeats within a server's life and neither server's prefix cache serves a later cell.
+- **Pairs in ABBA order**: pair k starts vLLM then pdserve when k is even, the other
+  way round when odd; each start is a fresh server that runs every cell once after a
+  warm-up request. A cell's figure is the median over pairs of pdserve / vLLM, with its
+  min-max; the pairs' alternation cancels a drift of the machine over the run.
+- **vLLM tuned as hard as pdserve** (`tune`): a coordinate sweep on the tune sample of
+  `--max-num-batched-tokens` (512, 2048, 8192), then its OpenMP binding
+  (`VLLM_CPU_OMP_THREADS_BIND` 0-1 or auto), then tcmalloc preloaded where the library
+  is installed; the best setting per dtype is what the pairs run, named in the results.
+- **KV memory**: `default`, each server sizes its own (vLLM: its --gpu-memory-utilization
+  of the machine's memory less its process, 0.92 unless `vllm_memory_utilization` says
+  otherwise; pdserve: its workers' shares of --gpu-memory-utilization), or `equal`, both
+  given `kv_gib` (vLLM's VLLM_CPU_KVCACHE_SPACE, pdserve's --kv-cache-memory-bytes for
+  its decode worker).
+- **Sanity**: fp32 greedy outputs of the two servers, request by request, reported as
+  the share of identical texts and the mean share of tokens up to the first difference.
+- Every server's log, command line, environment and resolved configuration (vLLM's
+  logged engine config, pdserve's `status`) is saved beside the results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+TCMALLOC = "/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class VllmSetting:
+    """One vLLM CPU configuration of the sweep."""
+
+    max_num_batched_tokens: int | None = None   # None: vLLM's default
+    omp_bind: str = "0-1"                        # VLLM_CPU_OMP_THREADS_BIND
+    tcmalloc: bool = False                       # LD_PRELOAD'ed
+
+    def name(self) -> str:
+        return (f"mnbt={self.max_num_batched_tokens or 'default'} bind={self.omp_bind}"
+                + (" tcmalloc" if self.tcmalloc else ""))
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    model: str = "default"
+    num_prompts: int = 64
+    output_len: int = 128
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    samples: int = 3                  # prompt samples per (dtype, temperature)
+    tune_seed: int = 0                # the sample tuning used: never a cell's
+    pairs: int = 3                    # ABBA pairs
+    kv: str = "default"               # default | equal
+    kv_gib: float = 4.0               # KV memory of both with kv="equal"
+    vllm_memory_utilization: float | None = None   # vLLM's --gpu-memory-utilization with
+                                      # kv="default" (None: its own 0.92, which the OOM
+                                      # killer ends in the first burst on a 24 GiB box)
+    max_model_len: int = 2048
+    pdserve_args: tuple[str, ...] = ()
+    vllm: dict[str, VllmSetting] = field(default_factory=dict)   # dtype -> setting
+    out_dir: str = "bench/results/peer"
+    startup_timeout_s: float = 900.0
+
+    def __post_init__(self):
+        if self.kv not in ("default", "equal"):
+            raise ValueError(f"kv={self.kv!r}: default or equal")
+        for d in self.dtypes:
+            if d not in DTYPES:
+                raise ValueError(f"dtype {d!r}: choose from {sorted(DTYPES)}")
+        if self.pairs < 1 or self.samples < 1:
+            raise ValueError("pairs and samples must be >= 1")
+
+    def seeds(self, t_index: int) -> list[int]:
+        """The prompt samples of the temperature at `t_index` (never tune_seed)."""
+        seeds = [1 + 100 * t_index + i for i in range(self.samples)]
+        assert self.tune_seed not in seeds, (self.tune_seed, seeds)
+        return seeds
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _venv_bin(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+def vllm_bin() -> str:
+    return os.environ.get("VLLM", ".venv-vllm/bin/vllm")
+
+
+def sharegpt_json() -> Path:
+    """vLLM's ShareGPT loader json.load()s the whole file; the packaged copy is cut
+    mid-array, so its complete conversations are written once as a JSON array."""
+    from ..engine.loader import cache_dir
+    from ..sharegpt import conversations
+
+    path = cache_dir() / "ShareGPT_V3_complete.json"
+    if not path.is_file():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(list(conversations())), encoding="utf-8")
+        tmp.replace(path)
+    return path
+
+
+class Server:
+    """A server in a session of its own (its pid is its process group), logging to
+    `log`; stopped with SIGTERM to the group, then SIGKILL."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, port: int,
+                 timeout_s: float):
+        self.cmd, self.env, self.log, self.port = cmd, env, log, port
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log, "w")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        while not self._healthy():
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"server exited before /health answered: {log}")
+            if time.monotonic() - t0 > timeout_s:
+                self.stop()
+                raise RuntimeError(f"no /health after {timeout_s:.0f} s: {log}")
+            time.sleep(2)
+        self.startup_s = time.monotonic() - t0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def complete(self, model: str, prompt: str, max_tokens: int) -> str:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())["choices"][0]["text"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    return dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1", **extra)
+
+
+def start_vllm(cfg: PeerConfig, model_dir: str, dtype: str, setting: VllmSetting,
+               log: Path) -> Server:
+    port = _free_port()
+    cmd = [vllm_bin(), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", DTYPES[dtype], "--max-model-len", str(cfg.max_model_len)]
+    if setting.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(setting.max_num_batched_tokens)]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": setting.omp_bind}
+    if setting.omp_bind != "auto":
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"     # both cores to the engine
+    if cfg.kv == "equal":
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{cfg.kv_gib:g}"
+    elif cfg.vllm_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", f"{cfg.vllm_memory_utilization:g}"]
+    if setting.tcmalloc:
+        env["LD_PRELOAD"] = TCMALLOC
+    return Server(cmd, _env(env), log, port, cfg.startup_timeout_s)
+
+
+def start_pdserve(cfg: PeerConfig, model_dir: str, dtype: str, log: Path) -> Server:
+    port = _free_port()
+    cmd = [_venv_bin("pdserve"), "serve", "--model", model_dir, "--host", "127.0.0.1",
+           "--port", "0", "--metrics-port", "0", "--http-port", str(port),
+           "--dtype", DTYPES[dtype], *cfg.pdserve_args]
+    if cfg.kv == "equal":
+        cmd += ["--kv-cache-memory-bytes", f"{int(cfg.kv_gib * 2**30)}"]
+    return Server(cmd, _env({}), log, port, cfg.startup_timeout_s)
+
+
+def resolved_config(system: str, server: Server) -> dict:
+    """What the server resolved its settings to: vLLM's logged engine configuration and
+    KV size; pdserve's workers from its status (KV blocks each)."""
+    out = {"command": shlex.join(server.cmd), "startup_s": round(server.startup_s, 1),
+           "env": {k: v for k, v in server.env.items()
+                   if k.startswith(("VLLM_", "LD_PRELOAD", "OMP_"))}}
+    if system == "vllm":
+        keep = ("non-default args", "Initializing a V1 LLM engine", "KV cache", "Auto set",
+                "Explicitly set", "max_num_batched_tokens", "OMP threads")
+        out["log_lines"] = [line.strip() for line in server.log.read_text().splitlines()
+                            if any(k in line for k in keep)][:20]
+    else:
+        status = subprocess.run([_venv_bin("pdserve"), "status", "--server",
+                                 _grpc_address(server.log)], capture_output=True, text=True,
+                                timeout=60)
+        out["status"] = status.stdout
+    return out
+
+
+def _grpc_address(log: Path) -> str:
+    """The gRPC address pdserve serve printed as ready (its --port 0 picks one)."""
+    for line in log.read_text().splitlines():
+        if line.startswith("pdserve ready: gRPC on "):
+            return line.split("gRPC on ")[1].split(",")[0].split(" ")[0]
+    raise RuntimeError(f"no ready line in {log}")
+
+
+def run_client(cfg: PeerConfig, server: Server, model_dir: str, system: str, dtype: str,
+               temperature: float, seed: int, out: Path) -> dict:
+    """`vllm bench serve` against `server`: one cell's burst; returns its result JSON
+    (per-request detail included)."""
+    cmd = [vllm_bin(), "bench", "serve", "--backend", "openai", "--base-url", server.url,
+           "--model", model_dir, "--dataset-name", "sharegpt",
+           "--dataset-path", str(sharegpt_json()), "--num-prompts", str(cfg.num_prompts),
+           "--sharegpt-output-len", str(cfg.output_len), "--ignore-eos",
+           "--request-rate", "inf", "--seed", str(seed), "--temperature", f"{temperature:g}",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+           "--save-result", "--save-detailed", "--disable-tqdm",
+           "--result-dir", str(out.parent), "--result-filename", out.name,
+           "--metadata", f"system={system}", f"dtype={dtype}", f"seed={seed}"]
+    r = subprocess.run(cmd, env=_env({}), capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"vllm bench serve failed ({r.returncode}):\n{r.stdout[-2000:]}"
+                           f"\n{r.stderr[-2000:]}")
+    return json.loads(out.read_text())
+
+
+def _warm_up(server: Server, model_dir: str) -> None:
+    server.complete(model_dir, "The capital of France is", 8)
+
+
+def session(cfg: PeerConfig, model_dir: str, system: str, dtype: str, tag: str,
+            cells: list[tuple[float, int]], setting: VllmSetting | None = None,
+            progress=print) -> dict:
+    """A fresh server running every cell once; returns {"config": ..., "runs": {(t,
+    seed) key: result}}."""
+    out = Path(cfg.out_dir)
+    log = out / "logs" / f"{tag}_{system}_{dtype}.log"
+    server = (start_vllm(cfg, model_dir, dtype, setting, log) if system == "vllm"
+              else start_pdserve(cfg, model_dir, dtype, log))
+    try:
+        progress(f"  {system} {dtype} up in {server.startup_s:.0f} s ({tag})")
+        _warm_up(server, model_dir)
+        conf = resolved_config(system, server)
+        if setting is not None:
+            conf["setting"] = asdict(setting)
+        runs = {}
+        for temperature, seed in cells:
+            res = run_client(cfg, server, model_dir, system, dtype, temperature, seed,
+                             out / "runs" / f"{tag}_{system}_{dtype}_t{temperature:g}_s{seed}.json")
+            runs[f"t{temperature:g}_s{seed}"] = res
+            progress(f"    t={temperature:g} seed={seed}: {res['output_throughput']:.1f} tok/s, "
+                     f"TTFT p99 {res['p99_ttft_ms']:.0f} ms, TPOT {res['mean_tpot_ms']:.1f} ms")
+    finally:
+        server.stop()
+    (out / "logs" / f"{tag}_{system}_{dtype}.config.json").write_text(json.dumps(conf, indent=2))
+    return {"config": conf, "runs": runs}
+
+
+def tune(cfg: PeerConfig, model_dir: str, progress=print) -> dict[str, VllmSetting]:
+    """vLLM's best setting per dtype on the tune sample (both temperatures): a coordinate
+    sweep of max_num_batched_tokens, then the OpenMP binding, then tcmalloc."""
+    best: dict[str, VllmSetting] = {}
+    record: dict[str, list] = {}
+    cells = [(t, cfg.tune_seed) for t in cfg.temperatures]
+
+    def score(dtype: str, s: VllmSetting) -> float:
+        got = session(cfg, model_dir, "vllm", dtype, f"tune_{len(record[dtype])}", cells, s,
+                      progress)
+        tps = statistics.mean(r["output_throughput"] for r in got["runs"].values())
+        record[dtype].append({"setting": asdict(s), "output_throughput": tps})
+        progress(f"  {s.name()}: {tps:.1f} tok/s")
+        return tps
+
+    for dtype in cfg.dtypes:
+        record[dtype] = []
+        progress(f"tuning vLLM {dtype} on seed {cfg.tune_seed}")
+        scored = {s: score(dtype, s) for s in (VllmSetting(m) for m in (512, 2048, 8192))}
+        top = max(scored, key=scored.get)
+        for s in (replace(top, omp_bind="auto"),) + (
+                (replace(top, tcmalloc=True),) if os.path.exists(TCMALLOC) else ()):
+            scored[s] = score(dtype, s)
+            top = max(scored, key=scored.get)
+        best[dtype] = top
+        progress(f"  best {dtype}: {top.name()}")
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.out_dir) / "vllm_tuning.json").write_text(json.dumps(
+        {"tune_seed": cfg.tune_seed, "runs": record,
+         "best": {d: asdict(s) for d, s in best.items()}}, indent=2))
+    return best
+
+
+def load_tuning(out_dir: str) -> dict[str, VllmSetting]:
+    path = Path(out_dir) / "vllm_tuning.json"
+    if not path.is_file():
+        return {}
+    return {d: VllmSetting(**s) for d, s in json.loads(path.read_text())["best"].items()}
+
+
+def pairs(cfg: PeerConfig, model_dir: str, progress=print) -> list[dict]:
+    """Every dtype's ABBA pairs; returns one record per (dtype, pair, system)."""
+    cells = [(t, s) for i, t in enumerate(cfg.temperatures) for s in cfg.seeds(i)]
+    records = []
+    for dtype in cfg.dtypes:
+        setting = cfg.vllm.get(dtype, VllmSetting())
+        for k in range(cfg.pairs):
+            order = ("vllm", "pdserve") if k % 2 == 0 else ("pdserve", "vllm")
+            progress(f"{dtype} pair {k + 1}/{cfg.pairs}: {' then '.join(order)}")
+            for system in order:
+                got = session(cfg, model_dir, system, dtype, f"pair{k}", cells,
+                              setting if system == "vllm" else None, progress)
+                records.append({"dtype": dtype, "pair": k, "system": system, **got})
+    return records
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def summarize(records: list[dict], tokenizer=None) -> dict:
+    """Per cell (dtype, temperature, seed): pdserve / vLLM of output throughput, mean
+    and p99 TTFT, mean TPOT, over pairs (median, min, max); per (dtype, temperature):
+    the same over every pair and sample; fp32 greedy agreement."""
+    by = {}
+    for r in records:
+        for key, res in r["runs"].items():
+            by.setdefault((r["dtype"], key, r["pair"]), {})[r["system"]] = res
+    cells: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for (dtype, key, _), both in by.items():
+        if set(both) != {"vllm", "pdserve"}:
+            continue
+        p, v = both["pdserve"], both["vllm"]
+        c = cells.setdefault((dtype, key), {})
+        for name, field_, higher in (("output_throughput", "output_throughput", True),
+                                     ("mean_ttft", "mean_ttft_ms", False),
+                                     ("p99_ttft", "p99_ttft_ms", False),
+                                     ("mean_tpot", "mean_tpot_ms", False)):
+            c.setdefault(name, []).append(p[field_] / v[field_])
+        c.setdefault("vllm_tok_s", []).append(v["output_throughput"])
+        c.setdefault("pdserve_tok_s", []).append(p["output_throughput"])
+    table = {f"{d} {k}": {n: _spread(xs) for n, xs in c.items()} for (d, k), c in sorted(cells.items())}
+    groups: dict[str, dict[str, list[float]]] = {}
+    for (d, k), c in cells.items():
+        g = groups.setdefault(f"{d} {k.split('_')[0]}", {})
+        for n, xs in c.items():
+            g.setdefault(n, []).extend(xs)
+    out = {"cells": table, "groups": {g: {n: _spread(xs) for n, xs in c.items()}
+                                      for g, c in sorted(groups.items())}}
+    if tokenizer is not None:
+        out["greedy_agreement"] = greedy_agreement(by, tokenizer)
+    return out
+
+
+def greedy_agreement(by: dict, tokenizer) -> dict:
+    """fp32 temperature-0 outputs of the two servers on the same prompts: the share of
+    identical texts, and the mean share of each output's tokens before the first
+    difference."""
+    same = total = 0
+    prefix: list[float] = []
+    for (dtype, key, _), both in by.items():
+        if dtype != "fp32" or not key.startswith("t0_") or set(both) != {"vllm", "pdserve"}:
+            continue
+        for a, b in zip(both["pdserve"]["generated_texts"], both["vllm"]["generated_texts"]):
+            total += 1
+            same += a == b
+            ta, tb = tokenizer(a)["input_ids"], tokenizer(b)["input_ids"]
+            n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+            prefix.append(n / max(len(ta), len(tb), 1))
+    return {"requests": total, "identical_share": same / total if total else None,
+            "mean_matching_prefix_share": statistics.mean(prefix) if prefix else None}
+
+
+def table(summary: dict) -> str:
+    """The per-cell and per-group ratios as a Markdown table."""
+    def f(s: dict) -> str:
+        return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
+
+    lines = ["| cell | vLLM tok/s | pdserve tok/s | throughput | mean TTFT | p99 TTFT | mean TPOT |",
+             "|---|---|---|---|---|---|---|"]
+    for section in ("groups", "cells"):
+        for name, c in summary[section].items():
+            lines.append(f"| {'**' + name + '**' if section == 'groups' else name} | "
+                         f"{c['vllm_tok_s']['median']:.0f} | {c['pdserve_tok_s']['median']:.0f} | "
+                         f"{f(c['output_throughput'])} | {f(c['mean_ttft'])} | "
+                         f"{f(c['p99_ttft'])} | {f(c['mean_tpot'])} |")
+    if (g := summary.get("greedy_agreement")) and g["requests"]:
+        lines.append(f"\nfp32 greedy: {g['identical_share']:.0%} of {g['requests']} outputs "
+                     f"identical; {g['mean_matching_prefix_share']:.0%} of tokens before the "
+                     "first difference on average")
+    return "\n".join(lines)
+
+
+def main(cfg: PeerConfig, do_tune: bool, progress=print) -> dict:
+    from transformers import AutoTokenizer
+
+    from ..engine.loader import resolve_model
+
+    model_dir = str(resolve_model(cfg.model))
+    sharegpt_json()
+    random.seed(0)
+    if do_tune:
+        cfg = replace(cfg, vllm=tune(cfg, model_dir, progress) | cfg.vllm)
+    elif not cfg.vllm:
+        cfg = replace(cfg, vllm=load_tuning(cfg.out_dir))
+    records = pairs(cfg, model_dir, progress)
+    summary = summarize(records, AutoTokenizer.from_pretrained(model_dir))
+    result = {"config": asdict(cfg) | {"cells_seeds": {f"t{t:g}": cfg.seeds(i) for i, t in
+                                                       enumerate(cfg.temperatures)}},
+              "date": time.strftime("%Y-%m-%d"), "summary": summary,
+              "sessions": [{k: v for k, v in r.items() if k != "runs"} for r in records]}
+    out = Path(cfg.out_dir) / f"peer_{cfg.kv}.json"
+    out.write_text(json.dumps(result, indent=2))
+    (Path(cfg.out_dir) / f"peer_{cfg.kv}.md").write_text(table(summary) + "\n")
+    progress(table(summary))
+    return result
+
+
+def add_parser(bsub) -> None:
+    """`pdserve bench peer` on `bsub` (the bench subcommands' argparse subparsers)."""
+    p = bsub.add_parser("peer", help="pdserve vs vLLM's CPU build, both driven by `vllm bench "
+                                     "serve`: ABBA pairs per dtype, temperature and prompt "
+                                     "sample, vLLM's settings swept first")
+    p.add_argument("--model", default="default")
+    p.add_argument("--tune", action="store_true",
+                   help="sweep vLLM's settings on the tune sample first (else the last "
+                        "sweep's best, OUT_DIR/vllm_tuning.json, or vLLM's defaults)")
+    p.add_argument("--kv", choices=["default", "equal"], default="default",
+                   help="KV memory: each server's own default sizing, or both --kv-gib")
+    p.add_argument("--kv-gib", type=float, default=4.0)
+    p.add_argument("--vllm-gpu-memory-utilization", type=float, default=None,
+                   help="--kv default: vLLM's --gpu-memory-utilization (default: its own, "
+                        "0.92, which a 24 GiB box's OOM killer ends in the first burst)")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--samples", type=int, default=3, help="prompt samples per dtype x temperature")
+    p.add_argument("--tune-seed", type=int, default=0)
+    p.add_argument("--pairs", type=int, default=3, help="ABBA pairs of server starts")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--pdserve-args", default="", help="more `pdserve serve` flags")
+    p.add_argument("--out-dir", default="bench/results/peer")
+    p.set_defaults(fn=_command)
+
+
+def _command(args) -> int:
+    try:
+        cfg = PeerConfig(
+            model=args.model, num_prompts=args.num_prompts, output_len=args.output_len,
+            dtypes=tuple(args.dtypes.split(",")),
+            temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+            samples=args.samples, tune_seed=args.tune_seed, pairs=args.pairs, kv=args.kv,
+            kv_gib=args.kv_gib, vllm_memory_utilization=args.vllm_gpu_memory_utilization,
+            pdserve_args=tuple(shlex.split(args.pdserve_args)),
+            out_dir=args.out_dir)
+        cfg.seeds(len(cfg.temperatures) - 1)
+    except (ValueError, AssertionError) as e:
+        print(f"pdserve bench peer: {e}", file=sys.stderr)
+        return 2
+    if not Path(vllm_bin()).exists():
+        print(f"pdserve bench peer: no vLLM at {vllm_bin()} (make bench-vllm builds "
+              ".venv-vllm; $VLLM names another)", file=sys.stderr)
+        return 2
+    main(cfg, args.tune, lambda line: print(line, flush=True))
+    return 0

@@ -17,7 +17,7 @@ the same split: the model runner saves layers, the scheduler asks what finished)
 ``notify`` wakes the step loop, which also polls between layers of a forward, so a
 finished request's blocks wait at most one layer's compute (none when P is idle). The
 first token itself goes out at once (``on_done``, from the send thread): answering
-from the poll cost mean TTFT +4% at rate inf (4.95 s against 4.69 s, `vllm bench
+from the poll cost mean TTFT +4% at rate inf (4.95 s against 4.69 s, ``vllm bench
 serve`` fp32, 4 and 2 runs), as requests finished at the end of one batch
 waited for a layer of the next. A failed transfer fails that request only
 (``req.error`` says why).

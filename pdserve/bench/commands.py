@@ -249,8 +249,10 @@ def add_bench_parser(sub) -> None:
     """The `bench` subcommand and its own subcommands, on `sub` (argparse subparsers)."""
     b = sub.add_parser("bench", help="benchmarks, each against its baseline in the same run")
     bsub = b.add_subparsers(dest="bench", required=True)
+    from .goodput import add_parser as add_goodput
     from .peer import add_parser as add_peer
     add_peer(bsub)
+    add_goodput(bsub)
     bt = bsub.add_parser("transfer", help="KV transfer GB/s per transport vs its raw baseline")
     bt.add_argument("--transports", default="tcp,nixl", help="comma-separated: tcp,nixl")
     bt.add_argument("--model", default="default", help="geometry source (layers, heads, head_dim)")

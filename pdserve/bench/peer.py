@@ -4,10 +4,11 @@ tokens, ignore_eos), as a user comparing the two would.
 
 Design (what makes a figure hold):
 - **Cells** are (dtype, temperature, prompt sample): every dtype x temperature is
-  measured on `samples` prompt samples (client seeds), none of them the `tune_seed`
-  sample that vLLM's settings are swept on and pdserve's defaults were tuned on. Each
-  temperature draws its own seeds (temperature t: 1 + 100 t_index + i), so no prompt
-  repeats within a server's life and neither server's prefix cache serves a later cell.
+  measured on `samples` prompt samples (client seeds), none of them a tune sample
+  (`tune_seed` + 100 t_index, one per temperature) that vLLM's settings are swept on
+  (pdserve's defaults were tuned on seed 0). Each temperature draws its own seeds
+  (1 + 100 t_index + i), so no prompt repeats within a server's life and neither
+  server's prefix cache serves a later cell.
 - **Pairs in ABBA order**: pair k starts vLLM then pdserve when k is even, the other
   way round when odd; each start is a fresh server that runs every cell once after a
   warm-up request. A cell's figure is the median over pairs of pdserve / vLLM, with its
@@ -91,10 +92,15 @@ class PeerConfig:
             raise ValueError("pairs and samples must be >= 1")
 
     def seeds(self, t_index: int) -> list[int]:
-        """The prompt samples of the temperature at `t_index` (never tune_seed)."""
+        """The prompt samples of the temperature at `t_index` (never a tune sample)."""
         seeds = [1 + 100 * t_index + i for i in range(self.samples)]
-        assert self.tune_seed not in seeds, (self.tune_seed, seeds)
+        assert not set(self.tune_seeds()) & set(seeds), (self.tune_seeds(), seeds)
         return seeds
+
+    def tune_seeds(self) -> list[int]:
+        """The tuning's prompt sample of each temperature: tune_seed + 100 t_index, so
+        a server's second temperature does not find the first one's prompts cached."""
+        return [self.tune_seed + 100 * i for i in range(len(self.temperatures))]
 
 
 def _free_port() -> int:
@@ -293,11 +299,11 @@ def session(cfg: PeerConfig, model_dir: str, system: str, dtype: str, tag: str,
 
 
 def tune(cfg: PeerConfig, model_dir: str, progress=print) -> dict[str, VllmSetting]:
-    """vLLM's best setting per dtype on the tune sample (both temperatures): a coordinate
-    sweep of max_num_batched_tokens, then the OpenMP binding, then tcmalloc."""
+    """vLLM's best setting per dtype on the tune samples (one per temperature): a
+    coordinate sweep of max_num_batched_tokens, then the OpenMP binding, then tcmalloc."""
     best: dict[str, VllmSetting] = {}
     record: dict[str, list] = {}
-    cells = [(t, cfg.tune_seed) for t in cfg.temperatures]
+    cells = [(t, seed) for t, seed in zip(cfg.temperatures, cfg.tune_seeds())]
 
     def score(dtype: str, s: VllmSetting) -> float:
         got = session(cfg, model_dir, "vllm", dtype, f"tune_{len(record[dtype])}", cells, s,
@@ -309,7 +315,7 @@ def tune(cfg: PeerConfig, model_dir: str, progress=print) -> dict[str, VllmSetti
 
     for dtype in cfg.dtypes:
         record[dtype] = []
-        progress(f"tuning vLLM {dtype} on seed {cfg.tune_seed}")
+        progress(f"tuning vLLM {dtype} on seeds {cfg.tune_seeds()}")
         scored = {s: score(dtype, s) for s in (VllmSetting(m) for m in (512, 2048, 8192))}
         top = max(scored, key=scored.get)
         for s in (replace(top, omp_bind="auto"),) + (
@@ -320,7 +326,7 @@ def tune(cfg: PeerConfig, model_dir: str, progress=print) -> dict[str, VllmSetti
         progress(f"  best {dtype}: {top.name()}")
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.out_dir) / "vllm_tuning.json").write_text(json.dumps(
-        {"tune_seed": cfg.tune_seed, "runs": record,
+        {"tune_seeds": cfg.tune_seeds(), "runs": record,
          "best": {d: asdict(s) for d, s in best.items()}}, indent=2))
     return best
 

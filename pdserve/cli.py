@@ -90,9 +90,11 @@ def _serve(args) -> int:
                                       "max_prefill_queue_tokens", "rebalance_on_scale_up",
                                       "local_prefill_when_prefill_idle")
                        if (v := getattr(args, k)) is not None})   # unset: RouterConfig's default
-        if args.gpus_per_worker:
-            # each worker's share of the device(s) Ray gives it, not of one shared node
-            share = args.gpu_memory_utilization * min(args.gpus_per_worker, 1.0)
+        if args.gpus_per_worker or args.prefill_resources or args.decode_resources:
+            # each worker's share of the device(s) Ray gives it, or of the node its
+            # custom resource places it on alone (a pod of the Helm chart), not of one
+            # node shared by every worker
+            share = args.gpu_memory_utilization * min(args.gpus_per_worker or 1.0, 1.0)
             cfg = replace(cfg, prefill=replace(cfg.prefill, memory_utilization=share),
                           decode=replace(cfg.decode, memory_utilization=share))
         cfg = replace(cfg, ray_address=args.address,
@@ -212,11 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--address", default=None, help="join this Ray cluster ('auto') instead of "
                                                    "starting a local one")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.92, metavar="F",
-                   help="vLLM's flag, for a node of workers: the share of each node's "
-                        "memory (of a GPU's, on CUDA) its workers use in all, weights and "
-                        "KV pools, a decode worker taking 3 prefill workers' shares; "
-                        "each KV pool is its share less the worker's weights and runtime "
-                        "(pages committed as blocks fill; default 0.92, vLLM's)")
+                   help="vLLM's flag, for a node of workers: the share of a node's memory "
+                        "(less 2 GiB for Ray and the router) its workers use in all, "
+                        "weights and KV pools; on one box a decode worker takes 3 prefill "
+                        "workers' shares, a worker alone on its node (--*-resources) or "
+                        "device (--gpus-per-worker) all of it; each KV pool is its share "
+                        "less the worker's weights and runtime (pages committed as blocks "
+                        "fill; default 0.92, vLLM's)")
     s.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None, metavar="BYTES",
                    help="vLLM's flag: each decode worker's KV pool in bytes (e.g. 4GiB; "
                         "vLLM CPU's VLLM_CPU_KVCACHE_SPACE=4), instead of its share of "
@@ -250,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="goodput SLO: time to first token (pdserve_goodput_requests_total); "
                         "with --planner slo also its mean TTFT target")
     s.add_argument("--slo-tpot-ms", type=float, default=None,
-                   help="goodput SLO: time per output token after the first")
+                   help="TPOT SLO (ms per output token after the first): counts toward "
+                        "goodput (pdserve_goodput_requests_total), and a decode worker's "
+                        "step with running streams holds no more prompt tokens than keep "
+                        "it within this (its own prefills then never stall them past it)")
     s.add_argument("--planner", choices=["none", "slo"], default="none",
                    help="slo: size the prefill and decode pools at runtime to --slo-ttft-ms "
                         "and --slo-itl-ms (router/planner.py: Dynamo's throughput model "

@@ -68,6 +68,11 @@ class WorkerConfig:
                                      # 2048 on CUDA
     lease_s: float = 60.0            # decode: how long a reservation waits for prefill's KV
     enable_prefix_caching: bool = True  # share cached prompt-prefix blocks (P and D)
+    slo_tpot_ms: float | None = None  # decode: a step with running streams computes no
+                                     # more tokens than keep it within this TPOT SLO
+                                     # (decode_worker/step_budget.py); None: chunks of
+                                     # prefill_chunk_size. ClusterConfig.local sets it
+                                     # from the router's
     local_prefill_max_tokens: int = 0   # decode: prefill on D when the uncached prompt is <= this
                                         # (0 = off: what `pdserve bench local-prefill` picks here)
     prefill_chunk_size: int | None = 512  # prefill: most tokens of one prompt per step
@@ -125,6 +130,9 @@ class WorkerConfig:
                              "must be >= 0 tokens (0 disables local prefill)")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s={self.lease_s}: must be > 0 seconds")
+        if self.slo_tpot_ms is not None and not self.slo_tpot_ms > 0:
+            raise ValueError(f"slo_tpot_ms={self.slo_tpot_ms}: must be > 0 milliseconds "
+                             "(or None)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: need at least 1 (or None: "
                              "from the memory budget)")
@@ -417,7 +425,8 @@ class ClusterConfig:
                    decode=replace(base, num_kv_blocks=decode_blocks,
                                   kv_cache_memory_bytes=kv_cache_memory_bytes,
                                   memory_utilization=unit * DECODE_WEIGHT,
-                                  tensor_parallel_size=decode_tp),
+                                  tensor_parallel_size=decode_tp,
+                                  slo_tpot_ms=(router_kw or {}).get("slo_tpot_ms")),
                    router=RouterConfig(host=host, port=port, **({"metrics_port": 0} if port == 0
                                                                  else {}) | (router_kw or {})),
                    num_prefill_workers=prefill_workers, num_decode_workers=decode_workers,

@@ -53,6 +53,7 @@ ARMS = {
     "colocated": ("--local-prefill-max-tokens", "1000000", "--threads-per-worker", "2",
                   "--no-lend-idle-prefill-cores", "--max-prefill-queue-tokens", "0"),
 }
+SPARE = 20          # requests drawn beyond the rate points' (the unloaded latency's)
 RATES = {"chat": (0.5, 1.0, 1.5, 2.0, 3.0), "summarize": (0.15, 0.3, 0.45, 0.6, 0.8),
          "longanswer": (0.25, 0.5, 1.0, 1.5, 2.0)}
 
@@ -176,11 +177,13 @@ def goodput(points: list[tuple[float, float]], target: float) -> float:
     return points[-1][0]
 
 
-def unloaded(server: Server, model_dir: str, pool: list[dict], out: Path) -> dict:
-    """TTFT and TPOT of lone requests of the workload's median prompt length: three
-    prompts nearest the median, one at a time."""
+def unloaded(server: Server, model_dir: str, pool: list[dict], spare: list[dict],
+             out: Path) -> dict:
+    """TTFT and TPOT of lone requests of the workload's median prompt length: the
+    three prompts of `spare` (sent at no rate point) nearest `pool`'s median, one at a
+    time."""
     median = statistics.median(r["prompt_tokens"] for r in pool)
-    lone = sorted(pool, key=lambda r: abs(r["prompt_tokens"] - median))[:3]
+    lone = sorted(spare, key=lambda r: abs(r["prompt_tokens"] - median))[:3]
     res = _client(server, model_dir, lone, math.inf, 0, out, ("--max-concurrency", "1"))
     lat = [x for x in latencies(res) if x is not None]
     return {"prompt_tokens": median, "ttft_s": statistics.median(x[0] for x in lat),
@@ -201,7 +204,7 @@ def run(cfg: GoodputConfig, progress=print) -> dict:
                     "date": time.strftime("%Y-%m-%d"), "workloads": {}}
     for w_index, name in enumerate(cfg.workloads):
         rates = cfg.rates[name]
-        need = sum(cfg.num_requests(r) for r in rates) + 3
+        need = sum(cfg.num_requests(r) for r in rates) + SPARE
         pool = workload(name, tok, need, cfg.seed + w_index)
         slices, k = {}, 0
         for r in rates:              # each rate its own prompts
@@ -218,8 +221,8 @@ def run(cfg: GoodputConfig, progress=print) -> dict:
                 progress(f"{name} {arm}: up in {server.startup_s:.0f} s")
                 server.complete(model_dir, "The capital of France is", 8)
                 if "unloaded" not in w:
-                    w["unloaded"] = unloaded(server, model_dir, pool[k:], out / "runs" /
-                                             f"{name}_{arm}_unloaded.json")
+                    w["unloaded"] = unloaded(server, model_dir, pool[:k], pool[k:],
+                                             out / "runs" / f"{name}_{arm}_unloaded.json")
                     w["unloaded"]["arm"] = arm
                     progress(f"  unloaded: TTFT {w['unloaded']['ttft_s'] * 1e3:.0f} ms, TPOT "
                              f"{w['unloaded']['tpot_s'] * 1e3:.1f} ms")

@@ -110,3 +110,43 @@ def test_a_prompt_arriving_while_the_prefill_worker_is_idle_is_prefilled_on_deco
         assert d.local_prefills == 2 and p.prefill_tokens_computed == 400
     finally:
         served.stop()
+
+
+def test_a_tpot_slo_splits_a_local_prefill_beside_running_streams():
+    """With a TPOT SLO no step meets (1 ns), the decode worker's steps beside a running
+    stream hold one block of a local prefill each (decode_worker/step_budget.py): a
+    400-token prompt takes 25 steps, each giving the stream a token, where one 512-token
+    chunk would take one. Both answers equal HF's."""
+    import threading
+    import time
+
+    from tiny_models import tiny_model_dir
+
+    from pdserve.client import make_request
+
+    start_ray()
+    model = str(tiny_model_dir("llama"))
+    served = Served(model, local_prefill_max_tokens=1000, router_kw={"slo_tpot_ms": 1e-6})
+    stream_prompt, prompt = [5, 6, 7], [900 + (i * 13) % 4000 for i in range(400)]
+    got: list[int] = []
+    try:
+        def run():
+            for msg in served.client.stream(make_request(stream_prompt, max_tokens=400,
+                                                         temperature=0, ignore_eos=True)):
+                got.extend(msg.token_ids)
+
+        t = threading.Thread(target=run)
+        t.start()
+        while len(got) < 20:          # the budget's line learned on the stream's steps
+            assert t.is_alive()
+            time.sleep(0.01)
+        before = len(got)
+        first = next(iter(served.client.stream(make_request(prompt, max_tokens=1,
+                                                            temperature=0))))
+        during = len(got) - before
+        t.join(120)
+        assert during >= 20, (before, during)
+        assert list(first.token_ids) == hf_greedy(model, prompt, 1)
+        assert got == hf_greedy(model, stream_prompt, 400, ignore_eos=True)
+    finally:
+        served.stop()

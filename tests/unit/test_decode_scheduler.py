@@ -283,3 +283,39 @@ def test_update_from_output_length_mismatch_raises(pool):
         sched.update_from_output(batch, [1, 2])
     finish_all(sched)
     assert pool.all_free()
+
+
+def test_a_step_budget_caps_prefill_beside_decode_rows_only(pool):
+    """A TPOT SLO's step budget bounds a step's rows and prefill chunk together while
+    streams decode beside a prefill, prefills keeping at least a block; it is asked
+    with each decode row's (tokens so far, ITL seconds so far); a step with no decode
+    row, or no prefill, is not capped."""
+    s = make_sched(pool, prefill_chunk_size=32)
+    asked = []
+
+    def budget(cap):
+        return lambda streams: asked.append(streams) or cap
+
+    s.reserve("d", 3, params(), LEASE_S, prompt(3), prefill_locally=True)
+    out = s.schedule(step_budget=budget(6))
+    assert out.num_scheduled_tokens == (3,) and not asked    # alone: its whole prompt
+    s.update_from_output(out, [7], step_s=0.5)
+    out = s.schedule(step_budget=budget(6))
+    assert out.num_scheduled_tokens == (1,) and not asked    # decode alone: no cap
+    s.update_from_output(out, [8], step_s=0.02)
+    s.reserve("p", 40, params(), LEASE_S, prompt(40), prefill_locally=True)
+    out = s.schedule(step_budget=budget(6))
+    assert out.num_scheduled_tokens == (1, BLOCK_SIZE + 1)  # 6 - 1 decode row
+    assert asked == [[(2, 0.02)]]    # its prefill step is not an ITL; one gap of 20 ms
+    s.update_from_output(out, [9, None], step_s=0.03)
+    out = s.schedule(step_budget=budget(3))
+    assert out.num_scheduled_tokens == (1, BLOCK_SIZE)      # 3 - 1 < a block: a block
+    assert asked[-1] == [(3, pytest.approx(0.05))]
+    s.update_from_output(out, [10, None])
+    out = s.schedule(step_budget=budget(None))               # not learned yet
+    assert out.num_scheduled_tokens == (1, 31)              # the chunk, less the row
+    s.update_from_output(out, [11, 12])
+    for r in ("d", "p"):
+        s.abort(r)
+    s.schedule()
+    assert pool.num_free == NUM_BLOCKS

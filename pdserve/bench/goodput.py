@@ -28,7 +28,11 @@ Arms (a fresh server per arm and workload; arms alternate order by workload):
   (--no-lend-idle-prefill-cores --no-local-prefill-when-prefill-idle
   --max-prefill-queue-tokens 0): decode steps never slowed by a prefill;
 - `colocated`: the decode worker prefills every prompt on both cores (vLLM's shape on
-  pdserve's engine; the prefill worker idles).
+  pdserve's engine; the prefill worker idles);
+- `slo<k>` (e.g. `slo3`): the default told the TPOT SLO of scale k (`--slo-tpot-ms`, k x
+  the unloaded TPOT): the decode worker's steps beside running streams stay within it
+  (decode_worker/step_budget.py). Its figures count at scale k; a user tells the
+  server the SLO the bench scores it by.
 """
 
 from __future__ import annotations
@@ -75,8 +79,10 @@ class GoodputConfig:
     out_dir: str = "bench/results/goodput"
 
     def __post_init__(self):
-        if bad := set(self.arms) - set(ARMS):
-            raise ValueError(f"arms {sorted(bad)}: choose from {', '.join(ARMS)}")
+        if bad := {a for a in self.arms if a not in ARMS and slo_scale(a) is None}:
+            raise ValueError(f"arms {sorted(bad)}: choose from {', '.join(ARMS)} or slo<k>")
+        if any(slo_scale(a) for a in self.arms) and "vllm" not in self.arms[:1]:
+            raise ValueError("slo<k> arms need the unloaded TPOT: run vllm first")
         if bad := set(self.workloads) - set(RATES):
             raise ValueError(f"workloads {sorted(bad)}: choose from {', '.join(RATES)}")
         if not 0 < self.attainment < 1:
@@ -84,6 +90,21 @@ class GoodputConfig:
 
     def num_requests(self, rate: float) -> int:
         return int(min(max(rate * self.duration_s, self.min_requests), self.max_requests))
+
+
+def slo_scale(arm: str) -> float | None:
+    """k of an `slo<k>` arm, else None."""
+    try:
+        return float(arm[3:]) if arm.startswith("slo") else None
+    except ValueError:
+        return None
+
+
+def arm_args(arm: str, unloaded_tpot_s: float | None) -> tuple[str, ...]:
+    """`pdserve serve` flags of a pdserve arm."""
+    if (k := slo_scale(arm)) is not None:
+        return ("--slo-tpot-ms", f"{k * unloaded_tpot_s * 1e3:.1f}")
+    return ARMS[arm]
 
 
 def workload(name: str, tokenizer, n: int, seed: int) -> list[dict]:
@@ -211,12 +232,14 @@ def run(cfg: GoodputConfig, progress=print) -> dict:
             slices[r] = pool[k:k + cfg.num_requests(r)]
             k += len(slices[r])
         w = record["workloads"][name] = {"rates": list(rates), "arms": {}}
-        arms = cfg.arms if w_index % 2 == 0 else tuple(reversed(cfg.arms))
+        # vLLM first (its unloaded latency sets the SLOs), the others in turn order
+        rest = [a for a in cfg.arms if a != "vllm"]
+        arms = [a for a in cfg.arms if a == "vllm"] + (rest if w_index % 2 == 0 else rest[::-1])
         for arm in arms:
             log = out / "logs" / f"{name}_{arm}.log"
             server = (start_vllm(peer, model_dir, cfg.dtype, setting, log) if arm == "vllm"
-                      else start_pdserve(replace(peer, pdserve_args=ARMS[arm]), model_dir,
-                                         cfg.dtype, log))
+                      else start_pdserve(replace(peer, pdserve_args=arm_args(
+                          arm, w.get("unloaded", {}).get("tpot_s"))), model_dir, cfg.dtype, log))
             try:
                 progress(f"{name} {arm}: up in {server.startup_s:.0f} s")
                 server.complete(model_dir, "The capital of France is", 8)
@@ -255,6 +278,8 @@ def summarize(record: dict, cfg: GoodputConfig) -> dict:
             ttft, tpot = scale * base["ttft_s"], scale * base["tpot_s"]
             row = {}
             for arm, runs in w["arms"].items():
+                if slo_scale(arm) not in (None, scale):     # scored at its own SLO only
+                    continue
                 points = [(float(r), attainment(lat, ttft, tpot)) for r, lat in runs.items()]
                 row[arm] = {"goodput": goodput(points, cfg.attainment),
                             "attainment": dict(points)}
@@ -270,7 +295,8 @@ def table(summary: dict) -> str:
     lines = []
     for name, s in summary.items():
         u = s["unloaded"]
-        arms = [a for a in s["scales"][next(iter(s["scales"]))] if a != "tpot_binds"]
+        arms = list(dict.fromkeys(a for row in s["scales"].values() for a in row
+                                  if a != "tpot_binds"))
         lines += [f"\n{name}: unloaded TTFT {u['ttft_s'] * 1e3:.0f} ms, TPOT "
                   f"{u['tpot_s'] * 1e3:.1f} ms (prompt {u['prompt_tokens']:.0f} tokens); "
                   "goodput (req/s) at 90% attainment, ratio to vLLM",
@@ -278,8 +304,8 @@ def table(summary: dict) -> str:
                   "|---|---|" + "---|" * len(arms)]
         for scale, row in s["scales"].items():
             v = row.get("vllm", {}).get("goodput")
-            cells = [f"{row[a]['goodput']:.2f}" + (f" ({row[a]['goodput'] / v:.2f}x)" if v and a != "vllm"
-                                                  else "") for a in arms]
+            cells = ["-" if a not in row else f"{row[a]['goodput']:.2f}" + (
+                f" ({row[a]['goodput'] / v:.2f}x)" if v and a != "vllm" else "") for a in arms]
             binds = {True: "TPOT", False: "TTFT", None: "-"}[row["tpot_binds"]]
             lines.append(f"| {scale} | {binds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -309,10 +335,10 @@ def plot(summary: dict, out_dir: Path, scale: str) -> list[Path]:
         plt.close(fig)
     fig, axes = plt.subplots(1, len(summary), figsize=(4.5 * len(summary), 3.5), squeeze=False)
     for ax, (name, s) in zip(axes[0], summary.items()):
-        scales = [float(k) for k in s["scales"]]
-        for arm in [a for a in s["scales"][next(iter(s["scales"]))] if a != "tpot_binds"]:
-            ax.plot(scales, [s["scales"][k][arm]["goodput"] for k in s["scales"]], marker="o",
-                    label=arm)
+        for arm in dict.fromkeys(a for row in s["scales"].values() for a in row
+                                 if a != "tpot_binds"):
+            pts = [(float(k), row[arm]["goodput"]) for k, row in s["scales"].items() if arm in row]
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=arm)
         ax.set(title=name, xlabel="SLO scale (x unloaded latency)", ylabel="goodput (req/s)")
         ax.legend()
     fig.tight_layout()

@@ -30,6 +30,7 @@ Design (what makes a figure hold):
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
@@ -135,15 +136,18 @@ class Server:
     """A server in a session of its own (its pid is its process group), logging to
     `log`; stopped with SIGTERM to the group, then SIGKILL."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, port: int,
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, port: int | None,
                  timeout_s: float):
+        """`port` None: the server picks one and prints it in its ready line (pdserve
+        serve --http-port 0), which closes the race of a port chosen free here and
+        taken by another process (Ray's) before the server binds it."""
         self.cmd, self.env, self.log, self.port = cmd, env, log, port
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "w")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        while not self._healthy():
+        while not ((self.port is not None or self._find_port()) and self._healthy()):
             if self.proc.poll() is not None:
                 self.stop()
                 raise RuntimeError(f"server exited before /health answered: {log}")
@@ -157,11 +161,20 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def _find_port(self) -> bool:
+        """Whether pdserve's ready line is printed; sets `port` from it."""
+        for line in self.log.read_text().splitlines():
+            if line.startswith("pdserve ready:") and "OpenAI HTTP on http://" in line:
+                self.port = int(line.split("OpenAI HTTP on http://")[1].split("/")[0]
+                                .rsplit(":", 1)[1])
+                return True
+        return False
+
     def _healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                 return r.status == 200
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not up, or not ours yet
             return False
 
     def complete(self, model: str, prompt: str, max_tokens: int) -> str:
@@ -210,13 +223,12 @@ def start_vllm(cfg: PeerConfig, model_dir: str, dtype: str, setting: VllmSetting
 
 
 def start_pdserve(cfg: PeerConfig, model_dir: str, dtype: str, log: Path) -> Server:
-    port = _free_port()
     cmd = [_venv_bin("pdserve"), "serve", "--model", model_dir, "--host", "127.0.0.1",
-           "--port", "0", "--metrics-port", "0", "--http-port", str(port),
+           "--port", "0", "--metrics-port", "0", "--http-port", "0",
            "--dtype", DTYPES[dtype], *cfg.pdserve_args]
     if cfg.kv == "equal":
         cmd += ["--kv-cache-memory-bytes", f"{int(cfg.kv_gib * 2**30)}"]
-    return Server(cmd, _env({}), log, port, cfg.startup_timeout_s)
+    return Server(cmd, _env({}), log, None, cfg.startup_timeout_s)
 
 
 def resolved_config(system: str, server: Server) -> dict:

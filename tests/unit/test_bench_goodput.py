@@ -67,3 +67,22 @@ def test_workload_shapes(name, lo, hi, out_lo, out_hi):
 def test_config_refuses_unknown_arms():
     with pytest.raises(ValueError, match="arms"):
         GoodputConfig(arms=("vllm", "magic"))
+
+
+def test_an_slo_arm_is_told_its_scale_and_scored_at_it_only():
+    from pdserve.bench.goodput import arm_args, slo_scale
+
+    assert slo_scale("slo3") == 3.0 and slo_scale("slo1.5") == 1.5
+    assert slo_scale("strict") is None and slo_scale("slowest") is None
+    assert arm_args("slo3", 0.0272) == ("--slo-tpot-ms", "81.6")
+    assert "--max-prefill-queue-tokens" in arm_args("strict", None)
+    with pytest.raises(ValueError, match="vllm first"):
+        GoodputConfig(arms=("default", "slo3"))
+    cfg = GoodputConfig(scales=(1, 10), arms=("vllm", "slo10"))
+    ok = [(0.1, 0.01)] * 10
+    record = {"workloads": {"chat": {
+        "unloaded": {"ttft_s": 0.1, "tpot_s": 0.01, "prompt_tokens": 100},
+        "arms": {"vllm": {"1": ok}, "slo10": {"1": ok}}}}}
+    s = summarize(record, cfg)["chat"]["scales"]
+    assert "slo10" not in s["1"] and s["10"]["slo10"]["goodput"] == 1.0
+    assert "| 1 | - | 1.00 | - |" in table(summarize(record, cfg))

@@ -122,11 +122,12 @@ def _huge_kib_of(ptr):
     return 0
 
 
-def test_the_kv_cache_is_zeroed_and_on_huge_pages_where_the_kernel_allows():
+def test_the_kv_cache_reads_zero_and_its_written_blocks_are_on_huge_pages():
     shape = (4, 2, 64, 3, 16, 64)            # 12 MiB of fp32
     kv = attention.allocate_kv_cache(shape, torch.float32, "cpu")
     assert kv.shape == shape and kv.dtype == torch.float32 and kv.is_contiguous()
     assert not kv.any()
     if _thp_mode() not in ("madvise", "always"):
         pytest.skip("transparent huge pages are off on this kernel")
-    assert _huge_kib_of(kv.data_ptr() + kv.numel() * 2) >= 2048   # 2 bytes/elem in: mid-cache
+    kv[1].fill_(1.0)                         # layer 1's K and V (3 MiB): a block written
+    assert _huge_kib_of(kv[1].data_ptr() + kv[1].nbytes // 2) >= 2048

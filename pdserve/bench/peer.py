@@ -82,6 +82,7 @@ class PeerConfig:
     vllm: dict[str, VllmSetting] = field(default_factory=dict)   # dtype -> setting
     out_dir: str = "bench/results/peer"
     startup_timeout_s: float = 900.0
+    resume: bool = False              # keep the server sessions OUT_DIR already holds
 
     def __post_init__(self):
         if self.kv not in ("default", "equal"):
@@ -284,11 +285,21 @@ def _warm_up(server: Server, model_dir: str) -> None:
 
 def session(cfg: PeerConfig, model_dir: str, system: str, dtype: str, tag: str,
             cells: list[tuple[float, int]], setting: VllmSetting | None = None,
-            progress=print) -> dict:
+            progress=print, sub: str = "") -> dict:
     """A fresh server running every cell once; returns {"config": ..., "runs": {(t,
-    seed) key: result}}."""
-    out = Path(cfg.out_dir)
+    seed) key: result}}. Logs, configurations and run results go under OUT_DIR/`sub`;
+    with `cfg.resume`, a session whose configuration and runs are all there already is
+    read back instead of run (a session's configuration is written when it ends)."""
+    out = Path(cfg.out_dir) / sub
     log = out / "logs" / f"{tag}_{system}_{dtype}.log"
+    conf_path = out / "logs" / f"{tag}_{system}_{dtype}.config.json"
+    run_paths = {f"t{t:g}_s{seed}": out / "runs" / f"{tag}_{system}_{dtype}_t{t:g}_s{seed}.json"
+                 for t, seed in cells}
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    if cfg.resume and conf_path.is_file() and all(p.is_file() for p in run_paths.values()):
+        progress(f"  {system} {dtype} ({tag}): kept from {out}")
+        return {"config": json.loads(conf_path.read_text()),
+                "runs": {k: json.loads(p.read_text()) for k, p in run_paths.items()}}
     server = (start_vllm(cfg, model_dir, dtype, setting, log) if system == "vllm"
               else start_pdserve(cfg, model_dir, dtype, log))
     try:
@@ -300,13 +311,13 @@ def session(cfg: PeerConfig, model_dir: str, system: str, dtype: str, tag: str,
         runs = {}
         for temperature, seed in cells:
             res = run_client(cfg, server, model_dir, system, dtype, temperature, seed,
-                             out / "runs" / f"{tag}_{system}_{dtype}_t{temperature:g}_s{seed}.json")
+                             run_paths[f"t{temperature:g}_s{seed}"])
             runs[f"t{temperature:g}_s{seed}"] = res
             progress(f"    t={temperature:g} seed={seed}: {res['output_throughput']:.1f} tok/s, "
                      f"TTFT p99 {res['p99_ttft_ms']:.0f} ms, TPOT {res['mean_tpot_ms']:.1f} ms")
     finally:
         server.stop()
-    (out / "logs" / f"{tag}_{system}_{dtype}.config.json").write_text(json.dumps(conf, indent=2))
+    conf_path.write_text(json.dumps(conf, indent=2))
     return {"config": conf, "runs": runs}
 
 
@@ -319,7 +330,7 @@ def tune(cfg: PeerConfig, model_dir: str, progress=print) -> dict[str, VllmSetti
 
     def score(dtype: str, s: VllmSetting) -> float:
         got = session(cfg, model_dir, "vllm", dtype, f"tune_{len(record[dtype])}", cells, s,
-                      progress)
+                      progress, sub="tune")
         tps = statistics.mean(r["output_throughput"] for r in got["runs"].values())
         record[dtype].append({"setting": asdict(s), "output_throughput": tps})
         progress(f"  {s.name()}: {tps:.1f} tok/s")
@@ -361,7 +372,7 @@ def pairs(cfg: PeerConfig, model_dir: str, progress=print) -> list[dict]:
             progress(f"{dtype} pair {k + 1}/{cfg.pairs}: {' then '.join(order)}")
             for system in order:
                 got = session(cfg, model_dir, system, dtype, f"pair{k}", cells,
-                              setting if system == "vllm" else None, progress)
+                              setting if system == "vllm" else None, progress, sub=cfg.kv)
                 records.append({"dtype": dtype, "pair": k, "system": system, **got})
     return records
 
@@ -491,7 +502,12 @@ def add_parser(bsub) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--pdserve-args", default="", help="more `pdserve serve` flags")
-    p.add_argument("--out-dir", default="bench/results/peer")
+    p.add_argument("--out-dir", default="bench/results/peer",
+                   help="vllm_tuning.json and peer_<kv>.{json,md} here; server logs, "
+                        "configurations and per-run results under tune/ and <kv>/")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the server sessions already complete under OUT_DIR (an "
+                        "interrupted run goes on where it stopped)")
     p.set_defaults(fn=_command)
 
 
@@ -504,7 +520,7 @@ def _command(args) -> int:
             samples=args.samples, tune_seed=args.tune_seed, pairs=args.pairs, kv=args.kv,
             kv_gib=args.kv_gib, vllm_memory_utilization=args.vllm_gpu_memory_utilization,
             pdserve_args=tuple(shlex.split(args.pdserve_args)),
-            out_dir=args.out_dir)
+            out_dir=args.out_dir, resume=args.resume)
         cfg.seeds(len(cfg.temperatures) - 1)
     except (ValueError, AssertionError) as e:
         print(f"pdserve bench peer: {e}", file=sys.stderr)

@@ -48,3 +48,35 @@ def test_greedy_agreement_counts_identical_outputs_and_the_common_prefix():
           ("bf16", "t0_s1", 0): {"vllm": _run(1, 1, 1, ["p"]), "pdserve": _run(1, 1, 1, ["q"])}}
     g = greedy_agreement(by, tok)
     assert g == {"requests": 2, "identical_share": 0.5, "mean_matching_prefix_share": 0.75}
+
+
+def test_resume_keeps_a_complete_session_and_reruns_a_partial_one(tmp_path, monkeypatch):
+    import json
+
+    from pdserve.bench import peer
+
+    cfg = PeerConfig(out_dir=str(tmp_path), resume=True)
+    cells = [(0.0, 1), (1.0, 101)]
+    d = tmp_path / "equal"
+    (d / "logs").mkdir(parents=True)
+    (d / "runs").mkdir()
+    (d / "logs" / "pair0_vllm_fp32.config.json").write_text(json.dumps({"command": "x"}))
+    for key in ("t0_s1", "t1_s101"):
+        (d / "runs" / f"pair0_vllm_fp32_{key}.json").write_text(json.dumps(_run(400, 100, 10)))
+    (d / "runs" / "pair0_pdserve_fp32_t0_s1.json").write_text(json.dumps(_run(1, 1, 1)))
+
+    started = []
+
+    def start(*args):
+        started.append(args)
+        raise RuntimeError("a server start")
+
+    monkeypatch.setattr(peer, "start_vllm", start)
+    monkeypatch.setattr(peer, "start_pdserve", start)
+    got = peer.session(cfg, "m", "vllm", "fp32", "pair0", cells, None, lambda _: None, sub="equal")
+    assert got["config"] == {"command": "x"} and set(got["runs"]) == {"t0_s1", "t1_s101"}
+    assert not started
+    with pytest.raises(RuntimeError, match="a server start"):   # no config: not complete
+        peer.session(cfg, "m", "pdserve", "fp32", "pair0", cells, None, lambda _: None,
+                     sub="equal")
+    assert started

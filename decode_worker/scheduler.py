@@ -218,6 +218,15 @@ class DecodeScheduler:
                 if req is not None and not req.state.finished and req.abort_reason is None:
                     req.abort_reason, req.error = reason, error
 
+    def abort_all(self, reason: str, error: str | None = None) -> int:
+        """abort() every unfinished request; returns how many."""
+        with self._lock:
+            reqs = [r for r in self._requests.values()
+                    if not r.state.finished and r.abort_reason is None]
+            for req in reqs:
+                req.abort_reason, req.error = reason, error
+        return len(reqs)
+
     # --- called from the step thread ----------------------------------------------
 
     def schedule(self, now: float | None = None,

@@ -201,6 +201,8 @@ class DecodeWorker:
                 await asyncio.wait_for(self._outbox_ready.wait(), _IDLE_WAIT_S * 20)
             except asyncio.TimeoutError:
                 continue
+            if me != self._subscriber:   # a newer consumer took over while this waited:
+                break                    # the events are its
             self._outbox_ready.clear()
             events, self._outbox = self._outbox, []
             if events:
@@ -211,6 +213,17 @@ class DecodeWorker:
         it too (sampling n > 1: decode_worker/fork.py)."""
         self.scheduler.abort(request_id, reason, group=group)
         self._wake.set()
+
+    async def abort_all(self, reason: str = "router restarted") -> int:
+        """Finish every request on this worker at the next step, its KV freed, and end
+        the current consumer's event stream (a restarted router's: their callers, and
+        that stream's reader, died with the router before it). Returns how many."""
+        n = self.scheduler.abort_all(reason)
+        self._subscriber += 1           # the dead router's stream ends before the new
+        if self._outbox_ready is not None:   # router's requests come (it would take
+            self._outbox_ready.set()    # their events: Ray does not end it itself)
+        self._wake.set()
+        return n
 
     async def status(self) -> WorkerStatus:
         running, waiting = self.scheduler.counts()

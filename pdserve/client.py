@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
 from pathlib import Path
 
 import grpc
@@ -44,6 +44,14 @@ def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path is not None else None
 
 
+# A router that restarts (its process died; Ray restarts it and `serve` starts it on the
+# same port within seconds) is reconnected to within 2 s: gRPC's default backoff grows
+# to 120 s between tries, so a channel that failed a few times would idle long after.
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250),
+                    ("grpc.min_reconnect_backoff_ms", 250),
+                    ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
 class Client:
     """Blocking client: `stream()` yields GenerateResponses, `generate()` collects them.
 
@@ -56,6 +64,12 @@ class Client:
     handshake fails (or a plaintext client meets a TLS server), UNAUTHENTICATED when the
     server wants an api key that the call lacks or gets wrong.
 
+    A stream whose router goes away (its process died: UNAVAILABLE from the connection,
+    not from the router) is sent again for up to `resume_timeout_s` seconds (0: never),
+    with the tokens received so far as `resume_token_ids`: it goes on where it stopped,
+    greedy and seeded output as if unbroken (n = 1 without best_of, once a message of
+    it arrived: ResumingStream).
+
     Raises:
         ValueError: only one of tls_client_cert_file / tls_client_key_file, or both
             tls_ca_file and tls_root_certificates.
@@ -63,6 +77,7 @@ class Client:
     """
 
     def __init__(self, address: str, timeout_s: float | None = 600.0, *, tls: bool = False,
+                 resume_timeout_s: float = 60.0,
                  tls_ca_file: str | None = None, tls_root_certificates: bytes | None = None,
                  tls_client_cert_file: str | None = None,
                  tls_client_key_file: str | None = None, api_key: str | None = None):
@@ -76,19 +91,21 @@ class Client:
                 root_certificates=tls_root_certificates or _read(tls_ca_file),
                 private_key=_read(tls_client_key_file),
                 certificate_chain=_read(tls_client_cert_file))
-            self.channel = grpc.secure_channel(address, creds)
+            self.channel = grpc.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
         else:
-            self.channel = grpc.insecure_channel(address)
+            self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         # What router/security.py's ApiKeyInterceptor checks (no import: the client
         # should not need the server's modules).
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self.generator = pb_grpc.GeneratorStub(self.channel)
         self.admin = pb_grpc.AdminStub(self.channel)
         self.timeout_s = timeout_s
+        self.resume_timeout_s = resume_timeout_s
 
-    def stream(self, request: pb.GenerateRequest) -> Iterator[pb.GenerateResponse]:
-        """The response stream of one request (grpc.RpcError on failure, see the class)."""
-        return self.generator.Generate(request, timeout=self.timeout_s, metadata=self.metadata)
+    def stream(self, request: pb.GenerateRequest) -> "ResumingStream":
+        """The response stream of one request (grpc.RpcError on failure, see the class),
+        resumed when its router goes away (ResumingStream); `.cancel()` ends it."""
+        return ResumingStream(self, request)
 
     def generate(self, request: pb.GenerateRequest) -> tuple[list[int], str, str]:
         """(token_ids, text, finish_reason) of a whole request."""
@@ -129,3 +146,72 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _from_connection(e: grpc.RpcError) -> bool:
+    """An UNAVAILABLE the router did not answer (router/service.py ROUTER_STATUS marks
+    the ones it did): the connection failed or the router's process died."""
+    if e.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    return not any(k == "pdserve-status-from" for k, _ in (trailing or ()))
+
+
+class ResumingStream:
+    """The GenerateResponses of one request; when the router goes away mid-stream, the
+    request is sent again (every 0.25 s, for up to client.resume_timeout_s) with the
+    tokens received so far as resume_token_ids, and the messages go on after them.
+    Only a stream of one sample (the field takes one sample's tokens) that had
+    received a message is resumed: a request that got nothing fails at once, as a
+    server that is down should (a request in its prefill when the router died too).
+    Iterating raises grpc.RpcError as a plain stream does, the last one when the
+    router did not come back in time."""
+
+    RETRY_S = 0.25
+
+    def __init__(self, client: Client, request: pb.GenerateRequest):
+        self._client, self._request = client, request
+        self._deadline = (None if client.timeout_s is None
+                          else time.monotonic() + client.timeout_s)
+        self._one_sample = request.sampling.n <= 1 and not request.sampling.HasField("best_of")
+        self._received: list[int] = list(request.resume_token_ids)
+        self._any = False
+        self._cancelled = False
+        self._call = self._send(request)
+
+    def _send(self, request: pb.GenerateRequest):
+        timeout = None if self._deadline is None else max(self._deadline - time.monotonic(), 0.001)
+        return self._client.generator.Generate(request, timeout=timeout,
+                                               metadata=self._client.metadata)
+
+    def __iter__(self) -> "ResumingStream":
+        return self
+
+    def __next__(self) -> pb.GenerateResponse:
+        give_up = None
+        while True:
+            try:
+                msg = next(self._call)
+            except grpc.RpcError as e:
+                if self._cancelled or not self._any or not self._one_sample \
+                        or not _from_connection(e):
+                    raise
+                now = time.monotonic()
+                give_up = give_up or now + self._client.resume_timeout_s
+                if now + self.RETRY_S > min(give_up, self._deadline or give_up):
+                    raise
+                time.sleep(self.RETRY_S)
+                request = pb.GenerateRequest()
+                request.CopyFrom(self._request)
+                del request.resume_token_ids[:]
+                request.resume_token_ids.extend(self._received)
+                self._call = self._send(request)
+                continue
+            self._any = True
+            if msg.index == 0:
+                self._received += msg.token_ids
+            return msg
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()

@@ -14,6 +14,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import replace
 
@@ -27,6 +28,8 @@ from .config import ClusterConfig
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0   # first start converts the GGUF (~15 s) and loads weights per worker
+ROUTER_WATCH_S = 0.5        # how often the cluster asks the router whether it serves
+ROUTER_CALL_TIMEOUT_S = 5.0
 
 
 def _core_share_dir() -> str:
@@ -87,6 +90,8 @@ class Cluster:
         self._ray_processes: list[psutil.Process] = []   # GCS, raylet... when _owns_ray
         self._placement_groups: list = []   # one per tensor-parallel worker (tp_group.py)
         self._cpu_limit_group: str | None = None   # pdserve/cpu_limit.py, this start's
+        self._watch: threading.Thread | None = None  # _watch_router
+        self._watch_stop = threading.Event()
 
     def start(self) -> int:
         """Start Ray (if needed), the workers and the router. Returns the gRPC port;
@@ -139,20 +144,65 @@ class Cluster:
         # security group and port-forwards point there), never on a worker node.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                               soft=False)
+        # Ray restarts a router whose process died (max_task_retries 0: a call in flight
+        # fails, the client retries); _watch_router starts it on the same ports.
         self.router = ray.remote(Router).options(name="router", scheduling_strategy=here,
-                                                 **opts).remote(
+                                                 max_restarts=cfg.max_router_restarts,
+                                                 max_task_retries=0, **opts).remote(
             cfg, self.prefill, self.decode)
         try:
             self.port = ray.get(self.router.start.remote(), timeout=STARTUP_TIMEOUT_S)
             if cfg.router.http_port is not None:
                 self.http_port = ray.get(self.router.http_port.remote(), timeout=30)
+            ports = ray.get(self.router.serving.remote(), timeout=30)
         except BaseException as e:
             self.stop()         # a worker failed to start: do not leave the others running
             if isinstance(e, ray.exceptions.RayTaskError):
                 cause = e.cause if e.cause is not None else e
                 raise ClusterStartError(f"{type(cause).__name__}: {cause}") from e
             raise
+        self._watch_stop.clear()
+        self._watch = threading.Thread(target=self._watch_router, args=(self.router, ports),
+                                       name="pdserve-router-watch", daemon=True)
+        self._watch.start()
         return self.port
+
+    def _watch_router(self, router, ports: dict[str, int]) -> None:
+        """Until stop(): ask the router every ROUTER_WATCH_S whether it serves; one that
+        Ray restarted after its process died (a kill -9, the OOM killer, a native crash
+        in a tokenizer) is started again on `ports`, its previous incarnation's. A call
+        in flight when it died failed on its client (gRPC UNAVAILABLE); new ones are
+        refused until it serves again. A router that Ray gave up restarting
+        (max_router_restarts) is logged."""
+        dead_logged = False
+        while not self._watch_stop.wait(ROUTER_WATCH_S):
+            try:
+                serving = ray.get(router.serving.remote(), timeout=ROUTER_CALL_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:   # restarting, or its loop is busy
+                continue
+            except ray.exceptions.RayActorError as e:
+                if not self._watch_stop.is_set() and not dead_logged:
+                    logger.error("the router died (%s); Ray restarts it unless it ran out "
+                                 "of max_router_restarts", e.__class__.__name__)
+                    dead_logged = True
+                continue
+            except Exception as e:   # Ray going away
+                if self._watch_stop.is_set():
+                    return
+                logger.debug("router watch: %r", e)
+                continue
+            dead_logged = False
+            if serving is not None or self._watch_stop.is_set():
+                continue
+            logger.warning("the router was restarted (its process died): starting it on "
+                           "gRPC %s", ports.get("grpc"))
+            t = time.monotonic()
+            try:
+                ray.get(router.start.remote(ports), timeout=STARTUP_TIMEOUT_S)
+            except Exception as e:    # next round asks again
+                logger.error("starting the restarted router failed: %r", e)
+                continue
+            logger.warning("router serving again after %.1f s", time.monotonic() - t)
 
     def stop(self) -> None:
         """Stop serving, shut the workers down, and stop Ray if this cluster started it.
@@ -161,6 +211,10 @@ class Cluster:
         whole process group, as systemd's stop sends, reaches GCS and the raylet too, and
         the actors die with them), there is nothing to call: only Ray's driver state is
         shut down, so the process exits cleanly instead of waiting on dead actors."""
+        self._watch_stop.set()          # before the router stops: not restarted then
+        if self._watch is not None:
+            self._watch.join(timeout=ROUTER_CALL_TIMEOUT_S + 5)
+            self._watch = None
         if self._owns_ray and not self._ray_alive():
             logger.info("Ray's processes have exited (signalled with this process's group); "
                         "the workers went with them")

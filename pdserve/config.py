@@ -205,6 +205,9 @@ class RouterConfig:
                                      # decode-heavy phase's goodput from 1.99 to 0.27 req/s
                                      # (docs/planner.md)
     worker_probe_interval_s: float = 0.5  # how often a worker found dead is asked if it is back
+    worker_ready_timeout_s: float = 30.0  # a restarted router waits this long for each
+                                     # worker's ready(); one slower is left out for now
+                                     # and probed like a dead one
     metrics_port: int = 9464         # Prometheus /metrics on `host`; 0: a free port
     slo_ttft_ms: float | None = None  # goodput: TTFT bound (None: unconstrained)
     slo_tpot_ms: float | None = None  # goodput: TPOT bound (None: unconstrained)
@@ -331,6 +334,8 @@ class ClusterConfig:
     num_decode_workers: int = 1
     ray_address: str | None = None   # None: start a local Ray instance; "auto": join one
     max_worker_restarts: int = 4     # Ray restarts a dead worker this often (-1: always)
+    max_router_restarts: int = -1    # Ray restarts a dead router this often (-1: always);
+                                     # `serve` then starts it on the same ports
     # Placement on a multi-node Ray cluster: Ray resources each worker actor requests, e.g.
     # {"pdserve_prefill": 1} to land only on nodes started with that custom resource
     # (deploy/ray/*.yaml, the Helm chart), and GPUs per worker.
@@ -359,6 +364,9 @@ class ClusterConfig:
                                      "amounts > 0 (CPU/GPU/memory are set otherwise)")
         if self.gpus_per_worker < 0:
             raise ValueError(f"gpus_per_worker={self.gpus_per_worker}: must be >= 0")
+        if self.max_router_restarts < -1:
+            raise ValueError(f"max_router_restarts={self.max_router_restarts}: must be >= -1 "
+                             "(-1: always)")
         if self.max_worker_restarts < -1:
             raise ValueError(f"max_worker_restarts={self.max_worker_restarts}: must be >= -1 "
                              "(-1: unlimited)")

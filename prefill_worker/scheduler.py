@@ -242,6 +242,11 @@ class PrefillScheduler:
                 return req
             return None
 
+    def request_ids(self) -> list[str]:
+        """Every request queued or computing on this worker."""
+        with self._lock:
+            return list(self._active)
+
     def release(self, req: PrefillRequest, state: RequestState) -> None:
         """The request is done on this worker: free its blocks."""
         with self._lock:

@@ -207,6 +207,14 @@ class PrefillWorker:
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
 
+    async def abort_all(self) -> int:
+        """Abort every request on this worker (a restarted router's: their callers died
+        with the router before it). Returns how many there were."""
+        ids = self.scheduler.request_ids()
+        for rid in ids:
+            self._abort(rid)
+        return len(ids)
+
     async def cache_events(self, since: int) -> CacheEvents:
         """Prefix-cache changes after event `since` (engine/block_pool.py), or a
         snapshot when `since` is too old; the router polls it (KV-aware routing)."""

@@ -7,7 +7,7 @@ from collections.abc import Container, Sequence
 
 from ..engine.logprobs import TokenLogprobs
 from ..engine.request import TokenEvent
-from ..engine.sampling_params import SamplingParams
+from ..engine.sampling_params import InvalidRequestError, SamplingParams
 from ..engine.stop import stop_state
 from ..proto import pdserve_pb2 as pb
 from .detokenizer import Detokenizer
@@ -43,6 +43,21 @@ class Relay:
         self.stopped_here = False    # ended by the router, not by D's finish event: D may
                                      # still hold the request (abort it)
         self.error: str | None = None    # the attempt failed on D (the router retries)
+
+    def resume(self, token_ids: list[int]) -> None:
+        """Count `token_ids` as streamed already (GenerateRequest.resume_token_ids: the
+        client had them from a try it lost): the detokenizer and the stop rule advance
+        over them, nothing is sent for them, and no prompt logprobs are asked again.
+
+        Raises:
+            InvalidRequestError: they already end the stream (a stop token, a stop
+                string, the context).
+        """
+        self.absorb([TokenEvent(self.request_id, tuple(token_ids))])
+        if self.finish_reason is not None:
+            raise InvalidRequestError("resume_token_ids", "the stream already ended at "
+                                                          f"them ({self.finish_reason})")
+        self.prompt_logprobs = ()
 
     def set_prompt_logprobs(self, entries: Sequence[TokenLogprobs]) -> None:
         """The prefill worker's prompt logprobs (one per prompt token after the first),

@@ -55,7 +55,7 @@ from .planner import Planner
 from .scaling import Scaler
 from .routing import PrefillRouter
 from .streams import DecodeStreams
-from .workers import AttemptFailed, Worker, attempt_failed
+from .workers import AttemptFailed, Worker, attempt_failed, named_workers
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class Router:
         self.model_name = str(config.prefill.model)
         self._prefill_handles, self._decode_handles = prefill, decode
         self._server: grpc.aio.Server | None = None
+        self._server_port = 0
         rc = config.router
         self.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
         self.prefill_router = PrefillRouter(rc.routing_policy, config.prefill.block_size,
@@ -107,9 +108,17 @@ class Router:
     def decode(self) -> list[Worker]:
         return self.placement.decode
 
-    async def start(self) -> int:
+    async def start(self, ports: dict[str, int] | None = None) -> int:
         """Wait for every worker, then serve gRPC (and the OpenAI-compatible HTTP API
         when router.http_port is set). Returns the bound gRPC port.
+
+        `ports` ({"grpc", "http", "metrics"}: the ports the previous incarnation bound,
+        Cluster's watch): this actor was restarted after its process died. Its workers
+        are then the live named ones (scaling may have changed them since it was
+        built), waited for each at most worker_ready_timeout_s (one that does not
+        answer is left out and probed like a dead one), and every request on them is
+        aborted: their callers' connections died with the process, so their KV is
+        freed at once rather than kept decoding for nobody.
 
         Raises:
             SecurityConfigError: a tls_* file cannot be read or is not PEM.
@@ -117,38 +126,78 @@ class Router:
         """
         from .service import build_server
 
-        infos = await asyncio.gather(*(h.ready.remote() for h in self._prefill_handles))
+        rc = self.config.router
+        if ports is None:
+            prefill = await self._ready(self._prefill_handles)
+            decode = await self._ready(self._decode_handles)
+        else:
+            found = named_workers()
+            prefill = await self._ready(found["prefill"], rc.worker_ready_timeout_s)
+            decode = await self._ready(found["decode"], rc.worker_ready_timeout_s)
         self.placement.prefill = [Worker(h, i.worker_id, i.num_blocks, i.epoch,
-                                         node_ip=i.node_ip)
-                                  for h, i in zip(self._prefill_handles, infos)]
-        infos = await asyncio.gather(*(h.ready.remote() for h in self._decode_handles))
+                                         node_ip=i.node_ip) for h, i in prefill]
         self.placement.decode = [Worker(h, i.worker_id, i.num_blocks, i.epoch,
                                         free_blocks=i.num_blocks, node_ip=i.node_ip)
-                                 for h, i in zip(self._decode_handles, infos)]
+                                 for h, i in decode]
+        if ports is not None:
+            aborted = await asyncio.gather(*(w.handle.abort_all.remote()
+                                             for w in self.prefill + self.decode),
+                                           return_exceptions=True)
+            logger.warning("router restarted: serving again with %d prefill and %d decode "
+                           "workers; %d requests of the dead router aborted on them",
+                           len(prefill), len(decode),
+                           sum(n for n in aborted if isinstance(n, int)))
         # Pair every P with every D now, so a layout mismatch fails `serve` at start
         # with a message naming the field, not the first request.
-        await asyncio.gather(*(p.handle.pair.remote(
-            [a for i in infos for a in (i.kv_address, *i.kv_rank_addresses)])
-            for p in self.prefill))
-        rc = self.config.router
+        addresses = [a for _, i in decode for a in (i.kv_address, *i.kv_rank_addresses)]
+        await asyncio.gather(*(p.handle.pair.remote(addresses) for p in self.prefill))
         if rc.routing_policy == "kv_aware":
             self._cache_sync = asyncio.get_running_loop().create_task(admin.sync_prefix_caches(self))
         self._watch = asyncio.get_running_loop().create_task(admin.watch_workers(self))
         if self.planner is not None:
             self._plan = asyncio.get_running_loop().create_task(self.planner.run())
-        self._server, port = build_server(self, f"{rc.host}:{rc.port}")
+        ports = ports or {}
+        self._server, port = build_server(self, f"{rc.host}:{ports.get('grpc', rc.port)}")
         await self._server.start()
+        self._server_port = port
         self.metrics_address = "%s:%d" % serve_metrics(self.metrics.registry, rc.host,
-                                                       rc.metrics_port)
+                                                       ports.get("metrics", rc.metrics_port))
         logger.info("router serving gRPC on %s:%d, metrics on http://%s/metrics", rc.host, port,
                     self.metrics_address)
         if rc.http_port is not None:
             from .http_server import serve_http   # FastAPI + uvicorn only when asked for
-            self._http = await serve_http(self, rc.host, rc.http_port)
+            self._http = await serve_http(self, rc.host, ports.get("http", rc.http_port))
             self.http_address = "%s:%d" % (rc.host, self._http.port)
             logger.info("router serving the OpenAI-compatible HTTP API on http%s://%s",
                         "s" if rc.tls_cert_file else "", self.http_address)
         return port
+
+    @staticmethod
+    async def _ready(handles: list, timeout_s: float | None = None) -> list[tuple]:
+        """(handle, WorkerInfo) of each worker once it is ready. With `timeout_s`, a
+        worker that fails or does not answer in time is left out (logged); without,
+        its error is raised."""
+        if timeout_s is None:
+            infos = await asyncio.gather(*(h.ready.remote() for h in handles))
+            return list(zip(handles, infos))
+        infos = await asyncio.gather(*(asyncio.wait_for(h.ready.remote(), timeout_s)
+                                       for h in handles), return_exceptions=True)
+        for h, i in zip(handles, infos):
+            if isinstance(i, BaseException):
+                logger.warning("worker %s left out: not ready within %.0f s (%r)",
+                               getattr(h, "_actor_id", h), timeout_s, i)
+        return [(h, i) for h, i in zip(handles, infos) if not isinstance(i, BaseException)]
+
+    def serving(self) -> dict[str, int] | None:
+        """The bound ports ({"grpc", "http", "metrics"}), or None when this incarnation
+        does not serve (Ray restarted it and start() was not called yet, or stop())."""
+        if self._server is None:
+            return None
+        ports = {"grpc": self._server_port,
+                 "metrics": int(self.metrics_address.rsplit(":", 1)[1])}
+        if self._http is not None:
+            ports["http"] = self._http.port
+        return ports
 
     def http_port(self) -> int | None:
         """The bound port of the HTTP API, or None when it is off."""
@@ -207,6 +256,10 @@ class Router:
         ranked = params.num_samples > params.n
         params, relays = sample_relays(rid, self.tokenizer, ids, params, cfg.eos_token_ids,
                                        cfg.max_model_len)
+        resumed = validation.resume_token_ids(req, params, len(ids), cfg.vocab_size,
+                                              cfg.max_model_len)
+        if resumed:     # goes on as the router's own retry does, after those tokens
+            relays[0].resume(resumed)
         # Admitted before any wait (a full queue is refused here, at once). The ticket is
         # released at the first token, or by the `with` on any earlier exit: reserve
         # timeout, error, client cancel, deadline. release() is idempotent.

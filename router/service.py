@@ -23,6 +23,12 @@ from .security import ApiKeyInterceptor, server_credentials
 logger = logging.getLogger(__name__)
 
 
+# Trailing metadata on every status the router itself returns: an UNAVAILABLE without it
+# came from the connection (the router's process died), which a client may resume
+# (GenerateRequest.resume_token_ids; pdserve.client does).
+ROUTER_STATUS = (("pdserve-status-from", "router"),)
+
+
 class GeneratorService(pb_grpc.GeneratorServicer):
     def __init__(self, router):
         self.router = router
@@ -34,9 +40,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                                               context.time_remaining()):
                 yield msg
         except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), ROUTER_STATUS)
         except RequestError as e:
-            await context.abort(e.code, str(e))
+            await context.abort(e.code, str(e), ROUTER_STATUS)
 
 
 async def metered_generate(router, build: Callable[[], pb.GenerateRequest],

@@ -141,6 +141,34 @@ def _structured(s, grammars: Grammars | None) -> StructuredOutput | None:
     return so
 
 
+def resume_token_ids(req, params: SamplingParams, prompt_len: int, vocab_size: int,
+                     max_model_len: int) -> list[int]:
+    """The tokens a resumed stream already delivered (GenerateRequest.resume_token_ids).
+
+    Raises:
+        InvalidRequestError: with n > 1 or best_of, as many as max_tokens or more, an
+            id outside the vocabulary, or prompt + them past the model's context.
+    """
+    ids = list(req.resume_token_ids)
+    if not ids:
+        return ids
+    if params.num_samples > 1:
+        raise InvalidRequestError("resume_token_ids", "a stream of one sample only "
+                                                      "(sampling.n = 1, no best_of)")
+    if len(ids) >= params.max_tokens:
+        raise InvalidRequestError("resume_token_ids", f"{len(ids)} tokens; at most "
+                                                      f"max_tokens - 1 = {params.max_tokens - 1}")
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError("resume_token_ids", f"token id {bad} is out of range: the "
+                                                      f"vocabulary has {vocab_size} tokens")
+    if prompt_len + len(ids) >= max_model_len:
+        raise InvalidRequestError("resume_token_ids", f"prompt ({prompt_len}) + {len(ids)} "
+                                                      "tokens fill the model's context of "
+                                                      f"{max_model_len}")
+    return ids
+
+
 def request_id(req) -> str | None:
     """The client's request_id, or None to generate one."""
     rid = req.request_id

@@ -3,6 +3,7 @@ means for the request (router.py retries it on live workers)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import ray
@@ -52,3 +53,18 @@ def attempt_failed(phase: str, w: Worker, e: Exception) -> AttemptFailed:
     cause = getattr(e, "cause", None) or e     # the worker-side exception
     return AttemptFailed(phase, f"{phase} on {w.worker_id} failed: "
                                  f"{type(cause).__name__}: {cause}")
+
+
+def named_workers() -> dict[str, list]:
+    """The worker actors of this Ray namespace by role, each named `role-N`
+    (cluster.start_worker), in N order: {"prefill": [handle...], "decode": [...]}.
+    An actor gone between the listing and the lookup is left out."""
+    found: dict[str, list[tuple[int, object]]] = {"prefill": [], "decode": []}
+    for name in ray.util.list_named_actors():
+        if (m := re.fullmatch(r"(prefill|decode)-(\d+)", name)) is None:
+            continue
+        try:
+            found[m.group(1)].append((int(m.group(2)), ray.get_actor(name)))
+        except ValueError:      # killed meanwhile (scaled down)
+            continue
+    return {role: [h for _, h in sorted(hs, key=lambda x: x[0])] for role, hs in found.items()}

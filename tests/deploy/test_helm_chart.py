@@ -294,6 +294,36 @@ def test_http_port_is_a_toggle(chart, monkeypatch):
     assert {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"} in svc_ports
 
 
+@pytest.mark.parametrize("values, readiness", [
+    ({}, "grpc"),
+    ({"http": {"enabled": True}}, "http"),
+    ({"http": {"enabled": True}, "tls": {"enabled": True, "existingSecret": "s"}}, "https"),
+    ({"http": {"enabled": True}, "tls": {"enabled": True, "existingSecret": "s",
+                                         "clientAuth": True}}, "tcp"),
+], ids=["grpc", "http", "https", "mtls"])
+def test_head_probes_the_router(chart, values, readiness):
+    objs = _render(chart, values)
+    merged = chart.merge_values(values)
+    head = _container(_one(objs, "RayCluster")["spec"]["headGroupSpec"]["template"])
+    grpc_probe = ({"tcpSocket": {"port": "grpc"}} if merged["tls"]["enabled"]
+                  else {"grpc": {"port": merged["grpc"]["port"]}})
+    probes = merged["head"]["probes"]
+    for name, timeout_s in (("startupProbe", probes["startupTimeoutSeconds"]),
+                            ("livenessProbe", probes["livenessTimeoutSeconds"])):
+        p = head[name]
+        assert {k: p[k] for k in grpc_probe} == grpc_probe
+        assert p["periodSeconds"] * p["failureThreshold"] >= timeout_s
+        assert p["periodSeconds"] * (p["failureThreshold"] - 1) < timeout_s
+    r = head["readinessProbe"]
+    if readiness in ("http", "https"):
+        assert r["httpGet"] == {"path": "/health", "port": "http", "scheme": readiness.upper()}
+    else:
+        assert {k: r[k] for k in grpc_probe} == grpc_probe
+    for obj in objs:
+        if obj["kind"] == "RayCluster":
+            _validate_raycluster(obj)
+
+
 def test_worker_prestop_drains_then_stops_ray(case, monkeypatch):
     values, merged, objs = case
     timeout_s = merged["drainTimeoutSeconds"]

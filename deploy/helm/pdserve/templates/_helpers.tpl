@@ -299,3 +299,17 @@ Ray node declares pdserve_<role>: 1, so exactly one pdserve worker of that role 
       {{- . | nindent 6 }}
       {{- end }}
 {{- end }}
+
+{{/*
+A probe of the router's gRPC port: grpc.health.v1 where kubelet can speak it (plaintext),
+else a TCP connect (kubelet's gRPC probe has no TLS).
+*/}}
+{{- define "pdserve.routerProbe" -}}
+{{- if .Values.tls.enabled }}
+tcpSocket:
+  port: grpc
+{{- else }}
+grpc:
+  port: {{ .Values.grpc.port }}
+{{- end }}
+{{- end }}

@@ -88,7 +88,8 @@ def _serve(args) -> int:
                                       "tls_client_ca_file", "api_key", "max_request_bytes",
                                       "max_migrations", "http_port",
                                       "max_prefill_queue_tokens", "rebalance_on_scale_up",
-                                      "local_prefill_when_prefill_idle")
+                                      "local_prefill_when_prefill_idle",
+                                      "stream_stall_timeout_s")
                        if (v := getattr(args, k)) is not None})   # unset: RouterConfig's default
         if args.gpus_per_worker or args.prefill_resources or args.decode_resources:
             # each worker's share of the device(s) Ray gives it, or of the node its
@@ -244,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-queued-tokens", type=int, default=None,
                    help="prompt tokens queued for prefill at once (default 262144); beyond it "
                         "Generate fails at once with RESOURCE_EXHAUSTED")
+    s.add_argument("--stream-stall-timeout-s", type=float, default=None,
+                   help="a streamed response whose client reads nothing for this many "
+                        "seconds is aborted and its KV freed (default 30)")
     s.add_argument("--routing-policy", choices=["round_robin", "least_loaded", "kv_aware"],
                    default=None, help="how the router picks a prefill worker (default kv_aware: "
                                       "cached prefix blocks vs queued tokens)")

@@ -171,6 +171,9 @@ class RouterConfig:
                                      # deadline, queued in arrival order as vLLM's waiting
                                      # queue holds it (bounded by max_queued_*)
     request_timeout_s: float = 600.0  # upper bound when the client sets no gRPC deadline
+    stream_stall_timeout_s: float = 30.0  # a stream whose client takes nothing for this
+                                     # long (the response waits for it to read) is
+                                     # aborted: its KV freed on P and D, its status an error
     max_queued_requests: int = 256   # requests queued at once; more fail fast, not wait unbounded
     max_queued_tokens: int = 262144  # prompt tokens queued at once: 256 requests x 1024 tokens
     routing_policy: str = "kv_aware"  # prefill worker choice: round_robin | least_loaded | kv_aware
@@ -228,6 +231,9 @@ class RouterConfig:
         for name in ("max_queued_requests", "max_queued_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if not self.stream_stall_timeout_s > 0:
+            raise ValueError(f"stream_stall_timeout_s={self.stream_stall_timeout_s}: must be "
+                             "> 0 seconds")
         from .router.routing import POLICIES
         if self.routing_policy not in POLICIES:
             raise ValueError(f"routing_policy={self.routing_policy!r}: choose one of "

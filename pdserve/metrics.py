@@ -16,6 +16,9 @@ router (`RouterMetrics`, observed per request by the gRPC Generate handler)
     pdserve_request_retries_total{reason}         counter: attempts retried after a worker
                                                   died or a transfer failed (prefill |
                                                   decode)
+    pdserve_streams_stalled_total                 counter: streams aborted because their
+                                                  client read nothing for
+                                                  stream_stall_timeout_s (router/stalls.py)
     pdserve_goodput_requests_total{slo}           counter: finished requests within the
                                                   TTFT and TPOT SLOs (DistServe's goodput)
     pdserve_num_requests_running / _waiting       gauges: streaming / queued for the
@@ -139,6 +142,9 @@ class RouterMetrics:
                                "or a KV transfer failed, by the phase that failed (rebalance: "
                                "moved to a decode worker that joined).", ["reason"],
                                registry=r)
+        self.stalled = Counter(p + "streams_stalled",
+                               "Streams aborted because their client read nothing for "
+                               "stream_stall_timeout_s.", registry=r)
         self.slo = slo_label(slo_ttft_ms, slo_tpot_ms)
         self.slo_ttft_s = None if slo_ttft_ms is None else slo_ttft_ms / 1e3
         self.slo_tpot_s = None if slo_tpot_ms is None else slo_tpot_ms / 1e3

@@ -241,7 +241,9 @@ def build_app(router) -> FastAPI:
     bodies (see the module docstring); the app itself raises none."""
     rc = router.config.router
     app = FastAPI(title="pdserve", openapi_url=None, docs_url=None, redoc_url=None)
-    app.add_middleware(_Gate, api_key=rc.api_key, max_request_bytes=rc.max_request_bytes)
+    app.add_middleware(_Gate, api_key=rc.api_key, max_request_bytes=rc.max_request_bytes,
+                       write_timeout_s=rc.stream_stall_timeout_s,
+                       on_write_timeout=router.metrics.stalled.inc)
     started = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -288,14 +290,20 @@ def build_app(router) -> FastAPI:
     return app
 
 
+class _WriteTimeout(ConnectionError):
+    """A response the client did not read within stream_stall_timeout_s."""
+
+
 class _Gate:
     """ASGI middleware in front of the app: the api key (401), then the body size (413),
     before FastAPI reads or parses anything. The body is read here, within
     max_request_bytes, and handed on whole."""
 
-    def __init__(self, app, api_key: str | None, max_request_bytes: int):
+    def __init__(self, app, api_key: str | None, max_request_bytes: int,
+                 write_timeout_s: float | None = None, on_write_timeout=lambda: None):
         self.app, self.max_bytes = app, max_request_bytes
         self.key = api_key.encode() if api_key else None
+        self.write_timeout_s, self.on_write_timeout = write_timeout_s, on_write_timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -329,4 +337,23 @@ class _Gate:
             replayed = True
             return {"type": "http.request", "body": bytes(body), "more_body": False}
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, self._bounded(send))
+        except _WriteTimeout as e:   # uvicorn closes the connection of an unfinished response
+            logger.warning("%s %s: %s", scope.get("method"), scope["path"], e)
+
+    def _bounded(self, send):
+        """`send` that gives up after write_timeout_s: a client that reads nothing holds
+        the response in the server's buffers, and uvicorn then waits for it without
+        end. Raising here ends the app, and uvicorn closes the connection."""
+        if self.write_timeout_s is None:
+            return send
+
+        async def bounded(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout_s)
+            except asyncio.TimeoutError:
+                self.on_write_timeout()
+                raise _WriteTimeout(f"the client read nothing for {self.write_timeout_s:g} s "
+                                    "(stream_stall_timeout_s): response aborted") from None
+        return bounded

@@ -19,6 +19,8 @@ from .http_api import build_app
 
 logger = logging.getLogger(__name__)
 
+SEND_BUFFER_BYTES = 64 << 10
+
 
 class _Server(uvicorn.Server):
     """uvicorn's Server without its signal handlers: the router's process owns its
@@ -51,6 +53,10 @@ def _bind(host: str, port: int) -> socket.socket:
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart past TIME_WAIT
+    # A fixed send buffer (connections inherit it; Linux doubles it): with the kernel's
+    # autotuned one (up to tcp_wmem's 4 MiB), a client that reads nothing absorbs a
+    # whole 4000-token stream and is never seen to stall (router/stalls.py).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     try:
         sock.bind(addr)
     except OSError as e:

@@ -53,6 +53,7 @@ from .samples import best_of, by_request, merge, retry_groups, sample_relays
 from .placement import Placement
 from .planner import Planner
 from .scaling import Scaler
+from .stalls import StallWatch
 from .routing import PrefillRouter
 from .streams import DecodeStreams
 from .workers import AttemptFailed, Worker, attempt_failed, named_workers
@@ -94,6 +95,8 @@ class Router:
         self.streams = DecodeStreams()              # decode workers' token events
         self.metrics = RouterMetrics(lambda: self.admission.queued_requests,
                                      rc.slo_ttft_ms, rc.slo_tpot_ms)
+        self.stalls = StallWatch(rc.stream_stall_timeout_s, self.metrics.stalled.inc)
+        self._stall_sweep: asyncio.Task | None = None
         self.planner = None if config.planner is None else Planner(self, config.planner)
         self._plan: asyncio.Task | None = None      # serve --planner slo (planner.py)
         self.metrics_address = ""
@@ -154,6 +157,7 @@ class Router:
         if rc.routing_policy == "kv_aware":
             self._cache_sync = asyncio.get_running_loop().create_task(admin.sync_prefix_caches(self))
         self._watch = asyncio.get_running_loop().create_task(admin.watch_workers(self))
+        self._stall_sweep = asyncio.get_running_loop().create_task(self.stalls.run())
         if self.planner is not None:
             self._plan = asyncio.get_running_loop().create_task(self.planner.run())
         ports = ports or {}
@@ -204,10 +208,10 @@ class Router:
         return self._http.port if self._http is not None else None
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        for task in (self._cache_sync, self._watch, self._plan):
+        for task in (self._cache_sync, self._watch, self._plan, self._stall_sweep):
             if task is not None:
                 task.cancel()
-        self._cache_sync = self._watch = self._plan = None
+        self._cache_sync = self._watch = self._plan = self._stall_sweep = None
         if self._http is not None:
             await self._http.stop(grace_s)
             self._http = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
@@ -18,6 +19,7 @@ from ..engine.sampling_params import InvalidRequestError
 from ..proto import pdserve_pb2 as pb
 from ..proto import pdserve_pb2_grpc as pb_grpc
 from .errors import RequestError
+from .stalls import watched
 from .security import ApiKeyInterceptor, server_credentials
 
 logger = logging.getLogger(__name__)
@@ -56,7 +58,9 @@ async def metered_generate(router, build: Callable[[], pb.GenerateRequest],
 
     Raises:
         InvalidRequestError: from `build` or the router (bad input).
-        RequestError: from the router (capacity, deadline, no worker).
+        RequestError: from the router (capacity, deadline, no worker), or the client
+            left the stream parked at a response past stream_stall_timeout_s or the
+            deadline (router/stalls.py).
     """
     timer = router.metrics.request()
     status, prompt_tokens = "cancelled", 0
@@ -65,7 +69,11 @@ async def metered_generate(router, build: Callable[[], pb.GenerateRequest],
         request = build()
         # aclosing: a caller that stops early (an HTTP client gone) closes the router's
         # generator at once, so its `finally` aborts the request on P and D now.
-        async with aclosing(router.generate(request, deadline_s)) as stream:
+        # watched: a client that stops reading cannot park the request (and its KV)
+        # past stream_stall_timeout_s or its deadline (router/stalls.py)
+        deadline = time.monotonic() + (deadline_s or router.config.router.request_timeout_s)
+        async with aclosing(watched(getattr(router, "stalls", None),
+                                    router.generate(request, deadline_s), deadline)) as stream:
             async for msg in stream:
                 timer.tokens(len(msg.token_ids), msg.index)
                 if msg.finish_reason:

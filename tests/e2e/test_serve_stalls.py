@@ -1,0 +1,65 @@
+"""Clients that open streamed completions and never read them (4 KiB receive buffers):
+once their responses fill the connections' buffers, each stream is parked, and after
+stream_stall_timeout_s the router aborts it: the decode worker stops generating for it,
+every KV block comes back, the connection is closed, and the router counts it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.request
+
+import pytest
+from serving import Served, start_ray
+
+pytestmark = pytest.mark.slow
+
+STREAMS = 8
+MAX_TOKENS = 4000
+STALL_S = 3.0
+
+
+def _metric(address: str, name: str) -> float:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def _open_unread(port: int, i: int) -> socket.socket:
+    """A streamed completion over a socket that never reads (4 KiB receive buffer)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    body = json.dumps({"model": "default", "prompt": f"Story {i}: once upon a time,",
+                       "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return s
+
+
+def test_streams_whose_clients_read_nothing_are_aborted():
+    start_ray()
+    served = Served(decode_blocks=STREAMS * (MAX_TOKENS // 16 + 4),
+                    router_kw={"http_port": 0, "stream_stall_timeout_s": STALL_S})
+    socks = []
+    try:
+        router_metrics = served.client.status().metrics_address
+        socks = [_open_unread(served.cluster.http_port, i) for i in range(STREAMS)]
+        deadline = time.monotonic() + 180
+        while _metric(router_metrics, "pdserve_streams_stalled_total") < STREAMS:
+            assert time.monotonic() < deadline, "not every stream was aborted"
+            time.sleep(0.2)
+        served.assert_all_free(timeout_s=10)        # D stopped; every block back
+        generated = _metric(router_metrics, "pdserve_generation_tokens_total")
+        assert generated < STREAMS * MAX_TOKENS / 2, generated
+        for s in socks:                             # what was buffered, then closed
+            s.settimeout(30)
+            while s.recv(65536):
+                pass
+    finally:
+        for s in socks:
+            s.close()
+        served.stop()

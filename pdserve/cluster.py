@@ -91,6 +91,7 @@ class Cluster:
         self._placement_groups: list = []   # one per tensor-parallel worker (tp_group.py)
         self._cpu_limit_group: str | None = None   # pdserve/cpu_limit.py, this start's
         self._watch: threading.Thread | None = None  # _watch_router
+        self._router_args: list = []    # ObjectRefs of the router's constructor arguments
         self._watch_stop = threading.Event()
 
     def start(self) -> int:
@@ -146,10 +147,13 @@ class Cluster:
                                               soft=False)
         # Ray restarts a router whose process died (max_task_retries 0: a call in flight
         # fails, the client retries); _watch_router starts it on the same ports.
+        # ...from its constructor's arguments, which Ray keeps in the object store: held
+        # here, so they outlive the call (ray-project/ray#53727)
+        self._router_args = [ray.put(a) for a in (cfg, self.prefill, self.decode)]
         self.router = ray.remote(Router).options(name="router", scheduling_strategy=here,
                                                  max_restarts=cfg.max_router_restarts,
                                                  max_task_retries=0, **opts).remote(
-            cfg, self.prefill, self.decode)
+            *self._router_args)
         try:
             self.port = ray.get(self.router.start.remote(), timeout=STARTUP_TIMEOUT_S)
             if cfg.router.http_port is not None:
@@ -226,7 +230,7 @@ class Cluster:
                 except Exception as e:     # Ray went away meanwhile: nothing to release
                     logger.debug("placement group not removed: %s", e)
         self.router, self.prefill, self.decode = None, [], []
-        self._placement_groups = []
+        self._router_args, self._placement_groups = [], []
         if self._core_share_dir is not None:
             shutil.rmtree(self._core_share_dir, ignore_errors=True)
             self._core_share_dir = None

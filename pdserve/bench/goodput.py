@@ -291,6 +291,43 @@ def summarize(record: dict, cfg: GoodputConfig) -> dict:
     return out
 
 
+def grid(record: dict, ttft_scales: tuple[float, ...], tpot_scales: tuple[float, ...],
+         target: float = 0.9) -> dict:
+    """Goodput per workload and arm with the TTFT and TPOT SLOs scaled apart: {workload:
+    {"ttft x<a> tpot x<b>": {arm: req/s}}}. DistServe sets each application its own pair
+    (its summarization: a loose TTFT, a tight TPOT), where one scale for both makes
+    whichever SLO is tighter for a workload bind. An `slo<k>` arm is scored at TPOT
+    scale k only."""
+    out = {}
+    for name, w in record["workloads"].items():
+        base = w["unloaded"]
+        rows = out[name] = {}
+        for a in ttft_scales:
+            for b in tpot_scales:
+                rows[f"ttft x{a:g} tpot x{b:g}"] = {
+                    arm: goodput([(float(r), attainment(lat, a * base["ttft_s"],
+                                                        b * base["tpot_s"]))
+                                  for r, lat in runs.items()], target)
+                    for arm, runs in w["arms"].items() if slo_scale(arm) in (None, b)}
+    return out
+
+
+def grid_table(g: dict) -> str:
+    """grid()'s goodput as Markdown, each arm's ratio to vLLM's."""
+    lines = []
+    for name, rows in g.items():
+        arms = list(dict.fromkeys(a for row in rows.values() for a in row))
+        lines += [f"\n{name}: goodput (req/s) at 90% attainment, ratio to vLLM",
+                  "| SLOs (x unloaded) | " + " | ".join(arms) + " |",
+                  "|---|" + "---|" * len(arms)]
+        for slos, row in rows.items():
+            v = row.get("vllm")
+            lines.append(f"| {slos} | " + " | ".join(
+                "-" if a not in row else f"{row[a]:.2f}" + (
+                    f" ({row[a] / v:.2f}x)" if v and a != "vllm" else "") for a in arms) + " |")
+    return "\n".join(lines)
+
+
 def table(summary: dict) -> str:
     lines = []
     for name, s in summary.items():
@@ -362,6 +399,12 @@ def add_parser(bsub) -> None:
     p.add_argument("--kv-gib", type=float, default=4.0)
     p.add_argument("--plot-scale", default="4", help="the SLO scale of the attainment plots")
     p.add_argument("--out-dir", default="bench/results/goodput")
+    p.add_argument("--ttft-scales", default="",
+                   help="also score TTFT and TPOT SLOs scaled apart: these TTFT scales x "
+                        "--tpot-scales (OUT_DIR/goodput_grid.md)")
+    p.add_argument("--tpot-scales", default="1.5,2,3,4")
+    p.add_argument("--rescore", action="store_true",
+                   help="run nothing: score OUT_DIR/goodput.json again (with --ttft-scales)")
     p.set_defaults(fn=_command)
 
 
@@ -376,10 +419,28 @@ def _command(args) -> int:
     except ValueError as e:
         print(f"pdserve bench goodput: {e}", file=sys.stderr)
         return 2
-    if "vllm" in cfg.arms and not Path(vllm_bin()).exists():
+    try:
+        scales = [tuple(float(x) for x in v.split(",")) if v else ()
+                  for v in (args.ttft_scales, args.tpot_scales)]
+    except ValueError as e:
+        print(f"pdserve bench goodput: --ttft-scales / --tpot-scales: {e}", file=sys.stderr)
+        return 2
+    out = Path(cfg.out_dir)
+    if args.rescore:
+        if not (out / "goodput.json").is_file():
+            print(f"pdserve bench goodput: no {out / 'goodput.json'} to rescore",
+                  file=sys.stderr)
+            return 2
+        record = json.loads((out / "goodput.json").read_text())
+    elif "vllm" in cfg.arms and not Path(vllm_bin()).exists():
         print(f"pdserve bench goodput: no vLLM at {vllm_bin()} (make bench-vllm builds it)",
               file=sys.stderr)
         return 2
-    record = run(cfg, lambda line: print(line, flush=True))
-    plot(record["summary"], Path(cfg.out_dir), args.plot_scale)
+    else:
+        record = run(cfg, lambda line: print(line, flush=True))
+    plot(record["summary"], out, args.plot_scale)
+    if scales[0]:
+        text = grid_table(grid(record, *scales, cfg.attainment))
+        (out / "goodput_grid.md").write_text(text + "\n")
+        print(text)
     return 0

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.goodput import (GoodputConfig, attainment, goodput, latencies, summarize,
-                                   table, workload)
+from pdserve.bench.goodput import (GoodputConfig, attainment, goodput, grid, grid_table,
+                                   latencies, summarize, table, workload)
 
 
 def test_attainment_needs_both_slos_and_counts_failures_as_misses():
@@ -86,3 +86,23 @@ def test_an_slo_arm_is_told_its_scale_and_scored_at_it_only():
     s = summarize(record, cfg)["chat"]["scales"]
     assert "slo10" not in s["1"] and s["10"]["slo10"]["goodput"] == 1.0
     assert "| 1 | - | 1.00 | - |" in table(summarize(record, cfg))
+
+
+def test_the_grid_scales_ttft_and_tpot_apart():
+    """A colocated arm with slow first tokens at its top rate but steady decode, and one
+    whose decode slows there: a loose TTFT SLO with a tight TPOT one tells them apart.
+    An slo<k> arm is scored at TPOT scale k only."""
+    late_first, slow_decode, fast = (0.5, 0.01), (0.1, 0.05), (0.1, 0.01)
+    record = {"workloads": {"chat": {
+        "unloaded": {"ttft_s": 0.1, "tpot_s": 0.01, "prompt_tokens": 100},
+        "arms": {"vllm": {"1": [fast] * 10, "2": [slow_decode] * 10},
+                 "strict": {"1": [fast] * 10, "2": [late_first] * 10},
+                 "slo2": {"1": [fast] * 10, "2": [fast] * 10}}}}}
+    g = grid(record, (1, 10), (2,))["chat"]
+    assert g["ttft x1 tpot x2"] == {"vllm": pytest.approx(1.1), "strict": pytest.approx(1.1),
+                                    "slo2": 2.0}
+    assert g["ttft x10 tpot x2"]["strict"] == 2.0 and g["ttft x10 tpot x2"]["vllm"] == \
+        pytest.approx(1.1)
+    assert "slo2" not in grid(record, (10,), (3,))["chat"]["ttft x10 tpot x3"]
+    assert "| ttft x10 tpot x2 | 1.10 | 2.00 (1.82x) | 2.00 (1.82x) |" in grid_table(
+        grid(record, (10,), (2,)))

@@ -248,6 +248,10 @@ class Placement:
     def prefill_on_decode(self, d: Worker, prompt_len: int) -> bool:
         """Conditional disaggregation: whether D prefills the prompt itself.
 
+        - No prefill worker's KV pool holds the prompt: a retry's prompt (the original
+          plus the tokens streamed, check_fits having bounded only the original) that
+          outgrew them; D's pool holds it (prompt + max_tokens fit it).
+
         - D has no prefill of its own queued and prefill workers on D's node, at least
           as many as its decode workers, have none either
           (router.local_prefill_when_prefill_idle, with core lending on): the idle
@@ -260,6 +264,9 @@ class Placement:
           max_prefill_queue_size). A burst is then split between P and D instead of
           waiting for P alone. The limit defaults to one prefill step's budget (prefill
           workers' max_num_batched_tokens)."""
+        if self.prefill and blocks_needed(prompt_len, self.config.prefill.block_size) > max(
+                p.num_blocks for p in self.prefill):
+            return True      # no prefill worker's pool holds it: a retry's prompt + tokens
         rc = self.config.router
         if (rc.local_prefill_when_prefill_idle and self.config.decode.core_share_dir
                 and d.local_prefill_load == 0):

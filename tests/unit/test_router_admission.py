@@ -314,6 +314,16 @@ def test_the_default_limit_is_one_prefill_step():
     assert not r.placement.prefill_on_decode(d, 100)
 
 
+def test_a_prompt_no_prefill_pool_holds_is_prefilled_on_decode():
+    """A retry's prompt (the original + the tokens streamed) may outgrow every prefill
+    worker's pool while D's holds it: D prefills it rather than failing each retry."""
+    r = make_router(FakeDecode(), FakePrefill())
+    d, p = r.decode[0], r.prefill[0]
+    fits = p.num_blocks * r.config.prefill.block_size
+    assert not r.placement.prefill_on_decode(d, fits)
+    assert r.placement.prefill_on_decode(d, fits + 1)
+
+
 def test_a_decode_worker_prefills_while_a_prefill_worker_of_its_node_is_idle():
     """local_prefill_when_prefill_idle: D takes a prompt when it has none of its own
     queued and a live prefill worker on its node has none (that worker's threads are

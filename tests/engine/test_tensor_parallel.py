@@ -39,7 +39,7 @@ def run_ranks(model_dir: Path, size: int, prompts, new_tokens: int, tmp: Path,
     io = tmp / f"tp{size}.pt"
     torch.save({"prompts": [list(p) for p in prompts]}, io)
     rdzv = tmp / f"rdzv{size}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PDSERVE_TP_TEST_DEVICE=device)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", PDSERVE_TP_TEST_DEVICE=device)
     procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(r), str(size), str(rdzv),
                                str(model_dir), str(io), str(new_tokens)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -59,6 +59,7 @@ def main(rank: int, size: int, init_file: str, model_dir: str, io: str, new_toke
         leader.stop()
         out["calls"] = leader.num_calls
         torch.save(out, io + ".out")
+        dist.barrier()         # every rank's last collective: none tears its pairs down first
     finally:
         dist.destroy_process_group()
 

@@ -256,12 +256,15 @@ def main(argv: list[str] | None = None) -> int:
                         "ports, listed by `pdserve status`)")
     s.add_argument("--slo-ttft-ms", type=float, default=None,
                    help="goodput SLO: time to first token (pdserve_goodput_requests_total); "
-                        "with --planner slo also its mean TTFT target")
+                        "with --slo-tpot-ms a decode worker prefills only the prompts a "
+                        "prefill worker would answer later than this; with --planner slo "
+                        "also its mean TTFT target")
     s.add_argument("--slo-tpot-ms", type=float, default=None,
                    help="TPOT SLO (ms per output token after the first): counts toward "
                         "goodput (pdserve_goodput_requests_total), and a decode worker's "
                         "step with running streams holds no more prompt tokens than keep "
-                        "it within this (its own prefills then never stall them past it)")
+                        "it within this (its own prefills then never stall them past it); "
+                        "prompts go to prefill workers while they meet --slo-ttft-ms")
     s.add_argument("--planner", choices=["none", "slo"], default="none",
                    help="slo: size the prefill and decode pools at runtime to --slo-ttft-ms "
                         "and --slo-itl-ms (router/planner.py: Dynamo's throughput model "

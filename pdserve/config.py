@@ -213,7 +213,10 @@ class RouterConfig:
                                      # and probed like a dead one
     metrics_port: int = 9464         # Prometheus /metrics on `host`; 0: a free port
     slo_ttft_ms: float | None = None  # goodput: TTFT bound (None: unconstrained)
-    slo_tpot_ms: float | None = None  # goodput: TPOT bound (None: unconstrained)
+    slo_tpot_ms: float | None = None  # goodput: TPOT bound (None: unconstrained). Set,
+                                     # a prompt goes to a decode worker only when no prefill
+                                     # worker would give its first token within slo_ttft_ms
+                                     # (router/placement.py, prefill_on_decode)
     # Security of the gRPC front (router/security.py). Paths are read where the router
     # runs, when it builds its server, so they are checked there, not here.
     tls_cert_file: str | None = None  # PEM server certificate (chain); with tls_key_file

@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import time
 
 import grpc
@@ -22,7 +23,7 @@ import ray
 from ..config import ClusterConfig
 from ..engine.block_pool import blocks_needed
 from ..engine.sampling_params import InvalidRequestError
-from ..messages import DecodeReservation
+from ..messages import DecodeReservation, StepStats
 from .errors import RequestError
 from .routing import PrefillRouter
 from .workers import Worker
@@ -87,6 +88,39 @@ class RoomQueue:
                 await self._freed.wait()
 
 
+class FirstTokenTimes:
+    """Per prefill worker, the seconds from sending it a prompt to its first token,
+    modelled as a least-squares line against the prompt tokens it had to compute for
+    it (those queued ahead on it, this prompt's included): `seconds = a + b * tokens`,
+    each observation weighing DECAY times the next one's, so the line follows the
+    worker's load and the machine's. The router's own clock: the queue wait, the
+    prefill steps, the KV transfer and the hops are all in it."""
+
+    DECAY = 0.95          # ~20 first tokens remembered
+    LEARN = 4             # observations a worker's line needs before it predicts
+
+    def __init__(self):
+        self._lines: dict[str, tuple[int, StepStats]] = {}
+
+    def observe(self, worker_id: str, tokens: int, seconds: float) -> None:
+        """A prompt sent to `worker_id` with `tokens` prompt tokens queued there (its
+        own included) had its first token back after `seconds`."""
+        n, s = self._lines.get(worker_id, (0, StepStats()))
+        decayed = StepStats(*(v * self.DECAY for v in s.astuple()))
+        self._lines[worker_id] = n + 1, decayed + StepStats.of(tokens, seconds)
+
+    def predict(self, worker_id: str, tokens: int) -> float | None:
+        """Seconds to the first token of a prompt sent now to `worker_id` with `tokens`
+        prompt tokens then queued there; None before LEARN observations."""
+        n, s = self._lines.get(worker_id, (0, None))
+        if n < self.LEARN or (line := s.line()) is None:
+            return None
+        return line[0] + line[1] * tokens
+
+    def forget(self, worker_id: str) -> None:
+        self._lines.pop(worker_id, None)
+
+
 class Placement:
     """The router's workers of both roles and the choice of D and P for each request.
     Runs on the router's event loop (no locks: a choice and its charge happen with no
@@ -99,6 +133,7 @@ class Placement:
         self.prefill: list[Worker] = prefill or []
         self.decode: list[Worker] = decode or []
         self.room = RoomQueue()
+        self.first_token = FirstTokenTimes()    # of the prefill workers (SLO placement)
 
     async def available(self, workers: list[Worker], role: str, deadline: float
                          ) -> list[Worker]:
@@ -135,6 +170,7 @@ class Placement:
                            w.epoch, info.epoch)
             w.epoch, w.node_ip, w.draining = info.epoch, info.node_ip, False
             self.prefill_router.index.forget(w.worker_id)
+            self.first_token.forget(w.worker_id)
         w.alive = True
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -235,6 +271,20 @@ class Placement:
                 return None
             # every one died meanwhile: wait for a restart (available, above)
 
+    SLO_MARGIN = 0.9      # share of the TTFT SLO a prefill worker's predicted time may take
+
+    def prefill_meets_ttft(self, prompt_len: int) -> bool:
+        """Whether a live prefill worker's predicted first token for a `prompt_len`-token
+        prompt sent now (FirstTokenTimes; one with no prediction yet counts as meeting
+        it) is within SLO_MARGIN of router.slo_ttft_ms (None: every one is)."""
+        slo_ttft_ms = self.config.router.slo_ttft_ms
+        live = [p for p in self.prefill if p.available]
+        if slo_ttft_ms is None:
+            return bool(live)
+        best = min((self.first_token.predict(p.worker_id, p.load + prompt_len) or 0.0
+                    for p in live), default=math.inf)
+        return best <= self.SLO_MARGIN * slo_ttft_ms / 1e3
+
     @staticmethod
     def charge(d: Worker, p: Worker | None, tokens: int, sign: int, streams: int = 0) -> None:
         """Add (sign 1) or take back (-1) a prompt's tokens on the queue of whoever
@@ -252,6 +302,14 @@ class Placement:
           plus the tokens streamed, check_fits having bounded only the original) that
           outgrew them; D's pool holds it (prompt + max_tokens fit it).
 
+        With a TPOT SLO (router.slo_tpot_ms) the rules below apply only to prompts a
+        prefill worker would answer late: D's own prefills cost its streams' TPOT (its
+        step budget holds them within the SLO by computing the prompt in smaller
+        chunks), so a prompt goes to a prefill worker whenever the first-token time
+        predicted there (FirstTokenTimes, with its queue) is within SLO_MARGIN of the
+        TTFT SLO (router.slo_ttft_ms; none: always). DistServe's placement for the two
+        SLOs; TaiChi (arXiv 2508.01989) switches between the two shapes the same way.
+
         - D has no prefill of its own queued and prefill workers on D's node, at least
           as many as its decode workers, have none either
           (router.local_prefill_when_prefill_idle, with core lending on): the idle
@@ -268,6 +326,8 @@ class Placement:
                 p.num_blocks for p in self.prefill):
             return True      # no prefill worker's pool holds it: a retry's prompt + tokens
         rc = self.config.router
+        if rc.slo_tpot_ms is not None and self.prefill_meets_ttft(prompt_len):
+            return False
         if (rc.local_prefill_when_prefill_idle and self.config.decode.core_share_dir
                 and d.local_prefill_load == 0):
             # each decode worker of the node gets a share of the idle workers' threads

@@ -355,6 +355,7 @@ class Router:
         try:
             self.streams.bind(internal_id, d, res.epoch)
             if p is not None:
+                sent, queued_on_p = time.monotonic(), p.load   # this prompt's tokens included
                 try:
                     first: PrefillResult = await asyncio.wait_for(
                         p.handle.prefill.remote(PrefillOrder(
@@ -367,6 +368,8 @@ class Router:
                     p.load -= p_tokens
                     p_tokens = 0
                     queued.release()  # first token back (or prefill failed): not queued
+                self.placement.first_token.observe(p.worker_id, queued_on_p,
+                                                   time.monotonic() - sent)
                 if params.prompt_logprobs is not None:
                     for r in relays:            # every sample's first message has them
                         r.set_prompt_logprobs(first.prompt_logprobs)

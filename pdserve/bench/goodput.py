@@ -31,8 +31,10 @@ Arms (a fresh server per arm and workload; arms alternate order by workload):
   pdserve's engine; the prefill worker idles);
 - `slo<k>` (e.g. `slo3`): the default told the TPOT SLO of scale k (`--slo-tpot-ms`, k x
   the unloaded TPOT): the decode worker's steps beside running streams stay within it
-  (decode_worker/step_budget.py). Its figures count at scale k; a user tells the
-  server the SLO the bench scores it by.
+  (decode_worker/step_budget.py). `slo<k>t<a>` (e.g. `slo1.5t8`) is also told the TTFT
+  SLO of scale a (`--slo-ttft-ms`): the router then keeps every prompt a prefill worker
+  answers in time off the decode worker (router/placement.py). Its figures count at its
+  own scales only; a user tells the server the SLOs the bench scores it by.
 """
 
 from __future__ import annotations
@@ -79,10 +81,11 @@ class GoodputConfig:
     out_dir: str = "bench/results/goodput"
 
     def __post_init__(self):
-        if bad := {a for a in self.arms if a not in ARMS and slo_scale(a) is None}:
-            raise ValueError(f"arms {sorted(bad)}: choose from {', '.join(ARMS)} or slo<k>")
-        if any(slo_scale(a) for a in self.arms) and "vllm" not in self.arms[:1]:
-            raise ValueError("slo<k> arms need the unloaded TPOT: run vllm first")
+        if bad := {a for a in self.arms if a not in ARMS and slo_scales(a) is None}:
+            raise ValueError(f"arms {sorted(bad)}: choose from {', '.join(ARMS)}, slo<k> "
+                             "or slo<k>t<a>")
+        if any(slo_scales(a) for a in self.arms) and "vllm" not in self.arms[:1]:
+            raise ValueError("slo arms need the unloaded latency: run vllm first")
         if bad := set(self.workloads) - set(RATES):
             raise ValueError(f"workloads {sorted(bad)}: choose from {', '.join(RATES)}")
         if not 0 < self.attainment < 1:
@@ -92,18 +95,31 @@ class GoodputConfig:
         return int(min(max(rate * self.duration_s, self.min_requests), self.max_requests))
 
 
-def slo_scale(arm: str) -> float | None:
-    """k of an `slo<k>` arm, else None."""
+def slo_scales(arm: str) -> tuple[float, float | None] | None:
+    """(TPOT scale k, TTFT scale a or None) of an `slo<k>` / `slo<k>t<a>` arm, else None."""
+    if not arm.startswith("slo"):
+        return None
+    k, _, a = arm[3:].partition("t")
     try:
-        return float(arm[3:]) if arm.startswith("slo") else None
+        return float(k), (float(a) if a else None)
     except ValueError:
         return None
 
 
-def arm_args(arm: str, unloaded_tpot_s: float | None) -> tuple[str, ...]:
-    """`pdserve serve` flags of a pdserve arm."""
-    if (k := slo_scale(arm)) is not None:
-        return ("--slo-tpot-ms", f"{k * unloaded_tpot_s * 1e3:.1f}")
+def scored_at(arm: str, ttft_scale: float, tpot_scale: float) -> bool:
+    """Whether `arm`'s runs count at this SLO pair: an `slo` arm only at the SLOs it was
+    told (any TTFT scale when it was told none)."""
+    scales = slo_scales(arm)
+    return scales is None or (scales[0] == tpot_scale and scales[1] in (None, ttft_scale))
+
+
+def arm_args(arm: str, unloaded: dict | None) -> tuple[str, ...]:
+    """`pdserve serve` flags of a pdserve arm; `unloaded` ({"ttft_s", "tpot_s"}) scales
+    an `slo` arm's SLOs."""
+    if (scales := slo_scales(arm)) is not None:
+        k, a = scales
+        return ("--slo-tpot-ms", f"{k * unloaded['tpot_s'] * 1e3:.1f}") + (
+            () if a is None else ("--slo-ttft-ms", f"{a * unloaded['ttft_s'] * 1e3:.0f}"))
     return ARMS[arm]
 
 
@@ -239,7 +255,7 @@ def run(cfg: GoodputConfig, progress=print) -> dict:
             log = out / "logs" / f"{name}_{arm}.log"
             server = (start_vllm(peer, model_dir, cfg.dtype, setting, log) if arm == "vllm"
                       else start_pdserve(replace(peer, pdserve_args=arm_args(
-                          arm, w.get("unloaded", {}).get("tpot_s"))), model_dir, cfg.dtype, log))
+                          arm, w.get("unloaded"))), model_dir, cfg.dtype, log))
             try:
                 progress(f"{name} {arm}: up in {server.startup_s:.0f} s")
                 server.complete(model_dir, "The capital of France is", 8)
@@ -278,7 +294,7 @@ def summarize(record: dict, cfg: GoodputConfig) -> dict:
             ttft, tpot = scale * base["ttft_s"], scale * base["tpot_s"]
             row = {}
             for arm, runs in w["arms"].items():
-                if slo_scale(arm) not in (None, scale):     # scored at its own SLO only
+                if not scored_at(arm, scale, scale):       # scored at its own SLOs only
                     continue
                 points = [(float(r), attainment(lat, ttft, tpot)) for r, lat in runs.items()]
                 row[arm] = {"goodput": goodput(points, cfg.attainment),
@@ -296,8 +312,8 @@ def grid(record: dict, ttft_scales: tuple[float, ...], tpot_scales: tuple[float,
     """Goodput per workload and arm with the TTFT and TPOT SLOs scaled apart: {workload:
     {"ttft x<a> tpot x<b>": {arm: req/s}}}. DistServe sets each application its own pair
     (its summarization: a loose TTFT, a tight TPOT), where one scale for both makes
-    whichever SLO is tighter for a workload bind. An `slo<k>` arm is scored at TPOT
-    scale k only."""
+    whichever SLO is tighter for a workload bind. An `slo` arm is scored at the SLOs it
+    was told only (scored_at)."""
     out = {}
     for name, w in record["workloads"].items():
         base = w["unloaded"]
@@ -308,7 +324,7 @@ def grid(record: dict, ttft_scales: tuple[float, ...], tpot_scales: tuple[float,
                     arm: goodput([(float(r), attainment(lat, a * base["ttft_s"],
                                                         b * base["tpot_s"]))
                                   for r, lat in runs.items()], target)
-                    for arm, runs in w["arms"].items() if slo_scale(arm) in (None, b)}
+                    for arm, runs in w["arms"].items() if scored_at(arm, a, b)}
     return out
 
 

@@ -70,12 +70,20 @@ def test_config_refuses_unknown_arms():
 
 
 def test_an_slo_arm_is_told_its_scale_and_scored_at_it_only():
-    from pdserve.bench.goodput import arm_args, slo_scale
+    from pdserve.bench.goodput import arm_args, scored_at, slo_scales
 
-    assert slo_scale("slo3") == 3.0 and slo_scale("slo1.5") == 1.5
-    assert slo_scale("strict") is None and slo_scale("slowest") is None
-    assert arm_args("slo3", 0.0272) == ("--slo-tpot-ms", "81.6")
+    assert slo_scales("slo3") == (3.0, None) and slo_scales("slo1.5t8") == (1.5, 8.0)
+    assert slo_scales("strict") is None and slo_scales("slowest") is None
+    unloaded = {"ttft_s": 0.925, "tpot_s": 0.0272}
+    assert arm_args("slo3", unloaded) == ("--slo-tpot-ms", "81.6")
+    assert arm_args("slo1.5t8", unloaded) == ("--slo-tpot-ms", "40.8", "--slo-ttft-ms", "7400")
     assert "--max-prefill-queue-tokens" in arm_args("strict", None)
+    assert scored_at("slo3", 16, 3) and not scored_at("slo3", 16, 2)
+    assert scored_at("slo1.5t8", 8, 1.5) and not scored_at("slo1.5t8", 16, 1.5)
+    assert scored_at("strict", 16, 2)
+    GoodputConfig(arms=("vllm", "slo1.5t8"))
+    with pytest.raises(ValueError, match="arms"):
+        GoodputConfig(arms=("vllm", "slo1.5tx"))
     with pytest.raises(ValueError, match="vllm first"):
         GoodputConfig(arms=("default", "slo3"))
     cfg = GoodputConfig(scales=(1, 10), arms=("vllm", "slo10"))
@@ -91,14 +99,16 @@ def test_an_slo_arm_is_told_its_scale_and_scored_at_it_only():
 def test_the_grid_scales_ttft_and_tpot_apart():
     """A colocated arm with slow first tokens at its top rate but steady decode, and one
     whose decode slows there: a loose TTFT SLO with a tight TPOT one tells them apart.
-    An slo<k> arm is scored at TPOT scale k only."""
+    An slo<k> arm is scored at TPOT scale k only, an slo<k>t<a> one at its pair only."""
     late_first, slow_decode, fast = (0.5, 0.01), (0.1, 0.05), (0.1, 0.01)
     record = {"workloads": {"chat": {
         "unloaded": {"ttft_s": 0.1, "tpot_s": 0.01, "prompt_tokens": 100},
         "arms": {"vllm": {"1": [fast] * 10, "2": [slow_decode] * 10},
                  "strict": {"1": [fast] * 10, "2": [late_first] * 10},
-                 "slo2": {"1": [fast] * 10, "2": [fast] * 10}}}}}
+                 "slo2": {"1": [fast] * 10, "2": [fast] * 10},
+                 "slo2t10": {"1": [fast] * 10, "2": [fast] * 10}}}}}
     g = grid(record, (1, 10), (2,))["chat"]
+    assert g["ttft x10 tpot x2"].pop("slo2t10") == 2.0 and "slo2t10" not in g["ttft x1 tpot x2"]
     assert g["ttft x1 tpot x2"] == {"vllm": pytest.approx(1.1), "strict": pytest.approx(1.1),
                                     "slo2": 2.0}
     assert g["ttft x10 tpot x2"]["strict"] == 2.0 and g["ttft x10 tpot x2"]["vllm"] == \

@@ -1,0 +1,93 @@
+"""router/placement.py under SLOs: the router learns each prefill worker's time to first
+token against the prompt tokens queued on it (FirstTokenTimes), and with a TPOT SLO
+keeps every prompt off the decode worker whose first token a prefill worker would give
+within the TTFT SLO; only the ones it would give late follow the conditional
+disaggregation rules. Fakes as in test_router_admission (no model, no Ray); every test
+that serves requests ends with the router's queue empty."""
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from pdserve.router.placement import FirstTokenTimes
+from test_router_admission import FakeDecode, FakePrefill, collect, generate, make_router, queue
+
+
+def test_first_token_times_fit_a_line_after_a_few_observations():
+    t = FirstTokenTimes()
+    for k, tokens in enumerate((500, 1500, 1000)):
+        t.observe("prefill-0", tokens, 0.2 + 0.001 * tokens)
+        assert t.predict("prefill-0", 2000) is None           # fewer than LEARN so far
+    t.observe("prefill-0", 3000, 0.2 + 0.001 * 3000)
+    assert t.predict("prefill-0", 2000) == pytest.approx(2.2)
+    assert t.predict("prefill-1", 2000) is None              # another worker: its own line
+    for _ in range(40):                                       # the worker slowed down 2x:
+        t.observe("prefill-0", 1000, 2.4)                     # old points fade
+        t.observe("prefill-0", 2000, 4.4)
+    assert t.predict("prefill-0", 1500) == pytest.approx(3.4, rel=0.05)
+    t.forget("prefill-0")
+    assert t.predict("prefill-0", 1500) is None
+
+
+def lending_router(**router_kw):
+    """One P and one D on one node, core lending on (D prefills while P idles)."""
+    r = make_router(FakeDecode(), FakePrefill(), **router_kw)
+    d, p = r.decode[0], r.prefill[0]
+    d.node_ip = p.node_ip = "10.0.0.1"
+    lending = replace(r.config, decode=replace(r.config.decode, core_share_dir="/dev/shm/x"))
+    r.config = r.placement.config = lending
+    return r, d, p
+
+
+def teach(r, p, seconds_per_token: float) -> None:
+    for tokens in (200, 800, 1400, 2000):
+        r.placement.first_token.observe(p.worker_id, tokens, 0.05 + seconds_per_token * tokens)
+
+
+def test_without_slos_the_idle_and_queue_rules_decide():
+    r, d, p = lending_router()
+    assert r.placement.prefill_on_decode(d, 1000)             # P idle: D prefills on lent cores
+    d.local_prefill_load, p.load = 1000, 5000
+    assert r.placement.prefill_on_decode(d, 1000)             # P's queue over a step's budget
+
+
+def test_a_tpot_slo_alone_keeps_every_prompt_on_the_prefill_worker():
+    """No TTFT SLO: every first token is in time, so none costs D's streams TPOT."""
+    r, d, p = lending_router(slo_tpot_ms=40.0)
+    assert not r.placement.prefill_on_decode(d, 1000)         # P idle
+    p.load = 50_000
+    assert not r.placement.prefill_on_decode(d, 1000)         # P far behind
+    p.alive = False                                           # no live P: the old rules
+    assert not r.placement.prefill_on_decode(d, 1000)
+
+
+def test_with_both_slos_the_decode_worker_takes_the_prompts_a_prefill_worker_would_answer_late():
+    r, d, p = lending_router(slo_tpot_ms=40.0, slo_ttft_ms=4000.0)
+    assert not r.placement.prefill_on_decode(d, 1000)         # nothing learned yet: P
+    teach(r, p, 0.001)                                        # ~1,000 tokens a second
+    assert not r.placement.prefill_on_decode(d, 1000)         # 1.05 s <= 0.9 x 4 s
+    p.load = 2000
+    assert not r.placement.prefill_on_decode(d, 1000)         # 3.05 s: still in time
+    p.load = 3000                                             # 4.05 s > 3.6 s: late on P,
+    assert r.placement.prefill_on_decode(d, 1000)             # so the queue rule splits it
+    d.local_prefill_load = 4000                               # D's own queue is longer:
+    assert not r.placement.prefill_on_decode(d, 1000)         # P keeps it after all
+    d.local_prefill_load, p.load = 0, 0                       # P idle, in time: no lending
+    r.config = r.placement.config = replace(                  # to D unless P would be late
+        r.config, router=replace(r.config.router, slo_ttft_ms=500.0))
+    assert r.placement.prefill_on_decode(d, 1000)             # 1.05 s > 0.45 s: D on lent cores
+
+
+def test_the_router_learns_a_prefill_worker_s_first_token_times_from_its_requests():
+    async def main():
+        d, p = FakeDecode(), FakePrefill()
+        r = make_router(d, p, slo_tpot_ms=40.0, slo_ttft_ms=4000.0)
+        p.go.set()
+        for _ in range(FirstTokenTimes.LEARN):
+            assert await asyncio.wait_for(collect(generate(r)), 10) == [10, 11, 12]
+        predicted = r.placement.first_token.predict(r.prefill[0].worker_id, 4)
+        assert predicted is not None and 0 <= predicted < 5.0
+        return r
+
+    assert queue(asyncio.run(main())) == (0, 0)

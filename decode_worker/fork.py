@@ -57,7 +57,8 @@ def fork(parent: DecodeRequest, pool: BlockPool, block_size: int) -> list[Decode
             sample_id(parent.request_id, i), parent.prompt_token_ids, params.sample(i),
             list(shared), math.inf, state=RequestState.WAITING,
             num_computed_tokens=parent.prompt_len - 1, remote_kv=False,
-            group=parent.request_id, cow_src=src, arrived=parent.arrived))
+            group=parent.request_id, cow_src=src, arrived=parent.arrived,
+            grammar=parent.grammar))
     parent.params = params.sample(0)
     return children
 

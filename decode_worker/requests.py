@@ -55,7 +55,8 @@ class DecodeRequest:
     admitted_seq: int = -1               # order of first admission into RUNNING (resume order)
     block_hashes: list[BlockHash] = field(default_factory=list)  # prompt's full blocks
     arrived: float = field(default_factory=time.monotonic)   # reserved at; schedule policy
-    matcher: Any = None                  # its grammar's, params.structured_outputs (sampling)
+    grammar: Any = None                  # params.structured_outputs compiled (xgrammar)
+    matcher: Any = None                  # of its grammar: the tokens so far (sampling)
     group: str | None = None             # sample i > 0 of n: the request it was forked from
     cow_src: int | None = None           # a block to copy before its first write (fork.py)
     itl_s: float = 0.0                   # seconds of the steps that gave its tokens after

@@ -52,11 +52,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ..engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes, blocks_needed
 from ..engine.request import RequestState, TokenEvent
 from ..engine.schedule_policy import prefill_order, step_tokens
 from ..engine.sampling_params import SamplingParams
+from ..request_ids import router_of
 from ..engine.stop import stop_state
 from .batch import RunningBatch
 from .connector import DecodeKVConnector
@@ -111,7 +113,7 @@ class DecodeScheduler:
 
     def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
                 lease_s: float, prompt_token_ids: list[int],
-                prefill_locally: bool = False) -> Reserved:
+                prefill_locally: bool = False, grammar: Any = None) -> Reserved:
         """Reserve the blocks for the prompt's KV. Idempotent per request_id.
 
         With prefix caching, the prompt's leading full blocks found in D's cache are
@@ -120,7 +122,7 @@ class DecodeScheduler:
         local_prefill_max_tokens, or with `prefill_locally` (the router's choice), D
         prefills them itself, from its next step on. The prompt
         (`prompt_token_ids`, len == prompt_len) is kept to recompute the KV if the
-        request is preempted. The connector expects a request prefilled elsewhere
+        request is preempted; `grammar`, params.structured_outputs compiled, with it. The connector expects a request prefilled elsewhere
         under the lock, so its lease cannot expire before the receiver expects it.
 
         Raises:
@@ -139,6 +141,7 @@ class DecodeScheduler:
             if req is None:
                 req = self._new_request(request_id, list(prompt_token_ids), params, lease_s,
                                         prefill_locally)
+                req.grammar = grammar
             cached = req.num_cached_blocks
             if req.state == RequestState.WAITING:
                 return Reserved([], cached, True)
@@ -218,11 +221,14 @@ class DecodeScheduler:
                 if req is not None and not req.state.finished and req.abort_reason is None:
                     req.abort_reason, req.error = reason, error
 
-    def abort_all(self, reason: str, error: str | None = None) -> int:
-        """abort() every unfinished request; returns how many."""
+    def abort_all(self, reason: str, error: str | None = None, router: int | None = None
+                  ) -> int:
+        """abort() every unfinished request (router replica `router`'s only, when given:
+        pdserve/request_ids.py); returns how many."""
         with self._lock:
             reqs = [r for r in self._requests.values()
-                    if not r.state.finished and r.abort_reason is None]
+                    if not r.state.finished and r.abort_reason is None
+                    and (router is None or router_of(r.request_id) == router)]
             for req in reqs:
                 req.abort_reason, req.error = reason, error
         return len(reqs)

@@ -14,17 +14,18 @@ Request lifecycle here (see scheduler.py for the state machine):
                  chunk of one, or a preempted request's recompute) →
                  ModelRunner.mixed() / prefill() + decode() → sample() the rows that
                  reach num_tokens → update_from_output()
-    router ◀── events(epoch): one stream per worker, each item the TokenEvents of every
-               request since the last (a step's worth, one Ray message, where a stream
-               per request costs one per request and step); a request's events end
-               with the one carrying finish_reason
+    router ◀── events(epoch, router): one stream per worker and router replica, each
+               item the TokenEvents of every request of that replica since the last (a
+               step's worth, one Ray message, where a stream per request costs one per
+               request and step); a request's events end with the one carrying
+               finish_reason
 
 The step thread owns the model; the actor's event loop serves RPCs; the KV receiver
 has its own threads, and the step loop polls it through the scheduler's connector
 (decode_worker/connector.py: transfers done or failed, finished requests' blocks
 released; the receiver only wakes the loop). Events
-cross to the event loop through one outbox (`call_soon_threadsafe`), so a slow client
-never blocks the step loop.
+cross to the event loop through the outbox (`call_soon_threadsafe`, outbox.py), so a
+slow client never blocks the step loop.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from ..config import WorkerConfig
 from ..core_share import LentThreads
 from ..tp_group import worker_runner
 from .connector import DecodeKVConnector
+from .outbox import EventOutbox
 from .rank import TPReceiver, rank_addresses
 from .requests import DecodeRequest, SchedulerOutput
 from .scheduler import DecodeScheduler, RequestTooLargeError
@@ -81,6 +83,7 @@ class DecodeWorker:
         logging.basicConfig(level=config.log_level)
         self.worker_id, self.config = worker_id, config
         self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation of the process
+        self.draining = False                        # drain(): no new requests from any router
         # tensor-parallel: ranks 1..M-1 follow, each with its KV receiver (rank.py)
         self.tp, self._ranks, self.runner = worker_runner(
             worker_id, config, "decode", self.epoch, self._group_broken,
@@ -109,9 +112,7 @@ class DecodeWorker:
             prefill_chunk_size=config.prefill_chunk_size,
             schedule_policy=config.schedule_policy)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outbox: list[TokenEvent] = []          # events not yet streamed (event loop)
-        self._outbox_ready: asyncio.Event | None = None
-        self._subscriber = 0                         # the latest events() call
+        self._outbox = EventOutbox()                 # events not yet streamed, per router
         self._stop = threading.Event()
         # threads of idle prefill workers on this node, borrowed step by step (core_share)
         self.lent = None
@@ -139,7 +140,12 @@ class DecodeWorker:
         self._loop = asyncio.get_running_loop()
         return WorkerInfo(self.worker_id, "decode", self.epoch, self.pool.num_blocks,
                           self.runner.block_size, ray.util.get_node_ip_address(),
-                          tuple(self.kv_address), self.kv_rank_addresses)
+                          tuple(self.kv_address), self.kv_rank_addresses, self.draining)
+
+    async def drain(self) -> None:
+        """Take no new request from any router (ready() says so to the replicas that
+        did not drain it: router/admin.py sync_members); until it restarts."""
+        self.draining = True
 
     async def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
                       prompt_token_ids: list[int], lease_s: float | None = None,
@@ -160,13 +166,17 @@ class DecodeWorker:
         `prefill_locally`: the router asks D to prefill the prompt itself whatever its
         length (its prefill workers' queues are long: conditional disaggregation).
         Raises:
-            ValueError: len(prompt_token_ids) != prompt_len.
+            ValueError: len(prompt_token_ids) != prompt_len, or the structured output's
+                grammar does not compile (compiled here, before the reservation, off the
+                step thread).
         """
         self._loop = self._loop or asyncio.get_running_loop()
+        grammar = (None if params.structured_outputs is None else
+                   await self.runner.compile_grammar(params.structured_outputs))
         try:
             r = self.scheduler.reserve(request_id, prompt_len, params,
                                        lease_s or self.config.lease_s, prompt_token_ids,
-                                       prefill_locally)
+                                       prefill_locally, grammar)
         except (NoFreeBlocksError, RequestTooLargeError) as e:
             logger.debug("reserve %s refused: %s", request_id, e)
             return None
@@ -176,13 +186,14 @@ class DecodeWorker:
             await self.receiver.expect_ranks(request_id)
         return DecodeReservation(tuple(self.kv_address), self.epoch, len(r.block_ids),
                                  r.num_cached_blocks, r.local_prefill, self.pool.num_free,
-                                 self.kv_rank_addresses)
+                                 self.kv_rank_addresses, sum(self.scheduler.counts()))
 
-    async def events(self, epoch: int):
-        """Yield lists of TokenEvents, every request's on this worker, as the step thread
-        publishes them (what piled up while the consumer was slow comes in one list).
-        One consumer (the router) at a time: a newer call ends an older one's stream.
-        A request's events end with the one carrying its finish_reason.
+    async def events(self, epoch: int, router: int = 0):
+        """Yield lists of TokenEvents, those of every request router replica `router`
+        has on this worker (pdserve/request_ids.py), as the step thread publishes them
+        (what piled up while the consumer was slow comes in one list). One consumer
+        per replica at a time: a newer call ends an older one's stream (decode_worker/
+        outbox.py). A request's events end with the one carrying its finish_reason.
 
         Raises:
             StaleEpochError: `epoch` is not this incarnation's (the worker restarted
@@ -192,21 +203,8 @@ class DecodeWorker:
             raise StaleEpochError(f"decode worker {self.worker_id} is at epoch {self.epoch}, "
                                   f"not {epoch}: it restarted and lost those requests")
         self._loop = self._loop or asyncio.get_running_loop()
-        if self._outbox_ready is None:
-            self._outbox_ready = asyncio.Event()
-        self._subscriber += 1
-        me = self._subscriber
-        while me == self._subscriber and not self._stop.is_set():
-            try:
-                await asyncio.wait_for(self._outbox_ready.wait(), _IDLE_WAIT_S * 20)
-            except asyncio.TimeoutError:
-                continue
-            if me != self._subscriber:   # a newer consumer took over while this waited:
-                break                    # the events are its
-            self._outbox_ready.clear()
-            events, self._outbox = self._outbox, []
-            if events:
-                yield events
+        async for events in self._outbox.stream(router, self._stop, _IDLE_WAIT_S * 20):
+            yield events
 
     async def abort(self, request_id: str, reason: str = "cancelled", group: bool = False) -> None:
         """Finish the request (at the next step); with `group`, every sample forked from
@@ -214,14 +212,13 @@ class DecodeWorker:
         self.scheduler.abort(request_id, reason, group=group)
         self._wake.set()
 
-    async def abort_all(self, reason: str = "router restarted") -> int:
-        """Finish every request on this worker at the next step, its KV freed, and end
-        the current consumer's event stream (a restarted router's: their callers, and
-        that stream's reader, died with the router before it). Returns how many."""
-        n = self.scheduler.abort_all(reason)
-        self._subscriber += 1           # the dead router's stream ends before the new
-        if self._outbox_ready is not None:   # router's requests come (it would take
-            self._outbox_ready.set()    # their events: Ray does not end it itself)
+    async def abort_all(self, reason: str = "router restarted", router: int = 0) -> int:
+        """Finish every request router replica `router` has on this worker at the next
+        step, their KV freed, and end that replica's event stream (a restarted
+        replica's: their callers, and that stream's reader, died with it; Ray does not
+        end the stream itself). Returns how many."""
+        n = self.scheduler.abort_all(reason, router=router)
+        self._outbox.end(router)        # before the new incarnation's requests come
         self._wake.set()
         return n
 
@@ -280,12 +277,7 @@ class DecodeWorker:
 
     def _publish(self, events: list[TokenEvent]) -> None:
         if events and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._deliver, events)
-
-    def _deliver(self, events: list[TokenEvent]) -> None:
-        self._outbox += events
-        if self._outbox_ready is not None:
-            self._outbox_ready.set()
+            self._loop.call_soon_threadsafe(self._outbox.deliver, events)
 
     def _step_loop(self) -> None:
         sched = self.scheduler
@@ -361,7 +353,7 @@ class DecodeWorker:
         offset = req.params.step_offset
         done = req.prompt_token_ids[len(req.prompt_token_ids) - offset:] if offset else []
         try:
-            req.matcher = self.runner.grammars.matcher(so, done + req.output_ids)
+            req.matcher = self.runner.grammars.matcher(so, done + req.output_ids, req.grammar)
         except ValueError as e:
             self.scheduler.abort(req.request_id, error=str(e))
         return req.matcher

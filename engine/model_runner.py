@@ -8,6 +8,7 @@ prefill, the new token in decode): only those rows reach the LM head.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -15,13 +16,13 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from . import cpu_ops, logprobs
 from .logprobs import TokenLogprobs
-from .structured_output import Grammars
+from .structured_output import Grammars, StructuredOutput
 from .attention import (AttentionMetadata, allocate_kv_cache, attention_backend, cpu_kernels_fit,
                         decode_on_device)
 from .config import CacheConfig, ModelConfig
@@ -224,8 +225,15 @@ class ModelRunner:
     @functools.cached_property
     def grammars(self) -> Grammars:
         """xgrammar's state for this model's tokenizer (engine/structured_output.py),
-        built when the first request with structured_outputs samples."""
+        built when the first request with structured_outputs arrives."""
         return Grammars(self.tokenizer, self.config.vocab_size, self.config.eos_token_ids)
+
+    async def compile_grammar(self, so: StructuredOutput) -> Any:
+        """`so` compiled (Grammars.compile) on a thread of the event loop's executor, the
+        first call building `grammars` there too: the caller's loop and the step thread
+        go on meanwhile (xgrammar releases the GIL while it compiles). Raises ValueError
+        naming what xgrammar refused."""
+        return await asyncio.to_thread(lambda: self.grammars.compile(so))
 
     @torch.inference_mode()
     def prefill(self, seqs: Sequence[PrefillSeq],

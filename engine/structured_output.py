@@ -2,8 +2,11 @@
 a list of choices or an EBNF grammar (SamplingParams.structured_outputs; vLLM's
 StructuredOutputsParams names), with xgrammar, vLLM's and SGLang's default backend.
 
-Each worker compiles a request's grammar once (xgrammar's GrammarCompiler caches compiled
-grammars by their text) and keeps one GrammarMatcher per request, which has accepted
+Each worker compiles a request's grammar once per process (xgrammar's GrammarCompiler
+caches compiled grammars by their text, up to CACHE_LIMIT_BYTES), as the request arrives
+and off its step thread (ModelRunner.compile_grammar, awaited by the prefill worker's
+prefill() and the decode worker's reserve()); the request holds the compiled grammar, so a step never
+compiles one, however long a schema takes. A worker keeps one GrammarMatcher per request, which has accepted
 every token generated so far. Before each sampling step the matchers fill a token
 bitmask, [batch, ceil(vocab / 32)] int32 (bit set: allowed), which the sampler applies
 first (engine/logits_processors.py); the sampled token is then accepted. Once the
@@ -96,10 +99,11 @@ class Grammars:
             why = re.sub(r"^\[[^]]*\] \S+:\d+: ", "", str(e).splitlines()[-1])  # xgrammar's prefix
             raise ValueError(f"{so.kind} does not compile: {why[:300]}") from None
 
-    def matcher(self, so: StructuredOutput, accepted: list[int]) -> Any:
-        """A GrammarMatcher that has accepted ``accepted`` (the tokens generated so far).
-        Raises ValueError when one of them breaks the grammar."""
-        m = self._xgr.GrammarMatcher(self.compile(so))
+    def matcher(self, so: StructuredOutput, accepted: list[int], compiled: Any = None) -> Any:
+        """A GrammarMatcher that has accepted ``accepted`` (the tokens generated so far),
+        of ``compiled`` (compile(so)'s result; None: compiled here). Raises ValueError
+        when one of them breaks the grammar."""
+        m = self._xgr.GrammarMatcher(compiled if compiled is not None else self.compile(so))
         for t in accepted:
             if m.is_terminated():       # ended on a stop token; ignore_eos went on
                 break

@@ -83,6 +83,7 @@ def _serve(args) -> int:
                               "schedule_policy")
                if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
             router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
+                                      "max_tokenize_queue_chars",
                                       "routing_policy", "metrics_port", "slo_ttft_ms",
                                       "slo_tpot_ms", "tls_cert_file", "tls_key_file",
                                       "tls_client_ca_file", "api_key", "max_request_bytes",
@@ -103,6 +104,7 @@ def _serve(args) -> int:
                       decode_resources=args.decode_resources or {},
                       gpus_per_worker=args.gpus_per_worker,
                       lend_idle_prefill_cores=args.lend_idle_prefill_cores,
+                      num_routers=args.routers,
                       **({"max_worker_restarts": args.max_worker_restarts}
                          if args.max_worker_restarts is not None else {}))
     except ValueError as e:   # a setting out of range: the message names it
@@ -200,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model and KV dtype (default float32, the CPU reference)")
     s.add_argument("--prefill-workers", type=int, default=1)
+    s.add_argument("--routers", type=int, default=1, metavar="N",
+                   help="router replicas serving the same gRPC and HTTP ports (the kernel "
+                        "spreads connections over the live ones, SO_REUSEPORT): a router's "
+                        "death costs its own streams only, which pdserve's client resumes "
+                        "on another")
     s.add_argument("--decode-workers", type=int, default=1)
     s.add_argument("--prefill-tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks per prefill worker (vLLM's "
@@ -245,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-queued-tokens", type=int, default=None,
                    help="prompt tokens queued for prefill at once (default 262144); beyond it "
                         "Generate fails at once with RESOURCE_EXHAUSTED")
+    s.add_argument("--max-tokenize-queue-chars", type=int, default=None,
+                   help="characters of prompts waiting for the router's tokenizer at once "
+                        "(default 1048576; shortest prompt first); beyond it Generate fails "
+                        "at once with RESOURCE_EXHAUSTED")
     s.add_argument("--stream-stall-timeout-s", type=float, default=None,
                    help="a streamed response whose client reads nothing for this many "
                         "seconds is aborted and its KV freed (default 30)")

@@ -82,7 +82,8 @@ class Cluster:
         self.config = config
         self.port: int | None = None
         self.http_port: int | None = None   # the OpenAI-compatible HTTP API's, when on
-        self.router = None
+        self.router = None              # routers[0]: Admin calls, status
+        self.routers: list = []         # every router replica (ClusterConfig.num_routers)
         self.prefill: list = []
         self.decode: list = []
         self._owns_ray = False
@@ -90,7 +91,7 @@ class Cluster:
         self._ray_processes: list[psutil.Process] = []   # GCS, raylet... when _owns_ray
         self._placement_groups: list = []   # one per tensor-parallel worker (tp_group.py)
         self._cpu_limit_group: str | None = None   # pdserve/cpu_limit.py, this start's
-        self._watch: threading.Thread | None = None  # _watch_router
+        self._watch: threading.Thread | None = None  # _watch_routers
         self._router_args: list = []    # ObjectRefs of the router's constructor arguments
         self._watch_stop = threading.Event()
 
@@ -146,19 +147,24 @@ class Cluster:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                               soft=False)
         # Ray restarts a router whose process died (max_task_retries 0: a call in flight
-        # fails, the client retries); _watch_router starts it on the same ports.
+        # fails, the client retries); _watch_routers starts it on the same ports.
         # ...from its constructor's arguments, which Ray keeps in the object store: held
         # here, so they outlive the call (ray-project/ray#53727)
         self._router_args = [ray.put(a) for a in (cfg, self.prefill, self.decode)]
-        self.router = ray.remote(Router).options(name="router", scheduling_strategy=here,
-                                                 max_restarts=cfg.max_router_restarts,
-                                                 max_task_retries=0, **opts).remote(
-            *self._router_args)
+        self.routers = [ray.remote(Router).options(
+            name="router" if i == 0 else f"router-{i}", scheduling_strategy=here,
+            max_restarts=cfg.max_router_restarts, max_task_retries=0, **opts).remote(
+                *self._router_args, i) for i in range(cfg.num_routers)]
+        self.router = self.routers[0]
         try:
             self.port = ray.get(self.router.start.remote(), timeout=STARTUP_TIMEOUT_S)
             if cfg.router.http_port is not None:
                 self.http_port = ray.get(self.router.http_port.remote(), timeout=30)
-            ports = ray.get(self.router.serving.remote(), timeout=30)
+            ports = [ray.get(self.router.serving.remote(), timeout=30)]
+            shared = {k: v for k, v in ports[0].items() if k != "metrics"}
+            ray.get([r.start.remote(shared) for r in self.routers[1:]],
+                    timeout=STARTUP_TIMEOUT_S)       # replicas: the same gRPC and HTTP ports
+            ports += ray.get([r.serving.remote() for r in self.routers[1:]], timeout=30)
         except BaseException as e:
             self.stop()         # a worker failed to start: do not leave the others running
             if isinstance(e, ray.exceptions.RayTaskError):
@@ -166,47 +172,52 @@ class Cluster:
                 raise ClusterStartError(f"{type(cause).__name__}: {cause}") from e
             raise
         self._watch_stop.clear()
-        self._watch = threading.Thread(target=self._watch_router, args=(self.router, ports),
+        self._watch = threading.Thread(target=self._watch_routers,
+                                       args=(list(zip(self.routers, ports)),),
                                        name="pdserve-router-watch", daemon=True)
         self._watch.start()
         return self.port
 
-    def _watch_router(self, router, ports: dict[str, int]) -> None:
-        """Until stop(): ask the router every ROUTER_WATCH_S whether it serves; one that
-        Ray restarted after its process died (a kill -9, the OOM killer, a native crash
-        in a tokenizer) is started again on `ports`, its previous incarnation's. A call
-        in flight when it died failed on its client (gRPC UNAVAILABLE); new ones are
-        refused until it serves again. A router that Ray gave up restarting
-        (max_router_restarts) is logged."""
-        dead_logged = False
+    def _watch_routers(self, routers: list[tuple[object, dict[str, int]]]) -> None:
+        """Until stop(): ask each router (handle, its ports) every ROUTER_WATCH_S whether
+        it serves; one that Ray restarted after its process died (a kill -9, the OOM
+        killer, a native crash in a tokenizer) is started again on its ports, its
+        previous incarnation's. A call in flight when it died failed on its client
+        (gRPC UNAVAILABLE); new connections go to the other replicas meanwhile, or are
+        refused until it serves again when it is the only one. A router that Ray gave
+        up restarting (max_router_restarts) is logged."""
+        dead_logged: set[int] = set()
         while not self._watch_stop.wait(ROUTER_WATCH_S):
-            try:
-                serving = ray.get(router.serving.remote(), timeout=ROUTER_CALL_TIMEOUT_S)
-            except ray.exceptions.GetTimeoutError:   # restarting, or its loop is busy
-                continue
-            except ray.exceptions.RayActorError as e:
-                if not self._watch_stop.is_set() and not dead_logged:
-                    logger.error("the router died (%s); Ray restarts it unless it ran out "
-                                 "of max_router_restarts", e.__class__.__name__)
-                    dead_logged = True
-                continue
-            except Exception as e:   # Ray going away
+            for i, (router, ports) in enumerate(routers):
                 if self._watch_stop.is_set():
                     return
-                logger.debug("router watch: %r", e)
-                continue
-            dead_logged = False
-            if serving is not None or self._watch_stop.is_set():
-                continue
-            logger.warning("the router was restarted (its process died): starting it on "
-                           "gRPC %s", ports.get("grpc"))
-            t = time.monotonic()
-            try:
-                ray.get(router.start.remote(ports), timeout=STARTUP_TIMEOUT_S)
-            except Exception as e:    # next round asks again
-                logger.error("starting the restarted router failed: %r", e)
-                continue
-            logger.warning("router serving again after %.1f s", time.monotonic() - t)
+                try:
+                    serving = ray.get(router.serving.remote(), timeout=ROUTER_CALL_TIMEOUT_S)
+                except ray.exceptions.GetTimeoutError:   # restarting, or its loop is busy
+                    continue
+                except ray.exceptions.RayActorError as e:
+                    if i not in dead_logged:
+                        logger.error("router %d died (%s); Ray restarts it unless it ran "
+                                     "out of max_router_restarts", i, e.__class__.__name__)
+                        dead_logged.add(i)
+                    continue
+                except Exception as e:   # Ray going away
+                    logger.debug("router watch: %r", e)
+                    continue
+                dead_logged.discard(i)
+                if serving is None and not self._watch_stop.is_set():
+                    self._restart_router(i, router, ports)
+
+    def _restart_router(self, i: int, router, ports: dict[str, int]) -> None:
+        logger.warning("router %d was restarted (its process died): starting it on gRPC %s",
+                       i, ports.get("grpc"))
+        t = time.monotonic()
+        try:
+            ray.get(router.start.remote(ports, restarted=True), timeout=STARTUP_TIMEOUT_S)
+        except Exception as e:    # the next round asks again
+            logger.error("starting restarted router %d failed: %r", i, e)
+            return
+        logger.warning("router %d serving again after %.1f s", i, time.monotonic() - t)
 
     def stop(self) -> None:
         """Stop serving, shut the workers down, and stop Ray if this cluster started it.
@@ -229,7 +240,7 @@ class Cluster:
                     ray.util.remove_placement_group(pg)
                 except Exception as e:     # Ray went away meanwhile: nothing to release
                     logger.debug("placement group not removed: %s", e)
-        self.router, self.prefill, self.decode = None, [], []
+        self.router, self.routers, self.prefill, self.decode = None, [], [], []
         self._router_args, self._placement_groups = [], []
         if self._core_share_dir is not None:
             shutil.rmtree(self._core_share_dir, ignore_errors=True)
@@ -244,7 +255,7 @@ class Cluster:
     def _stop_actors(self) -> None:
         """The router first (no new requests), then each worker; a call that fails is
         logged and the rest go on, unless Ray itself went away meanwhile."""
-        calls = [("router stop", self.router, lambda a: a.stop.remote(), 10)] if self.router else []
+        calls = [("router stop", r, lambda a: a.stop.remote(), 10) for r in self.routers]
         calls += [("worker shutdown", w, lambda a: a.shutdown.remote(), 15)
                   for w in self.prefill + self.decode]
         for what, actor, call, timeout_s in calls:
@@ -255,9 +266,8 @@ class Cluster:
                 ray.get(call(actor), timeout=timeout_s)
             except Exception as e:  # a dead router must not keep the workers alive
                 logger.warning("%s failed: %s", what, e)
-        for a in [self.router, *self.prefill, *self.decode]:
-            if a is not None:
-                ray.kill(a)
+        for a in [*self.routers, *self.prefill, *self.decode]:
+            ray.kill(a)
 
     def _ray_alive(self) -> bool:
         """Whether every process `ray.init` started for this cluster still runs."""

@@ -176,6 +176,10 @@ class RouterConfig:
                                      # aborted: its KV freed on P and D, its status an error
     max_queued_requests: int = 256   # requests queued at once; more fail fast, not wait unbounded
     max_queued_tokens: int = 262144  # prompt tokens queued at once: 256 requests x 1024 tokens
+    max_tokenize_queue_chars: int = 1 << 20  # characters of prompts waiting for the router's
+                                     # tokenizer thread at once (shortest first); more fail
+                                     # fast (router/tokenize_queue.py): 8 of the largest
+                                     # prompts an 8k-token context takes
     routing_policy: str = "kv_aware"  # prefill worker choice: round_robin | least_loaded | kv_aware
     kv_load_weight: float = 1.0      # kv_aware: cost = uncached tokens + weight * queued tokens
     max_prefill_queue_tokens: int | None = None  # conditional disaggregation: a prompt is
@@ -231,7 +235,7 @@ class RouterConfig:
     http_port: int | None = None
 
     def __post_init__(self):
-        for name in ("max_queued_requests", "max_queued_tokens"):
+        for name in ("max_queued_requests", "max_queued_tokens", "max_tokenize_queue_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if not self.stream_stall_timeout_s > 0:
@@ -345,6 +349,9 @@ class ClusterConfig:
     max_worker_restarts: int = 4     # Ray restarts a dead worker this often (-1: always)
     max_router_restarts: int = -1    # Ray restarts a dead router this often (-1: always);
                                      # `serve` then starts it on the same ports
+    num_routers: int = 1             # router replicas serving the same gRPC and HTTP ports
+                                     # (SO_REUSEPORT: the kernel spreads connections over
+                                     # the live ones); each its own /metrics port
     # Placement on a multi-node Ray cluster: Ray resources each worker actor requests, e.g.
     # {"pdserve_prefill": 1} to land only on nodes started with that custom resource
     # (deploy/ray/*.yaml, the Helm chart), and GPUs per worker.
@@ -373,6 +380,8 @@ class ClusterConfig:
                                      "amounts > 0 (CPU/GPU/memory are set otherwise)")
         if self.gpus_per_worker < 0:
             raise ValueError(f"gpus_per_worker={self.gpus_per_worker}: must be >= 0")
+        if not isinstance(self.num_routers, int) or self.num_routers < 1:
+            raise ValueError(f"num_routers={self.num_routers}: must be >= 1")
         if self.max_router_restarts < -1:
             raise ValueError(f"max_router_restarts={self.max_router_restarts}: must be >= -1 "
                              "(-1: always)")

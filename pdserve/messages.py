@@ -34,6 +34,8 @@ class WorkerInfo:
     kv_address: tuple[str, int] | None = None   # decode: where its KV receiver listens
     # decode, tensor-parallel: ranks 1..M-1's KV receivers (each holds its KV heads)
     kv_rank_addresses: tuple[tuple[str, int], ...] = ()
+    draining: bool = False     # a router drained or is retiring it (drain()): every
+                               # router replica sends it nothing new
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,8 @@ class DecodeReservation:
     local_prefill: bool
     free_blocks: int
     kv_rank_addresses: tuple[tuple[str, int], ...] = ()
+    num_requests: int = 0      # D's unfinished requests, this one included (replicas'
+                               # load balance: router/workers.py Worker.reported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +86,8 @@ class PrefillResult:
     first_token: int
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    queued_tokens: int = 0     # prompt tokens of P's other unfinished requests (replicas'
+                               # load balance: router/workers.py Worker.reported)
 
 
 @dataclass(frozen=True, slots=True)

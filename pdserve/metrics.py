@@ -142,6 +142,12 @@ class RouterMetrics:
                                "or a KV transfer failed, by the phase that failed (rebalance: "
                                "moved to a decode worker that joined).", ["reason"],
                                registry=r)
+        self.prefills = Counter(p + "prefills",
+                                "Request attempts by who prefilled their prompt: a prefill "
+                                "worker, or the decode worker itself (conditional "
+                                "disaggregation, router/placement.py).", ["on"], registry=r)
+        for on in ("prefill_worker", "decode_worker"):
+            self.prefills.labels(on=on)   # exported at 0 from the start
         self.stalled = Counter(p + "streams_stalled",
                                "Streams aborted because their client read nothing for "
                                "stream_stall_timeout_s.", registry=r)

@@ -63,6 +63,7 @@ class PrefillRequest:
     logprobs: TokenLogprobs | None = None  # of the first token, when params.logprobs
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # grows per chunk
     arrived: float = field(default_factory=time.monotonic)   # schedule policy's clock
+    grammar: Any = None                  # params.structured_outputs compiled (xgrammar)
 
 
 class PrefillScheduler:
@@ -264,3 +265,8 @@ class PrefillScheduler:
     def queued_tokens(self) -> int:
         with self._lock:
             return sum(len(r.token_ids) for r in self._waiting)
+
+    def active_tokens(self, but: PrefillRequest | None = None) -> int:
+        """Prompt tokens of every request queued, computing or sending, `but` aside."""
+        with self._lock:
+            return sum(len(r.token_ids) for r in self._active.values() if r is not but)

@@ -48,6 +48,7 @@ from ..kv_transfer.tp_plan import rank_layout, rank_targets
 from ..messages import (CacheEvents, PrefillOrder, PrefillResult, StepStats, WorkerInfo,
                         WorkerStatus)
 from ..metrics import WorkerMetrics, serve as serve_metrics
+from ..request_ids import router_of
 from ..tp_group import worker_runner
 from .connector import PrefillKVConnector
 from .rank import PrefillRanks
@@ -72,6 +73,7 @@ class PrefillWorker:
         logging.basicConfig(level=config.log_level)
         self.worker_id, self.config = worker_id, config
         self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation (new on Ray restart)
+        self.draining = False            # drain(): no new requests from any router
         # busy flag a decode worker of this node reads (core_share): published busy before
         # the model loads, so a restarted worker's old "idle" file lends nothing meanwhile
         self.activity = None
@@ -108,7 +110,8 @@ class PrefillWorker:
         self.connector = PrefillKVConnector(
             self.sender, self.num_layers, self._wake.set,
             on_done=lambda req, token: self._resolve(
-                req, result=PrefillResult(token, req.logprobs, tuple(req.prompt_logprobs))),
+                req, result=PrefillResult(token, req.logprobs, tuple(req.prompt_logprobs),
+                                          self.scheduler.active_tokens(but=req))),
             observe_transfer_s=self.metrics.kv_transfer_seconds.observe,
             targets=functools.partial(rank_targets, model.num_kv_heads, self.tp.size, 0))
         # tensor-parallel: the ranks' KV sends, ordered around each step (rank.py)
@@ -124,7 +127,13 @@ class PrefillWorker:
     async def ready(self) -> WorkerInfo:
         self._loop = asyncio.get_running_loop()
         return WorkerInfo(self.worker_id, "prefill", self.epoch, self.pool.num_blocks,
-                          self.runner.block_size, ray.util.get_node_ip_address())
+                          self.runner.block_size, ray.util.get_node_ip_address(),
+                          draining=self.draining)
+
+    async def drain(self) -> None:
+        """Take no new request from any router (ready() says so to the replicas that
+        did not drain it: router/admin.py sync_members); until it restarts."""
+        self.draining = True
 
     async def pair(self, kv_addresses: list[tuple[str, int]]) -> list[int]:
         """Connect to each decode worker's KV receiver and exchange layouts and epochs.
@@ -148,8 +157,9 @@ class PrefillWorker:
         Returns the first sampled token (and its logprobs, if asked) once every KV frame
         and the done frame are sent.
         Raises:
-            ValueError: the prompt does not fit this worker's block pool, or
-                num_cached_blocks is not below the prompt's block count.
+            ValueError: the prompt does not fit this worker's block pool,
+                num_cached_blocks is not below the prompt's block count, or the
+                structured output's grammar does not compile.
             KVTransferError: sending to the decode worker failed.
             PrefillFailed: the model step computing the prompt raised.
             PrefillAborted: abort(request_id) was called first.
@@ -159,11 +169,14 @@ class PrefillWorker:
             raise ValueError(f"num_cached_blocks={order.num_cached_blocks} must be in "
                              f"[0, {num_blocks}) for a prompt of {len(order.token_ids)} tokens")
         self._loop = asyncio.get_running_loop()
+        so = order.params.structured_outputs
+        grammar = None if so is None else await self.runner.compile_grammar(so)
         req = PrefillRequest(order.request_id, list(order.token_ids), order.params,
                              tuple(order.kv_address), order.epoch,
                              future=self._loop.create_future(),
                              num_cached_blocks=order.num_cached_blocks,
-                             kv_rank_addresses=tuple(map(tuple, order.kv_rank_addresses)))
+                             kv_rank_addresses=tuple(map(tuple, order.kv_rank_addresses)),
+                             grammar=grammar)
         self.scheduler.add(req)
         self._wake.set()
         try:
@@ -207,10 +220,11 @@ class PrefillWorker:
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
 
-    async def abort_all(self) -> int:
-        """Abort every request on this worker (a restarted router's: their callers died
-        with the router before it). Returns how many there were."""
-        ids = self.scheduler.request_ids()
+    async def abort_all(self, router: int = 0) -> int:
+        """Abort every request router replica `router` has on this worker (a restarted
+        replica's: their callers died with it; pdserve/request_ids.py). Returns how
+        many there were."""
+        ids = [rid for rid in self.scheduler.request_ids() if router_of(rid) == router]
         for rid in ids:
             self._abort(rid)
         return len(ids)
@@ -378,7 +392,7 @@ class PrefillWorker:
         if so is None:
             return None
         done = req.token_ids[len(req.token_ids) - offset:] if offset else []
-        return self.runner.grammars.matcher(so, done)
+        return self.runner.grammars.matcher(so, done, req.grammar)
 
     def _finish_sent(self) -> None:
         """Release every request whose transfer ended (the connector's poll); a failed

@@ -10,9 +10,11 @@ import time
 
 from ..engine.sampling_params import InvalidRequestError
 from ..proto import pdserve_pb2 as pb
+from .membership import mark_draining, notify_replicas
 from .workers import Worker
 
 logger = logging.getLogger(__name__)
+
 
 
 async def drain(router, node_ip: str, timeout_s: float) -> pb.DrainResponse:
@@ -31,8 +33,8 @@ async def drain(router, node_ip: str, timeout_s: float) -> pb.DrainResponse:
         known = sorted({w.node_ip for w in router.prefill + router.decode})
         raise InvalidRequestError("node_ip", f"no worker runs on {node_ip!r} (nodes: "
                                              f"{', '.join(known)})")
-    for w in workers:
-        w.draining = True
+    await mark_draining(workers)
+    await notify_replicas(router)
     logger.warning("draining %s on %s", [w.worker_id for w in workers], node_ip)
     deadline = time.monotonic() + timeout_s
     while True:

@@ -58,10 +58,7 @@ class Admission:
             self.refused_requests += 1
             self.refused_tokens += num_tokens
         if over_requests:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"server overloaded: {self.queued_requests} requests already "
-                               f"queued for prefill (max_queued_requests={self.max_requests}); "
-                               "retry later")
+            raise self._full()
         if over_tokens:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server overloaded: {self.queued_tokens} prompt tokens queued + "
@@ -72,6 +69,24 @@ class Admission:
         self.admitted_requests += 1
         self.admitted_tokens += num_tokens
         return Ticket(self, num_tokens)
+
+
+    def check_room(self) -> None:
+        """Refuse a request before any work on it (tokenizing) when the request bound is
+        reached already: admit() would refuse it whatever its prompt.
+
+        Raises:
+            RequestError: RESOURCE_EXHAUSTED naming max_queued_requests.
+        """
+        if self.queued_requests >= self.max_requests:
+            self.refused_requests += 1
+            raise self._full()
+
+    def _full(self) -> RequestError:
+        return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"server overloaded: {self.queued_requests} requests already "
+                            f"queued for prefill (max_queued_requests={self.max_requests}); "
+                            "retry later")
 
 
 class Ticket:

@@ -14,12 +14,26 @@ import time
 from contextlib import nullcontext
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .http_api import build_app
 
 logger = logging.getLogger(__name__)
 
-SEND_BUFFER_BYTES = 64 << 10
+SEND_BUFFER_BYTES = 8 << 10       # the kernel's, per connection (Linux doubles it)
+WRITE_BUFFER_BYTES = 8 << 10      # asyncio's, per connection, before writes wait
+
+
+class _H11(H11Protocol):
+    """uvicorn's h11 protocol with a small write buffer: a response waits for the
+    connection once WRITE_BUFFER_BYTES are queued above the kernel's SEND_BUFFER_BYTES
+    (asyncio's default is 64 KiB), so a client that reads nothing parks its stream after
+    ~20 KiB, ~100 streamed tokens, and StallWatch sees it (router/stalls.py); a client
+    that reads keeps the buffers near empty."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
+        super().connection_made(transport)
 
 
 class _Server(uvicorn.Server):
@@ -48,11 +62,16 @@ class HTTPServer:
             logger.warning("HTTP API did not stop within %.0f s; cancelled", grace_s + 5)
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, shared: bool = False) -> socket.socket:
+    """A listening socket's, bound; `shared`: with SO_REUSEPORT, so router replicas
+    (ClusterConfig.num_routers) bind the same port and the kernel spreads connections
+    over them."""
     family, kind, proto, _, addr = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart past TIME_WAIT
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     # A fixed send buffer (connections inherit it; Linux doubles it): with the kernel's
     # autotuned one (up to tcp_wmem's 4 MiB), a client that reads nothing absorbs a
     # whole 4000-token stream and is never seen to stall (router/stalls.py).
@@ -83,11 +102,11 @@ async def serve_http(router, host: str, port: int) -> HTTPServer:
                "ssl_cert_reqs": ssl.CERT_REQUIRED if rc.tls_client_ca_file else ssl.CERT_NONE}
     # h11 (pure Python) explicitly: its ASGI spec 2.3 is what makes Starlette watch for
     # disconnects while streaming. log_config=None: the router's logging config rules.
-    config = uvicorn.Config(build_app(router), http="h11", ws="none", lifespan="off",
+    config = uvicorn.Config(build_app(router), http=_H11, ws="none", lifespan="off",
                             interface="asgi3", log_config=None, log_level="warning",
                             access_log=False, server_header=False, **tls)
     config.load()          # builds the TLS context now: a bad file fails `serve` at start
-    sock = _bind(host, port)
+    sock = _bind(host, port, router.config.num_routers > 1)
     server = _Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     deadline = time.monotonic() + 30

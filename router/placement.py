@@ -241,7 +241,7 @@ class Placement:
             live = await self.available(self.decode, "decode", give_up)
             live_p = await self.available(self.prefill, "prefill", deadline)
             lease_s = min(self.config.decode.lease_s, max(deadline - time.monotonic(), 0.001))
-            for d in sorted(live, key=lambda w: (w.load, -w.free_blocks)):
+            for d in sorted(live, key=lambda w: (w.total_load, -w.free_blocks)):
                 # choose and charge with no await in between
                 # prompt logprobs come from a prefill worker's pass over the whole prompt
                 local = params.prompt_logprobs is None and self.prefill_on_decode(d, prompt_len)
@@ -262,6 +262,8 @@ class Placement:
                     self.charge(d, p, prompt_len, -1, num_samples)
                     continue
                 d.free_blocks = res.free_blocks
+                if self.config.num_routers > 1:    # the others' share, as D counts it
+                    d.reported(res.num_requests)
                 if res.local_prefill and p is not None:   # D's own threshold chose it
                     self.charge(d, p, prompt_len, -1)
                     self.charge(d, None, prompt_len, 1)
@@ -281,7 +283,7 @@ class Placement:
         live = [p for p in self.prefill if p.available]
         if slo_ttft_ms is None:
             return bool(live)
-        best = min((self.first_token.predict(p.worker_id, p.load + prompt_len) or 0.0
+        best = min((self.first_token.predict(p.worker_id, p.total_load + prompt_len) or 0.0
                     for p in live), default=math.inf)
         return best <= self.SLO_MARGIN * slo_ttft_ms / 1e3
 
@@ -332,14 +334,14 @@ class Placement:
                 and d.local_prefill_load == 0):
             # each decode worker of the node gets a share of the idle workers' threads
             # (core_share), so D gets at least one when they are at least as many
-            idle = sum(p.available and p.load == 0 and p.node_ip == d.node_ip
+            idle = sum(p.available and p.total_load == 0 and p.node_ip == d.node_ip
                        for p in self.prefill)
             if idle and idle >= sum(w.node_ip == d.node_ip for w in self.decode):
                 return True
         limit = rc.max_prefill_queue_tokens
         if limit is None:
             limit = self.config.prefill.max_num_batched_tokens
-        queued = [p.load for p in self.prefill if p.available]
+        queued = [p.total_load for p in self.prefill if p.available]
         if not limit or not queued:
             return False
         shortest = min(queued)

@@ -45,7 +45,8 @@ from ..engine.structured_output import Grammars
 from ..messages import PrefillOrder, PrefillResult
 from ..metrics import RouterMetrics, serve as serve_metrics
 from ..proto import pdserve_pb2 as pb
-from . import admin, validation
+from ..request_ids import attempt_id
+from . import admin, membership, validation
 from .admission import Admission
 from .errors import RequestError
 from .relay import Relay
@@ -56,24 +57,28 @@ from .scaling import Scaler
 from .stalls import StallWatch
 from .routing import PrefillRouter
 from .streams import DecodeStreams
-from .workers import AttemptFailed, Worker, attempt_failed, named_workers
+from .tokenize_queue import TokenizeQueue
+from .workers import AttemptFailed, Worker, attempt_failed
 
 logger = logging.getLogger(__name__)
 
-_TOKENIZE = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+# structured outputs' grammars compile here (validation), apart from the tokenizer's thread
+_GRAMMAR = ThreadPoolExecutor(1, thread_name_prefix="grammar")
 
 
 class Router:
     """Ray actor. `start()` serves gRPC (and, with router.http_port, the OpenAI-compatible
     HTTP API of http_api.py) on the actor's event loop until `stop()`."""
 
-    def __init__(self, config: ClusterConfig, prefill: list, decode: list):
+    def __init__(self, config: ClusterConfig, prefill: list, decode: list, index: int = 0):
+        """`index`: this replica's, of config.num_routers (pdserve/request_ids.py)."""
         from transformers import AutoConfig, AutoTokenizer
 
         from ..engine.config import ModelConfig
 
         logging.basicConfig(level=config.prefill.log_level)
         self.config = config
+        self.index = index
         model_dir = resolve_model(config.prefill.model)
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -85,6 +90,7 @@ class Router:
         self._server_port = 0
         rc = config.router
         self.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
+        self.tokenize = TokenizeQueue(rc.max_tokenize_queue_chars)
         self.prefill_router = PrefillRouter(rc.routing_policy, config.prefill.block_size,
                                             rc.kv_load_weight)
         self.placement = Placement(config, self.prefill_router)   # workers from start() on
@@ -92,7 +98,7 @@ class Router:
         self._cache_sync: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None
         self._pending: set[asyncio.Task] = set()    # fire-and-forget calls in flight
-        self.streams = DecodeStreams()              # decode workers' token events
+        self.streams = DecodeStreams(index)         # decode workers' token events
         self.metrics = RouterMetrics(lambda: self.admission.queued_requests,
                                      rc.slo_ttft_ms, rc.slo_tpot_ms)
         self.stalls = StallWatch(rc.stream_stall_timeout_s, self.metrics.stalled.inc)
@@ -111,17 +117,20 @@ class Router:
     def decode(self) -> list[Worker]:
         return self.placement.decode
 
-    async def start(self, ports: dict[str, int] | None = None) -> int:
+    async def start(self, ports: dict[str, int] | None = None, restarted: bool = False) -> int:
         """Wait for every worker, then serve gRPC (and the OpenAI-compatible HTTP API
         when router.http_port is set). Returns the bound gRPC port.
 
-        `ports` ({"grpc", "http", "metrics"}: the ports the previous incarnation bound,
-        Cluster's watch): this actor was restarted after its process died. Its workers
-        are then the live named ones (scaling may have changed them since it was
-        built), waited for each at most worker_ready_timeout_s (one that does not
-        answer is left out and probed like a dead one), and every request on them is
-        aborted: their callers' connections died with the process, so their KV is
-        freed at once rather than kept decoding for nobody.
+        `ports` ({"grpc", "http", "metrics"}, each optional): where to serve instead of
+        the configured ports: a replica's (num_routers > 1) are the first replica's,
+        shared, and its /metrics on the configured port + its index (0: a free one).
+        `restarted`: this actor was restarted after its process died (Cluster's watch;
+        `ports` its previous incarnation's). Its workers are then the live named ones
+        (scaling may have changed them since it was built), waited for each at most
+        worker_ready_timeout_s (one that does not answer is left out and probed like
+        a dead one), and every request this replica had on them is aborted: their
+        callers' connections died with the process, so their KV is freed at once
+        rather than kept decoding for nobody.
 
         Raises:
             SecurityConfigError: a tls_* file cannot be read or is not PEM.
@@ -130,42 +139,20 @@ class Router:
         from .service import build_server
 
         rc = self.config.router
-        if ports is None:
-            prefill = await self._ready(self._prefill_handles)
-            decode = await self._ready(self._decode_handles)
-        else:
-            found = named_workers()
-            prefill = await self._ready(found["prefill"], rc.worker_ready_timeout_s)
-            decode = await self._ready(found["decode"], rc.worker_ready_timeout_s)
-        self.placement.prefill = [Worker(h, i.worker_id, i.num_blocks, i.epoch,
-                                         node_ip=i.node_ip) for h, i in prefill]
-        self.placement.decode = [Worker(h, i.worker_id, i.num_blocks, i.epoch,
-                                        free_blocks=i.num_blocks, node_ip=i.node_ip)
-                                 for h, i in decode]
-        if ports is not None:
-            aborted = await asyncio.gather(*(w.handle.abort_all.remote()
-                                             for w in self.prefill + self.decode),
-                                           return_exceptions=True)
-            logger.warning("router restarted: serving again with %d prefill and %d decode "
-                           "workers; %d requests of the dead router aborted on them",
-                           len(prefill), len(decode),
-                           sum(n for n in aborted if isinstance(n, int)))
-        # Pair every P with every D now, so a layout mismatch fails `serve` at start
-        # with a message naming the field, not the first request.
-        addresses = [a for _, i in decode for a in (i.kv_address, *i.kv_rank_addresses)]
-        await asyncio.gather(*(p.handle.pair.remote(addresses) for p in self.prefill))
+        await membership.join(self, restarted)
         if rc.routing_policy == "kv_aware":
             self._cache_sync = asyncio.get_running_loop().create_task(admin.sync_prefix_caches(self))
         self._watch = asyncio.get_running_loop().create_task(admin.watch_workers(self))
         self._stall_sweep = asyncio.get_running_loop().create_task(self.stalls.run())
-        if self.planner is not None:
+        if self.planner is not None and self.index == 0:     # one planner sizes the pools
             self._plan = asyncio.get_running_loop().create_task(self.planner.run())
         ports = ports or {}
         self._server, port = build_server(self, f"{rc.host}:{ports.get('grpc', rc.port)}")
         await self._server.start()
         self._server_port = port
+        metrics_port = rc.metrics_port + self.index if rc.metrics_port else 0
         self.metrics_address = "%s:%d" % serve_metrics(self.metrics.registry, rc.host,
-                                                       ports.get("metrics", rc.metrics_port))
+                                                       ports.get("metrics", metrics_port))
         logger.info("router serving gRPC on %s:%d, metrics on http://%s/metrics", rc.host, port,
                     self.metrics_address)
         if rc.http_port is not None:
@@ -175,22 +162,6 @@ class Router:
             logger.info("router serving the OpenAI-compatible HTTP API on http%s://%s",
                         "s" if rc.tls_cert_file else "", self.http_address)
         return port
-
-    @staticmethod
-    async def _ready(handles: list, timeout_s: float | None = None) -> list[tuple]:
-        """(handle, WorkerInfo) of each worker once it is ready. With `timeout_s`, a
-        worker that fails or does not answer in time is left out (logged); without,
-        its error is raised."""
-        if timeout_s is None:
-            infos = await asyncio.gather(*(h.ready.remote() for h in handles))
-            return list(zip(handles, infos))
-        infos = await asyncio.gather(*(asyncio.wait_for(h.ready.remote(), timeout_s)
-                                       for h in handles), return_exceptions=True)
-        for h, i in zip(handles, infos):
-            if isinstance(i, BaseException):
-                logger.warning("worker %s left out: not ready within %.0f s (%r)",
-                               getattr(h, "_actor_id", h), timeout_s, i)
-        return [(h, i) for h, i in zip(handles, infos) if not isinstance(i, BaseException)]
 
     def serving(self) -> dict[str, int] | None:
         """The bound ports ({"grpc", "http", "metrics"}), or None when this incarnation
@@ -245,15 +216,17 @@ class Router:
         """
         cfg = self.model_config
         client_id = validation.request_id(req)
-        # Off the event loop (a long prompt must not stall other streams), on one thread:
-        # HF tokenizers raise "Already borrowed" when one is used from two threads at once.
-        loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(
-            _TOKENIZE, validation.prompt_token_ids, req, self.tokenizer, cfg.vocab_size,
-            cfg.max_model_len)
-        params = await loop.run_in_executor(   # off the loop too: a grammar compiles there
-            _TOKENIZE, validation.sampling_params, req, len(ids), cfg.max_model_len,
-            cfg.vocab_size, self.grammars)
+        # Off the event loop (a long prompt must not stall other streams), shortest first,
+        # refused at once when the tokenizer's queue is full (tokenize_queue.py).
+        self.admission.check_room()            # a full router refuses before any work
+        ids = await self.tokenize.run(
+            validation.prompt_chars(req), validation.prompt_token_ids, req, self.tokenizer,
+            cfg.vocab_size, cfg.max_model_len)
+        args = (req, len(ids), cfg.max_model_len, cfg.vocab_size, self.grammars)
+        params = (await asyncio.get_running_loop().run_in_executor(
+            _GRAMMAR, validation.sampling_params, *args)  # off the loop: a grammar compiles
+                  if req.sampling.HasField("structured_outputs")
+                  else validation.sampling_params(*args))
         self.placement.check_fits(len(ids), params.max_tokens)
         rid = client_id or uuid.uuid4().hex
         deadline = time.monotonic() + (deadline_s or self.config.router.request_timeout_s)
@@ -340,7 +313,7 @@ class Router:
             AttemptFailed: P or D died, or the KV transfer or D failed (retryable).
             RequestError: deadline, capacity, no worker available (final).
         """
-        internal_id = f"{rid}#{uuid.uuid4().hex[:8]}"   # unique per attempt and client id
+        internal_id = attempt_id(rid, self.index)   # unique per attempt; names this replica
         on_d = {sample_id(internal_id, k): r for k, r in enumerate(relays)}
         self.streams.open(internal_id, tuple(on_d)[1:])  # before D may produce a token
         try:
@@ -349,60 +322,35 @@ class Router:
         except BaseException:
             self.streams.close(internal_id)
             raise
+        self.metrics.prefills.labels(on="decode_worker" if p is None else "prefill_worker").inc()
         # prompt tokens charged by _reserve to P's queue or to D's own, until the first token
         local_tokens, p_tokens = (0, len(ids)) if p is not None else (len(ids), 0)
         finished = False
         try:
             self.streams.bind(internal_id, d, res.epoch)
             if p is not None:
-                sent, queued_on_p = time.monotonic(), p.load   # this prompt's tokens included
                 try:
-                    first: PrefillResult = await asyncio.wait_for(
-                        p.handle.prefill.remote(PrefillOrder(
-                            internal_id, ids, params, res.kv_address, res.epoch,
-                            res.num_cached_blocks, res.kv_rank_addresses)),
-                        timeout=max(deadline - time.monotonic(), 0.001))
-                except ray.exceptions.RayError as e:
-                    raise attempt_failed("prefill", p, e) from e
+                    first = await self._prefill(p, internal_id, ids, params, res, deadline)
                 finally:
                     p.load -= p_tokens
                     p_tokens = 0
                     queued.release()  # first token back (or prefill failed): not queued
-                self.placement.first_token.observe(p.worker_id, queued_on_p,
-                                                   time.monotonic() - sent)
-                if params.prompt_logprobs is not None:
-                    for r in relays:            # every sample's first message has them
-                        r.set_prompt_logprobs(first.prompt_logprobs)
-                msg = relays[0].absorb([TokenEvent(internal_id, (first.first_token,),  # TTFT
-                                                   logprobs=(first.logprobs,) if first.logprobs
-                                                   else ())])
-                if msg is not None:
-                    yield msg
+                if (msg := self._first_message(first, internal_id, params, relays)) is not None:
+                    yield msg                   # TTFT
             error = None
             # A sample a stop string ended is aborted on D at once, the others go on; one
             # ended at P's token only once a sibling's event shows D forked the prompt
             # (an abort before the fork would leave the siblings unborn).
-            stop0 = len(relays) > 1 and relays[0].stopped_here
+            stop0 = [len(relays) > 1 and relays[0].stopped_here]
             if any(r.finish_reason is None for r in relays):
                 try:
                     async for events in self.streams.batches(internal_id, deadline):
                         queued.release()  # local prefill: its first token came from D
                         d.local_prefill_load -= local_tokens
                         local_tokens = 0
-                        for sid, evs in by_request(events).items():
-                            r = on_d[sid]
-                            if r.finish_reason is None:
-                                msg = r.absorb(evs)
-                                if msg is not None:
-                                    yield msg
-                                if r.stopped_here and len(relays) > 1:
-                                    self._send(d.handle.abort.remote(sid, "cancelled"))
-                            elif any(e.finish_reason == "error" for e in evs):
-                                r.error = evs[-1].error or "unknown error"  # before the fork
-                            error, r.error = error or r.error, None
-                            if stop0 and sid != internal_id:
-                                stop0 = False
-                                self._send(d.handle.abort.remote(internal_id, "cancelled"))
+                        msgs, error = self._absorb(events, on_d, d, internal_id, stop0)
+                        for msg in msgs:
+                            yield msg
                         if error is not None or all(r.finish_reason is not None for r in relays):
                             break
                 except ray.exceptions.RayError as e:
@@ -418,16 +366,73 @@ class Router:
                                "request deadline exceeded") from None
         finally:
             self.streams.close(internal_id)
-            d.load -= len(relays)
-            self.placement.room.freed()     # its blocks come back: a waiting request asks
+            self.placement.charge(d, p, p_tokens, -1, len(relays))
             d.local_prefill_load -= local_tokens
-            if p is not None:
-                p.load -= p_tokens
+            self.placement.room.freed()     # its blocks come back: a waiting request asks
             if not finished:  # cancel, deadline, error, stop string: release P and D now
                 # (sent to a worker found dead too: it may only have been unreachable)
                 if p is not None:
                     self._send(p.handle.abort.remote(internal_id))
                 self._send(d.handle.abort.remote(internal_id, "cancelled", group=len(relays) > 1))
+
+    async def _prefill(self, p: Worker, internal_id: str, ids: list[int], params, res,
+                       deadline: float) -> PrefillResult:
+        """P's prefill of attempt `internal_id` into D's reservation `res`: its first
+        token, once the KV is sent. Its time feeds placement.first_token; with
+        replicas, its reported queue P's share of the others.
+
+        Raises:
+            AttemptFailed: P died or failed (retryable). asyncio.TimeoutError: deadline.
+        """
+        sent, queued_on_p = time.monotonic(), p.total_load   # this prompt included
+        try:
+            first: PrefillResult = await asyncio.wait_for(
+                p.handle.prefill.remote(PrefillOrder(
+                    internal_id, ids, params, res.kv_address, res.epoch,
+                    res.num_cached_blocks, res.kv_rank_addresses)),
+                timeout=max(deadline - time.monotonic(), 0.001))
+        except ray.exceptions.RayError as e:
+            raise attempt_failed("prefill", p, e) from e
+        self.placement.first_token.observe(p.worker_id, queued_on_p, time.monotonic() - sent)
+        if self.config.num_routers > 1:   # the others' share, as P counts it
+            p.reported(first.queued_tokens)
+        return first
+
+    @staticmethod
+    def _first_message(first: PrefillResult, internal_id: str, params, relays: list[Relay]
+                       ) -> pb.GenerateResponse | None:
+        """P's first token into sample 0's relay (D samples the others after the fork),
+        and the prompt logprobs into every sample's first message."""
+        if params.prompt_logprobs is not None:
+            for r in relays:
+                r.set_prompt_logprobs(first.prompt_logprobs)
+        return relays[0].absorb([TokenEvent(internal_id, (first.first_token,),
+                                            logprobs=(first.logprobs,) if first.logprobs else ())])
+
+    def _absorb(self, events: list[TokenEvent], on_d: dict[str, Relay], d: Worker,
+                internal_id: str, stop0: list[bool]
+                ) -> tuple[list[pb.GenerateResponse], str | None]:
+        """One batch of D's events into the relays of the attempt's samples (`on_d`, by
+        their ids on D): the messages they make, and the first sample error (taken off
+        its relay: the retry starts clean). A sample a stop string ended is aborted on
+        D; sample 0 ended at P's token (`stop0[0]`) once a sibling's event shows D
+        forked the prompt."""
+        out, error = [], None
+        for sid, evs in by_request(events).items():
+            r = on_d[sid]
+            if r.finish_reason is None:
+                msg = r.absorb(evs)
+                if msg is not None:
+                    out.append(msg)
+                if r.stopped_here and len(on_d) > 1:
+                    self._send(d.handle.abort.remote(sid, "cancelled"))
+            elif any(e.finish_reason == "error" for e in evs):
+                r.error = evs[-1].error or "unknown error"  # before the fork
+            error, r.error = error or r.error, None
+            if stop0[0] and sid != internal_id:
+                stop0[0] = False
+                self._send(d.handle.abort.remote(internal_id, "cancelled"))
+        return out, error
 
     def _send(self, ref) -> None:
         """Fire a call whose result does not matter; its error (the worker is dead or
@@ -452,6 +457,10 @@ class Router:
 
     async def cluster_status(self) -> pb.ClusterStatusResponse:
         return await admin.cluster_status(self)
+
+    async def sync_members(self) -> tuple[list[str], list[str]]:
+        """Another replica scaled or drained: membership.sync_members."""
+        return await membership.sync_members(self)
 
     async def scale(self, num_prefill: int, num_decode: int, timeout_s: float
                     ) -> pb.ScaleResponse:

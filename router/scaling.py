@@ -31,6 +31,7 @@ import ray
 
 from ..engine.sampling_params import InvalidRequestError
 from ..proto import pdserve_pb2 as pb
+from .membership import mark_draining, notify_replicas
 from .workers import Worker
 
 logger = logging.getLogger(__name__)
@@ -68,12 +69,15 @@ class Scaler:
                                         num_decode - len(placement.decode))
             retiring = ([("prefill", w) for w in placement.prefill[num_prefill:]] +
                         [("decode", w) for w in placement.decode[num_decode:]])
-            for _, w in retiring:
-                w.draining = True
+            await mark_draining([w for _, w in retiring])
             if retiring:
                 logger.warning("retiring %s", [w.worker_id for _, w in retiring])
+            if started or retiring:       # the other replicas take or spare them too
+                await notify_replicas(self.router)
             done = await asyncio.gather(*(self._retire(role, w, timeout_s)
                                           for role, w in retiring))
+            if retiring:
+                await notify_replicas(self.router)
             return pb.ScaleResponse(
                 started=started,
                 retired=[w.worker_id for (_, w), idle in zip(retiring, done) if idle],

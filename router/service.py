@@ -165,7 +165,9 @@ def build_server(router, address: str) -> tuple[grpc.aio.Server, int]:
         interceptors=[ApiKeyInterceptor(rc.api_key)] if rc.api_key is not None else None,
         options=[
             ("grpc.max_receive_message_length", rc.max_request_bytes),
-            ("grpc.so_reuseport", 0),      # a second server on a busy port must fail, not share
+            # a second server on a busy port must fail, not share it; router replicas
+            # (ClusterConfig.num_routers) share theirs
+            ("grpc.so_reuseport", int(router.config.num_routers > 1)),
         ])
     add_generator(GeneratorService(router), server)
     pb_grpc.add_AdminServicer_to_server(AdminService(router), server)

@@ -1,5 +1,6 @@
 """The router's end of the decode workers' token events: one Ray stream per decode
-worker incarnation (DecodeWorker.events), fanned out to one queue per request attempt.
+worker incarnation (DecodeWorker.events, carrying this router replica's requests),
+fanned out to one queue per request attempt.
 
     attempt:  open(rid, sample_ids) ─ before the reservation: D may produce events at
               once (a local prefill), and none may be dropped; the events of every id
@@ -49,7 +50,8 @@ class _Failed:
 
 
 class DecodeStreams:
-    def __init__(self):
+    def __init__(self, router: int = 0):
+        self.router = router        # this replica's index: the events it asks D for
         self._queues: dict[str, asyncio.Queue] = {}          # request id on D -> its events
         self._samples: dict[str, tuple[str, ...]] = {}       # attempt id -> its ids on D
         self._bound: dict[tuple[str, int], set[str]] = {}    # (worker id, epoch) -> attempts
@@ -144,7 +146,7 @@ class DecodeStreams:
         key = (d.worker_id, epoch)
         error: BaseException = StreamEnded(f"decode worker {d.worker_id}'s event stream ended")
         try:
-            async for ref in d.handle.events.remote(epoch):
+            async for ref in d.handle.events.remote(epoch, self.router):
                 for ev in await ref:
                     queue = self._queues.get(ev.request_id)
                     if queue is not None:

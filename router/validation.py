@@ -18,8 +18,13 @@ MAX_PROMPT_CHARS = 1 << 20      # characters of text/messages accepted before to
 # keeps tokenizing (on the router: ~3 us per token, up to 3 tokens per character) in
 # proportion to what the model can take: 1M emoji are 3M tokens, ~10 s of tokenizer.
 MAX_CHARS_PER_TOKEN = 16
+# A text of more characters than this many per token of the context is tokenized by
+# prefixes first (_encode_within), refused at the first prefix whose tokens exceed the
+# context by more than CUT_MARGIN (where the cut may have split a word or a special token).
+PREFIX_CHARS_PER_TOKEN = 4
+CUT_MARGIN = 64
 MAX_MESSAGES = 1024
-# UTF-8 bytes, not characters: the router appends "#" and 8 hex digits, and a KV frame
+# UTF-8 bytes, not characters: the router appends its tag (pdserve/request_ids.py), and a KV frame
 # carries at most 256 bytes of request id (kv_transfer/base.py MAX_REQUEST_ID_BYTES).
 MAX_REQUEST_ID_BYTES = 128
 
@@ -37,6 +42,38 @@ def _check_chars(field: str, chars: int, max_model_len: int) -> None:
                                          f"{max_model_len} tokens, got {chars}")
 
 
+def prompt_chars(req) -> int:
+    """The size of the request's prompt as the tokenizer queue orders it: characters of
+    text, or of chat roles and contents; token ids count one each."""
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        return len(req.text)
+    if kind == "messages":
+        return sum(len(m.role) + len(m.content) for m in req.messages.messages)
+    return len(req.token_ids.ids) if kind == "token_ids" else 0
+
+
+def _encode_within(tokenizer, text: str, max_model_len: int) -> list[int]:
+    """tokenizer(text)'s ids. A text longer than PREFIX_CHARS_PER_TOKEN characters per
+    token of the context is tokenized by prefixes of doubling length from there first,
+    and refused once one holds more tokens than the context: a prompt far over the
+    context costs about twice the tokens of the prefix that overflowed it, not its own
+    (up to 3 tokens a character: 1M emoji would be ~10 s of tokenizer).
+
+    Raises:
+        InvalidRequestError: a prefix's tokens exceed max_model_len + CUT_MARGIN.
+    """
+    n = PREFIX_CHARS_PER_TOKEN * max_model_len
+    while n < len(text):
+        k = len(tokenizer(text[:n])["input_ids"])
+        if k > max_model_len + CUT_MARGIN:
+            raise InvalidRequestError("text", f"prompt has over {k - CUT_MARGIN} tokens in "
+                                              f"its first {n} characters; the model's context "
+                                              f"is {max_model_len} tokens")
+        n *= 2
+    return tokenizer(text)["input_ids"]
+
+
 def prompt_token_ids(req, tokenizer, vocab_size: int, max_model_len: int) -> list[int]:
     """Token ids of the request's prompt (text, token_ids, or chat messages).
 
@@ -48,7 +85,7 @@ def prompt_token_ids(req, tokenizer, vocab_size: int, max_model_len: int) -> lis
         raise InvalidRequestError("prompt", "set one of text, token_ids or messages")
     if kind == "text":
         _check_chars("text", len(req.text), max_model_len)
-        ids = tokenizer(req.text)["input_ids"]
+        ids = _encode_within(tokenizer, req.text, max_model_len)
     elif kind == "token_ids":
         ids = list(req.token_ids.ids)
         bad = next((t for t in ids if t >= vocab_size), None)

@@ -3,7 +3,6 @@ means for the request (router.py retries it on live workers)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import ray
@@ -16,6 +15,8 @@ class Worker:
     num_blocks: int
     epoch: int = 0          # the incarnation last seen (Ray restarts a dead worker)
     load: int = 0           # prefill: queued prompt tokens; decode: active requests
+    others_load: int = 0    # router replicas: the same, of the other replicas, as the
+                            # worker last reported it (its own count less this one's)
     local_prefill_load: int = 0  # decode: prompt tokens it prefills itself (conditional
                                  # disaggregation), first token not yet back
     free_blocks: int = 0    # decode: last known
@@ -26,6 +27,16 @@ class Worker:
     @property
     def available(self) -> bool:
         return self.alive and not self.draining
+
+    @property
+    def total_load(self) -> int:
+        """load with the other router replicas' (0 with one router)."""
+        return self.load + self.others_load
+
+    def reported(self, count: int) -> None:
+        """The worker's own count of what `load` counts (replicas: the other replicas'
+        share is what this one does not account for)."""
+        self.others_load = max(count - self.load, 0)
 
 
 class Moved(ray.exceptions.RayError):
@@ -53,18 +64,3 @@ def attempt_failed(phase: str, w: Worker, e: Exception) -> AttemptFailed:
     cause = getattr(e, "cause", None) or e     # the worker-side exception
     return AttemptFailed(phase, f"{phase} on {w.worker_id} failed: "
                                  f"{type(cause).__name__}: {cause}")
-
-
-def named_workers() -> dict[str, list]:
-    """The worker actors of this Ray namespace by role, each named `role-N`
-    (cluster.start_worker), in N order: {"prefill": [handle...], "decode": [...]}.
-    An actor gone between the listing and the lookup is left out."""
-    found: dict[str, list[tuple[int, object]]] = {"prefill": [], "decode": []}
-    for name in ray.util.list_named_actors():
-        if (m := re.fullmatch(r"(prefill|decode)-(\d+)", name)) is None:
-            continue
-        try:
-            found[m.group(1)].append((int(m.group(2)), ray.get_actor(name)))
-        except ValueError:      # killed meanwhile (scaled down)
-            continue
-    return {role: [h for _, h in sorted(hs, key=lambda x: x[0])] for role, hs in found.items()}

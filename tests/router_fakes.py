@@ -20,6 +20,7 @@ from pdserve.router.router import Router
 from pdserve.router.placement import Placement
 from pdserve.router.routing import PrefillRouter
 from pdserve.router.streams import DecodeStreams
+from pdserve.router.tokenize_queue import TokenizeQueue
 from pdserve.router.workers import Worker
 
 VOCAB = 64
@@ -38,14 +39,16 @@ def fake_router(prefills: list, decodes: list, **router_kw) -> Router:
     epoch 1); `router_kw` sets RouterConfig fields."""
     r = Router.__new__(Router)
     r.config = ClusterConfig(router=RouterConfig(port=0, **router_kw))
+    r.index = 0
     r.model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=256, eos_token_ids=(EOS,))
     r.tokenizer = SimpleNamespace(backend_tokenizer=TOKENIZER)
     r.grammars = None                     # structured outputs: not compiled by the fakes
     rc = r.config.router
     r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
+    r.tokenize = TokenizeQueue(rc.max_tokenize_queue_chars)
     r.metrics = RouterMetrics(lambda: r.admission.queued_requests)
     r._pending = set()
-    r.streams = DecodeStreams()
+    r.streams = DecodeStreams(0)
     r.prefill_router = PrefillRouter(rc.routing_policy, r.config.prefill.block_size,
                                      rc.kv_load_weight)
     r.placement = Placement(
@@ -65,7 +68,7 @@ class EventsFromStreams:
     ends the merged stream with it, as a dead worker's stream ends; so does a call on
     a fake that is dead (`check()`) or at another epoch."""
 
-    def events(self, epoch):
+    def events(self, epoch, router=0):
         async def merged():
             check = getattr(self, "check", None)
             if check is not None:

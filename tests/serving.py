@@ -7,6 +7,7 @@ import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import ray
@@ -35,9 +36,10 @@ def start_ray() -> None:
 class Served:
     """A running cluster with a client; `stop()` checks every KV pool is free first."""
 
-    def __init__(self, model: str = "default", client_kw: dict | None = None, **kw):
-        """`client_kw` goes to the Client (TLS files, api_key of a secured cluster); the
-        rest of the keywords to ClusterConfig.local."""
+    def __init__(self, model: str = "default", client_kw: dict | None = None,
+                 num_routers: int = 1, **kw):
+        """`client_kw` goes to the Client (TLS files, api_key of a secured cluster);
+        `num_routers` to ClusterConfig; the rest of the keywords to ClusterConfig.local."""
         kw.setdefault("prefill_blocks", 256)
         kw.setdefault("decode_blocks", 256)
         # Tests follow the prefill worker's path (its transfers, its faults) unless they
@@ -45,7 +47,8 @@ class Served:
         # local_prefill_when_prefill_idle, on for `pdserve serve`; tested in
         # tests/e2e/test_serve_local_prefill.py and by the CLI tests).
         kw["router_kw"] = {"local_prefill_when_prefill_idle": False} | (kw.get("router_kw") or {})
-        self.cluster = Cluster(ClusterConfig.local(model, port=0, **kw))
+        self.cluster = Cluster(replace(ClusterConfig.local(model, port=0, **kw),
+                                       num_routers=num_routers))
         self.port = self.cluster.start()
         self.address = f"127.0.0.1:{self.port}"
         # the OpenAI-compatible HTTP API's base URL, with router_kw={"http_port": 0}
@@ -153,6 +156,36 @@ def assert_greedy_equals_hf(model: str, prompt_ids: list[int], got: list[int]) -
         assert gap < NEAR_TIE and got[n] in top2.indices.tolist(), (
             f"diverges from HF at token {n} without a near-tie (gap {gap}): {got} vs {ref}")
     return n
+
+
+def hf_greedy_of(prompts, max_new_tokens: int, ignore_eos: bool = False) -> dict[str, list[int]]:
+    """hf_greedy of each text prompt on the default model, by prompt."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("default"))
+    return {p: hf_greedy("default", tok(p)["input_ids"], max_new_tokens, ignore_eos=ignore_eos)
+            for p in prompts}
+
+
+def wait_until(cond, what: str, log: list, timeout_s: float = 120.0) -> None:
+    """Poll `cond` every 50 ms until true; past `timeout_s`, fail naming `what` with
+    the last entries of `log`."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: {log[-8:]}"
+        time.sleep(0.05)
+
+
+def start_load_then_streams(loops: list, streams: list, log: list, streamed: dict) -> None:
+    """Start the `loops` threads (clients looping requests, logging (t0, prompt, ids or
+    None, ...)), and once 8 of their requests succeeded the `streams` threads, then
+    wait until every stream (tokens in `streamed`, by prompt) has 4 tokens."""
+    for t in loops:
+        t.start()
+    wait_until(lambda: sum(r[2] is not None for r in log) >= 8, "no steady load", log)
+    for t in streams:
+        t.start()
+    wait_until(lambda: all(len(v) >= 4 for v in streamed.values()), "no stream began", log)
 
 
 def hf_greedy_logprobs(model: str, prompt_ids: list[int], max_new_tokens: int):

@@ -48,8 +48,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .peer import (PeerConfig, Server, VllmSetting, _env, load_tuning, start_pdserve,
-                   start_vllm, vllm_bin)
+from .peer import (PeerConfig, Server, VllmSetting, _env, _grpc_address, load_tuning,
+                   start_pdserve, start_vllm, vllm_bin)
 
 ARMS = {
     "vllm": None,
@@ -214,6 +214,24 @@ def goodput(points: list[tuple[float, float]], target: float) -> float:
     return points[-1][0]
 
 
+def prefills(server: Server) -> dict[str, float]:
+    """A pdserve server's count of request attempts by who prefilled them
+    (pdserve_prefills_total: {"prefill_worker": n, "decode_worker": m})."""
+    import urllib.request
+
+    from ..client import Client
+
+    with Client(_grpc_address(server.log), timeout_s=30) as c:
+        address = c.status().metrics_address
+    out = {"prefill_worker": 0.0, "decode_worker": 0.0}
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("pdserve_prefills_total{"):
+                on = line.split('on="')[1].split('"')[0]
+                out[on] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def unloaded(server: Server, model_dir: str, pool: list[dict], spare: list[dict],
              out: Path) -> dict:
     """TTFT and TPOT of lone requests of the workload's median prompt length: the
@@ -265,15 +283,21 @@ def run(cfg: GoodputConfig, progress=print) -> dict:
                     w["unloaded"]["arm"] = arm
                     progress(f"  unloaded: TTFT {w['unloaded']['ttft_s'] * 1e3:.0f} ms, TPOT "
                              f"{w['unloaded']['tpot_s'] * 1e3:.1f} ms")
-                runs = {}
+                runs, placed = {}, {}
                 for r in rates:
+                    before = None if arm == "vllm" else prefills(server)
                     res = _client(server, model_dir, slices[r], r, cfg.seed,
                                   out / "runs" / f"{name}_{arm}_r{r:g}.json")
                     runs[r] = latencies(res)
+                    if before is not None:     # who prefilled this rate's prompts
+                        placed[str(r)] = {k: v - before[k] for k, v in prefills(server).items()}
                     progress(f"  {r:g} req/s: {len(slices[r])} requests, {res['failed']} failed,"
                              f" TTFT p90 {res['p90_ttft_ms']:.0f} ms,"
-                             f" TPOT mean {res['mean_tpot_ms']:.1f} ms")
+                             f" TPOT mean {res['mean_tpot_ms']:.1f} ms"
+                             + (f", prefilled on {placed[str(r)]}" if str(r) in placed else ""))
                 w["arms"][arm] = {str(r): lat for r, lat in runs.items()}
+                if placed:
+                    w.setdefault("prefills", {})[arm] = placed
             finally:
                 server.stop()
     record["summary"] = summarize(record, cfg)

@@ -220,6 +220,7 @@ def test_head_starts_ray_then_pdserve_serve(case, monkeypatch):
     assert serve["metrics_port"] == merged["metrics"]["port"]
     assert serve["prefill_workers"] == groups["prefill"]["replicas"]
     assert serve["decode_workers"] == groups["decode"]["replicas"]
+    assert serve["routers"] == merged["head"]["routers"] == 1
     # each worker asks Ray for exactly the custom resource its group's nodes declare
     assert serve["prefill_resources"] == {"pdserve_prefill": 1.0}
     assert serve["decode_resources"] == {"pdserve_decode": 1.0}
@@ -280,6 +281,26 @@ def test_ports_and_services(case):
         for p in svc["spec"]["ports"]:
             assert p["targetPort"] in ports and p["port"] == ports[p["targetPort"]]
     assert _one(objs, "Service", RELEASE)["spec"]["type"] == merged["service"]["type"]
+
+
+def test_router_replicas_share_the_ports_and_each_is_scraped(chart, monkeypatch):
+    objs = _render(chart, {"head": {"routers": 3}, "http": {"enabled": True},
+                           "metrics": {"serviceMonitor": {"enabled": True}}})
+    ray = _one(objs, "RayCluster")
+    assert _cli_args(_serve_argv(ray), monkeypatch, "serve")["routers"] == 3
+    ports = {p["name"]: p["containerPort"]
+             for p in _container(ray["spec"]["headGroupSpec"]["template"])["ports"]}
+    assert (ports["pdserve-metrics"], ports["rtr-metrics-1"], ports["rtr-metrics-2"]) == (
+        9464, 9465, 9466)
+    svc = _one(objs, "Service", f"{RELEASE}-metrics")
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} == {
+        "metrics": (9464, "pdserve-metrics"), "metrics-1": (9465, "rtr-metrics-1"),
+        "metrics-2": (9466, "rtr-metrics-2")}
+    monitor = _one(objs, "ServiceMonitor")
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics", "metrics-1",
+                                                                 "metrics-2"]
+    client = _one(objs, "Service", RELEASE)        # one gRPC and one HTTP port for all
+    assert {p["name"] for p in client["spec"]["ports"]} == {"grpc", "http"}
 
 
 def test_http_port_is_a_toggle(chart, monkeypatch):

@@ -177,6 +177,7 @@ def test_head_runs_pdserve_serve_detached_after_ray(path, monkeypatch):
     args = serve_args(cfg, monkeypatch)
     assert args.address == "auto" and args.host == "0.0.0.0" and args.kv_host == "auto"
     assert (args.port, args.metrics_port) == (50051, 9464)
+    assert args.routers == 2             # a router's death costs its own connections only
     # GPU workers: flash-attn runs in bfloat16/float16 only (the CLI's default is float32)
     assert args.gpus_per_worker >= 1 and args.dtype in ("bfloat16", "float16")
 

@@ -19,7 +19,7 @@ import urllib.request
 import grpc
 import pytest
 import ray
-from serving import Served, hf_greedy, start_ray
+from serving import Served, hf_greedy_of, start_load_then_streams, start_ray, wait_until
 
 from pdserve.client import Client, make_request
 
@@ -39,14 +39,8 @@ def _router_pid(served: Served) -> int:
 
 
 def test_a_killed_router_serves_again_on_its_ports():
-    from transformers import AutoTokenizer
-
-    from pdserve.engine.loader import resolve_model
-
-    tok = AutoTokenizer.from_pretrained(resolve_model("default"))
-    expect = {p: hf_greedy("default", tok(p)["input_ids"], N) for p in PROMPTS}
-    expect_long = {p: hf_greedy("default", tok(p)["input_ids"], N_LONG, ignore_eos=True)
-                   for p in LONG}
+    expect = hf_greedy_of(PROMPTS, N)
+    expect_long = hf_greedy_of(LONG, N_LONG, ignore_eos=True)
     start_ray()
     served = Served(prefill_workers=1, decode_workers=1, threads_per_worker=1,
                     router_kw={"http_port": 0})
@@ -70,10 +64,7 @@ def test_a_killed_router_serves_again_on_its_ports():
                     time.sleep(0.05)
 
         def wait(cond, what: str, timeout_s: float = 120.0) -> None:
-            deadline = time.monotonic() + timeout_s
-            while not cond():
-                assert time.monotonic() < deadline, f"{what}: {log[-8:]}"
-                time.sleep(0.05)
+            wait_until(cond, what, log, timeout_s)
 
         def long_stream(prompt: str) -> None:    # pdserve's client: resumes
             req = make_request(prompt, max_tokens=N_LONG, temperature=0, ignore_eos=True)
@@ -84,13 +75,8 @@ def test_a_killed_router_serves_again_on_its_ports():
 
         threads = [threading.Thread(target=loop, args=(p,)) for p in PROMPTS]
         streams = [threading.Thread(target=long_stream, args=(p,)) for p in LONG]
-        for t in threads:
-            t.start()
         try:
-            wait(lambda: sum(r[2] is not None for r in log) >= 8, "no steady load")
-            for t in streams:
-                t.start()
-            wait(lambda: all(len(v) >= 4 for v in resumed.values()), "no long stream began")
+            start_load_then_streams(threads, streams, log, resumed)
             pid = _router_pid(served)
             assert all(len(v) < N_LONG for v in resumed.values()), "ended before the kill"
             killed_at = time.monotonic()

@@ -1,11 +1,14 @@
 """Clients that open streamed completions and never read them (4 KiB receive buffers):
 once their responses fill the connections' buffers, each stream is parked, and after
-stream_stall_timeout_s the router aborts it: the decode worker stops generating for it,
-every KV block comes back, the connection is closed, and the router counts it."""
+stream_stall_timeout_s the router aborts it: every one within the stall timeout plus
+ABORTED_WITHIN_S of its opening, the decode worker stops generating for it, every KV
+block comes back, the connection is closed, the router counts it, and the router's
+memory grows by less than ROUTER_GROWTH_BYTES."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 import urllib.request
@@ -15,9 +18,20 @@ from serving import Served, start_ray
 
 pytestmark = pytest.mark.slow
 
-STREAMS = 8
+STREAMS = 24
 MAX_TOKENS = 4000
 STALL_S = 3.0
+ABORTED_WITHIN_S = 10.0        # beyond STALL_S, from opening the streams
+ROUTER_GROWTH_BYTES = 100 << 20
+
+
+def _router_rss(served: Served) -> int:
+    import psutil
+    import ray
+
+    pid = ray.get(served.cluster.router.__ray_call__.remote(lambda _self: os.getpid()),
+                  timeout=60)
+    return psutil.Process(pid).memory_info().rss
 
 
 def _metric(address: str, name: str) -> float:
@@ -47,11 +61,16 @@ def test_streams_whose_clients_read_nothing_are_aborted():
     socks = []
     try:
         router_metrics = served.client.status().metrics_address
+        rss0 = _router_rss(served)
+        opened = time.monotonic()
         socks = [_open_unread(served.cluster.http_port, i) for i in range(STREAMS)]
-        deadline = time.monotonic() + 180
-        while _metric(router_metrics, "pdserve_streams_stalled_total") < STREAMS:
-            assert time.monotonic() < deadline, "not every stream was aborted"
+        peak = rss0
+        while (stalled := _metric(router_metrics, "pdserve_streams_stalled_total")) < STREAMS:
+            took = time.monotonic() - opened
+            assert took < STALL_S + ABORTED_WITHIN_S, f"{stalled:.0f} aborted after {took:.1f} s"
+            peak = max(peak, _router_rss(served))
             time.sleep(0.2)
+        assert peak - rss0 < ROUTER_GROWTH_BYTES, (rss0, peak)
         served.assert_all_free(timeout_s=10)        # D stopped; every block back
         generated = _metric(router_metrics, "pdserve_generation_tokens_total")
         assert generated < STREAMS * MAX_TOKENS / 2, generated

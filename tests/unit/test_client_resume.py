@@ -28,7 +28,7 @@ class Router:
     (the test then kills the server)."""
 
     def __init__(self, cut: int | None = 2, refuse: bool = False):
-        self.config = SimpleNamespace(router=RouterConfig())
+        self.config = SimpleNamespace(router=RouterConfig(), num_routers=1)
         self.metrics = SimpleNamespace(request=lambda: SimpleNamespace(
             tokens=lambda n, sample=0: None, finish=lambda status, prompt_tokens: None))
         self.calls: list[list[int]] = []

@@ -46,6 +46,7 @@ class Restartable:
 
     def __init__(self, restart_s: float | None = 0.1):
         self.dead, self.epoch, self.restart_s = False, 1, restart_s
+        self.draining = False
 
     def die(self) -> None:
         self.dead = True
@@ -53,7 +54,11 @@ class Restartable:
             asyncio.get_running_loop().call_later(self.restart_s, self._restart)
 
     def _restart(self) -> None:
-        self.dead, self.epoch = False, self.epoch + 1
+        self.dead, self.epoch, self.draining = False, self.epoch + 1, False
+
+    async def drain(self) -> None:
+        self.check()
+        self.draining = True
 
     def check(self) -> None:
         if self.dead:
@@ -377,6 +382,7 @@ def test_drain_sends_no_new_requests_to_the_node_and_waits_for_its_own():
         reply = await r.drain("10.0.0.2", timeout_s=0.3)       # decode-0 still busy
         assert list(reply.worker_ids) == ["decode-0"]
         assert not reply.drained and reply.running_requests == 1
+        assert d0.draining and not d1.draining        # on the worker: other replicas see it
         assert tokens(await collect(r)) == uninterrupted(PROMPT, MAX_TOKENS)
         assert not d0.reserved and len(d1.reserved) == 1       # new work went elsewhere
         busy.clear()

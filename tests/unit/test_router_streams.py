@@ -32,7 +32,7 @@ class FakeEvents:
     def end(self):
         self.items.put_nowait(None)
 
-    def events(self, epoch):
+    def events(self, epoch, router=0):
         self.calls.append(epoch)
 
         async def gen():

@@ -126,7 +126,7 @@ class FakeRouter:
     """What GeneratorService and AdminService use of router.Router: two tokens, a status."""
 
     def __init__(self, rc: RouterConfig):
-        self.config = SimpleNamespace(router=rc)
+        self.config = SimpleNamespace(router=rc, num_routers=1)
         self.metrics = SimpleNamespace(request=_Timer)
 
     async def generate(self, req, deadline_s):

@@ -81,7 +81,7 @@ class Endless:
     StallWatch; records when its generator's `finally` ran."""
 
     def __init__(self, timeout_s: float):
-        self.config = SimpleNamespace(router=RouterConfig(request_timeout_s=600))
+        self.config = SimpleNamespace(router=RouterConfig(request_timeout_s=600), num_routers=1)
         self.metrics = SimpleNamespace(request=lambda: SimpleNamespace(
             tokens=lambda n, sample=0: None, finish=lambda status, prompt_tokens: None))
         self.stalls = StallWatch(timeout_s)

@@ -151,9 +151,44 @@ def test_character_limit_scales_with_the_context():
     expect_invalid(lambda: ids_of(pb.GenerateRequest(text="😀" * (limit + 1)), NeverTokenizer()),
                    "text", f"at most {limit} characters", f"{MAX_MODEL_LEN} tokens",
                    str(limit + 1))
-    # At the limit it is tokenized (and here refused for its tokens, not its characters).
-    expect_invalid(lambda: ids_of(pb.GenerateRequest(text="a" * limit)), "text",
-                   f"prompt has {limit} tokens")
+    # At the limit it is tokenized (and here refused for its tokens, not its characters),
+    # its first prefix being enough to tell.
+    tok = SizesTokenizer(1)
+    first = validation.PREFIX_CHARS_PER_TOKEN * MAX_MODEL_LEN
+    expect_invalid(lambda: ids_of(pb.GenerateRequest(text="a" * limit), tok), "text",
+                   f"over {first - validation.CUT_MARGIN} tokens in its first {first} characters",
+                   f"{MAX_MODEL_LEN} tokens")
+    assert tok.sizes == [first]
+
+
+class SizesTokenizer(FakeTokenizer):
+    """One id per `chars` characters; records the length of every text it tokenizes."""
+
+    def __init__(self, chars: int):
+        super().__init__()
+        self.chars, self.sizes = chars, []
+
+    def __call__(self, text):
+        self.sizes.append(len(text))
+        return {"input_ids": [7] * -(-len(text) // self.chars)}
+
+
+def test_a_long_text_is_tokenized_by_doubling_prefixes_while_they_fit():
+    """Prefixes from PREFIX_CHARS_PER_TOKEN characters a context token, doubling, then
+    the whole text once they all fit: 8 characters a token, 300 characters are 38 tokens
+    (over the 32-token context by the whole, not by a prefix) and 500 at one a token go
+    over at the first prefix; a text up to the first prefix's length is tokenized once."""
+    first = validation.PREFIX_CHARS_PER_TOKEN * MAX_MODEL_LEN       # 128 characters
+    tok = SizesTokenizer(8)
+    expect_invalid(lambda: ids_of(pb.GenerateRequest(text="a" * 300), tok), "text",
+                   "prompt has 38 tokens")
+    assert tok.sizes == [first, 2 * first, 300]
+    tok = SizesTokenizer(1)
+    expect_invalid(lambda: ids_of(pb.GenerateRequest(text="a" * 500), tok), "text",
+                   f"first {first} characters")
+    assert tok.sizes == [first]
+    tok = SizesTokenizer(8)
+    assert ids_of(pb.GenerateRequest(text="a" * first), tok) == [7] * 16 and tok.sizes == [first]
 
 
 def test_chat_roles_count_toward_the_character_limit():
@@ -255,5 +290,7 @@ def test_request_id_limit_is_in_utf8_bytes():
 def test_request_id_limit_fits_a_kv_frame():
     from pdserve.kv_transfer.base import MAX_REQUEST_ID_BYTES as KV_FRAME_LIMIT
 
-    internal_suffix = len("#") + 8     # router.Router.generate: f"{rid}#{uuid hex[:8]}"
-    assert validation.MAX_REQUEST_ID_BYTES + internal_suffix <= KV_FRAME_LIMIT
+    from pdserve.request_ids import attempt_id
+
+    longest = attempt_id("r" * validation.MAX_REQUEST_ID_BYTES, 999) + "/99999"  # a sample's
+    assert len(longest.encode()) <= KV_FRAME_LIMIT

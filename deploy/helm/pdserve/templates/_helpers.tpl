@@ -96,6 +96,7 @@ import ray, sys; ray.init(address="auto", logging_level="ERROR", log_to_driver=F
       "--kv-host" "auto"
       "--prefill-workers" (toString $v.prefill.replicas)
       "--decode-workers" (toString $v.decode.replicas)
+      "--routers" (toString (default 1 $v.head.routers))
       "--prefill-resources" (include "pdserve.rayResourceJSON" "prefill")
       "--decode-resources" (include "pdserve.rayResourceJSON" "decode")
       "--gpus-per-worker" (include "pdserve.gpus" $v.prefill)

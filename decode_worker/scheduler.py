@@ -58,12 +58,13 @@ from ..engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes, bloc
 from ..engine.request import RequestState, TokenEvent
 from ..engine.schedule_policy import prefill_order, step_tokens
 from ..engine.sampling_params import SamplingParams
-from ..request_ids import router_of
 from ..engine.stop import stop_state
+from ..request_ids import router_of
 from .batch import RunningBatch
 from .connector import DecodeKVConnector
 from .fork import drop_cow_src, fork
 from .requests import DecodeRequest, RequestTooLargeError, Reserved, SchedulerOutput
+from .step_budget import MAX_BUDGET_WAITS
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class DecodeScheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.prefill_chunk_size = prefill_chunk_size
+        self._budget_waits = 0      # steps in a row a TPOT budget left the prefills out
         self.schedule_policy = schedule_policy
         self.eos_token_ids = frozenset(eos_token_ids)
         self.connector = connector
@@ -314,18 +316,27 @@ class DecodeScheduler:
                          copies: tuple[tuple[int, int], ...],
                          step_budget=None) -> SchedulerOutput:
         """Tokens each row computes this step (engine/schedule_policy.py
-        step_tokens); a row left without budget sits this step out (keeps its blocks)."""
-        chunk = self.prefill_chunk_size
+        step_tokens); a row left without budget sits this step out (keeps its blocks).
+        Under a TPOT budget that leaves the prefills less than a block beside the decode
+        rows, they sit the step out while the streams bank time (steps faster than the
+        SLO), at most MAX_BUDGET_WAITS steps in a row; then a block runs anyway, so a
+        prefill always progresses."""
+        chunk, least = self.prefill_chunk_size, self.block_size
         streams = [(len(r.output_ids), r.itl_s) for r in batch
                    if r.num_tokens - r.num_computed_tokens == 1]
         if step_budget is not None and streams and any(   # prefills beside streams
                 r.num_tokens - r.num_computed_tokens > 1 for r in batch):
             cap = step_budget(streams)
             if cap is not None:
+                if cap - len(streams) < self.block_size and self._budget_waits < MAX_BUDGET_WAITS:
+                    self._budget_waits += 1
+                    cap, least = len(streams), 0         # decode rows only this step
+                else:
+                    self._budget_waits = 0
                 chunk = cap if chunk is None else min(chunk, cap)
         counts = step_tokens(batch, lambda r: r.num_tokens - r.num_computed_tokens,
                              lambda r: r.arrived, self.schedule_policy, now,
-                             chunk, self.block_size)
+                             chunk, least)
         rows = [(r, n) for r, n in zip(batch, counts) if n]
         return SchedulerOutput(tuple(r for r, _ in rows), tuple(n for _, n in rows), copies)
 

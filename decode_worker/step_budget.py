@@ -24,6 +24,8 @@ from ..messages import StepStats
 DECAY = 0.98          # a step's weight against the next one's (~50 steps remembered)
 MARGIN = 0.9          # the share of the target a step is planned to take
 LEARN_STEPS = 8       # steps a thread count's line needs before it sizes a step
+MAX_BUDGET_WAITS = 16  # steps in a row a prefill may sit out for want of budget (then a
+                       # block runs: its progress, at a bounded cost to the streams' TPOT)
 
 
 class StepBudget:

@@ -9,6 +9,7 @@ import pytest
 from pdserve.decode_worker.scheduler import DecodeScheduler, SchedulerOutput, RequestTooLargeError
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
 from pdserve.engine.request import RequestState, TokenEvent
+from pdserve.decode_worker.step_budget import MAX_BUDGET_WAITS
 from pdserve.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -287,16 +288,17 @@ def test_update_from_output_length_mismatch_raises(pool):
 
 def test_a_step_budget_caps_prefill_beside_decode_rows_only(pool):
     """A TPOT SLO's step budget bounds a step's rows and prefill chunk together while
-    streams decode beside a prefill, prefills keeping at least a block; it is asked
-    with each decode row's (tokens so far, ITL seconds so far); a step with no decode
-    row, or no prefill, is not capped."""
+    streams decode beside a prefill; it is asked with each decode row's (tokens so far,
+    ITL seconds so far); a step with no decode row, or no prefill, is not capped. A
+    budget short of a block leaves the prefill out, MAX_BUDGET_WAITS steps in a row at
+    most, then a block runs."""
     s = make_sched(pool, prefill_chunk_size=32)
     asked = []
 
     def budget(cap):
         return lambda streams: asked.append(streams) or cap
 
-    s.reserve("d", 3, params(), LEASE_S, prompt(3), prefill_locally=True)
+    s.reserve("d", 3, params(max_tokens=40), LEASE_S, prompt(3), prefill_locally=True)
     out = s.schedule(step_budget=budget(6))
     assert out.num_scheduled_tokens == (3,) and not asked    # alone: its whole prompt
     s.update_from_output(out, [7], step_s=0.5)
@@ -309,12 +311,19 @@ def test_a_step_budget_caps_prefill_beside_decode_rows_only(pool):
     assert asked == [[(2, 0.02)]]    # its prefill step is not an ITL; one gap of 20 ms
     s.update_from_output(out, [9, None], step_s=0.03)
     out = s.schedule(step_budget=budget(3))
-    assert out.num_scheduled_tokens == (1, BLOCK_SIZE)      # 3 - 1 < a block: a block
+    assert out.num_scheduled_tokens == (1,)                 # 3 - 1 < a block: it waits
     assert asked[-1] == [(3, pytest.approx(0.05))]
-    s.update_from_output(out, [10, None])
+    for k in range(MAX_BUDGET_WAITS - 1):
+        s.update_from_output(out, [20 + k])
+        out = s.schedule(step_budget=budget(3))
+        assert out.num_scheduled_tokens == (1,)
+    s.update_from_output(out, [40])
+    out = s.schedule(step_budget=budget(3))                 # waited its most: a block
+    assert out.num_scheduled_tokens == (1, BLOCK_SIZE)
+    s.update_from_output(out, [41, None])
     out = s.schedule(step_budget=budget(None))               # not learned yet
     assert out.num_scheduled_tokens == (1, 31)              # the chunk, less the row
-    s.update_from_output(out, [11, 12])
+    s.update_from_output(out, [42, 43])
     for r in ("d", "p"):
         s.abort(r)
     s.schedule()

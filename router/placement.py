@@ -89,12 +89,13 @@ class RoomQueue:
 
 
 class FirstTokenTimes:
-    """Per prefill worker, the seconds from sending it a prompt to its first token,
-    modelled as a least-squares line against the prompt tokens it had to compute for
-    it (those queued ahead on it, this prompt's included): `seconds = a + b * tokens`,
-    each observation weighing DECAY times the next one's, so the line follows the
-    worker's load and the machine's. The router's own clock: the queue wait, the
-    prefill steps, the KV transfer and the hops are all in it."""
+    """Per worker that prefills (a prefill worker, or a decode worker for its own
+    prefills), the seconds from sending it a prompt to its first token, modelled as a
+    least-squares line against the prompt tokens it had to compute for it (those
+    queued ahead on it, this prompt's included): `seconds = a + b * tokens`, each
+    observation weighing DECAY times the next one's, so the line follows the worker's
+    load and the machine's. The router's own clock: the queue wait, the prefill steps,
+    the KV transfer and the hops are all in it."""
 
     DECAY = 0.95          # ~20 first tokens remembered
     LEARN = 4             # observations a worker's line needs before it predicts
@@ -275,17 +276,12 @@ class Placement:
 
     SLO_MARGIN = 0.9      # share of the TTFT SLO a prefill worker's predicted time may take
 
-    def prefill_meets_ttft(self, prompt_len: int) -> bool:
-        """Whether a live prefill worker's predicted first token for a `prompt_len`-token
-        prompt sent now (FirstTokenTimes; one with no prediction yet counts as meeting
-        it) is within SLO_MARGIN of router.slo_ttft_ms (None: every one is)."""
-        slo_ttft_ms = self.config.router.slo_ttft_ms
-        live = [p for p in self.prefill if p.available]
-        if slo_ttft_ms is None:
-            return bool(live)
-        best = min((self.first_token.predict(p.worker_id, p.total_load + prompt_len) or 0.0
-                    for p in live), default=math.inf)
-        return best <= self.SLO_MARGIN * slo_ttft_ms / 1e3
+    def prefill_ttft(self, prompt_len: int) -> float:
+        """Seconds to the first token of a `prompt_len`-token prompt sent now to the
+        live prefill worker that would answer first (FirstTokenTimes; one with no
+        prediction yet counts as 0); inf when none is live."""
+        return min((self.first_token.predict(p.worker_id, p.total_load + prompt_len) or 0.0
+                    for p in self.prefill if p.available), default=math.inf)
 
     @staticmethod
     def charge(d: Worker, p: Worker | None, tokens: int, sign: int, streams: int = 0) -> None:
@@ -309,8 +305,10 @@ class Placement:
         step budget holds them within the SLO by computing the prompt in smaller
         chunks), so a prompt goes to a prefill worker whenever the first-token time
         predicted there (FirstTokenTimes, with its queue) is within SLO_MARGIN of the
-        TTFT SLO (router.slo_ttft_ms; none: always). DistServe's placement for the two
-        SLOs; TaiChi (arXiv 2508.01989) switches between the two shapes the same way.
+        TTFT SLO (router.slo_ttft_ms; none: always), or when D's own predicted time for
+        it (its line for the prompts it prefilled under the budget) is later still.
+        DistServe's placement for the two SLOs; TaiChi (arXiv 2508.01989) switches
+        between the two shapes the same way.
 
         - D has no prefill of its own queued and prefill workers on D's node, at least
           as many as its decode workers, have none either
@@ -328,8 +326,13 @@ class Placement:
                 p.num_blocks for p in self.prefill):
             return True      # no prefill worker's pool holds it: a retry's prompt + tokens
         rc = self.config.router
-        if rc.slo_tpot_ms is not None and self.prefill_meets_ttft(prompt_len):
-            return False
+        if rc.slo_tpot_ms is not None:
+            on_p = self.prefill_ttft(prompt_len)
+            if on_p <= self.SLO_MARGIN * (rc.slo_ttft_ms or math.inf) / 1e3:
+                return False
+            on_d = self.first_token.predict(d.worker_id, d.local_prefill_load + prompt_len)
+            if on_d is not None and on_d >= on_p:        # D would be later still
+                return False
         if (rc.local_prefill_when_prefill_idle and self.config.decode.core_share_dir
                 and d.local_prefill_load == 0):
             # each decode worker of the node gets a share of the idle workers' threads

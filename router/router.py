@@ -325,6 +325,7 @@ class Router:
         self.metrics.prefills.labels(on="decode_worker" if p is None else "prefill_worker").inc()
         # prompt tokens charged by _reserve to P's queue or to D's own, until the first token
         local_tokens, p_tokens = (0, len(ids)) if p is not None else (len(ids), 0)
+        sent, queued_on_d = time.monotonic(), d.local_prefill_load    # D's own prefill
         finished = False
         try:
             self.streams.bind(internal_id, d, res.epoch)
@@ -346,6 +347,9 @@ class Router:
                 try:
                     async for events in self.streams.batches(internal_id, deadline):
                         queued.release()  # local prefill: its first token came from D
+                        if local_tokens:
+                            self.placement.first_token.observe(d.worker_id, queued_on_d,
+                                                               time.monotonic() - sent)
                         d.local_prefill_load -= local_tokens
                         local_tokens = 0
                         msgs, error = self._absorb(events, on_d, d, internal_id, stop0)

@@ -1,8 +1,8 @@
 """router/placement.py under SLOs: the router learns each prefill worker's time to first
-token against the prompt tokens queued on it (FirstTokenTimes), and with a TPOT SLO
-keeps every prompt off the decode worker whose first token a prefill worker would give
-within the TTFT SLO; only the ones it would give late follow the conditional
-disaggregation rules. Fakes as in test_router_admission (no model, no Ray); every test
+token against the prompt tokens queued on it (FirstTokenTimes), and the decode worker's
+for its own prefills, and with a TPOT SLO keeps every prompt off the decode worker whose
+first token a prefill worker would give within the TTFT SLO, or sooner than the decode
+worker would; only the others follow the conditional disaggregation rules. Fakes as in test_router_admission (no model, no Ray); every test
 that serves requests ends with the router's queue empty."""
 
 import asyncio
@@ -40,9 +40,9 @@ def lending_router(**router_kw):
     return r, d, p
 
 
-def teach(r, p, seconds_per_token: float) -> None:
+def teach(r, w, seconds_per_token: float) -> None:
     for tokens in (200, 800, 1400, 2000):
-        r.placement.first_token.observe(p.worker_id, tokens, 0.05 + seconds_per_token * tokens)
+        r.placement.first_token.observe(w.worker_id, tokens, 0.05 + seconds_per_token * tokens)
 
 
 def test_without_slos_the_idle_and_queue_rules_decide():
@@ -77,6 +77,21 @@ def test_with_both_slos_the_decode_worker_takes_the_prompts_a_prefill_worker_wou
     r.config = r.placement.config = replace(                  # to D unless P would be late
         r.config, router=replace(r.config.router, slo_ttft_ms=500.0))
     assert r.placement.prefill_on_decode(d, 1000)             # 1.05 s > 0.45 s: D on lent cores
+    teach(r, d, 0.01)                                         # D under a tight budget: 100/s
+    assert not r.placement.prefill_on_decode(d, 1000)         # 10 s on D, 1.05 s on P: P
+
+
+def test_the_router_learns_the_decode_worker_s_own_first_token_times():
+    async def main():
+        d = FakeDecode(local=True)
+        r = make_router(d, FakePrefill(), slo_tpot_ms=40.0, slo_ttft_ms=4000.0)
+        for _ in range(FirstTokenTimes.LEARN):
+            assert await asyncio.wait_for(collect(generate(r)), 10) == [11, 12]
+        predicted = r.placement.first_token.predict(r.decode[0].worker_id, 4)
+        assert predicted is not None and 0 <= predicted < 5.0
+        return r
+
+    assert queue(asyncio.run(main())) == (0, 0)
 
 
 def test_the_router_learns_a_prefill_worker_s_first_token_times_from_its_requests():

@@ -48,6 +48,7 @@ def main(rank: int, size: int, init_file: str, model_dir: str, io: str, new_toke
                                                     device=device), num_threads=1, tp=tp)
         if rank > 0:
             torch.save({"calls": follow(runner, tp)}, f"{io}.rank{rank}")
+            dist.barrier()     # every rank's last collective: none tears its pairs down first
             return
         leader = TPLeader(runner, tp, heartbeat_s=0.2)
         tokens, logits, _ = _engine_generate(leader, _make_pool(64), prompts,

@@ -336,7 +336,7 @@ class DecodeWorker:
 
     def _group_broken(self, e: Exception) -> None:
         """A rank is lost (or out of step): exit, so Ray restarts this actor and its
-        ranks as a whole (new epoch; the router migrates the streams, issue 6)."""
+        ranks as a whole (new epoch; the router retries the streams on live workers)."""
         logger.critical("%s: %s; exiting so Ray restarts the worker's ranks as a whole",
                         self.worker_id, e)
         logging.shutdown()

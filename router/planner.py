@@ -1,4 +1,4 @@
-"""The SLO planner (`serve --planner slo`, issue 21): every adjustment_interval_s the
+"""The SLO planner (`serve --planner slo`): every adjustment_interval_s the
 router sizes its prefill and decode pools to a TTFT and an ITL target, through the same
 Scaler.scale as Admin.Scale (router/scaling.py: new workers pair before they serve,
 retired ones drain or move their requests on, so nothing is lost).

@@ -1,4 +1,4 @@
-"""Workers added and retired at runtime (Admin.Scale, `pdserve scale`; issue 21).
+"""Workers added and retired at runtime (Admin.Scale, `pdserve scale`).
 
     scale(P, D)
       up:    start_worker (cluster.py) for each missing worker, state "starting";
@@ -11,8 +11,8 @@
              skips them: no new request, no new reservation); each is stopped (shutdown,
              then killed) once neither it nor the router has a request of its own on it,
              or at timeout_s: then what it still had moves on as from a dead worker
-             (issue 6: a prefill is retried elsewhere, a decode stream resumes on another
-             decode worker after the tokens it already sent)
+             (the router's retry: a prefill is retried elsewhere, a decode stream
+             resumes on another decode worker after the tokens it already sent)
 
 Nothing is refused or lost: a request that reached a retiring worker before it was
 marked finishes there (or moves on), and the others go to the workers that serve. Ray owns the

@@ -79,7 +79,6 @@ async def sync_members(router) -> tuple[list[str], list[str]]:
     for role in ("prefill", "decode"):
         have = {w.worker_id: w for w in getattr(placement, role)}
         named = dict(found[role])
-        new_ids = [wid for wid in named if wid not in have]
         infos = await asyncio.gather(*(asyncio.wait_for(named[wid].ready.remote(),
                                                         SYNC_READY_TIMEOUT_S)
                                        for wid in named), return_exceptions=True)
@@ -87,7 +86,7 @@ async def sync_members(router) -> tuple[list[str], list[str]]:
         for wid, info in zip(named, infos):
             if isinstance(info, BaseException):     # starting, dead or hung: as it was
                 continue
-            if wid in new_ids:
+            if wid not in have:
                 new.append(Worker(named[wid], wid, info.num_blocks, info.epoch,
                                   node_ip=info.node_ip, draining=info.draining,
                                   free_blocks=info.num_blocks if role == "decode" else 0))

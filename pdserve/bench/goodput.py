@@ -48,7 +48,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .peer import (PeerConfig, Server, VllmSetting, _env, _grpc_address, load_tuning,
+from .peer import (PeerConfig, Server, VllmSetting, _env, grpc_address, load_tuning,
                    start_pdserve, start_vllm, vllm_bin)
 
 ARMS = {
@@ -221,7 +221,7 @@ def prefills(server: Server) -> dict[str, float]:
 
     from ..client import Client
 
-    with Client(_grpc_address(server.log), timeout_s=30) as c:
+    with Client(grpc_address(server.log), timeout_s=30) as c:
         address = c.status().metrics_address
     out = {"prefill_worker": 0.0, "decode_worker": 0.0}
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as resp:

@@ -245,13 +245,13 @@ def resolved_config(system: str, server: Server) -> dict:
                             if any(k in line for k in keep)][:20]
     else:
         status = subprocess.run([_venv_bin("pdserve"), "status", "--server",
-                                 _grpc_address(server.log)], capture_output=True, text=True,
+                                 grpc_address(server.log)], capture_output=True, text=True,
                                 timeout=60)
         out["status"] = status.stdout
     return out
 
 
-def _grpc_address(log: Path) -> str:
+def grpc_address(log: Path) -> str:
     """The gRPC address pdserve serve printed as ready (its --port 0 picks one)."""
     for line in log.read_text().splitlines():
         if line.startswith("pdserve ready: gRPC on "):

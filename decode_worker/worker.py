@@ -56,7 +56,7 @@ from ..kv_transfer.tp_plan import rank_layout
 from ..messages import DecodeReservation, StepStats, WorkerInfo, WorkerStatus
 from ..metrics import WorkerMetrics, serve as serve_metrics
 from ..config import WorkerConfig
-from ..core_share import LentThreads
+from ..core_share import CompileActivity, LentThreads
 from ..tp_group import worker_runner
 from .connector import DecodeKVConnector
 from .outbox import EventOutbox
@@ -122,6 +122,7 @@ class DecodeWorker:
                                         len(os.sched_getaffinity(0)))
             except OSError as e:
                 logger.warning("idle prefill cores not borrowed: %s", e)
+        self.compile_flag = CompileActivity.on(config.core_share_dir, worker_id)
         self.peak_batch_size = 0      # largest decode batch so far (tests prove batching)
         # steps sized to the TPOT SLO when one is set (step_budget.py)
         self.step_budget = (StepBudget(config.slo_tpot_ms / 1e3) if config.slo_tpot_ms
@@ -171,8 +172,10 @@ class DecodeWorker:
                 step thread).
         """
         self._loop = self._loop or asyncio.get_running_loop()
-        grammar = (None if params.structured_outputs is None else
-                   await self.runner.compile_grammar(params.structured_outputs))
+        grammar = None
+        if params.structured_outputs is not None:
+            with self.compile_flag.compiling():      # core_share: no lent threads meanwhile
+                grammar = await self.runner.compile_grammar(params.structured_outputs)
         try:
             r = self.scheduler.reserve(request_id, prompt_len, params,
                                        lease_s or self.config.lease_s, prompt_token_ids,
@@ -272,6 +275,7 @@ class DecodeWorker:
         self.receiver.close()
         if self.lent is not None:
             self.lent.close()
+        self.compile_flag.close()
 
     # --- threads ------------------------------------------------------------------------
 

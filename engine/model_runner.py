@@ -229,11 +229,14 @@ class ModelRunner:
         return Grammars(self.tokenizer, self.config.vocab_size, self.config.eos_token_ids)
 
     async def compile_grammar(self, so: StructuredOutput) -> Any:
-        """`so` compiled (Grammars.compile) on a thread of the event loop's executor, the
-        first call building `grammars` there too: the caller's loop and the step thread
-        go on meanwhile (xgrammar releases the GIL while it compiles). Raises ValueError
+        """`so` compiled (Grammars.compile) on this process's low-priority grammar thread
+        (structured_output.compile_executor), the first call building `grammars` there
+        too: the caller's loop and the step thread go on meanwhile (xgrammar releases the
+        GIL while it compiles). Raises ValueError
         naming what xgrammar refused."""
-        return await asyncio.to_thread(lambda: self.grammars.compile(so))
+        from .structured_output import compile_executor
+        return await asyncio.get_running_loop().run_in_executor(
+            compile_executor(), lambda: self.grammars.compile(so))
 
     @torch.inference_mode()
     def prefill(self, seqs: Sequence[PrefillSeq],

@@ -16,6 +16,13 @@ tokens), as small models otherwise tend to emit whitespace without end. The rout
 compiles too, to refuse a grammar xgrammar cannot compile with
 400 / INVALID_ARGUMENT before any worker sees it.
 
+Compiling a large schema takes seconds of one core (a 60 KB one: 1.3 s with the default
+model's 49k-token vocabulary). Each process compiles on one thread of its own
+(`compile_executor`, niced); where CPU workers lend idle cores (pdserve/core_share.py),
+a process compiling says so on its node, and no decode worker there runs its steps on
+lent threads meanwhile: an OpenMP team sharing a core with a compile slows several-fold
+(a running stream's token gaps went from ~35 to ~300 ms), its own threads alone do not.
+
 Where it runs: the prefill worker's matcher picks the first token (on a retry, after
 accepting the tokens already generated, the tail of its prompt); the decode worker's
 matcher accepts those same tokens, then constrains every later one.
@@ -24,8 +31,11 @@ matcher accepts those same tokens, then constrains every later one.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sequence
@@ -33,9 +43,38 @@ from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+COMPILE_NICE = 19                 # the compile thread's niceness: the lowest priority
 MAX_SPEC_CHARS = 64 * 1024        # a schema, regex or grammar's text
 CACHE_LIMIT_BYTES = 256 << 20     # compiled grammars kept per process (vLLM's cap: 512 MiB)
+
+
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _lowest_priority() -> None:
+    """This thread (Linux: its native id is its tid) at niceness COMPILE_NICE. Not
+    SCHED_IDLE: a compile thread starved while it holds the GIL (briefly, at a
+    compile's start and end) would stall every thread of its process."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+    except (AttributeError, OSError) as e:
+        logger.debug("grammar thread keeps its priority: %r", e)
+
+
+def compile_executor() -> ThreadPoolExecutor:
+    """This process's grammar-compiling thread: one, at the lowest niceness
+    (_lowest_priority), so where it shares a core with a step thread of its process
+    the step keeps most of it (created on first use)."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(1, thread_name_prefix="grammar",
+                                           initializer=_lowest_priority)
+        return _executor
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ import ray
 import torch
 
 from ..config import WorkerConfig
-from ..core_share import PrefillActivity
+from ..core_share import CompileActivity, PrefillActivity
 from ..engine.block_pool import BlockPool, blocks_needed
 from ..engine.model_runner import PrefillSeq
 from ..engine.request import RequestState
@@ -83,6 +83,7 @@ class PrefillWorker:
                                                 config.num_threads)
             except OSError as e:
                 logger.warning("idle cores not lent to decode: %s", e)
+        self.compile_flag = CompileActivity.on(config.core_share_dir, worker_id)
         # tensor-parallel: ranks 1..N-1 follow, each sending its KV heads (rank.py)
         self.tp, self._ranks, self.runner = worker_runner(
             worker_id, config, "prefill", self.epoch, self._group_broken,
@@ -170,7 +171,7 @@ class PrefillWorker:
                              f"[0, {num_blocks}) for a prompt of {len(order.token_ids)} tokens")
         self._loop = asyncio.get_running_loop()
         so = order.params.structured_outputs
-        grammar = None if so is None else await self.runner.compile_grammar(so)
+        grammar = None if so is None else await self._compile(so)
         req = PrefillRequest(order.request_id, list(order.token_ids), order.params,
                              tuple(order.kv_address), order.epoch,
                              future=self._loop.create_future(),
@@ -184,6 +185,12 @@ class PrefillWorker:
         except asyncio.CancelledError:
             self._abort(order.request_id)
             raise
+
+    async def _compile(self, so):
+        """`so` compiled off the step thread, published meanwhile (core_share: no decode
+        worker of this node runs on lent threads while a compile shares the cores)."""
+        with self.compile_flag.compiling():
+            return await self.runner.compile_grammar(so)
 
     async def bench_prefill(self, num_tokens: int, seed: int = 0) -> float:
         """Seconds for one prefill step of `num_tokens` random tokens on this worker
@@ -272,6 +279,7 @@ class PrefillWorker:
         self._finish_sent()
         if self.activity is not None:
             self.activity.close()
+        self.compile_flag.close()
 
     # --- helpers ------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ import pytest
 
 from pdserve import core_share
 from pdserve.config import ClusterConfig, WorkerConfig
-from pdserve.core_share import LentThreads, PrefillActivity
+from pdserve.core_share import CompileActivity, LentThreads, PrefillActivity
 
 
 @pytest.fixture
@@ -28,6 +28,31 @@ def test_decode_borrows_only_idle_prefill_threads_up_to_its_cap(tmp_path):
     assert lent.threads() == 3
     for p in (p0, p1):
         p.close()
+    lent.close()
+
+
+def test_no_threads_are_lent_while_a_process_of_the_node_compiles_a_grammar(
+        tmp_path, rescan_always):
+    """A router's (or any worker's) grammar compile, published as `<owner>.compiling`:
+    the decode worker runs on its own threads until every compile ended; nested and
+    concurrent compiles of one process count; the flag's file goes with close()."""
+    lent = LentThreads(str(tmp_path), "decode-0", own_threads=1, max_threads=2)
+    p = PrefillActivity(str(tmp_path), "prefill-0", threads=1)
+    p.set_busy(False)
+    router = CompileActivity(str(tmp_path), "router-0")
+    assert lent.threads() == 2
+    with router.compiling():
+        assert lent.threads() == 1
+        with router.compiling():
+            assert lent.threads() == 1
+        assert lent.threads() == 1                   # one still compiling
+    assert lent.threads() == 2
+    off = CompileActivity(None, "router-1")          # no lending: publishes nothing
+    with off.compiling():
+        assert lent.threads() == 2
+    router.close()
+    assert not list(tmp_path.glob("*.compiling"))
+    p.close()
     lent.close()
 
 

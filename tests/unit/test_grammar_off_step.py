@@ -5,16 +5,16 @@ holds; and xgrammar releases the GIL while it compiles a large schema, so a thre
 compiling one does not hold up another's Python (a step loop's)."""
 
 import asyncio
-import json
 import threading
 import time
 
+from schemas import large_schema
 from tiny_models import VOCAB_SIZE, tiny_model_dir
 
 from pdserve.config import WorkerConfig
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured_output import MAX_SPEC_CHARS, Grammars, StructuredOutput
+from pdserve.engine.structured_output import Grammars, StructuredOutput
 
 
 def test_the_decode_worker_compiles_a_grammar_before_the_step_thread_sees_the_request(
@@ -52,26 +52,6 @@ def test_the_decode_worker_compiles_a_grammar_before_the_step_thread_sees_the_re
         assert d.pool.num_free == d.pool.num_blocks
     finally:
         asyncio.run(d.shutdown())
-
-
-def large_schema() -> str:
-    """A JSON schema just under MAX_SPEC_CHARS: an object of many typed, bounded
-    properties, some enums and nested objects (an API's tool schema, written large)."""
-    props, k = {}, 0
-    while True:
-        kind = k % 4
-        props[f"field_{k}"] = (
-            {"type": "integer", "minimum": 0, "maximum": k + 10} if kind == 0 else
-            {"type": "string", "enum": [f"v{k}_{j}" for j in range(4)]} if kind == 1 else
-            {"type": "object", "properties": {"a": {"type": "boolean"},
-                                              "b": {"type": "string", "maxLength": 12}},
-             "required": ["a"], "additionalProperties": False} if kind == 2 else
-            {"type": "array", "items": {"type": "number"}, "maxItems": 3})
-        text = json.dumps({"type": "object", "properties": props,
-                           "required": list(props)[:50], "additionalProperties": False})
-        if len(text) > MAX_SPEC_CHARS - 400:
-            return text
-        k += 1
 
 
 def test_compiling_a_large_schema_leaves_other_threads_running():

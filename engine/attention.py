@@ -1,6 +1,6 @@
 """Attention over a paged KV cache: prefill (varlen, causal) and decode (one query each).
 
-Back ends, chosen per device (ARCHITECTURE.md "Attention back ends"):
+Back ends, chosen per device (docs/architecture.md "Attention back ends"):
 
 | phase   | CUDA + flash-attn                         | CUDA without flash-attn        | CPU                        |
 |---------|-------------------------------------------|--------------------------------|----------------------------|

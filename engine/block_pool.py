@@ -5,7 +5,7 @@ free list; `ref_count` lets a block be shared, and a block goes back to the pool
 when its last holder frees it. The pool holds ids only; the tensors live in the
 ModelRunner's KV cache.
 
-Prefix cache (ARCHITECTURE.md, "KV cache layout"; the scheme of vLLM's automatic prefix
+Prefix cache (docs/architecture.md, "KV cache layout"; the scheme of vLLM's automatic prefix
 caching): a *full* block whose K/V has been computed can be registered under its
 **block hash**, a digest of its tokens chained with the hash of the block before it
 (``block_hashes``), so equal hashes mean equal token prefixes. A later prompt looks its

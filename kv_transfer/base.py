@@ -1,5 +1,7 @@
 """Transport-independent KV transfer types: layout descriptor, state enum, errors,
-and the two small interfaces every transport implements (STYLE rule 7).
+and the two small interfaces every transport implements (KVSender, KVReceiver): the
+workers call only these, and `make_sender` / `make_receiver` pick the transport, so a
+transport is swapped without touching a worker.
 
 Lifecycle of one request's KV, seen from both ends::
 

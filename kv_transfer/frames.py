@@ -93,7 +93,7 @@ FLAG_CRC32C = 1 << 0  # payload carries a trailing little-endian CRC32C (host_io
 KNOWN_FLAGS = FLAG_CRC32C
 CRC_BYTES = 4
 
-MAX_HANDSHAKE_BYTES = 64 * 1024  # layout JSON is ~200 bytes; bound what we buffer
+MAX_HANDSHAKE_BYTES = 64 * 1024  # layout JSON is ~200 bytes; caps what a side buffers
 NONCE_BYTES = 32  # CHALLENGE payload, and P's nonce in its HANDSHAKE
 AUTH_REFUSED = "cluster secret mismatch"  # D's refusal error when auth fails (auth.py)
 MAX_REASON_BYTES = 4096
@@ -348,7 +348,7 @@ def read_header(sock: socket.socket, layout: KVLayout | None = None,
             return None
         raise KVFrameError("connection closed before a frame header")
     recv_exact(sock, mv[got:HEADER_SIZE])
-    rid_len = _unpack_fixed(mv[:HEADER_SIZE])[_RID_LEN]  # validated before we read that far
+    rid_len = _unpack_fixed(mv[:HEADER_SIZE])[_RID_LEN]  # validated before the read gets that far
     recv_exact(sock, mv[HEADER_SIZE : HEADER_SIZE + rid_len])
     return unpack_header(mv[: HEADER_SIZE + rid_len], layout, max_blocks)
 

@@ -180,7 +180,7 @@ class NixlKVSender(TcpKVSender):
             now = time.monotonic()
             if now - peer.checked_at > PEER_CHECK_S:   # a syscall: not on every call
                 peer.checked_at = now
-                if _peer_closed(conn.sock):   # D dropped us: its grace period is running
+                if _peer_closed(conn.sock):   # D hung up: its grace period is running
                     raise ConnectionError("decode worker closed the control connection")
             if self.kv.is_cuda:  # on_layer_done fires when the layer is queued, not done
                 torch.cuda.current_stream(self.kv.device).synchronize()

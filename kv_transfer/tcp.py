@@ -7,13 +7,23 @@ transport; blocking sockets with TCP_NODELAY, zero-copy sends from tensor memory
 CRC32C-flagged frame (the default, WorkerConfig.kv_checksum), a staging tensor that is
 checked before a byte reaches the cache::
 
-    P: kv[layers, :, src_idx] -> contiguous [n_layers, 2, n_blocks, bs, H, D]
-         -> header + request_id + payload (+ crc32c) --------------------------+
+    cache   kv: [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]  (0 = K, 1 = V)
+    payload     [n_layers, 2, n_blocks, n_heads, block_size, head_dim], blocks in
+                block-table order; n_heads: all the cache's, or a tensor-parallel
+                rank's range of them (the header's head_start, num_heads)
+
+    P: host cache: per layer and K/V, each run of consecutive src blocks is one
+         region of kv (one per block when only some heads go), sent in place;
+       over MAX_DIRECT_PIECES regions, or a CUDA cache: kv[layers, :, src_idx]
+         gathered into one tensor (CUDA: then copied to pinned host memory)
+       sendmsg(header + request_id + payload pieces (+ crc32c)) ---------------+
                                                                                |
-    D: recv_into staging (uint8) -> check crc <--------------------------------+
-         -> kv[layers, :, dst_idx[block_start : block_start + n_blocks]] = staged
-            (one memcpy per run of blocks on a host cache; a mismatch fails only
-             that request, the connection goes on)
+    D: no crc: recv_into the reserved blocks themselves (host cache) <---------+
+       crc:    recv_into staging (uint8) -> check crc
+                 -> kv[layers, :, dst_idx[block_start : block_start + n_blocks]] = staged
+                    (one memcpy per run of blocks on a host cache; a mismatch fails
+                     only that request, the connection goes on)
+       CUDA cache: through a pinned host staging buffer, then index_copy_
 
 The checksum's cost (docs/performance.md "KV checksum"): ~0.035 ms per 768 KiB frame on
 each end; over loopback 2.3 GB/s without, 1.5 GB/s with. Turn it off (kv_checksum=False)

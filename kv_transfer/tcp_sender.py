@@ -2,11 +2,19 @@
 
 One blocking socket per decode address, opened on first use, handshaken (D's
 challenge, then layout + epoch + proofs of the cluster secret both ways; auth.py), then
-reused under a per-connection lock. A KV frame is gathered into one contiguous tensor
-and sent zero-copy from its memory::
+reused under a per-connection lock. A KV frame's payload is
+[n_layers, 2, n_blocks, heads, block_size, head_dim] (blocks in block-table order), sent
+with ``sendmsg`` (writev, up to 64 buffers a call) from the header and the payload's
+pieces, copying nothing on a host cache::
 
-    kv[layer_start:layer_end].index_select(2, src_idx)   # [n_layers, 2, n_blocks, heads, block_size, head_dim]
-      -> uint8 memoryview -> sock.sendall   (CUDA: copied to a pinned host buffer first)
+    host cache: each run of consecutive blocks, per layer and K/V, is one contiguous
+        region of kv (one per block when only some KV heads go; host_io.HostCacheView)
+        -> [header, region, region, ..., crc32c?] -> host_io.sendmsg_all
+    over host_io.MAX_DIRECT_PIECES regions, or a CUDA cache:
+        kv[layer_start:layer_end].index_select(2, src_idx) (its heads sliced)
+        -> one contiguous tensor (CUDA: copied to a pinned host buffer) -> sendmsg_all
+
+With checksum=True the CRC32C is computed over the pieces in place and sent after them.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def _serve(args) -> int:
                               "schedule_policy")
                if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
             router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
-                                      "max_tokenize_queue_chars",
+                                      "max_tokenize_queue_chars", "max_concurrent_calls",
                                       "routing_policy", "metrics_port", "slo_ttft_ms",
                                       "slo_tpot_ms", "tls_cert_file", "tls_key_file",
                                       "tls_client_ca_file", "api_key", "max_request_bytes",
@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="characters of prompts waiting for the router's tokenizer at once "
                         "(default 1048576; shortest prompt first); beyond it Generate fails "
                         "at once with RESOURCE_EXHAUSTED")
+    s.add_argument("--max-concurrent-calls", type=int, default=None,
+                   help="gRPC calls and HTTP connections open at once per router replica "
+                        "(default 4096); beyond it gRPC answers RESOURCE_EXHAUSTED, HTTP 503")
     s.add_argument("--stream-stall-timeout-s", type=float, default=None,
                    help="a streamed response whose client reads nothing for this many "
                         "seconds is aborted and its KV freed (default 30)")

@@ -48,6 +48,8 @@ def start_worker(cfg: ClusterConfig, role: str, worker_id: str):
 
     Raises:
         ray.exceptions.GetTimeoutError: no node can hold the placement group.
+        ray.exceptions.ActorAlreadyExistsError: an actor of this Ray namespace has the
+            name `worker_id` already.
     """
     from .decode_worker.worker import DecodeWorker
     from .prefill_worker.worker import PrefillWorker
@@ -68,8 +70,12 @@ def start_worker(cfg: ClusterConfig, role: str, worker_id: str):
             worker_id, wcfg), None
     pg = placement_group(wcfg.tensor_parallel_size, resources, num_gpus=cfg.gpus_per_worker,
                          name=f"{worker_id}-ranks")
-    return ray.remote(cls).options(scheduling_strategy=in_bundle(pg, 0), **opts).remote(
-        worker_id, wcfg), pg
+    try:
+        return ray.remote(cls).options(scheduling_strategy=in_bundle(pg, 0), **opts).remote(
+            worker_id, wcfg), pg
+    except BaseException:
+        ray.util.remove_placement_group(pg)
+        raise
 
 
 class ClusterStartError(RuntimeError):

@@ -176,6 +176,8 @@ class RouterConfig:
                                      # aborted: its KV freed on P and D, its status an error
     max_queued_requests: int = 256   # requests queued at once; more fail fast, not wait unbounded
     max_queued_tokens: int = 262144  # prompt tokens queued at once: 256 requests x 1024 tokens
+    max_concurrent_calls: int = 4096  # gRPC calls and HTTP connections open at once per
+                                     # router replica; more: gRPC RESOURCE_EXHAUSTED, HTTP 503
     max_tokenize_queue_chars: int = 1 << 20  # characters of prompts waiting for the router's
                                      # tokenizer thread at once (shortest first); more fail
                                      # fast (router/tokenize_queue.py): 8 of the largest
@@ -235,7 +237,8 @@ class RouterConfig:
     http_port: int | None = None
 
     def __post_init__(self):
-        for name in ("max_queued_requests", "max_queued_tokens", "max_tokenize_queue_chars"):
+        for name in ("max_queued_requests", "max_queued_tokens", "max_tokenize_queue_chars",
+                     "max_concurrent_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if not self.stream_stall_timeout_s > 0:

@@ -1,5 +1,7 @@
 """What crosses a Ray call between the router and the workers, one frozen dataclass per
-message (STYLE rule 2: typed boundaries, no dicts read by key).
+message: typed, immutable messages cross the process boundary, not dicts with magic keys,
+so a misspelt field fails where the message is built (not where it is read) and type
+checkers see every field.
 
     router ── ready() ──────────────────────▶ P, D   ◀── WorkerInfo
     router ── reserve(...) ─────────────────▶ D      ◀── DecodeReservation | None

@@ -1,5 +1,5 @@
 """Prometheus metrics (prometheus-client) of every component, each served on its own
-`/metrics` HTTP endpoint (ARCHITECTURE.md, "Observability").
+`/metrics` HTTP endpoint (docs/architecture.md, "Observability").
 
 Names carry the `pdserve_` prefix and follow vLLM's and the Prometheus conventions
 (units in the name, `_total` counters, base units: seconds, bytes, tokens):
@@ -15,7 +15,12 @@ router (`RouterMetrics`, observed per request by the gRPC Generate handler)
     pdserve_prompt_tokens_total, pdserve_generation_tokens_total    counters
     pdserve_request_retries_total{reason}         counter: attempts retried after a worker
                                                   died or a transfer failed (prefill |
-                                                  decode)
+                                                  decode), or moved to a decode worker
+                                                  that joined (rebalance)
+    pdserve_prefills_total{on}                    counter: request attempts by who
+                                                  prefilled the prompt: prefill_worker |
+                                                  decode_worker (conditional
+                                                  disaggregation, local prefill)
     pdserve_streams_stalled_total                 counter: streams aborted because their
                                                   client read nothing for
                                                   stream_stall_timeout_s (router/stalls.py)

@@ -149,7 +149,7 @@ class AdminServicer:
         num_decode_workers decode workers (`pdserve scale`). New workers pair with every
         peer before they take requests; a retiring one takes no new request and is stopped
         once its own have finished, or at timeout_s, when the router moves what it still
-        had to the others (issue 6's retry and stream migration): nothing is refused or lost.
+        had to the others (the router's retry and stream migration): nothing is refused or lost.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -10,17 +10,19 @@ import time
 
 from ..engine.sampling_params import InvalidRequestError
 from ..proto import pdserve_pb2 as pb
-from .membership import mark_draining, notify_replicas
+from .membership import mark_draining
+from .placement import Placement
 from .workers import Worker
 
 logger = logging.getLogger(__name__)
 
 
-
-async def drain(router, node_ip: str, timeout_s: float) -> pb.DrainResponse:
-    """Stop sending new requests to the workers on `node_ip`, then wait up to
-    `timeout_s` seconds for their running and waiting requests to finish. A drained
-    worker takes requests again only once Ray restarts it (a new epoch).
+async def drain(placement: Placement, node_ip: str, timeout_s: float, notify_replicas
+                ) -> pb.DrainResponse:
+    """Stop sending new requests to the workers on `node_ip` (this replica's, and the
+    others' once `notify_replicas()` told them), then wait up to `timeout_s` seconds
+    for their running and waiting requests to finish. A drained worker takes requests
+    again only once Ray restarts it (a new epoch).
 
     Raises:
         InvalidRequestError: no worker runs on `node_ip`, or timeout_s is not in
@@ -28,13 +30,14 @@ async def drain(router, node_ip: str, timeout_s: float) -> pb.DrainResponse:
     """
     if not 0 <= timeout_s <= 3600:
         raise InvalidRequestError("timeout_s", f"must be in [0, 3600] seconds, got {timeout_s}")
-    workers = [w for w in router.prefill + router.decode if w.node_ip == node_ip]
+    every = placement.prefill + placement.decode
+    workers = [w for w in every if w.node_ip == node_ip]
     if not workers:
-        known = sorted({w.node_ip for w in router.prefill + router.decode})
+        known = sorted({w.node_ip for w in every})
         raise InvalidRequestError("node_ip", f"no worker runs on {node_ip!r} (nodes: "
                                              f"{', '.join(known)})")
     await mark_draining(workers)
-    await notify_replicas(router)
+    await notify_replicas()
     logger.warning("draining %s on %s", [w.worker_id for w in workers], node_ip)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -50,14 +53,18 @@ async def drain(router, node_ip: str, timeout_s: float) -> pb.DrainResponse:
                                     drained=busy == 0, running_requests=busy)
         await asyncio.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
 
-async def cluster_status(router) -> pb.ClusterStatusResponse:
-    workers = router.prefill + router.decode
+
+async def worker_statuses(placement: Placement, starting: list[tuple[str, str]]
+                          ) -> list[pb.WorkerStatus]:
+    """Every worker's status (Admin.ClusterStatus), then those `starting` ((role, worker
+    id), Scaler.starting). A dead or hung worker is reported so, not raised."""
+    workers = placement.prefill + placement.decode
 
     async def one(w: Worker) -> pb.WorkerStatus:
         try:
             s = await asyncio.wait_for(w.handle.status.remote(), timeout=5)
         except Exception as e:  # dead or hung worker: report it, do not fail the call
-            role = "prefill" if w in router.prefill else "decode"
+            role = "prefill" if w in placement.prefill else "decode"
             return pb.WorkerStatus(worker_id=w.worker_id, role=role, state=f"dead: {e}"[:200],
                                    kv_blocks_total=w.num_blocks)
         out = s.to_proto()
@@ -65,34 +72,27 @@ async def cluster_status(router) -> pb.ClusterStatusResponse:
             out.state = "draining"
         return out
 
-    starting = [pb.WorkerStatus(worker_id=worker_id, role=role, state="starting")
-                for role, worker_id in router.scaler.starting]
-    return pb.ClusterStatusResponse(model=router.model_name,
-                                    workers=[*await asyncio.gather(*map(one, workers)),
-                                             *starting],
-                                    queued_requests=router.admission.queued_requests,
-                                    queued_tokens=router.admission.queued_tokens,
-                                    metrics_address=router.metrics_address,
-                                    http_address=router.http_address)
+    return [*await asyncio.gather(*map(one, workers)),
+            *(pb.WorkerStatus(worker_id=worker_id, role=role, state="starting")
+              for role, worker_id in starting)]
 
 
-async def watch_workers(router) -> None:
-    """Probe the workers marked dead every worker_probe_interval_s, so one that Ray
-    restarted takes requests again while others of its role are serving."""
+async def watch_workers(placement: Placement, interval_s: float) -> None:
+    """Probe the workers marked dead every `interval_s` (worker_probe_interval_s), so
+    one that Ray restarted takes requests again while others of its role are serving."""
     while True:
-        await asyncio.sleep(router.config.router.worker_probe_interval_s)
-        await asyncio.gather(*(router.placement.probe(w) for w in router.prefill + router.decode
+        await asyncio.sleep(interval_s)
+        await asyncio.gather(*(placement.probe(w) for w in placement.prefill + placement.decode
                                if not w.alive))
 
 
-async def sync_prefix_caches(router) -> None:
+async def sync_prefix_caches(placement: Placement, interval_s: float) -> None:
     """Mirror every prefill worker's prefix cache (routing.PrefixIndex) by polling its
-    cache events every cache_sync_interval_s; a worker that does not answer in time
-    is skipped this round (its mirror just goes stale)."""
-    interval = router.config.router.cache_sync_interval_s
-    index = router.prefill_router.index
+    cache events every `interval_s` (cache_sync_interval_s); a worker that does not
+    answer in time is skipped this round (its mirror just goes stale)."""
+    index = placement.prefill_router.index
     while True:
-        for w in router.prefill:
+        for w in placement.prefill:
             try:
                 reply = await asyncio.wait_for(
                     w.handle.cache_events.remote(index.since(w.worker_id)), timeout=5)
@@ -104,4 +104,4 @@ async def sync_prefix_caches(router) -> None:
                 w.epoch = reply.epoch
                 continue
             index.apply(w.worker_id, reply)
-        await asyncio.sleep(interval)
+        await asyncio.sleep(interval_s)

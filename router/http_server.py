@@ -22,18 +22,51 @@ logger = logging.getLogger(__name__)
 
 SEND_BUFFER_BYTES = 8 << 10       # the kernel's, per connection (Linux doubles it)
 WRITE_BUFFER_BYTES = 8 << 10      # asyncio's, per connection, before writes wait
+WRITE_TIMEOUT_MARGIN_S = 5.0      # a connection's write timeout past the stall timeout
 
 
 class _H11(H11Protocol):
-    """uvicorn's h11 protocol with a small write buffer: a response waits for the
-    connection once WRITE_BUFFER_BYTES are queued above the kernel's SEND_BUFFER_BYTES
-    (asyncio's default is 64 KiB), so a client that reads nothing parks its stream after
-    ~20 KiB, ~100 streamed tokens, and StallWatch sees it (router/stalls.py); a client
-    that reads keeps the buffers near empty."""
+    """uvicorn's h11 protocol with a small write buffer and a write timeout.
+
+    A response waits for the connection once WRITE_BUFFER_BYTES are queued above the
+    kernel's SEND_BUFFER_BYTES (asyncio's default is 64 KiB), so a client that reads
+    nothing parks its stream after ~20 KiB, ~100 streamed tokens, and StallWatch sees
+    it (router/stalls.py); a client that reads keeps the buffers near empty. A
+    connection whose writes have waited `write_timeout_s` is aborted: what StallWatch
+    does not hold (a whole JSON body written to a client that stopped reading) is not
+    kept either. serve_http sets write_timeout_s to the stall timeout plus
+    WRITE_TIMEOUT_MARGIN_S, so a parked stream is StallWatch's first."""
+
+    write_timeout_s = 35.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
+        self._write_timer: asyncio.TimerHandle | None = None
         super().connection_made(transport)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._timed_out)
+
+    def resume_writing(self) -> None:
+        self._cancel_timer()
+        super().resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timer()
+        super().connection_lost(exc)
+
+    def _cancel_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _timed_out(self) -> None:
+        self._write_timer = None
+        logger.warning("HTTP connection aborted: its client read nothing for %.0f s",
+                       self.write_timeout_s)
+        self.transport.abort()       # close() would wait to flush what it cannot
 
 
 class _Server(uvicorn.Server):
@@ -102,9 +135,14 @@ async def serve_http(router, host: str, port: int) -> HTTPServer:
                "ssl_cert_reqs": ssl.CERT_REQUIRED if rc.tls_client_ca_file else ssl.CERT_NONE}
     # h11 (pure Python) explicitly: its ASGI spec 2.3 is what makes Starlette watch for
     # disconnects while streaming. log_config=None: the router's logging config rules.
-    config = uvicorn.Config(build_app(router), http=_H11, ws="none", lifespan="off",
+    http = type("_H11", (_H11,), {"write_timeout_s":
+                                  rc.stream_stall_timeout_s + WRITE_TIMEOUT_MARGIN_S})
+    config = uvicorn.Config(build_app(router), http=http, ws="none", lifespan="off",
                             interface="asgi3", log_config=None, log_level="warning",
-                            access_log=False, server_header=False, **tls)
+                            access_log=False, server_header=False,
+                            # uvicorn counts the connection asking too: more than this, 503
+                            limit_concurrency=rc.max_concurrent_calls + 1,
+                            **tls)
     config.load()          # builds the TLS context now: a bad file fails `serve` at start
     sock = _bind(host, port, router.config.num_routers > 1)
     server = _Server(config)

@@ -19,33 +19,34 @@ logger = logging.getLogger(__name__)
 SYNC_READY_TIMEOUT_S = 5.0   # sync_members: a worker slower to answer ready() stays as it was
 
 
-async def join(router, restarted: bool) -> None:
-    """Fill router.placement with its workers once each is ready, and pair every
-    prefill worker with every decode worker (a layout mismatch fails `serve` at start
-    with a message naming the field, not the first request). `restarted` (Router.start):
-    the workers are the live named ones, each waited for at most
-    worker_ready_timeout_s (one that does not answer is left out and probed like a
+async def join(placement, handles: tuple[list, list], index: int,
+               restarted_timeout_s: float | None = None) -> None:
+    """Fill `placement` with the workers of `handles` ((prefill, decode) actor handles)
+    once each is ready, and pair every prefill worker with every decode worker (a
+    layout mismatch fails `serve` at start with a message naming the field, not the
+    first request). With `restarted_timeout_s` (the replica `index` restarted,
+    Router.start): the workers are the live named ones instead, each waited for at
+    most that many seconds (one that does not answer is left out and probed like a
     dead one), and every request this replica had on them is aborted."""
-    rc = router.config.router
+    restarted = restarted_timeout_s is not None
     if not restarted:
-        prefill = await ready_workers(router._prefill_handles)
-        decode = await ready_workers(router._decode_handles)
+        prefill = await ready_workers(handles[0])
+        decode = await ready_workers(handles[1])
     else:
         found = named_workers()
-        prefill = await ready_workers([h for _, h in found["prefill"]], rc.worker_ready_timeout_s)
-        decode = await ready_workers([h for _, h in found["decode"]], rc.worker_ready_timeout_s)
-    placement = router.placement
+        prefill = await ready_workers([h for _, h in found["prefill"]], restarted_timeout_s)
+        decode = await ready_workers([h for _, h in found["decode"]], restarted_timeout_s)
     placement.prefill = [Worker(h, i.worker_id, i.num_blocks, i.epoch, node_ip=i.node_ip,
                                 draining=i.draining) for h, i in prefill]
     placement.decode = [Worker(h, i.worker_id, i.num_blocks, i.epoch, free_blocks=i.num_blocks,
                                node_ip=i.node_ip, draining=i.draining) for h, i in decode]
     if restarted:
-        aborted = await asyncio.gather(*(w.handle.abort_all.remote(router=router.index)
+        aborted = await asyncio.gather(*(w.handle.abort_all.remote(router=index)
                                          for w in placement.prefill + placement.decode),
                                        return_exceptions=True)
         logger.warning("router %d restarted: serving again with %d prefill and %d decode "
                        "workers; %d requests of its dead incarnation aborted on them",
-                       router.index, len(prefill), len(decode),
+                       index, len(prefill), len(decode),
                        sum(n for n in aborted if isinstance(n, int)))
     addresses = [a for _, i in decode for a in (i.kv_address, *i.kv_rank_addresses)]
     await asyncio.gather(*(p.handle.pair.remote(addresses) for p in placement.prefill))
@@ -67,13 +68,12 @@ async def ready_workers(handles: list, timeout_s: float | None = None) -> list[t
     return [(h, i) for h, i in zip(handles, infos) if not isinstance(i, BaseException)]
 
 
-async def sync_members(router) -> tuple[list[str], list[str]]:
+async def sync_members(placement) -> tuple[list[str], list[str]]:
     """Take the worker set as Ray names it (another router replica may have scaled it,
     router/scaling.py) and each worker's drain mark (another replica drained or is
     retiring it): a named worker this replica does not know joins its lists once
     ready (whoever started it paired it first), one no longer named (retired) leaves
-    them. Returns the worker ids (joined, left)."""
-    placement = router.placement
+    them (`placement`'s). Returns the worker ids (joined, left)."""
     found = await asyncio.to_thread(named_workers)
     joined, left = [], []
     for role in ("prefill", "decode"):
@@ -107,9 +107,10 @@ async def sync_members(router) -> tuple[list[str], list[str]]:
     return joined, left
 
 
-async def notify_replicas(router) -> None:
+async def notify_replicas(config, index: int) -> None:
     """Ask the other router replicas to sync_members now (after this one scaled or
-    drained); one that does not answer syncs when it restarts (Router.start)."""
+    drained; `index` this replica's, of config.num_routers); one that does not answer
+    syncs when it restarts (Router.start)."""
     async def one(i: int) -> None:
         try:
             handle = await asyncio.to_thread(ray.get_actor, f"router-{i}" if i else "router")
@@ -117,9 +118,8 @@ async def notify_replicas(router) -> None:
         except Exception as e:
             logger.warning("router replica %d not told of the new workers: %r", i, e)
 
-    if router.config.num_routers > 1:
-        await asyncio.gather(*(one(i) for i in range(router.config.num_routers)
-                               if i != router.index))
+    if config.num_routers > 1:
+        await asyncio.gather(*(one(i) for i in range(config.num_routers) if i != index))
 
 
 async def mark_draining(workers: list[Worker]) -> None:

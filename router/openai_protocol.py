@@ -124,6 +124,14 @@ def to_request(body: CompletionRequest | ChatCompletionRequest,
     else:
         _set_prompt(req, body.prompt)
     s = req.sampling
+    _set_sampling(s, body)
+    _set_token_lists(s, body)
+    return req
+
+
+def _set_sampling(s: pb.SamplingParams, body) -> None:
+    """max_tokens, the sampler's knobs, n / best_of, stop strings, logprobs and the
+    structured output, each checked against what the proto carries."""
     param, max_tokens = max_tokens_param(body), body.max_tokens
     if param == "max_completion_tokens":
         max_tokens = body.max_completion_tokens
@@ -162,6 +170,10 @@ def to_request(body: CompletionRequest | ChatCompletionRequest,
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         if getattr(body, name) is not None:
             setattr(s, name, getattr(body, name))
+
+
+def _set_token_lists(s: pb.SamplingParams, body) -> None:
+    """min_tokens, stop_token_ids and logit_bias: token ids within uint32."""
     if body.min_tokens is not None:
         if not 0 <= body.min_tokens <= UINT32_MAX:
             raise InvalidRequestError("min_tokens", f"must be >= 0, got {body.min_tokens}")
@@ -178,7 +190,6 @@ def to_request(body: CompletionRequest | ChatCompletionRequest,
         if not 0 <= token <= UINT32_MAX:
             raise InvalidRequestError("logit_bias", f"token id {token} is out of range")
         s.logit_bias[token] = bias
-    return req
 
 
 def _set_structured(so: pb.StructuredOutputs, body) -> None:

@@ -1,7 +1,7 @@
 """Placement: where one request runs. The decode worker D that reserves its KV (fewest
 active requests, then most free blocks), and who prefills it: a prefill worker P
 (routing.py's policy), or D itself (conditional disaggregation, prefill_on_decode).
-Each worker's load, as the router counts it, is charged when the choice is made.
+The load each choice puts on the workers is charged from the choice on (reservation.py).
 Requests no decode worker has KV room for wait in arrival order (RoomQueue), as a
 colocated engine's waiting queue holds them, within their deadline and the admission
 bounds. Workers found dead are probed back (Ray restarts them) within a request's
@@ -11,8 +11,6 @@ deadline.
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import logging
 import math
 import time
@@ -23,69 +21,13 @@ import ray
 from ..config import ClusterConfig
 from ..engine.block_pool import blocks_needed
 from ..engine.sampling_params import InvalidRequestError
-from ..messages import DecodeReservation, StepStats
+from ..messages import StepStats
 from .errors import RequestError
+from .reservation import Reservation, RoomQueue
 from .routing import PrefillRouter
 from .workers import Worker
 
 logger = logging.getLogger(__name__)
-
-
-class RoomQueue:
-    """Requests waiting for decode KV space, first come first served (vLLM's waiting
-    queue, FCFS): only the oldest asks the decode workers for room, again whenever a
-    request ends on one (`freed`: its blocks come back) and every POLL_S at least (a
-    lease that ran out, a worker restarted); the next asks once it got room or left.
-    A newcomer asks at once only while none waits, so it never overtakes a waiting
-    request. Runs on the router's event loop."""
-
-    POLL_S = 0.25
-
-    def __init__(self):
-        self._turns: collections.deque[asyncio.Future] = collections.deque()
-        self._freed = asyncio.Event()
-
-    def __len__(self) -> int:
-        return len(self._turns)
-
-    @contextlib.asynccontextmanager
-    async def turn(self, give_up: float):
-        """Wait for this request's turn to ask (at once when none waits); the next
-        request's turn starts when the block exits.
-
-        Raises:
-            TimeoutError: `give_up` (time.monotonic()) passed first.
-        """
-        me = asyncio.get_running_loop().create_future()
-        self._turns.append(me)
-        if len(self._turns) == 1:
-            me.set_result(None)
-        try:
-            if not me.done():
-                # asyncio.timeout, not wait_for: wait_for swallows a cancel that lands as
-                # the future completes (a client gone as its turn came)
-                async with asyncio.timeout(max(give_up - time.monotonic(), 0)):
-                    await asyncio.shield(me)
-            yield
-        finally:
-            head = self._turns[0] is me
-            self._turns.remove(me)
-            if head and self._turns:
-                self._turns[0].set_result(None)
-
-    def freed(self) -> None:
-        """A request ended on a decode worker: the oldest waiting one asks again."""
-        self._freed.set()
-
-    def clear(self) -> None:
-        """Called before asking: a free after this wakes the next wait()."""
-        self._freed.clear()
-
-    async def wait(self, give_up: float) -> None:
-        """Until something was freed since clear(), POLL_S, or `give_up`."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(min(self.POLL_S, give_up - time.monotonic()), 0)):
-                await self._freed.wait()
 
 
 class FirstTokenTimes:
@@ -187,19 +129,18 @@ class Placement:
                                                 "worker's KV pool")
 
     async def reserve(self, rid: str, prompt_len: int, params, deadline: float,
-                       ids: list[int], num_samples: int = 1
-                       ) -> tuple[Worker, DecodeReservation, Worker | None]:
+                      ids: list[int], num_samples: int = 1) -> Reservation:
         """Reserve on the best live decode worker with room, waiting for room in arrival
         order (RoomQueue) or for Ray to restart a dead one, until the request's
-        deadline (or router.reserve_timeout_s when set), and choose who prefills:
-        returns (D, D's reservation, P), P None when D prefills the prompt itself. The
-        prompt's tokens are charged to P's queue (P.load) or D's own
-        (D.local_prefill_load), and its `num_samples` streams to D.load, when the choice
-        is made, before the reserve call is awaited: the requests of a burst, whose
-        choices are made while the first reservations are in flight, see each other's
-        load (they spread over the decode workers). The caller releases the charge.
-        The reservation's lease ends with the request's deadline at the latest, so D
-        reclaims it even if this router goes away.
+        deadline (or router.reserve_timeout_s when set), and choose who prefills
+        (prefill_on_decode asks D; D decides, Reservation.settle). The returned
+        Reservation charges the prompt's tokens to P's queue (or D's own) and its
+        `num_samples` streams to D from the choice on, before the reserve call is
+        awaited: the requests of a burst, whose choices are made while the first
+        reservations are in flight, see each other's load (they spread over the
+        decode workers). The caller releases it (`with`). Its lease on D ends with the
+        request's deadline at the latest, so D reclaims it even if this router goes
+        away.
 
         Raises:
             RequestError: DEADLINE_EXCEEDED, no room before the deadline;
@@ -210,16 +151,16 @@ class Placement:
         give_up = deadline if timeout_s is None else min(deadline, time.monotonic() + timeout_s)
         args = (rid, prompt_len, params, deadline, ids, num_samples, give_up)
         if not len(self.room):       # none waiting: ask at once (a burst's asks overlap)
-            placed = await self._try_reserve(*args)
-            if placed is not None:
-                return placed
+            held = await self._try_reserve(*args)
+            if held is not None:
+                return held
         try:
             async with self.room.turn(give_up):
                 while True:
                     self.room.clear()
-                    placed = await self._try_reserve(*args)
-                    if placed is not None:
-                        return placed
+                    held = await self._try_reserve(*args)
+                    if held is not None:
+                        return held
                     if time.monotonic() >= give_up:
                         break
                     await self.room.wait(give_up)
@@ -235,41 +176,38 @@ class Placement:
 
     async def _try_reserve(self, rid: str, prompt_len: int, params, deadline: float,
                            ids: list[int], num_samples: int, give_up: float
-                           ) -> tuple[Worker, DecodeReservation, Worker | None] | None:
+                           ) -> Reservation | None:
         """One pass over the live decode workers, best first (waiting for a dead role
         to restart until `give_up`); None when none had room."""
         while True:
             live = await self.available(self.decode, "decode", give_up)
             live_p = await self.available(self.prefill, "prefill", deadline)
             lease_s = min(self.config.decode.lease_s, max(deadline - time.monotonic(), 0.001))
-            for d in sorted(live, key=lambda w: (w.total_load, -w.free_blocks)):
+            for d in sorted(live, key=lambda w: (w.total_streams, -w.free_blocks)):
                 # choose and charge with no await in between
                 # prompt logprobs come from a prefill worker's pass over the whole prompt
                 local = params.prompt_logprobs is None and self.prefill_on_decode(d, prompt_len)
                 p = None if local else self.prefill_router.pick(
                     [w for w in live_p if w.available] or live_p, ids)[0]
-                self.charge(d, p, prompt_len, 1, num_samples)
+                held = Reservation(d, p, prompt_len, num_samples, self.room)
                 try:
                     res = await d.handle.reserve.remote(rid, prompt_len, params, ids, lease_s,
                                                         local)
                 except ray.exceptions.RayActorError:   # dead or restarting: try the next
-                    self.charge(d, p, prompt_len, -1, num_samples)
+                    held.refused()
                     d.alive = False
                     continue
                 except BaseException:
-                    self.charge(d, p, prompt_len, -1, num_samples)
+                    held.refused()
                     raise
                 if res is None:
-                    self.charge(d, p, prompt_len, -1, num_samples)
+                    held.refused()
                     continue
                 d.free_blocks = res.free_blocks
                 if self.config.num_routers > 1:    # the others' share, as D counts it
-                    d.reported(res.num_requests)
-                if res.local_prefill and p is not None:   # D's own threshold chose it
-                    self.charge(d, p, prompt_len, -1)
-                    self.charge(d, None, prompt_len, 1)
-                    p = None
-                return d, res, p
+                    d.reported_streams(res.num_requests)
+                held.settle(res)
+                return held
             if any(d.available for d in live):
                 return None
             # every one died meanwhile: wait for a restart (available, above)
@@ -280,21 +218,13 @@ class Placement:
         """Seconds to the first token of a `prompt_len`-token prompt sent now to the
         live prefill worker that would answer first (FirstTokenTimes; one with no
         prediction yet counts as 0); inf when none is live."""
-        return min((self.first_token.predict(p.worker_id, p.total_load + prompt_len) or 0.0
+        return min((self.first_token.predict(p.worker_id, p.total_queued_tokens + prompt_len) or 0.0
                     for p in self.prefill if p.available), default=math.inf)
 
-    @staticmethod
-    def charge(d: Worker, p: Worker | None, tokens: int, sign: int, streams: int = 0) -> None:
-        """Add (sign 1) or take back (-1) a prompt's tokens on the queue of whoever
-        prefills it (P, or D itself when p is None), and its `streams` on D's load."""
-        d.load += sign * streams
-        if p is not None:
-            p.load += sign * tokens
-        else:
-            d.local_prefill_load += sign * tokens
-
     def prefill_on_decode(self, d: Worker, prompt_len: int) -> bool:
-        """Conditional disaggregation: whether D prefills the prompt itself.
+        """Conditional disaggregation: whether the router asks D to prefill the prompt
+        itself. D decides (DecodeWorker.reserve: asked, or its uncached part is at most
+        local_prefill_max_tokens), and Reservation.settle follows its decision.
 
         - No prefill worker's KV pool holds the prompt: a retry's prompt (the original
           plus the tokens streamed, check_fits having bounded only the original) that
@@ -330,22 +260,22 @@ class Placement:
             on_p = self.prefill_ttft(prompt_len)
             if on_p <= self.SLO_MARGIN * (rc.slo_ttft_ms or math.inf) / 1e3:
                 return False
-            on_d = self.first_token.predict(d.worker_id, d.local_prefill_load + prompt_len)
+            on_d = self.first_token.predict(d.worker_id, d.queued_tokens + prompt_len)
             if on_d is not None and on_d >= on_p:        # D would be later still
                 return False
         if (rc.local_prefill_when_prefill_idle and self.config.decode.core_share_dir
-                and d.local_prefill_load == 0):
+                and d.queued_tokens == 0):
             # each decode worker of the node gets a share of the idle workers' threads
             # (core_share), so D gets at least one when they are at least as many
-            idle = sum(p.available and p.total_load == 0 and p.node_ip == d.node_ip
+            idle = sum(p.available and p.total_queued_tokens == 0 and p.node_ip == d.node_ip
                        for p in self.prefill)
             if idle and idle >= sum(w.node_ip == d.node_ip for w in self.decode):
                 return True
         limit = rc.max_prefill_queue_tokens
         if limit is None:
             limit = self.config.prefill.max_num_batched_tokens
-        queued = [p.total_load for p in self.prefill if p.available]
+        queued = [p.total_queued_tokens for p in self.prefill if p.available]
         if not limit or not queued:
             return False
         shortest = min(queued)
-        return shortest > limit and shortest > d.local_prefill_load + prompt_len
+        return shortest > limit and shortest > d.queued_tokens + prompt_len

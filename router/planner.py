@@ -224,12 +224,19 @@ class Hysteresis:
 class Planner:
     """The planner's loop on the router's event loop: `run()` until cancelled."""
 
-    def __init__(self, router, cfg: PlannerConfig, clock=time.monotonic):
+    def __init__(self, cfg: PlannerConfig, placement, admission, router_metrics, scale,
+                 clock=time.monotonic):
+        """It reads the pools from `placement` (Placement), the load from `admission`
+        (Admission) and `router_metrics.totals` (RouterMetrics, whose registry gets the
+        planner's metrics), and resizes the pools with `scale(num_prefill, num_decode,
+        timeout_s)` (Scaler.scale)."""
         from ..metrics import PlannerMetrics
 
-        self.router, self.cfg, self.clock = router, cfg, clock
+        self.cfg, self.clock = cfg, clock
+        self.placement, self.admission, self.totals = placement, admission, router_metrics.totals
+        self._scale = scale
         self.hysteresis = Hysteresis(cfg.scale_down_intervals)
-        self.metrics = PlannerMetrics(router.metrics.registry)
+        self.metrics = PlannerMetrics(router_metrics.registry)
         self.decisions: deque[tuple[Plan, tuple[int, int] | None]] = deque(maxlen=256)
         self._steps: dict[str, tuple[int, StepStats]] = {}   # worker id -> (epoch, last)
         self._history: deque[tuple[StepStats, StepStats]] = deque(maxlen=HISTORY)
@@ -280,17 +287,16 @@ class Planner:
         for role, n, h in zip(("prefill", "decode"), to, have):
             if n != h:
                 self.metrics.actions.labels(role=role, direction="up" if n > h else "down").inc()
-        scaler = self.router.scaler
         if sum(map(max, to, have)) > self.cfg.budget:
             # a swap: retire first, so the pools never hold more than the budget (a
             # budget of devices or pods would leave the new worker pending meanwhile)
-            await scaler.scale(*map(min, to, have), self.cfg.drain_timeout_s)
-        await scaler.scale(*to, self.cfg.drain_timeout_s)
+            await self._scale(*map(min, to, have), self.cfg.drain_timeout_s)
+        await self._scale(*to, self.cfg.drain_timeout_s)
         self.restart_window()
         return to
 
     def _totals(self) -> tuple:
-        t, a = self.router.metrics.totals, self.router.admission
+        t, a = self.totals, self.admission
         # prompts a decode worker prefilled count too: the router sends them there when
         # every prefill worker's queue is long (conditional disaggregation), which is
         # prefill demand the pool did not meet (a bench at 1.2 long prompts/s saw the
@@ -305,7 +311,7 @@ class Planner:
         load's count over one short interval is noisy, at 1 req/s 3 s hold none 5% of
         the time), with the pools as they are now. Requests refused at admission count
         as load, and so do prompts the decode workers prefilled."""
-        placement = self.router.placement
+        placement = self.placement
         prefill, decode = list(placement.prefill), list(placement.decode)
         steps = {"prefill": StepStats(), "decode": StepStats()}
         used = 0

@@ -31,7 +31,7 @@ POLICIES = ("round_robin", "least_loaded", "kv_aware")
 
 class PrefillTarget(Protocol):
     worker_id: str
-    total_load: int  # queued prompt tokens (this router's count + other replicas' reported)
+    total_queued_tokens: int  # this router's count + other replicas' reported
 
 
 class PrefixIndex:
@@ -97,13 +97,13 @@ class PrefillRouter:
         if self.policy == "round_robin":
             return workers[next(self._turn) % len(workers)], 0
         if self.policy == "least_loaded":
-            return min(workers, key=lambda w: w.total_load), 0
+            return min(workers, key=lambda w: w.total_queued_tokens), 0
         n, bs = len(token_ids), self.block_size
         hashes = block_hashes(token_ids[: (n - 1) // bs * bs], bs)
         best = None
         for i, w in enumerate(workers):
             cached = self.index.matched_blocks(w.worker_id, hashes) * bs
-            key = (n - cached + self.load_weight * w.total_load, w.total_load, i)
+            key = (n - cached + self.load_weight * w.total_queued_tokens, w.total_queued_tokens, i)
             if best is None or key < best[0]:
                 best = (key, w, cached)
         return best[1], best[2]

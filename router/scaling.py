@@ -26,13 +26,19 @@ import logging
 import math
 import re
 import time
+from typing import TYPE_CHECKING
 
 import ray
 
 from ..engine.sampling_params import InvalidRequestError
 from ..proto import pdserve_pb2 as pb
-from .membership import mark_draining, notify_replicas
+from .membership import mark_draining
 from .workers import Worker
+
+if TYPE_CHECKING:
+    from ..config import ClusterConfig
+    from .placement import Placement
+    from .streams import DecodeStreams
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +48,12 @@ MAX_WORKERS = 256          # per role, a bound on what one call may ask for
 class Scaler:
     """The router's scaling state: what is starting, and one scale call at a time."""
 
-    def __init__(self, router):
-        self.router = router
+    def __init__(self, config: ClusterConfig | None, placement: Placement | None,
+                 streams: DecodeStreams | None, notify_replicas=None):
+        """`notify_replicas`: an async callable telling the other router replicas the
+        worker set changed (membership.notify_replicas)."""
+        self.config, self.placement, self.streams = config, placement, streams
+        self._notify = notify_replicas
         self.starting: list[tuple[str, str]] = []      # (role, worker id)
         self._placement_groups: dict[str, object] = {}  # worker id -> its ranks' group
         self._last: dict[str, int] = {}     # role -> the highest N of a `role-N` id issued
@@ -64,7 +74,7 @@ class Scaler:
         if not 0 <= timeout_s <= 3600:
             raise InvalidRequestError("timeout_s", f"must be in [0, 3600] seconds, got {timeout_s}")
         async with self._lock:
-            placement = self.router.placement
+            placement = self.placement
             started = await self._start(num_prefill - len(placement.prefill),
                                         num_decode - len(placement.decode))
             retiring = ([("prefill", w) for w in placement.prefill[num_prefill:]] +
@@ -73,11 +83,11 @@ class Scaler:
             if retiring:
                 logger.warning("retiring %s", [w.worker_id for _, w in retiring])
             if started or retiring:       # the other replicas take or spare them too
-                await notify_replicas(self.router)
+                await self._notify()
             done = await asyncio.gather(*(self._retire(role, w, timeout_s)
                                           for role, w in retiring))
             if retiring:
-                await notify_replicas(self.router)
+                await self._notify()
             return pb.ScaleResponse(
                 started=started,
                 retired=[w.worker_id for (_, w), idle in zip(retiring, done) if idle],
@@ -89,13 +99,12 @@ class Scaler:
         """Start the workers, pair them, then let them take requests; their ids."""
         from ..cluster import STARTUP_TIMEOUT_S, start_worker
 
-        router, placement = self.router, self.router.placement
+        placement = self.placement
         new: list[tuple[str, str, object]] = []
         for role, n, have in (("prefill", more_prefill, placement.prefill),
                               ("decode", more_decode, placement.decode)):
             for _ in range(max(n, 0)):
-                worker_id = self._next_id(role, have, new)
-                handle, pg = start_worker(router.config, role, worker_id)
+                worker_id, handle, pg = self._start_named(start_worker, role, have, new)
                 if pg is not None:
                     self._placement_groups[worker_id] = pg
                 new.append((role, worker_id, handle))
@@ -132,7 +141,7 @@ class Scaler:
         placement.room.freed()          # a request waiting for KV space may fit there
         logger.warning("started %s in %.1f s", [worker_id for _, worker_id, _ in new],
                        time.monotonic() - t0)
-        if new_d and router.config.router.rebalance_on_scale_up:
+        if new_d and self.config.router.rebalance_on_scale_up:
             self.rebalance()
         return [worker_id for _, worker_id, _ in new]
 
@@ -146,17 +155,17 @@ class Scaler:
         recomputed: a prefill of the prompt and every token streamed so far, queued on
         the prefill workers with new prompts (why it is off by default). Returns how
         many moved."""
-        decode = [d for d in self.router.placement.decode if d.available]
+        decode = [d for d in self.placement.decode if d.available]
         if len(decode) < 2:
             return 0
-        share = math.ceil(sum(d.load for d in decode) / len(decode))
+        share = math.ceil(sum(d.streams for d in decode) / len(decode))
         moved = 0
         for d in decode:
-            excess = d.load - share
-            for rid in self.router.streams.decoding_on(d.worker_id):
+            excess = d.streams - share
+            for rid in self.streams.decoding_on(d.worker_id):
                 if excess <= 0:
                     break
-                if self.router.streams.move(rid):
+                if self.streams.move(rid):
                     excess -= 1
                     moved += 1
         if moved:
@@ -172,7 +181,7 @@ class Scaler:
             try:
                 s = await asyncio.wait_for(w.handle.status.remote(), timeout=5)
                 busy = (s.running_requests + s.waiting_requests + s.kv_reservations_leased
-                        + w.load + w.local_prefill_load)
+                        + w.queued_tokens + w.streams)
             except Exception:        # dead: nothing of its own left to wait for
                 busy = 0
             if busy == 0 or time.monotonic() >= deadline:
@@ -181,7 +190,7 @@ class Scaler:
         if busy:
             logger.warning("%s still has %d requests after %g s: they move on", w.worker_id,
                            busy, timeout_s)
-        placement = self.router.placement
+        placement = self.placement
         if role == "prefill":
             placement.prefill = [p for p in placement.prefill if p is not w]
             placement.prefill_router.index.forget(w.worker_id)
@@ -209,6 +218,29 @@ class Scaler:
             except Exception as e:   # Ray going away
                 logger.debug("placement group not removed: %s", e)
         self._placement_groups = {}
+
+    NAME_TRIES = 8
+
+    def _start_named(self, start_worker, role: str, have: list[Worker], new: list
+                     ) -> tuple[str, object, object]:
+        """Start a `role` worker under the next free `role-N` name: another router
+        replica scaling at the same moment may have taken the one this replica
+        issued (Ray refuses a second actor of one name), so the next is tried, at most
+        NAME_TRIES times. Returns (worker id, handle, placement group or None).
+
+        Raises:
+            ray.exceptions.ActorAlreadyExistsError: NAME_TRIES names in a row were taken.
+        """
+        for tries in range(1, self.NAME_TRIES + 1):
+            worker_id = self._next_id(role, have, new)
+            try:
+                return (worker_id, *start_worker(self.config, role, worker_id))
+            except ray.exceptions.ActorAlreadyExistsError:
+                if tries == self.NAME_TRIES:
+                    raise
+                logger.warning("%s is taken (another router replica scaled): trying the "
+                               "next name", worker_id)
+        raise AssertionError("unreachable")
 
     def _next_id(self, role: str, have: list[Worker], new: list) -> str:
         """`role-N`, N past every id of the role this router has had (a retired one's

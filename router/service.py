@@ -150,7 +150,8 @@ def build_server(router, address: str) -> tuple[grpc.aio.Server, int]:
 
     Security and limits come from `router.config.router` (RouterConfig): TLS (mutual with
     tls_client_ca_file) when tls_cert_file is set, the api-key check when api_key is, and
-    max_request_bytes, beyond which gRPC itself refuses a request (RESOURCE_EXHAUSTED).
+    max_request_bytes, beyond which gRPC itself refuses a request (RESOURCE_EXHAUSTED),
+    and max_concurrent_calls, beyond which it refuses a call the same way.
 
     Raises:
         SecurityConfigError: a tls_* file cannot be read or is not PEM (names the field).
@@ -163,6 +164,7 @@ def build_server(router, address: str) -> tuple[grpc.aio.Server, int]:
                        "text (set tls_cert_file and tls_key_file)")
     server = grpc.aio.server(
         interceptors=[ApiKeyInterceptor(rc.api_key)] if rc.api_key is not None else None,
+        maximum_concurrent_rpcs=rc.max_concurrent_calls,   # more: RESOURCE_EXHAUSTED
         options=[
             ("grpc.max_receive_message_length", rc.max_request_bytes),
             # a second server on a busy port must fail, not share it; router replicas

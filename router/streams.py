@@ -27,9 +27,11 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import grpc
 import ray
 
 from ..engine.request import TokenEvent
+from .errors import RequestError
 from .workers import Moved, Worker
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,13 @@ class _Failed:
 
 
 class DecodeStreams:
+    """Per attempt, at most MAX_QUEUED_EVENTS events wait for its reader: past them the
+    attempt fails with RESOURCE_EXHAUSTED (after the events queued before) and D's
+    further events for it are dropped, so a client that reads nothing costs the router
+    a bounded buffer even before StallWatch (router/stalls.py) ends its stream."""
+
+    MAX_QUEUED_EVENTS = 1 << 14     # ~16k decode steps of one stream's tokens: minutes
+
     def __init__(self, router: int = 0):
         self.router = router        # this replica's index: the events it asks D for
         self._queues: dict[str, asyncio.Queue] = {}          # request id on D -> its events
@@ -58,6 +67,7 @@ class DecodeStreams:
         self._pumps: dict[tuple[str, int], asyncio.Task] = {}
         self._decoding: set[str] = set()    # attempts of one sample that got events
         self._moved: set[str] = set()       # attempts move() failed (never moved twice)
+        self._overflowed: set[asyncio.Queue] = set()   # attempts' queues past the bound
 
     def open(self, rid: str, sample_ids: tuple[str, ...] = ()) -> None:
         """Start collecting the events of attempt `rid` (before its reservation), and of
@@ -77,7 +87,7 @@ class DecodeStreams:
 
     def close(self, rid: str) -> None:
         for i in self._samples.pop(rid, ()):
-            self._queues.pop(i, None)
+            self._overflowed.discard(self._queues.pop(i, None))
         for key, rids in list(self._bound.items()):
             rids.discard(rid)
         self._decoding.discard(rid)
@@ -149,8 +159,16 @@ class DecodeStreams:
             async for ref in d.handle.events.remote(epoch, self.router):
                 for ev in await ref:
                     queue = self._queues.get(ev.request_id)
-                    if queue is not None:
+                    if queue is None or queue in self._overflowed:
+                        continue
+                    if queue.qsize() < self.MAX_QUEUED_EVENTS:
                         queue.put_nowait(ev)
+                        continue
+                    self._overflowed.add(queue)
+                    queue.put_nowait(_Failed(RequestError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"the response was not read: {self.MAX_QUEUED_EVENTS} token events "
+                        "waited for the client")))
         except ray.exceptions.RayError as e:
             error = e
         except asyncio.CancelledError:

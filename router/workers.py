@@ -14,11 +14,12 @@ class Worker:
     worker_id: str
     num_blocks: int
     epoch: int = 0          # the incarnation last seen (Ray restarts a dead worker)
-    load: int = 0           # prefill: queued prompt tokens; decode: active requests
-    others_load: int = 0    # router replicas: the same, of the other replicas, as the
-                            # worker last reported it (its own count less this one's)
-    local_prefill_load: int = 0  # decode: prompt tokens it prefills itself (conditional
-                                 # disaggregation), first token not yet back
+    queued_tokens: int = 0  # prompt tokens this router sent it to prefill whose first
+                            # token is not back: a prefill worker's queue, or a decode
+                            # worker's own prefills (conditional disaggregation)
+    streams: int = 0        # decode: this router's unfinished streams on it
+    others_queued_tokens: int = 0  # router replicas: the same two counts of the other
+    others_streams: int = 0        # replicas, as the worker last reported its own
     free_blocks: int = 0    # decode: last known
     alive: bool = True      # False from a call that found it dead until a probe answers
     node_ip: str = ""       # the Ray node it runs on
@@ -29,14 +30,24 @@ class Worker:
         return self.alive and not self.draining
 
     @property
-    def total_load(self) -> int:
-        """load with the other router replicas' (0 with one router)."""
-        return self.load + self.others_load
+    def total_queued_tokens(self) -> int:
+        """queued_tokens with the other router replicas' (theirs are 0 with one router)."""
+        return self.queued_tokens + self.others_queued_tokens
 
-    def reported(self, count: int) -> None:
-        """The worker's own count of what `load` counts (replicas: the other replicas'
-        share is what this one does not account for)."""
-        self.others_load = max(count - self.load, 0)
+    @property
+    def total_streams(self) -> int:
+        """streams with the other router replicas'."""
+        return self.streams + self.others_streams
+
+    def reported_queue(self, tokens: int) -> None:
+        """A prefill worker's own count of its queued prompt tokens (PrefillResult.
+        queued_tokens): the other replicas' share is what this one did not send."""
+        self.others_queued_tokens = max(tokens - self.queued_tokens, 0)
+
+    def reported_streams(self, count: int) -> None:
+        """A decode worker's own count of its unfinished requests (DecodeReservation.
+        num_requests): the other replicas' share is what this one does not have there."""
+        self.others_streams = max(count - self.streams, 0)
 
 
 class Moved(ray.exceptions.RayError):

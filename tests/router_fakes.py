@@ -14,8 +14,10 @@ import ray.exceptions
 from tokenizers import Tokenizer, models
 
 from pdserve.config import ClusterConfig, RouterConfig
+from pdserve.core_share import CompileActivity
 from pdserve.metrics import RouterMetrics
 from pdserve.router.admission import Admission
+from pdserve.router.attempt import Attempts
 from pdserve.router.router import Router
 from pdserve.router.placement import Placement
 from pdserve.router.routing import PrefillRouter
@@ -43,11 +45,11 @@ def fake_router(prefills: list, decodes: list, **router_kw) -> Router:
     r.model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=256, eos_token_ids=(EOS,))
     r.tokenizer = SimpleNamespace(backend_tokenizer=TOKENIZER)
     r.grammars = None                     # structured outputs: not compiled by the fakes
+    r.compile_flag = CompileActivity(None, "router")
     rc = r.config.router
     r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
     r.tokenize = TokenizeQueue(rc.max_tokenize_queue_chars)
     r.metrics = RouterMetrics(lambda: r.admission.queued_requests)
-    r._pending = set()
     r.streams = DecodeStreams(0)
     r.prefill_router = PrefillRouter(rc.routing_policy, r.config.prefill.block_size,
                                      rc.kv_load_weight)
@@ -56,6 +58,7 @@ def fake_router(prefills: list, decodes: list, **router_kw) -> Router:
         prefill=[Worker(actor(p), f"prefill-{i}", 64, 1) for i, p in enumerate(prefills)],
         decode=[Worker(actor(d), f"decode-{i}", 64, 1, free_blocks=64)
                 for i, d in enumerate(decodes)])
+    r.attempts = Attempts(r.placement, r.streams, r.metrics)
     return r
 
 

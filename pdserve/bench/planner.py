@@ -1,7 +1,7 @@
 """`pdserve bench planner`: goodput at the SLO on a shifting trace, served by the SLO
 planner (router/planner.py) against fixed splits of the same number of workers.
 
-Trace (the issue's): ShareGPT V3 first turns in two phases of `phase_s` seconds each,
+Trace: ShareGPT V3 first turns in two phases of `phase_s` seconds each,
 evenly spaced arrivals (or Poisson, seeded), the same prompts and times for every run:
 
 - prefill-heavy: prompts of `long_prompt` to `long_prompt_max` tokens, `short_output`

@@ -318,7 +318,7 @@ def table(summaries: list[dict]) -> str:
 
 
 def as_json(cfg: ServeBenchConfig, runs: list[Run], workload: dict) -> dict:
-    """The issue's JSON: {"config", "modes": [summary per (mode, rate)]}."""
+    """The run as JSON: {"config", "modes": [summary per (mode, rate)]}."""
     conf = asdict(cfg) | {"workload": workload}
     conf["request_rates"] = [r if math.isfinite(r) else "inf" for r in cfg.request_rates]
     modes = []

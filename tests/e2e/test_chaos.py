@@ -160,7 +160,7 @@ def test_kill_prefill_worker_mid_transfer(served, tok):
 ], ids=["eos", "stop_token_id", "stop_string"])
 def test_kill_decode_worker_after_a_first_token_that_ended_the_stream(served, tok, prompt,
                                                                       sampling):
-    """Issue 16: D is killed right after the client got a first token that ended the
+    """D is killed right after the client got a first token that ended the
     stream. The stream ends exactly as an uninterrupted run does (same tokens, same
     finish_reason): the router never resumes it as `prompt + [that token]`.
 

@@ -82,7 +82,7 @@ def test_serve_generate_status_and_sigint():
 
 
 def test_sigterm_to_the_whole_process_group_exits_0_and_leaves_no_process():
-    """Issue 16: `kill -TERM -PGID` (what a supervisor stopping a process tree sends)
+    """`kill -TERM -PGID` (what a supervisor stopping a process tree sends)
     reaches every process of `serve` at once. It exits 0 with no traceback, and nothing
     it started (the driver, GCS, raylet, the actors) is left 30 s later."""
     server, lines = _start_serve("--port", "0", "--prefill-kv-blocks", "64",

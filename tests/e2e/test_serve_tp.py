@@ -86,7 +86,7 @@ def test_a_size_the_model_cannot_split_fails_the_start_naming_the_field():
 
 def test_a_killed_rank_takes_its_worker_down_and_no_request_is_lost():
     """kill -9 of prefill rank 1: rank 0's next step order fails, rank 0 exits, Ray
-    restarts the worker (new epoch) with new ranks, and the router's failover (issue 6)
+    restarts the worker (new epoch) with new ranks, and the router's failover
     serves every request in flight, equal to HF; every pool free after."""
     import os
     import signal
@@ -125,7 +125,7 @@ def test_a_killed_rank_takes_its_worker_down_and_no_request_is_lost():
 
 
 def test_a_killed_decode_rank_loses_no_stream():
-    """Issue 6's kill test with a decode worker of 2 ranks: kill -9 of rank 1 while
+    """The kill test with a decode worker of 2 ranks: kill -9 of rank 1 while
     every stream is mid-decode; rank 0's next step fails, it exits, Ray restarts the
     worker (new epoch, new ranks), and the router resumes each stream after the tokens
     it had sent: nothing repeated, nothing missing, equal to HF."""

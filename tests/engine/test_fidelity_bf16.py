@@ -1,5 +1,5 @@
 """bf16 fidelity: the engine in bfloat16 against transformers in bfloat16, with HF's own
-bf16-vs-fp32 difference as the yardstick (issue 17).
+bf16-vs-fp32 difference as the yardstick.
 
 fp32 is checked token for token (test_fidelity.py). In bf16 the two implementations round
 differently (fused QKV and gate/up GEMMs, fp32 attention accumulation, the C++ norms), so

@@ -171,6 +171,83 @@ def test_serve_http_over_mutual_tls(tmp_path):
     assert r.all_closed()
 
 
+def test_connections_past_max_concurrent_calls_get_503():
+    """Two connections are held open (one hangs in a completion); the third is
+    answered 503 at once; once the hanging one is gone, requests are served again."""
+    r = FakeRouter(hang_after=0, max_concurrent_calls=2)
+
+    async def main():
+        server = await serve_http(r, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.port}"
+        try:
+            async with httpx2.AsyncClient() as held, httpx2.AsyncClient() as idle:
+                hung = asyncio.ensure_future(held.post(url + "/v1/completions",
+                                                       json={"prompt": "x"}))
+                while not r.hanging.is_set():
+                    await asyncio.sleep(0.01)
+                assert (await idle.get(url + "/health")).status_code == 200  # 2nd: kept
+                async with httpx2.AsyncClient() as third:
+                    assert (await third.get(url + "/health")).status_code == 503
+                hung.cancel()
+                await asyncio.gather(hung, return_exceptions=True)
+            r.messages, r.hang_after = script("a"), None
+            async with httpx2.AsyncClient() as c:
+                for _ in range(50):          # the server sees the closes
+                    if (await c.get(url + "/health")).status_code == 200:
+                        break
+                    await asyncio.sleep(0.05)
+                resp = await c.post(url + "/v1/completions", json={"prompt": "x"})
+                assert resp.json()["choices"][0]["text"] == "a"
+        finally:
+            await server.stop(grace_s=1)
+
+    asyncio.run(main())
+    assert r.all_closed()
+
+
+def test_a_response_its_client_does_not_read_is_aborted_after_the_write_timeout(monkeypatch):
+    """A ~500 KB JSON body to a client that sent its request and reads nothing: the
+    server's writes wait, and after stream_stall_timeout_s + the margin the connection
+    is aborted; the client, reading at last, gets at most part of the body, then the
+    end (EOF, or the abort's reset)."""
+    import socket
+    import time
+
+    from pdserve.router import http_server
+
+    monkeypatch.setattr(http_server, "WRITE_TIMEOUT_MARGIN_S", 0.5)
+    r = FakeRouter(messages=script(*["x" * 1000] * 500), stream_stall_timeout_s=0.5)
+
+    async def main():
+        server = await serve_http(r, "127.0.0.1", 0)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        try:
+            await asyncio.to_thread(sock.connect, ("127.0.0.1", server.port))
+            body = json.dumps({"prompt": "x"}).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            await asyncio.sleep(2.5)              # > 1 s: the write timeout
+            got, t0 = b"", time.monotonic()
+            while time.monotonic() - t0 < 10:
+                try:
+                    chunk = await asyncio.to_thread(sock.recv, 1 << 16)
+                except ConnectionResetError:      # the abort's RST
+                    break
+                if not chunk:
+                    break
+                got += chunk
+            else:
+                raise AssertionError("the connection was not aborted")
+            return got
+        finally:
+            sock.close()
+            await server.stop(grace_s=1)
+
+    got = asyncio.run(main())
+    assert len(got) < 400_000, len(got)
+    assert r.all_closed()
+
 
 def test_router_config_http_port():
     assert RouterConfig().http_port is None                      # off by default

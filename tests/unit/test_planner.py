@@ -189,12 +189,12 @@ def test_the_planner_observes_its_window_and_scales():
 
     metrics = RouterMetrics(lambda: 0)
     router = SimpleNamespace(metrics=metrics, admission=Admission(100, 10 ** 6),
-                             placement=SimpleNamespace(prefill=[prefill], decode=[decode]),
-                             scaler=SimpleNamespace(scale=scale))
+                             placement=SimpleNamespace(prefill=[prefill], decode=[decode]))
     cfg = PlannerConfig(slo_ttft_ms=2000, slo_itl_ms=60, max_prefill_workers=2,
                         max_decode_workers=2, max_workers=3, adjustment_interval_s=1)
     now = [0.0]
-    planner = Planner(router, cfg, clock=lambda: now[0])
+    planner = Planner(cfg, router.placement, router.admission, metrics, scale,
+                      clock=lambda: now[0])
 
     async def interval(prompts=0, prompt_len=500, answers=0):
         now[0] += 10
@@ -280,16 +280,16 @@ def test_a_burst_of_reservations_spreads_over_the_decode_workers():
         while sum(len(f.reserved) for f in fakes) < 4:
             await asyncio.sleep(0)
         assert [len(f.reserved) for f in fakes] == [2, 2]   # not all four on decode-0
-        assert [d.load for d in decode] == [4, 4]            # 2 requests x 2 samples each
+        assert [d.streams for d in decode] == [4, 4]            # 2 requests x 2 samples each
         fakes[1].refuse = True                               # decode-1 is full after all
         for f in fakes:
             f.release.set()
         placed = await asyncio.wait_for(asyncio.gather(*burst), 5)
-        assert [d for d, _, _ in placed] == [decode[0]] * 4   # refused: tried decode-0 next
-        return prefill[0].load
+        assert [held.d for held in placed] == [decode[0]] * 4   # refused: tried decode-0 next
+        return prefill[0].queued_tokens
 
     queued = asyncio.run(main())
-    assert [d.load for d in decode] == [8, 0]       # decode-1's refusals took theirs back
+    assert [d.streams for d in decode] == [8, 0]       # decode-1's refusals took theirs back
     assert queued == 4 * 8                          # every prompt's tokens on P, once
 
 

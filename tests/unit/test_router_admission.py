@@ -174,15 +174,15 @@ def test_a_long_prefill_queue_sends_prompts_to_the_decode_worker(limit, asks):
         tasks = []
         for i in range(len(asks)):
             tasks.append(asyncio.create_task(first_message(r)))
-            while r.prefill[0].load + r.decode[0].local_prefill_load < n * (i + 1):
+            while r.prefill[0].queued_tokens + r.decode[0].queued_tokens < n * (i + 1):
                 await asyncio.sleep(0.001)      # reserved, and queued on P or on D
         assert d.asks == asks
-        assert r.decode[0].local_prefill_load == n * sum(asks)
+        assert r.decode[0].queued_tokens == n * sum(asks)
         p.go.set()
         d.go.set()
         firsts = [list(m.token_ids) for m in await asyncio.gather(*tasks)]
         assert firsts == [[11, 12] if local else [FIRST_TOKEN] for local in asks]
-        assert r.prefill[0].load == 0 and r.decode[0].local_prefill_load == 0
+        assert r.prefill[0].queued_tokens == 0 and r.decode[0].queued_tokens == 0
         return r
 
     assert queue(asyncio.run(main())) == (0, 0)
@@ -213,7 +213,7 @@ def test_a_burst_splits_between_prefill_and_decode_as_one_by_one():
         tasks = [asyncio.create_task(first_message(r)) for _ in range(5)]
         for _ in range(100):                # all five chosen and charged, none reserved
             await asyncio.sleep(0.001)
-        assert (r.prefill[0].load, r.decode[0].local_prefill_load) == (3 * n, 2 * n)
+        assert (r.prefill[0].queued_tokens, r.decode[0].queued_tokens) == (3 * n, 2 * n)
         d.release.set()
         while len(d.asks) < 5:
             await asyncio.sleep(0.001)
@@ -221,7 +221,7 @@ def test_a_burst_splits_between_prefill_and_decode_as_one_by_one():
         p.go.set()
         d.go.set()
         await asyncio.gather(*tasks)
-        assert r.prefill[0].load == 0 and r.decode[0].local_prefill_load == 0
+        assert r.prefill[0].queued_tokens == 0 and r.decode[0].queued_tokens == 0
         return r
 
     assert queue(asyncio.run(main())) == (0, 0)
@@ -306,11 +306,11 @@ def test_the_default_limit_is_one_prefill_step():
     step = r.config.prefill.max_num_batched_tokens
     assert r.config.router.max_prefill_queue_tokens is None and step == 512
     d, p = r.decode[0], r.prefill[0]
-    p.load = step
+    p.queued_tokens = step
     assert not r.placement.prefill_on_decode(d, 100)          # a step's worth: P keeps it
-    p.load = step + 1
+    p.queued_tokens = step + 1
     assert r.placement.prefill_on_decode(d, 100)
-    d.local_prefill_load = step                       # D's own queue would be longer
+    d.queued_tokens = step                       # D's own queue would be longer
     assert not r.placement.prefill_on_decode(d, 100)
 
 
@@ -335,11 +335,11 @@ def test_a_decode_worker_prefills_while_a_prefill_worker_of_its_node_is_idle():
     lending = replace(r.config, decode=replace(r.config.decode, core_share_dir="/dev/shm/x"))
     r.config = r.placement.config = lending
     assert r.placement.prefill_on_decode(d, 100)
-    d.local_prefill_load = 1                                  # D prefills one already
+    d.queued_tokens = 1                                  # D prefills one already
     assert not r.placement.prefill_on_decode(d, 100)
-    d.local_prefill_load, p.load = 0, 1                       # P has one queued
+    d.queued_tokens, p.queued_tokens = 0, 1                       # P has one queued
     assert not r.placement.prefill_on_decode(d, 100)
-    p.load, p.node_ip = 0, "10.0.0.2"                         # P idle on another node
+    p.queued_tokens, p.node_ip = 0, "10.0.0.2"                         # P idle on another node
     assert not r.placement.prefill_on_decode(d, 100)
     p.node_ip, p.draining = d.node_ip, True                   # draining: lends nothing
     assert not r.placement.prefill_on_decode(d, 100)

@@ -327,7 +327,7 @@ FIRST = next_token(PROMPT)     # the toy model's first token after PROMPT
     (FIRST, "length", {"max_tokens": 1}),
 ])
 def test_decode_death_after_a_first_token_that_ended_the_stream_is_not_retried(first, finish, kw):
-    """Issue 16: P's first token already ended the stream (EOS, a stop token id, a stop
+    """P's first token already ended the stream (EOS, a stop token id, a stop
     string, max_tokens) and D dies before it says so. The stream ends exactly as an
     uninterrupted run does; the router never resumes it as `prompt + [first]`."""
     async def main():

@@ -166,10 +166,9 @@ def test_rebalance_moves_the_streams_above_the_mean_off_the_busy_worker():
         f0.push(*(TokenEvent(r, (1,)) for r in rids[:4] + ["g"]))   # "e": still prefilling
         for rid in rids[:4] + ["g"]:
             await take(s, rid)
-        busy.load, new.load = 7, 0                      # 5 streams + the group's 2
-        router = SimpleNamespace(streams=s, placement=SimpleNamespace(decode=[busy, new]))
+        busy.streams, new.streams = 7, 0                      # 5 streams + the group's 2
         assert sorted(s.decoding_on("decode-0")) == ["a", "b", "c", "d"]
-        assert Scaler(router).rebalance() == 3          # 7 -> the mean, 4 (rounded up)
+        assert Scaler(None, SimpleNamespace(decode=[busy, new]), s).rebalance() == 3          # 7 -> the mean, 4 (rounded up)
         moved = [r for r in "abcd" if r not in s.decoding_on("decode-0")]
         assert len(moved) == 3
         for rid in moved:
@@ -187,4 +186,38 @@ def test_rebalance_moves_the_streams_above_the_mean_off_the_busy_worker():
         f0.end()
         f1.end()
         await s.stop()
+    asyncio.run(main())
+
+
+def test_an_unread_attempt_s_events_are_bounded_then_it_fails(monkeypatch):
+    """An attempt whose reader takes nothing holds at most MAX_QUEUED_EVENTS events; the
+    next fails it with RESOURCE_EXHAUSTED after those, later ones are dropped, and the
+    other attempts on the same stream are served as before."""
+    import grpc
+
+    from pdserve.router.errors import RequestError
+
+    monkeypatch.setattr(DecodeStreams, "MAX_QUEUED_EVENTS", 5)
+
+    async def main():
+        f, s = FakeEvents(), DecodeStreams()
+        d = worker(f)
+        for rid in ("idle", "read"):
+            s.open(rid)
+            s.bind(rid, d, 1)
+        for i in range(9):
+            f.push(TokenEvent("idle", (i,)), TokenEvent("read", (i,)))
+            assert await take(s, "read") == [[((i,), None)]]
+        assert s._queues["idle"].qsize() == 6           # 5 events and the failure
+        got = []
+        with pytest.raises(RequestError) as raised:
+            async for batch in s.batches("idle", time.monotonic() + 2):
+                got += [ev.token_ids for ev in batch]
+        assert got == [(i,) for i in range(5)]
+        assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        s.close("idle")
+        s.close("read")
+        assert not s._overflowed
+        await s.stop()
+
     asyncio.run(main())

@@ -14,7 +14,7 @@ BS = 4
 @dataclass
 class W:
     worker_id: str
-    total_load: int = 0
+    total_queued_tokens: int = 0
 
 
 def holding(router: PrefillRouter, worker_id: str, tokens: list[int]) -> None:
@@ -36,17 +36,17 @@ def test_kv_aware_prefers_the_worker_holding_the_prefix():
     # the block holding the last token is never counted as cached
     assert r.pick([a, b], prefix)[1] == 36
     # a long queue on the holder outweighs the saved tokens: 43 - 40 + 50 > 43 + 0
-    b.total_load = 50
+    b.total_queued_tokens = 50
     assert r.pick([a, b], prefix + [1, 2, 3])[0] is a
     # no cache anywhere: least loaded, then first
     assert r.pick([a, b], [7] * 20)[0] is a
-    a.total_load = 60
+    a.total_queued_tokens = 60
     assert r.pick([a, b], [7] * 20)[0] is b
 
 
 def test_load_weight_zero_ignores_queues_and_other_policies():
     r = PrefillRouter("kv_aware", BS, load_weight=0.0)
-    a, b = W("a"), W("b", total_load=10**6)
+    a, b = W("a"), W("b", total_queued_tokens=10**6)
     holding(r, "b", list(range(8)))
     assert r.pick([a, b], list(range(8)) + [9])[0] is b
     rr = PrefillRouter("round_robin", BS)

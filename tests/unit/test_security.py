@@ -178,6 +178,46 @@ def test_server_with_tls_key_and_size_limit(pem):
     _calls(rc, body)
 
 
+class HangingRouter(FakeRouter):
+    """A "hang" prompt's call stays open after its first token until `go` is set."""
+
+    def __init__(self, rc: RouterConfig):
+        super().__init__(rc)
+        self.go = asyncio.Event()
+
+    async def generate(self, req, deadline_s):
+        if req.text == "hang":
+            yield pb.GenerateResponse(token_ids=[7], text="a")
+            await self.go.wait()
+        async for msg in super().generate(req, deadline_s):
+            yield msg
+
+
+def test_calls_past_max_concurrent_calls_are_refused():
+    router = HangingRouter(RouterConfig(max_concurrent_calls=1))
+
+    async def main():
+        server, port = build_server(router, "127.0.0.1:0")
+        await server.start()
+        loop = asyncio.get_running_loop()
+
+        def body(addr):
+            with Client(addr) as c:
+                held = iter(c.stream(make_request("hang")))
+                assert next(held).text == "a"                    # one call open
+                assert _code(lambda: c.generate(make_request("hi")))[0] == \
+                    grpc.StatusCode.RESOURCE_EXHAUSTED
+                loop.call_soon_threadsafe(router.go.set)
+                assert "".join(m.text for m in held) == "ab"
+                assert c.generate(make_request("hi"))[1:] == ("ab", "length")
+
+        try:
+            await asyncio.to_thread(body, f"127.0.0.1:{port}")
+        finally:
+            await server.stop(0)
+    asyncio.run(main())
+
+
 def test_plaintext_server_still_takes_plain_clients():
     def body(addr):
         with Client(addr) as c:

@@ -48,7 +48,7 @@ def teach(r, w, seconds_per_token: float) -> None:
 def test_without_slos_the_idle_and_queue_rules_decide():
     r, d, p = lending_router()
     assert r.placement.prefill_on_decode(d, 1000)             # P idle: D prefills on lent cores
-    d.local_prefill_load, p.load = 1000, 5000
+    d.queued_tokens, p.queued_tokens = 1000, 5000
     assert r.placement.prefill_on_decode(d, 1000)             # P's queue over a step's budget
 
 
@@ -56,7 +56,7 @@ def test_a_tpot_slo_alone_keeps_every_prompt_on_the_prefill_worker():
     """No TTFT SLO: every first token is in time, so none costs D's streams TPOT."""
     r, d, p = lending_router(slo_tpot_ms=40.0)
     assert not r.placement.prefill_on_decode(d, 1000)         # P idle
-    p.load = 50_000
+    p.queued_tokens = 50_000
     assert not r.placement.prefill_on_decode(d, 1000)         # P far behind
     p.alive = False                                           # no live P: the old rules
     assert not r.placement.prefill_on_decode(d, 1000)
@@ -67,13 +67,13 @@ def test_with_both_slos_the_decode_worker_takes_the_prompts_a_prefill_worker_wou
     assert not r.placement.prefill_on_decode(d, 1000)         # nothing learned yet: P
     teach(r, p, 0.001)                                        # ~1,000 tokens a second
     assert not r.placement.prefill_on_decode(d, 1000)         # 1.05 s <= 0.9 x 4 s
-    p.load = 2000
+    p.queued_tokens = 2000
     assert not r.placement.prefill_on_decode(d, 1000)         # 3.05 s: still in time
-    p.load = 3000                                             # 4.05 s > 3.6 s: late on P,
+    p.queued_tokens = 3000                                             # 4.05 s > 3.6 s: late on P,
     assert r.placement.prefill_on_decode(d, 1000)             # so the queue rule splits it
-    d.local_prefill_load = 4000                               # D's own queue is longer:
+    d.queued_tokens = 4000                               # D's own queue is longer:
     assert not r.placement.prefill_on_decode(d, 1000)         # P keeps it after all
-    d.local_prefill_load, p.load = 0, 0                       # P idle, in time: no lending
+    d.queued_tokens, p.queued_tokens = 0, 0                       # P idle, in time: no lending
     r.config = r.placement.config = replace(                  # to D unless P would be late
         r.config, router=replace(r.config.router, slo_ttft_ms=500.0))
     assert r.placement.prefill_on_decode(d, 1000)             # 1.05 s > 0.45 s: D on lent cores

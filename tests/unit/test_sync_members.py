@@ -35,13 +35,13 @@ def test_another_replica_s_scaling_and_draining_reach_this_one(monkeypatch):
                         ("decode-1", FakeHandle("decode-1"))]}
     monkeypatch.setattr(membership, "named_workers", lambda: named)
     monkeypatch.setattr(membership, "SYNC_READY_TIMEOUT_S", 0.2)
-    joined, left = asyncio.run(membership.sync_members(r))
+    joined, left = asyncio.run(membership.sync_members(r.placement))
     assert joined == ["prefill-2", "decode-1"] and left == ["prefill-1"]
     assert [w.worker_id for w in r.prefill] == ["prefill-0", "prefill-2"]
     assert [w.worker_id for w in r.decode] == ["decode-0", "decode-1"]
     assert r.prefill[0].draining and not r.prefill[1].draining     # drained by the other
     assert r.decode[1].free_blocks == 64 and r.decode[1].available
-    assert asyncio.run(membership.sync_members(r)) == ([], [])           # nothing changed since
+    assert asyncio.run(membership.sync_members(r.placement)) == ([], [])           # nothing changed since
 
 
 def test_a_replica_places_by_its_own_load_and_what_the_workers_report_of_the_others():
@@ -54,15 +54,14 @@ def test_a_replica_places_by_its_own_load_and_what_the_workers_report_of_the_oth
         d0, d1 = FakeDecode(), FakeDecode()
         r = fake_router([FakePrefill(), FakePrefill()], [d0, d1])
         w0, w1 = r.decode
-        w0.reported(5)                      # 5 requests there, none of them this replica's
-        assert (w0.total_load, w1.total_load) == (5, 0)
-        placed, _, _ = await r.placement.reserve("a", 4, _params(), 60.0, [1, 2, 3, 4])
-        assert placed is w1
+        w0.reported_streams(5)              # 5 requests there, none of them this replica's
+        assert (w0.total_streams, w1.total_streams) == (5, 0)
+        with await r.placement.reserve("a", 4, _params(), 60.0, [1, 2, 3, 4]) as held:
+            assert held.d is w1
         p0, p1 = r.prefill
-        p1.load = 100                       # this replica's own queue on p1 ...
-        p0.reported(400)                    # ... and the others' on p0
+        p1.queued_tokens = 100              # this replica's own queue on p1 ...
+        p0.reported_queue(400)              # ... and the others' on p0
         assert r.prefill_router.pick(r.prefill, [1, 2, 3])[0] is p1
-        r.placement.charge(w1, None, 4, -1, 1)
         return r
 
     asyncio.run(main())

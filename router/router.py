@@ -214,8 +214,8 @@ class Router:
                 request failed more than max_migrations times.
         """
         cfg, rc = self.model_config, self.config.router
+        rid = validation.request_id(req) or uuid.uuid4().hex   # the first field checked
         ids, params = await self._validate(req)
-        rid = validation.request_id(req) or uuid.uuid4().hex
         deadline = time.monotonic() + (deadline_s or rc.request_timeout_s)
         group = SampleGroup(rid, self.tokenizer, ids, params, cfg.eos_token_ids,
                             cfg.max_model_len)

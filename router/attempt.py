@@ -176,8 +176,9 @@ class Attempt:
                 async for events in self.on.streams.batches(self.id, self.deadline):
                     self.queued.release()  # local prefill: its first token came from D
                     if held.p is None and not held.first_token_seen:
-                        self.on.placement.first_token.observe(d.worker_id, queued_on_d,
-                                                              time.monotonic() - sent)
+                        self.on.placement.first_token.observe(
+                            self.on.placement.first_token.line(d, held.lent), queued_on_d,
+                            time.monotonic() - sent)
                     held.first_token()
                     msgs, error = self._absorb(events, held)
                     for msg in msgs:

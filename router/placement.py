@@ -61,7 +61,15 @@ class FirstTokenTimes:
         return line[0] + line[1] * tokens
 
     def forget(self, worker_id: str) -> None:
-        self._lines.pop(worker_id, None)
+        """Drop the worker's lines (its own, and line(w, lent=True)'s)."""
+        for key in [k for k in self._lines if k.split("+")[0] == worker_id]:
+            del self._lines[key]
+
+    @staticmethod
+    def line(w: Worker, lent: bool = False) -> str:
+        """The key of `w`'s line: a decode worker's prefills on the idle prefill
+        workers' lent cores (`lent`) run faster than on its own and have their own."""
+        return f"{w.worker_id}+lent" if lent else w.worker_id
 
 
 class Placement:
@@ -189,7 +197,8 @@ class Placement:
                 local = params.prompt_logprobs is None and self.prefill_on_decode(d, prompt_len)
                 p = None if local else self.prefill_router.pick(
                     [w for w in live_p if w.available] or live_p, ids)[0]
-                held = Reservation(d, p, prompt_len, num_samples, self.room)
+                held = Reservation(d, p, prompt_len, num_samples, self.room,
+                                   lent=self.lends_to(d))
                 try:
                     res = await d.handle.reserve.remote(rid, prompt_len, params, ids, lease_s,
                                                         local)
@@ -221,6 +230,20 @@ class Placement:
         return min((self.first_token.predict(p.worker_id, p.total_queued_tokens + prompt_len) or 0.0
                     for p in self.prefill if p.available), default=math.inf)
 
+    def lends_to(self, d: Worker) -> bool:
+        """Whether the prefill workers on D's node are idle and would lend D their
+        threads (pdserve/core_share.py) for a prefill of its own: core lending on
+        (router.local_prefill_when_prefill_idle, decode.core_share_dir), D has no prefill
+        queued, and the idle prefill workers on its node are at least as many as its
+        decode workers (each decode worker gets a share of their threads)."""
+        rc = self.config.router
+        if not (rc.local_prefill_when_prefill_idle and self.config.decode.core_share_dir
+                and d.queued_tokens == 0):
+            return False
+        idle = sum(p.available and p.total_queued_tokens == 0 and p.node_ip == d.node_ip
+                   for p in self.prefill)
+        return bool(idle) and idle >= sum(w.node_ip == d.node_ip for w in self.decode)
+
     def prefill_on_decode(self, d: Worker, prompt_len: int) -> bool:
         """Conditional disaggregation: whether the router asks D to prefill the prompt
         itself. D decides (DecodeWorker.reserve: asked, or its uncached part is at most
@@ -230,22 +253,24 @@ class Placement:
           plus the tokens streamed, check_fits having bounded only the original) that
           outgrew them; D's pool holds it (prompt + max_tokens fit it).
 
-        With a TPOT SLO (router.slo_tpot_ms) the rules below apply only to prompts a
-        prefill worker would answer late: D's own prefills cost its streams' TPOT (its
-        step budget holds them within the SLO by computing the prompt in smaller
-        chunks), so a prompt goes to a prefill worker whenever the first-token time
-        predicted there (FirstTokenTimes, with its queue) is within SLO_MARGIN of the
-        TTFT SLO (router.slo_ttft_ms; none: always), or when D's own predicted time for
-        it (its line for the prompts it prefilled under the budget) is later still.
+        With a TPOT SLO (router.slo_tpot_ms), the prompt goes where its first token is
+        predicted sooner (FirstTokenTimes: each prefill worker's line with its queue, and
+        D's own line for its prefills under its step budget, kept apart for those on
+        lent cores), with the prefill worker preferred while it answers within
+        SLO_MARGIN of the TTFT SLO (router.slo_ttft_ms) unless D would use the idle
+        prefill workers' lent cores: D's prefills are held to the TPOT SLO by its step
+        budget, which computes the prompt in smaller chunks the tighter it is, so D's
+        line is what tells how much a prefill there costs. Without a TTFT SLO every
+        prompt goes to a prefill worker (any first token is in time). Before D's line
+        is learned (FirstTokenTimes.LEARN of its prefills), the rules below decide.
         DistServe's placement for the two SLOs; TaiChi (arXiv 2508.01989) switches
-        between the two shapes the same way.
+        between the disaggregated and the colocated shape the same way.
 
         - D has no prefill of its own queued and prefill workers on D's node, at least
-          as many as its decode workers, have none either
-          (router.local_prefill_when_prefill_idle, with core lending on): the idle
-          workers lend D their threads (pdserve/core_share.py), so D computes the
-          prompt on its cores and theirs, where a prefill worker would use its own
-          alone. The next prompt, while D is at it, goes to a prefill worker.
+          as many as its decode workers, have none either (lends_to): the idle workers
+          lend D their threads, so D computes the prompt on its cores and theirs, where
+          a prefill worker would use its own alone. The next prompt, while D is at it,
+          goes to a prefill worker.
         - Every live prefill worker has more than router.max_prefill_queue_tokens prompt
           tokens queued, and more than D would have queued for its own prefills with
           this prompt (Dynamo's disaggregated router decides the same way, by its
@@ -256,21 +281,19 @@ class Placement:
                 p.num_blocks for p in self.prefill):
             return True      # no prefill worker's pool holds it: a retry's prompt + tokens
         rc = self.config.router
+        lent = self.lends_to(d)
         if rc.slo_tpot_ms is not None:
+            if rc.slo_ttft_ms is None:
+                return False
             on_p = self.prefill_ttft(prompt_len)
-            if on_p <= self.SLO_MARGIN * (rc.slo_ttft_ms or math.inf) / 1e3:
+            if on_p <= self.SLO_MARGIN * rc.slo_ttft_ms / 1e3 and not lent:
                 return False
-            on_d = self.first_token.predict(d.worker_id, d.queued_tokens + prompt_len)
-            if on_d is not None and on_d >= on_p:        # D would be later still
-                return False
-        if (rc.local_prefill_when_prefill_idle and self.config.decode.core_share_dir
-                and d.queued_tokens == 0):
-            # each decode worker of the node gets a share of the idle workers' threads
-            # (core_share), so D gets at least one when they are at least as many
-            idle = sum(p.available and p.total_queued_tokens == 0 and p.node_ip == d.node_ip
-                       for p in self.prefill)
-            if idle and idle >= sum(w.node_ip == d.node_ip for w in self.decode):
-                return True
+            on_d = self.first_token.predict(FirstTokenTimes.line(d, lent),
+                                            d.queued_tokens + prompt_len)
+            if on_d is not None:
+                return on_d < on_p
+        if lent:
+            return True
         limit = rc.max_prefill_queue_tokens
         if limit is None:
             limit = self.config.prefill.max_num_batched_tokens

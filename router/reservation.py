@@ -28,11 +28,13 @@ class Reservation:
     prefills the prompt (`p`, None when D does), and the load the attempt charges on
     them, each part released once: `prompt_tokens` on the prefilling worker's
     queued_tokens until first_token(), `num_streams` on D's streams until release().
-    A context manager: its exit is release(). Runs on the router's event loop."""
+    A context manager: its exit is release(). Runs on the router's event loop.
+    `lent`: D would prefill on the idle prefill workers' lent cores (placement's
+    first-token line for D's own prefills is kept apart for them)."""
 
     def __init__(self, d: Worker, p: Worker | None, prompt_tokens: int, num_streams: int,
-                 room: "RoomQueue | None" = None):
-        self.d, self.p = d, p
+                 room: "RoomQueue | None" = None, lent: bool = False):
+        self.d, self.p, self.lent = d, p, lent
         self.res: DecodeReservation | None = None
         self._queued, self._streams, self._room = prompt_tokens, num_streams, room
         self.first_token_seen = False

@@ -1,9 +1,10 @@
 """router/placement.py under SLOs: the router learns each prefill worker's time to first
 token against the prompt tokens queued on it (FirstTokenTimes), and the decode worker's
-for its own prefills, and with a TPOT SLO keeps every prompt off the decode worker whose
-first token a prefill worker would give within the TTFT SLO, or sooner than the decode
-worker would; only the others follow the conditional disaggregation rules. Fakes as in test_router_admission (no model, no Ray); every test
-that serves requests ends with the router's queue empty."""
+for its own prefills (on its own cores, and on the idle prefill workers' lent cores), and
+with both SLOs sends each prompt where its first token is predicted sooner, the prefill
+worker preferred while it is in time and lends nothing. Fakes as in
+test_router_admission (no model, no Ray); every test that serves requests ends with the
+router's queue empty."""
 
 import asyncio
 from dataclasses import replace
@@ -40,9 +41,10 @@ def lending_router(**router_kw):
     return r, d, p
 
 
-def teach(r, w, seconds_per_token: float) -> None:
+def teach(r, w, seconds_per_token: float, lent: bool = False) -> None:
     for tokens in (200, 800, 1400, 2000):
-        r.placement.first_token.observe(w.worker_id, tokens, 0.05 + seconds_per_token * tokens)
+        r.placement.first_token.observe(FirstTokenTimes.line(w, lent), tokens,
+                                        0.05 + seconds_per_token * tokens)
 
 
 def test_without_slos_the_idle_and_queue_rules_decide():
@@ -55,30 +57,52 @@ def test_without_slos_the_idle_and_queue_rules_decide():
 def test_a_tpot_slo_alone_keeps_every_prompt_on_the_prefill_worker():
     """No TTFT SLO: every first token is in time, so none costs D's streams TPOT."""
     r, d, p = lending_router(slo_tpot_ms=40.0)
+    teach(r, d, 0.0001, lent=True)
     assert not r.placement.prefill_on_decode(d, 1000)         # P idle
     p.queued_tokens = 50_000
     assert not r.placement.prefill_on_decode(d, 1000)         # P far behind
-    p.alive = False                                           # no live P: the old rules
+    p.alive = False                                           # no live P
     assert not r.placement.prefill_on_decode(d, 1000)
 
 
-def test_with_both_slos_the_decode_worker_takes_the_prompts_a_prefill_worker_would_answer_late():
+def test_with_both_slos_the_prompt_goes_where_its_first_token_comes_sooner():
     r, d, p = lending_router(slo_tpot_ms=40.0, slo_ttft_ms=4000.0)
-    assert not r.placement.prefill_on_decode(d, 1000)         # nothing learned yet: P
+    assert r.placement.prefill_on_decode(d, 1000)             # P idle, nothing learned: lent cores
     teach(r, p, 0.001)                                        # ~1,000 tokens a second
-    assert not r.placement.prefill_on_decode(d, 1000)         # 1.05 s <= 0.9 x 4 s
-    p.queued_tokens = 2000
-    assert not r.placement.prefill_on_decode(d, 1000)         # 3.05 s: still in time
-    p.queued_tokens = 3000                                             # 4.05 s > 3.6 s: late on P,
-    assert r.placement.prefill_on_decode(d, 1000)             # so the queue rule splits it
-    d.queued_tokens = 4000                               # D's own queue is longer:
-    assert not r.placement.prefill_on_decode(d, 1000)         # P keeps it after all
-    d.queued_tokens, p.queued_tokens = 0, 0                       # P idle, in time: no lending
-    r.config = r.placement.config = replace(                  # to D unless P would be late
-        r.config, router=replace(r.config.router, slo_ttft_ms=500.0))
-    assert r.placement.prefill_on_decode(d, 1000)             # 1.05 s > 0.45 s: D on lent cores
-    teach(r, d, 0.01)                                         # D under a tight budget: 100/s
-    assert not r.placement.prefill_on_decode(d, 1000)         # 10 s on D, 1.05 s on P: P
+    teach(r, d, 0.0005, lent=True)                            # D on lent cores, loose budget
+    assert r.placement.prefill_on_decode(d, 1000)             # 0.55 s on D, 1.05 s on P
+    teach(r, d, 0.01, lent=True)                              # the budget tightened: 100/s
+    assert not r.placement.prefill_on_decode(d, 1000)         # 10 s on D: P
+    p.queued_tokens = 2000                                    # P busy: nothing lent
+    assert not r.placement.prefill_on_decode(d, 1000)         # 3.05 s <= 0.9 x 4 s: P
+    p.queued_tokens = 3000                                    # 4.05 s: late on P; D's line
+    assert r.placement.prefill_on_decode(d, 1000)             # on its own cores unknown: the
+    d.queued_tokens = 4000                                    # queue rule splits the burst,
+    assert not r.placement.prefill_on_decode(d, 1000)         # unless D's queue is longer
+    d.queued_tokens = 0
+    teach(r, d, 0.002)                                        # D alone: 500 tokens a second
+    assert r.placement.prefill_on_decode(d, 1000)             # 2.05 s on D, 4.05 s on P
+    p.queued_tokens = 1500                                    # under the queue rule's limit,
+    r.config = r.placement.config = replace(                  # late for a 2 s TTFT SLO:
+        r.config, router=replace(r.config.router, slo_ttft_ms=2000.0))
+    assert r.placement.prefill_on_decode(d, 1000)             # 2.05 s on D, 2.55 s on P
+    d.queued_tokens = 1000
+    assert not r.placement.prefill_on_decode(d, 1000)         # 4.05 s on D: P after all
+    p.alive = False                                           # no live P: D's line
+    assert r.placement.prefill_on_decode(d, 1000)
+
+
+def test_first_token_lines_of_lent_and_own_cores_are_apart_and_forgotten_together():
+    r, d, p = lending_router()
+    teach(r, d, 0.001)
+    assert r.placement.first_token.predict(FirstTokenTimes.line(d, True), 1000) is None
+    teach(r, d, 0.0005, lent=True)
+    assert r.placement.first_token.predict(FirstTokenTimes.line(d, True), 1000) == \
+        pytest.approx(0.55)
+    assert r.placement.first_token.predict(FirstTokenTimes.line(d), 1000) == pytest.approx(1.05)
+    r.placement.first_token.forget(d.worker_id)
+    assert r.placement.first_token.predict(FirstTokenTimes.line(d, True), 1000) is None
+    assert r.placement.first_token.predict(FirstTokenTimes.line(d), 1000) is None
 
 
 def test_the_router_learns_the_decode_worker_s_own_first_token_times():

@@ -55,7 +55,7 @@ def _serve(args) -> int:
     try:
         planner = None
         names = ("min_prefill_workers", "max_prefill_workers", "min_decode_workers",
-                 "max_decode_workers", "max_workers")
+                 "max_decode_workers")
         given = {k: v for k in names + ("adjustment_interval_s",)
                  if (v := getattr(args, "planner_interval_s" if k == "adjustment_interval_s"
                                   else k)) is not None}
@@ -63,10 +63,12 @@ def _serve(args) -> int:
             if args.slo_ttft_ms is None or args.slo_itl_ms is None:
                 raise ValueError("--planner slo needs its targets: --slo-ttft-ms and "
                                  "--slo-itl-ms")
-            planner = PlannerConfig(args.slo_ttft_ms, args.slo_itl_ms, **given)
+            planner = PlannerConfig(args.slo_ttft_ms, args.slo_itl_ms, **given,
+                                    **({"max_workers": args.max_workers}
+                                       if args.max_workers is not None else {}))
         elif given or args.slo_itl_ms is not None:
-            raise ValueError("--slo-itl-ms, --min/--max-*-workers, --max-workers and "
-                             "--planner-interval-s are the planner's: add --planner slo")
+            raise ValueError("--slo-itl-ms, --min/--max-*-workers and --planner-interval-s "
+                             "are the planner's: add --planner slo")
         cfg = ClusterConfig.local(
             args.model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
             transport=args.transport, host=args.host, port=args.port,
@@ -84,9 +86,11 @@ def _serve(args) -> int:
                if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
             router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
                                       "max_tokenize_queue_chars", "max_concurrent_calls",
-                                      "routing_policy", "metrics_port", "slo_ttft_ms",
+                                      "routing_policy", "metrics_port", "metrics_host",
+                                      "slo_ttft_ms",
                                       "slo_tpot_ms", "tls_cert_file", "tls_key_file",
-                                      "tls_client_ca_file", "api_key", "max_request_bytes",
+                                      "tls_client_ca_file", "api_key", "admin_api_key",
+                                      "max_workers", "max_request_bytes", "request_timeout_s",
                                       "max_migrations", "http_port",
                                       "max_prefill_queue_tokens", "rebalance_on_scale_up",
                                       "local_prefill_when_prefill_idle",
@@ -120,10 +124,13 @@ def _serve(args) -> int:
         except ClusterStartError as e:
             print(f"pdserve: failed to start: {e}", file=sys.stderr)
             return 1
+        from .router.security import is_loopback
         rc = cfg.router    # says whether a key is required, never the key
         security = ", ".join(
             ["mutual TLS" if rc.tls_client_ca_file else "TLS" if rc.tls_cert_file
-             else "plaintext"] + (["api key required"] if rc.api_key else []))
+             else "plaintext"] + (["api key required"] if rc.api_key else [])
+            + (["admin key required"] if rc.admin_api_key
+               else [] if is_loopback(rc.host) else ["Drain and Scale refused: no admin key"]))
         http = ("" if cluster.http_port is None else
                 f", OpenAI HTTP on http{'s' if rc.tls_cert_file else ''}://{args.host}:"
                 f"{cluster.http_port}/v1")
@@ -268,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--metrics-port", type=int, default=None,
                    help="router's Prometheus /metrics port (default 9464; workers pick free "
                         "ports, listed by `pdserve status`)")
+    s.add_argument("--metrics-host", default=None,
+                   help="address the router's /metrics binds (default: --host, or for a "
+                        "wildcard --host this node's own address; workers bind theirs)")
     s.add_argument("--slo-ttft-ms", type=float, default=None,
                    help="goodput SLO: time to first token (pdserve_goodput_requests_total); "
                         "with --slo-tpot-ms a decode worker prefills only the prompts a "
@@ -290,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument(f"--{bound}-{role}-workers", type=int, default=None,
                            help=f"planner: {bound}imum {role} workers (default {default})")
     s.add_argument("--max-workers", type=int, default=None,
-                   help="planner: most workers of both roles together (Dynamo's "
-                        "--max-gpu-budget; default: the two maxima added)")
+                   help="most workers of both roles together, for Admin.Scale and the "
+                        "planner (Dynamo's --max-gpu-budget; default 16, and for the planner "
+                        "the two maxima added when less)")
     s.add_argument("--planner-interval-s", type=float, default=None,
                    help="planner: seconds between decisions (Dynamo's adjustment "
                         "interval; default 30)")
@@ -347,6 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
                    help="require 'authorization: Bearer <key>' on every RPC but health "
                         "checks (default: $PDSERVE_API_KEY, which keeps it out of `ps`)")
+    s.add_argument("--admin-api-key", default=os.environ.get("PDSERVE_ADMIN_API_KEY") or None,
+                   help="require 'authorization: Bearer <key>' on Admin Drain and Scale, "
+                        "which the --api-key does not pass (default: $PDSERVE_ADMIN_API_KEY); "
+                        "unset, they are served only when --host is loopback")
+    s.add_argument("--request-timeout-s", type=float, default=None,
+                   help="a request's longest life in seconds; a client's gRPC deadline counts "
+                        "only when shorter (default 600)")
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest GenerateRequest accepted (default 8 MiB); gRPC refuses a "
                         "larger one with RESOURCE_EXHAUSTED")

@@ -17,7 +17,8 @@ def make_client(args, command: str):
     try:
         return Client(args.server, tls=args.tls, tls_ca_file=args.tls_ca,
                       tls_client_cert_file=args.tls_cert, tls_client_key_file=args.tls_key,
-                      api_key=args.api_key)
+                      api_key=args.api_key,
+                      admin_api_key=getattr(args, "admin_api_key", None))
     except (ValueError, OSError) as e:
         print(f"pdserve {command}: {e}", file=sys.stderr)
         return None
@@ -34,6 +35,12 @@ def add_client_security_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="mutual TLS: PEM key of --tls-cert")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
                    help="sent as 'authorization: Bearer <key>' (default: $PDSERVE_API_KEY)")
+
+
+def _add_admin_key_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--admin-api-key", default=os.environ.get("PDSERVE_ADMIN_API_KEY") or None,
+                   help="the router's admin key, which Drain and Scale need "
+                        "(default: $PDSERVE_ADMIN_API_KEY)")
 
 
 def _admin_call(args, command: str, call):
@@ -107,6 +114,7 @@ def add_admin_parsers(sub) -> None:
     dr.add_argument("--timeout-s", type=float, default=60.0,
                     help="how long to wait for their requests (seconds)")
     add_client_security_args(dr)
+    _add_admin_key_arg(dr)
     dr.set_defaults(fn=_drain)
 
     sc = sub.add_parser("scale", help="start or retire workers at runtime (Admin.Scale): a "
@@ -118,4 +126,5 @@ def add_admin_parsers(sub) -> None:
                     help="how long a retiring worker may take to finish its requests; "
                          "then they move to the others (retry, stream migration)")
     add_client_security_args(sc)
+    _add_admin_key_arg(sc)
     sc.set_defaults(fn=_scale)

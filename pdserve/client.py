@@ -60,9 +60,11 @@ class Client:
     `tls_ca_file` (or the PEM bytes `tls_root_certificates`), else the system's roots;
     `tls_client_cert_file` + `tls_client_key_file` present a client certificate (for a
     server with mutual TLS). `api_key` is sent as `authorization: Bearer <key>` on every
-    call, ClusterStatus included. Calls raise grpc.RpcError: UNAVAILABLE when the TLS
+    call, ClusterStatus included; `admin_api_key`, when given, in its place on Drain and
+    Scale (a router with an admin key refuses them the api key). Calls raise grpc.RpcError: UNAVAILABLE when the TLS
     handshake fails (or a plaintext client meets a TLS server), UNAUTHENTICATED when the
-    server wants an api key that the call lacks or gets wrong.
+    server wants an api key that the call lacks or gets wrong, PERMISSION_DENIED when
+    Drain or Scale lacks the admin key.
 
     A stream whose router goes away (its process died: UNAVAILABLE from the connection,
     not from the router) is sent again for up to `resume_timeout_s` seconds (0: never),
@@ -80,7 +82,8 @@ class Client:
                  resume_timeout_s: float = 60.0,
                  tls_ca_file: str | None = None, tls_root_certificates: bytes | None = None,
                  tls_client_cert_file: str | None = None,
-                 tls_client_key_file: str | None = None, api_key: str | None = None):
+                 tls_client_key_file: str | None = None, api_key: str | None = None,
+                 admin_api_key: str | None = None):
         if (tls_client_cert_file is None) != (tls_client_key_file is None):
             raise ValueError("tls_client_cert_file and tls_client_key_file go together: give "
                              "both for mutual TLS, or neither")
@@ -97,6 +100,8 @@ class Client:
         # What router/security.py's ApiKeyInterceptor checks (no import: the client
         # should not need the server's modules).
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        self.admin_metadata = ((("authorization", f"Bearer {admin_api_key}"),)
+                               if admin_api_key else self.metadata)
         self.generator = pb_grpc.GeneratorStub(self.channel)
         self.admin = pb_grpc.AdminStub(self.channel)
         self.timeout_s = timeout_s
@@ -125,7 +130,7 @@ class Client:
         """Admin.Drain: the router sends no new requests to `node_ip`'s workers and
         waits up to `timeout_s` seconds for theirs to finish (grpc.RpcError on failure)."""
         return self.admin.Drain(pb.DrainRequest(node_ip=node_ip, timeout_s=timeout_s),
-                                timeout=timeout_s + 30, metadata=self.metadata)
+                                timeout=timeout_s + 30, metadata=self.admin_metadata)
 
     def scale(self, num_prefill: int, num_decode: int, timeout_s: float = 300.0
               ) -> pb.ScaleResponse:
@@ -136,7 +141,7 @@ class Client:
         return self.admin.Scale(pb.ScaleRequest(num_prefill_workers=num_prefill,
                                                 num_decode_workers=num_decode,
                                                 timeout_s=timeout_s),
-                                timeout=timeout_s + 600, metadata=self.metadata)
+                                timeout=timeout_s + 600, metadata=self.admin_metadata)
 
     def close(self) -> None:
         self.channel.close()

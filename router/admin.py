@@ -16,13 +16,16 @@ from .workers import Worker
 
 logger = logging.getLogger(__name__)
 
+STATUS_TIMEOUT_S = 5.0    # a worker's status() slower than this is hung (not idle, not dead)
+
 
 async def drain(placement: Placement, node_ip: str, timeout_s: float, notify_replicas
                 ) -> pb.DrainResponse:
     """Stop sending new requests to the workers on `node_ip` (this replica's, and the
     others' once `notify_replicas()` told them), then wait up to `timeout_s` seconds
-    for their running and waiting requests to finish. A drained worker takes requests
-    again only once Ray restarts it (a new epoch).
+    for their running and waiting requests to finish. A worker whose status() does not
+    answer within STATUS_TIMEOUT_S counts as busy (one request), a dead one as idle. A
+    drained worker takes requests again only once Ray restarts it (a new epoch).
 
     Raises:
         InvalidRequestError: no worker runs on `node_ip`, or timeout_s is not in
@@ -33,9 +36,7 @@ async def drain(placement: Placement, node_ip: str, timeout_s: float, notify_rep
     every = placement.prefill + placement.decode
     workers = [w for w in every if w.node_ip == node_ip]
     if not workers:
-        known = sorted({w.node_ip for w in every})
-        raise InvalidRequestError("node_ip", f"no worker runs on {node_ip!r} (nodes: "
-                                             f"{', '.join(known)})")
+        raise InvalidRequestError("node_ip", f"no worker runs on {node_ip!r}")
     await mark_draining(workers)
     await notify_replicas()
     logger.warning("draining %s on %s", [w.worker_id for w in workers], node_ip)
@@ -44,8 +45,10 @@ async def drain(placement: Placement, node_ip: str, timeout_s: float, notify_rep
         busy = 0
         for w in workers:
             try:
-                s = await asyncio.wait_for(w.handle.status.remote(), timeout=5)
+                s = await asyncio.wait_for(w.handle.status.remote(), timeout=STATUS_TIMEOUT_S)
                 busy += s.running_requests + s.waiting_requests
+            except asyncio.TimeoutError:   # hung, not idle: its requests may still run
+                busy += 1
             except Exception:    # dead already: nothing of its own to wait for
                 continue
         if busy == 0 or time.monotonic() >= deadline:
@@ -62,7 +65,7 @@ async def worker_statuses(placement: Placement, starting: list[tuple[str, str]]
 
     async def one(w: Worker) -> pb.WorkerStatus:
         try:
-            s = await asyncio.wait_for(w.handle.status.remote(), timeout=5)
+            s = await asyncio.wait_for(w.handle.status.remote(), timeout=STATUS_TIMEOUT_S)
         except Exception as e:  # dead or hung worker: report it, do not fail the call
             role = "prefill" if w in placement.prefill else "decode"
             return pb.WorkerStatus(worker_id=w.worker_id, role=role, state=f"dead: {e}"[:200],

@@ -236,12 +236,14 @@ def build_app(router) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible API through `router` (a Router, or
     anything with its model_name, config, metrics, prefill, decode and generate()).
     Security and limits come from router.config.router: api_key (every path but
-    /health needs `Authorization: Bearer <key>`, else 401) and max_request_bytes
+    /health needs `Authorization: Bearer <key>`, or the admin key, else 401) and
+    max_request_bytes
     (a larger body gets 413). Errors raised on the request path become OpenAI error
     bodies (see the module docstring); the app itself raises none."""
     rc = router.config.router
     app = FastAPI(title="pdserve", openapi_url=None, docs_url=None, redoc_url=None)
-    app.add_middleware(_Gate, api_key=rc.api_key, max_request_bytes=rc.max_request_bytes,
+    app.add_middleware(_Gate, api_key=rc.api_key, admin_api_key=rc.admin_api_key,
+                       max_request_bytes=rc.max_request_bytes,
                        write_timeout_s=rc.stream_stall_timeout_s,
                        on_write_timeout=router.metrics.stalled.inc)
     started = int(time.time())
@@ -300,17 +302,21 @@ class _Gate:
     max_request_bytes, and handed on whole."""
 
     def __init__(self, app, api_key: str | None, max_request_bytes: int,
-                 write_timeout_s: float | None = None, on_write_timeout=lambda: None):
+                 write_timeout_s: float | None = None, on_write_timeout=lambda: None,
+                 admin_api_key: str | None = None):
         self.app, self.max_bytes = app, max_request_bytes
         self.key = api_key.encode() if api_key else None
+        self.admin_key = admin_api_key.encode() if admin_api_key else None
         self.write_timeout_s, self.on_write_timeout = write_timeout_s, on_write_timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])     # lower-case names, as ASGI gives them
-        if self.key is not None and scope["path"] != HEALTH_PATH and not bearer_matches(
-                headers.get(b"authorization", b"").decode("latin-1"), self.key):
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        if self.key is not None and scope["path"] != HEALTH_PATH and not (
+                bearer_matches(auth, self.key)
+                or self.admin_key is not None and bearer_matches(auth, self.admin_key)):
             response = error_response(401, UNAUTHENTICATED_MESSAGE, code="invalid_api_key",
                                       headers={"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import grpc
+import ray
 
 from ..config import ClusterConfig
 from ..core_share import CompileActivity
@@ -147,7 +148,9 @@ class Router:
         await self._server.start()
         self._server_port = port
         metrics_port = rc.metrics_port + self.index if rc.metrics_port else 0
-        self.metrics_address = "%s:%d" % serve_metrics(self.metrics.registry, rc.host,
+        metrics_host = rc.metrics_host or (rc.host if rc.host not in ("0.0.0.0", "::", "")
+                                           else ray.util.get_node_ip_address())
+        self.metrics_address = "%s:%d" % serve_metrics(self.metrics.registry, metrics_host,
                                                        ports.get("metrics", metrics_port))
         logger.info("router serving gRPC on %s:%d, metrics on http://%s/metrics", rc.host, port,
                     self.metrics_address)
@@ -216,7 +219,7 @@ class Router:
         cfg, rc = self.model_config, self.config.router
         rid = validation.request_id(req) or uuid.uuid4().hex   # the first field checked
         ids, params = await self._validate(req)
-        deadline = time.monotonic() + (deadline_s or rc.request_timeout_s)
+        deadline = rc.deadline(deadline_s)
         group = SampleGroup(rid, self.tokenizer, ids, params, cfg.eos_token_ids,
                             cfg.max_model_len)
         resumed = validation.resume_token_ids(req, group.params, len(ids), cfg.vocab_size,

@@ -64,8 +64,8 @@ class Scaler:
         """Admin.Scale; see the module docstring.
 
         Raises:
-            InvalidRequestError: a count outside [1, MAX_WORKERS] or timeout_s outside
-                [0, 3600] seconds (named).
+            InvalidRequestError: a count outside [1, MAX_WORKERS], both together over
+                router.max_workers, or timeout_s outside [0, 3600] seconds (named).
         """
         for field, n in (("num_prefill_workers", num_prefill),
                          ("num_decode_workers", num_decode)):
@@ -73,6 +73,10 @@ class Scaler:
                 raise InvalidRequestError(field, f"must be in [1, {MAX_WORKERS}], got {n}")
         if not 0 <= timeout_s <= 3600:
             raise InvalidRequestError("timeout_s", f"must be in [0, 3600] seconds, got {timeout_s}")
+        if num_prefill + num_decode > (limit := self.config.router.max_workers):
+            raise InvalidRequestError(
+                "num_prefill_workers", f"{num_prefill} prefill + {num_decode} decode workers "
+                f"exceed the cluster's max_workers={limit} (serve --max-workers)")
         async with self._lock:
             placement = self.placement
             started = await self._start(num_prefill - len(placement.prefill),

@@ -1,16 +1,27 @@
-"""Security of the router's gRPC front: TLS (optionally mutual) server credentials and a
-bearer api-key check, both set by RouterConfig (tls_* and api_key).
+"""Security of the router's gRPC front: TLS (optionally mutual) server credentials, a
+bearer api-key check, and an admin role, all set by RouterConfig (tls_*, api_key,
+admin_api_key).
 
 A call passes through two gates, in this order:
 
     TCP connect ─▶ TLS handshake ─────────────▶ ApiKeyInterceptor ─────────────▶ servicer
                    (tls_cert_file/key_file;     (api_key: metadata               (Generate,
                     tls_client_ca_file: the      `authorization: Bearer <key>`;   ClusterStatus,
-                    client must present a cert   grpc.health.v1.Health/* is       reflection)
-                    that CA signed)              exempt, so probes need no key)
+                    client must present a cert   grpc.health.v1.Health/* is       Drain, Scale,
+                    that CA signed)              exempt, so probes need no key;   reflection)
+                                                 Admin/Drain and Admin/Scale need
+                                                 the admin key)
 
 A failed handshake never reaches gRPC (the client sees UNAVAILABLE); a missing or wrong
 key is refused with UNAUTHENTICATED before the request message is even parsed.
+
+The admin role: the calls that change the cluster (ADMIN_METHODS: Drain, which stops a
+node's workers taking requests until they restart, and Scale, which starts and retires
+workers) need `authorization: Bearer <admin_api_key>`; the generate key gets
+PERMISSION_DENIED for them. The admin key also passes where the generate key does. With
+no admin key configured they are served only when the router binds a loopback address
+(whoever can reach it can already run commands on the host), and refused with
+PERMISSION_DENIED otherwise, the message naming the flag.
 
 The HTTP API (http_api.py) applies the same settings: uvicorn's TLS context from the
 same files (CERT_REQUIRED with tls_client_ca_file), and `bearer_matches` on the
@@ -20,6 +31,7 @@ same files (CERT_REQUIRED with tls_client_ca_file), and `bearer_matches` on the
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -30,6 +42,22 @@ logger = logging.getLogger(__name__)
 
 EXEMPT_PREFIX = "/grpc.health.v1.Health/"   # load balancers and k8s probes carry no key
 UNAUTHENTICATED_MESSAGE = "missing or invalid api key: send 'authorization: Bearer <key>'"
+ADMIN_METHODS = frozenset({"/pdserve.v1.Admin/Drain", "/pdserve.v1.Admin/Scale"})
+ADMIN_KEY_MESSAGE = ("{method} needs the admin key: send 'authorization: Bearer <admin key>' "
+                     "(serve --admin-api-key / $PDSERVE_ADMIN_API_KEY)")
+ADMIN_CLOSED_MESSAGE = ("{method} is refused: the router serves a non-loopback address and "
+                        "has no admin key; set serve --admin-api-key (or "
+                        "$PDSERVE_ADMIN_API_KEY), or serve on 127.0.0.1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or "localhost") binds the loopback interface only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:       # a name, "auto", "" or "0.0.0.0"-like: not loopback
+        return False
 
 
 class SecurityConfigError(ValueError):
@@ -75,42 +103,75 @@ def bearer_matches(authorization: str, key: bytes) -> bool:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses, with UNAUTHENTICATED, every call but grpc.health.v1.Health/* whose
-    metadata lacks `authorization: Bearer <api_key>`. Works for every RPC kind: the
-    refusal takes the same streaming shape as the method it stands in for."""
+    """Refuses every call but grpc.health.v1.Health/* whose metadata lacks
+    `authorization: Bearer <api_key>` (or the admin key), with UNAUTHENTICATED; and the
+    calls of ADMIN_METHODS with PERMISSION_DENIED unless they carry the admin key, or,
+    with no admin key, unless `admin_open` (the router binds loopback). Either key may
+    be None (not required). Works for every RPC kind: the refusal takes the same
+    streaming shape as the method it stands in for."""
 
-    def __init__(self, api_key: str):
-        assert api_key, "ApiKeyInterceptor needs a non-empty key (RouterConfig checks it)"
-        self._key = api_key.encode()
+    def __init__(self, api_key: str | None, admin_api_key: str | None = None,
+                 admin_open: bool = False):
+        assert api_key != "" and admin_api_key != "", "keys are non-empty (RouterConfig)"
+        self._key = api_key.encode() if api_key else None
+        self._admin = admin_api_key.encode() if admin_api_key else None
+        self._admin_open = admin_open and self._admin is None
+
+    @staticmethod
+    def _carries(metadata, key: bytes | None) -> bool:
+        return key is not None and any(
+            k == "authorization" and isinstance(v, str) and bearer_matches(v, key)
+            for k, v in metadata or ())
 
     def authorized(self, metadata) -> bool:
-        """Whether `metadata` ((key, value) pairs) carries the bearer key."""
-        return any(k == "authorization" and isinstance(v, str) and bearer_matches(v, self._key)
-                   for k, v in metadata or ())
+        """Whether `metadata` ((key, value) pairs) may make non-admin calls: it carries
+        the api key or the admin key, or no api key is required."""
+        return (self._key is None or self._carries(metadata, self._key)
+                or self._carries(metadata, self._admin))
+
+    def refusal(self, method: str, metadata) -> tuple[grpc.StatusCode, str] | None:
+        """The status and message refusing `method` with `metadata`, or None to serve it."""
+        if method.startswith(EXEMPT_PREFIX):
+            return None
+        if method in ADMIN_METHODS:
+            if self._carries(metadata, self._admin) or (
+                    self._admin_open and self.authorized(metadata)):
+                return None
+            if not self.authorized(metadata):
+                return grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE
+            name = method.rsplit(".", 1)[-1]          # "Admin/Scale"
+            return grpc.StatusCode.PERMISSION_DENIED, (
+                ADMIN_KEY_MESSAGE if self._admin is not None else ADMIN_CLOSED_MESSAGE
+            ).format(method=name)
+        if self.authorized(metadata):
+            return None
+        return grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails],
                                          Awaitable[grpc.RpcMethodHandler]],
             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if (handler is None or details.method.startswith(EXEMPT_PREFIX)
-                or self.authorized(details.invocation_metadata)):
+        if handler is None:
             return handler
-        logger.debug("refused %s: no valid api key", details.method)
-        return _refusal(handler)
+        refused = self.refusal(details.method, details.invocation_metadata)
+        if refused is None:
+            return handler
+        logger.debug("refused %s: %s", details.method, refused[0].name)
+        return _refusal(handler, *refused)
 
 
-async def _abort(_request, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
+             ) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s kind that aborts at once with `code` and `message`. No
+    request deserializer: the message of a refused caller is never parsed."""
+    async def abort(_request, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
 
-
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s kind that aborts at once. No request deserializer: the
-    message of an unauthenticated caller is never parsed."""
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_abort)
+        return grpc.stream_stream_rpc_method_handler(abort)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_abort)
+        return grpc.stream_unary_rpc_method_handler(abort)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_abort)
-    return grpc.unary_unary_rpc_method_handler(_abort)
+        return grpc.unary_stream_rpc_method_handler(abort)
+    return grpc.unary_unary_rpc_method_handler(abort)

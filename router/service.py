@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
@@ -20,7 +19,7 @@ from ..proto import pdserve_pb2 as pb
 from ..proto import pdserve_pb2_grpc as pb_grpc
 from .errors import RequestError
 from .stalls import watched
-from .security import ApiKeyInterceptor, server_credentials
+from .security import ApiKeyInterceptor, is_loopback, server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ async def metered_generate(router, build: Callable[[], pb.GenerateRequest],
         # generator at once, so its `finally` aborts the request on P and D now.
         # watched: a client that stops reading cannot park the request (and its KV)
         # past stream_stall_timeout_s or its deadline (router/stalls.py)
-        deadline = time.monotonic() + (deadline_s or router.config.router.request_timeout_s)
+        deadline = router.config.router.deadline(deadline_s)
         async with aclosing(watched(getattr(router, "stalls", None),
                                     router.generate(request, deadline_s), deadline)) as stream:
             async for msg in stream:
@@ -149,7 +148,8 @@ def build_server(router, address: str) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server (not started) with every service; returns it and the bound port.
 
     Security and limits come from `router.config.router` (RouterConfig): TLS (mutual with
-    tls_client_ca_file) when tls_cert_file is set, the api-key check when api_key is, and
+    tls_client_ca_file) when tls_cert_file is set, the api-key check when api_key is, the
+    admin role (admin_api_key, or Drain and Scale only on a loopback bind; security.py),
     max_request_bytes, beyond which gRPC itself refuses a request (RESOURCE_EXHAUSTED),
     and max_concurrent_calls, beyond which it refuses a call the same way.
 
@@ -159,11 +159,14 @@ def build_server(router, address: str) -> tuple[grpc.aio.Server, int]:
     """
     rc = router.config.router
     creds = server_credentials(rc)      # before binding: a bad file fails with its name
-    if rc.api_key is not None and creds is None:
-        logger.warning("api_key is set without TLS: the key crosses the network in clear "
+    if (rc.api_key is not None or rc.admin_api_key is not None) and creds is None:
+        logger.warning("an api key is set without TLS: it crosses the network in clear "
                        "text (set tls_cert_file and tls_key_file)")
+    admin_open = is_loopback(rc.host)
+    gate = (rc.api_key is not None or rc.admin_api_key is not None or not admin_open)
     server = grpc.aio.server(
-        interceptors=[ApiKeyInterceptor(rc.api_key)] if rc.api_key is not None else None,
+        interceptors=[ApiKeyInterceptor(rc.api_key, rc.admin_api_key, admin_open)]
+        if gate else None,
         maximum_concurrent_rpcs=rc.max_concurrent_calls,   # more: RESOURCE_EXHAUSTED
         options=[
             ("grpc.max_receive_message_length", rc.max_request_bytes),

@@ -118,3 +118,25 @@ def test_local_prefill_when_prefill_idle_is_on_unless_turned_off(recording):
     assert cli.main(["serve"]) == 1 and recording[0].router.local_prefill_when_prefill_idle
     assert cli.main(["serve", "--no-local-prefill-when-prefill-idle"]) == 1
     assert not recording[1].router.local_prefill_when_prefill_idle
+
+
+def test_the_request_deadline_caps_the_client_s():
+    import time
+    rc = RouterConfig(request_timeout_s=10.0)
+    now = time.monotonic()
+    assert rc.deadline(None) - now == pytest.approx(10.0, abs=0.5)
+    assert rc.deadline(3600.0) - now == pytest.approx(10.0, abs=0.5)   # capped
+    assert rc.deadline(2.0) - now == pytest.approx(2.0, abs=0.5)       # shorter: kept
+
+
+def test_admin_key_worker_bound_and_metrics_host_flags(recording, monkeypatch):
+    monkeypatch.setenv("PDSERVE_ADMIN_API_KEY", "adm1n")
+    assert cli.main(["serve", "--max-workers", "6", "--metrics-host", "10.1.2.3",
+                     "--request-timeout-s", "30"]) == 1
+    rc = recording[0].router
+    assert (rc.admin_api_key, rc.max_workers, rc.metrics_host, rc.request_timeout_s) == \
+        ("adm1n", 6, "10.1.2.3", 30.0)
+    monkeypatch.delenv("PDSERVE_ADMIN_API_KEY")
+    assert cli.main(["serve"]) == 1
+    rc = recording[1].router
+    assert (rc.admin_api_key, rc.max_workers, rc.metrics_host) == (None, 16, None)

@@ -29,10 +29,17 @@ The checksum's cost (docs/performance.md "KV checksum"): ~0.035 ms per 768 KiB f
 each end; over loopback 2.3 GB/s without, 1.5 GB/s with. Turn it off (kv_checksum=False)
 on links that already carry end-to-end integrity.
 
-The sender is ``tcp_sender.py``; this module is the receiver (D side): one accept thread, one thread per connection, listening on ``host`` only (the worker's
-cluster address, WorkerConfig.host; never a wildcard unless that is what it is given).
-Every connection starts with D's CHALLENGE and must pair (layout, epoch, and the
-cluster secret when one is set; auth.py) before any KV frame is read. Each frame header
+The sender is ``tcp_sender.py``; this module is the receiver (D side), listening on
+``host`` only (the worker's cluster address, WorkerConfig.host; never a wildcard unless
+that is what it is given). Every connection starts with D's CHALLENGE and must pair
+(layout, epoch, and the cluster secret when one is set; auth.py) before any KV frame is
+read. Until a peer has sent its whole HANDSHAKE frame it costs no thread: the one accept
+thread sends the challenges and gathers the handshakes of every connection not yet
+paired without blocking, each within io_timeout_s in all (not per read), at most
+MAX_PENDING of them (a new one evicts the oldest); a complete handshake gets its own
+thread, which checks it and serves the connection, at most MAX_CONNECTIONS at once.
+So a flood of connections that never finish a handshake holds neither threads nor, for
+long, sockets, and a peer that pairs (a round trip after connecting) is not kept out. Each frame header
 is validated against the layout, and a KV frame's payload_len against its block range
 and the reservation, so a forged length never makes D allocate more than the
 reservation's bytes (an unknown request's payload is read and dropped in 1 MiB chunks).
@@ -78,14 +85,46 @@ logger = logging.getLogger(__name__)
 
 THREAD_PREFIX = "kvrecv"  # threads: kvrecv-accept-<port>, kvrecv-conn-<port>-<n>
 DISCARD_CHUNK_BYTES = 1 << 20
+MAX_PENDING = 256         # connections gathering their handshake (no thread each)
+MAX_CONNECTIONS = 512     # connection threads: paired peers, and handshakes being checked
+
+
+class _Pending:
+    """A connection the accept thread gathers a HANDSHAKE frame from: its bytes so far,
+    and how many it needs (the fixed header, then the request id, then the payload)."""
+
+    __slots__ = ("sock", "peer", "conn_id", "nonce", "deadline", "buf", "need", "header")
+
+    def __init__(self, sock: socket.socket, peer: tuple, conn_id: int, nonce: bytes,
+                 deadline: float):
+        self.sock, self.peer, self.conn_id, self.nonce = sock, peer, conn_id, nonce
+        self.deadline, self.buf, self.need = deadline, bytearray(), frames.HEADER_SIZE
+        self.header: FrameHeader | None = None
+
+    def take(self, data: bytes, layout: KVLayout) -> bool:
+        """Add received bytes; True once the HANDSHAKE frame is whole (KVFrameError if
+        the bytes are not one)."""
+        self.buf += data
+        if len(self.buf) < self.need:
+            return False
+        if self.need == frames.HEADER_SIZE:
+            self.need += frames.request_id_len(self.buf)
+            if len(self.buf) < self.need:
+                return False
+        if self.header is None:
+            self.header = frames.unpack_header(self.buf, layout)
+            if self.header.frame_type != FrameType.HANDSHAKE:
+                raise KVFrameError(f"expected HANDSHAKE, got {self.header.frame_type.name}")
+            self.need += self.header.payload_len        # validated: <= MAX_HANDSHAKE_BYTES
+        return len(self.buf) >= self.need
 
 
 class TcpKVReceiver(KVReceiver):
     """Threaded TCP receiver; see the module docstring.
 
-    port: 0 picks a free one. io_timeout_s bounds the handshake, and the wait for the
-    rest of a frame once its first byte arrived (an idle connection between frames
-    never times out). secret: the cluster's shared secret every sender must prove
+    port: 0 picks a free one. io_timeout_s bounds the whole handshake (from the
+    connection's accept), and the wait for the rest of a frame once its first byte
+    arrived (an idle connection between frames never times out). secret: the cluster's shared secret every sender must prove
     (auth.py); None: pair only with senders that have none.
     """
 
@@ -102,6 +141,7 @@ class TcpKVReceiver(KVReceiver):
         self._threads: list[threading.Thread] = []
         self._conns: dict[int, socket.socket] = {}
         self._conn_ids = itertools.count()
+        self._refused_peers: set[str] = set()   # hosts whose refusal was logged
         self._started = False
         self._closed = False
 
@@ -156,17 +196,34 @@ class TcpKVReceiver(KVReceiver):
 
     def _accept_loop(self) -> None:
         assert self._listen is not None and self._wake_r is not None
+        pending: dict[socket.socket, _Pending] = {}    # oldest first
         # selectors (epoll), not select(): a busy server may hold fds above 1024.
         with selectors.DefaultSelector() as sel:
             sel.register(self._listen, selectors.EVENT_READ)
             sel.register(self._wake_r, selectors.EVENT_READ)
-            while True:
-                ready = {key.fileobj for key, _ in sel.select()}
-                if self._wake_r in ready:
-                    return
-                self._accept_one()
+            try:
+                while True:
+                    soonest = min((p.deadline for p in pending.values()), default=None)
+                    timeout = None if soonest is None else max(soonest - time.monotonic(), 0)
+                    for key, _ in sel.select(timeout):
+                        if key.fileobj is self._wake_r:
+                            return
+                        if key.fileobj is self._listen:
+                            self._accept_one(sel, pending)
+                        elif key.fileobj in pending:
+                            self._gather(sel, pending, key.data)
+                    now = time.monotonic()
+                    for p in [p for p in pending.values() if p.deadline <= now]:
+                        self._drop(sel, pending, p, "no handshake within "
+                                                    f"{self.io_timeout_s:g} s")
+            finally:
+                for p in list(pending.values()):
+                    self._drop(sel, pending, p, None)
 
-    def _accept_one(self) -> None:
+    def _accept_one(self, sel: selectors.BaseSelector,
+                    pending: dict[socket.socket, _Pending]) -> None:
+        """Accept a connection and send it D's challenge; its handshake is gathered
+        here (_gather) until whole."""
         assert self._listen is not None
         try:
             sock, peer = self._listen.accept()
@@ -174,29 +231,104 @@ class TcpKVReceiver(KVReceiver):
             logger.warning("KV receiver accept failed: %s", e)
             time.sleep(0.05)  # e.g. out of fds: back off instead of spinning on select
             return
-        conn_id = next(self._conn_ids)
-        t = threading.Thread(
-            target=self._serve_conn,
-            args=(sock, peer, conn_id),
-            name=f"{THREAD_PREFIX}-conn-{self.port}-{conn_id}",
-            daemon=True,
-        )
-        with self._lock:
-            if self._closed:
-                sock.close()
-                return
-            self._conns[conn_id] = sock
-            self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        t.start()
+        if len(pending) >= MAX_PENDING:
+            self._drop(sel, pending, next(iter(pending.values())),
+                       f"evicted: {MAX_PENDING} connections were pairing")
+        nonce = auth.new_nonce()
+        challenge = frames.pack_header(FrameType.CHALLENGE, payload_len=len(nonce)) + nonce
+        try:
+            sock.setblocking(False)
+            sent = sock.send(challenge)      # ~90 bytes into an empty send buffer
+        except OSError as e:
+            logger.debug("KV connection from %s lost before its challenge: %s", peer, e)
+            sock.close()
+            return
+        if sent != len(challenge):
+            sock.close()
+            return
+        p = _Pending(sock, peer, next(self._conn_ids), nonce,
+                     time.monotonic() + self.io_timeout_s)
+        pending[sock] = p
+        sel.register(sock, selectors.EVENT_READ, p)
 
-    def _serve_conn(self, sock: socket.socket, peer: tuple, conn_id: int) -> None:
+    def _gather(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending],
+                p: _Pending) -> None:
+        """Read what `p`'s peer sent; once its HANDSHAKE frame is whole, give the
+        connection a thread (_serve_conn) that checks it and serves on."""
+        try:
+            data = p.sock.recv(p.need - len(p.buf))
+        except BlockingIOError:
+            return
+        except OSError as e:
+            return self._drop(sel, pending, p, f"{type(e).__name__}: {e}")
+        if not data:                           # hung up before saying anything: a probe
+            return self._drop(sel, pending, p, None)
+        try:
+            whole = p.take(data, self.layout)
+        except KVFrameError as e:
+            return self._drop(sel, pending, p, str(e))
+        if not whole:
+            return
+        sel.unregister(p.sock)
+        del pending[p.sock]
+        with self._lock:
+            if self._closed or len(self._conns) >= MAX_CONNECTIONS:
+                full = not self._closed
+                p.sock.close()
+            else:
+                full = None
+                self._conns[p.conn_id] = p.sock
+        if full is not None:
+            if full:
+                self._refused(p.peer, f"{MAX_CONNECTIONS} KV connections are open")
+            return
+        payload = bytes(p.buf[len(p.buf) - p.header.payload_len:])
+        t = threading.Thread(target=self._serve_conn,
+                             args=(p.sock, p.peer, p.conn_id, (p.nonce, payload)),
+                             name=f"{THREAD_PREFIX}-conn-{self.port}-{p.conn_id}", daemon=True)
+        try:
+            t.start()
+        except RuntimeError as e:   # can't start new thread: this connection only
+            logger.warning("KV connection from %s closed: no thread for it (%s)", p.peer, e)
+            with self._lock:
+                self._conns.pop(p.conn_id, None)
+            p.sock.close()
+            return
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+
+    def _drop(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Pending],
+              p: _Pending, why: str | None) -> None:
+        """Close a connection that did not pair (`why`: logged once per peer; None: a
+        probe or shutdown, not logged)."""
+        sel.unregister(p.sock)
+        del pending[p.sock]
+        p.sock.close()
+        if why is not None:
+            self._refused(p.peer, why)
+
+    def _refused(self, peer: tuple, why: str) -> None:
+        """Log a connection refused or closed before pairing: a warning the first time
+        for its host, then at debug (a misconfigured peer retries)."""
+        if peer[0] in self._refused_peers:
+            logger.debug("KV connection from %s refused: %s", peer, why)
+            return
+        self._refused_peers.add(peer[0])
+        logger.warning("KV connection from %s refused: %s (further refusals of %s are "
+                       "logged at debug)", peer, why, peer[0])
+
+    def _serve_conn(self, sock: socket.socket, peer: tuple, conn_id: int,
+                    opening: tuple[bytes, bytes]) -> None:
+        """A connection's thread: check its handshake (`opening`: D's nonce, the
+        HANDSHAKE payload the accept thread gathered), then serve its frames."""
         why = "peer closed the connection"
         try:
+            sock.setblocking(True)
             set_nodelay(sock)
-            _Connection(self, sock, conn_id).serve()
+            _Connection(self, sock, conn_id).serve(*opening)
         except (KVLayoutMismatch, KVAuthError) as e:
             why = str(e)
-            logger.warning("KV connection from %s refused: %s", peer, e)
+            self._refused(peer, why)
         except (KVFrameError, OSError) as e:
             why = f"{type(e).__name__}: {e}"
             if not self._closed:
@@ -243,9 +375,10 @@ class _Connection:
         self.max_blocks = rx.kv.shape[2]
         self.staging: torch.Tensor | None = None  # uint8, reused and grown per frame
 
-    def serve(self) -> None:
-        if not self._handshake():
-            return
+    def serve(self, nonce_d: bytes, handshake: bytes) -> None:
+        """Check the peer's handshake (D sent `nonce_d` in its challenge), then serve
+        its frames until it hangs up."""
+        self._handshake(nonce_d, handshake)
         while True:
             h = self._next_header()
             if h is None:
@@ -274,19 +407,11 @@ class _Connection:
             frame_timeout_s=self.rx.io_timeout_s,
         )
 
-    def _handshake(self) -> bool:
-        """Pair with the peer (challenge, handshake, ack; auth.py); False if it hung up
-        before saying anything (a probe)."""
+    def _handshake(self, nonce_d: bytes, payload: bytes) -> None:
+        """Pair with the peer from its HANDSHAKE `payload` (auth.py): the ack, or a
+        refusal raised (KVAuthError, KVLayoutMismatch)."""
         self.sock.settimeout(self.rx.io_timeout_s)  # a silent peer must not pin a thread
-        nonce_d = auth.new_nonce()
-        self.sock.sendall(frames.pack_header(FrameType.CHALLENGE, payload_len=len(nonce_d))
-                          + nonce_d)
-        h = frames.read_header(self.sock, self.layout, self.max_blocks, eof_ok=True)
-        if h is None:
-            return False
-        if h.frame_type != FrameType.HANDSHAKE:
-            raise KVFrameError(f"expected HANDSHAKE, got {h.frame_type.name}")
-        hs = control.decode_handshake(self._read_small(h.payload_len), ack=False)
+        hs = control.decode_handshake(payload, ack=False)
         key = self.rx._secret
         if not auth.verify(key, auth.PREFILL, nonce_d, hs.nonce, hs.auth):
             self._send_ack(control.encode_auth_refusal(), epoch=0)  # nothing about D
@@ -306,7 +431,6 @@ class _Connection:
         host_io.set_kernel_timeouts(self.sock, self.rx.io_timeout_s)
         logger.debug("KV connection %d paired (prefill epoch %d%s)", self.conn_id, hs.epoch,
                      ", nixl" if extra is not None else "")
-        return True
 
     def _send_ack(self, payload: bytes, epoch: int) -> None:
         self.sock.sendall(

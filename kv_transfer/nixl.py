@@ -33,7 +33,9 @@ where the NIC supports it): the same code with another memory type.
 Why the BEGIN round trip: a one-sided write is invisible to D, so D must know which
 blocks a writer may still touch. A request forgotten after its BEGIN keeps its blocks
 out of the pool until P says DONE or ABORT or its connection drops (then after
-LOST_WRITER_GRACE_S, P's WRITE in flight having finished or failed by then).
+LOST_WRITER_GRACE_S). P closes a connection only once none of its WRITEs to that D is in
+flight (cancelled or ended: nixl_sender.NixlKVSender._drop), so a grace period past the
+loss covers a P that died with its writes, never a late write of a live one.
 
 The settings below (no progress thread: it spins a core; UCX_NET_DEVICES pinned to the
 worker's interface; make_connection at pairing; lanes) and what they were measured at

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,8 @@ class Lane:
         # (D's agent name, its heads per block, 0: whole blocks) -> prepared dst list
         self.remote: dict[tuple[str, int], Any] = {}
         self.lock = threading.Lock()        # the agent, and in_flight
-        self.in_flight: list[tuple[list, Any]] = []   # (the requests' _Begun, handle)
+        # (the requests' _Begun, handle, the peer's dst list) of each posted WRITE
+        self.in_flight: list[tuple[list, Any, Any]] = []
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = False
         self.thread = threading.Thread(target=self._run, name=f"kvsend-nixl-{index}",
@@ -77,31 +79,30 @@ class Lane:
         notification; all to the same lists), its notifications
         concatenated; each job's request counts it finished when the WRITE does.
         Never raises: a job that is not posted is counted finished with the reason."""
-        live = []
-        for job in jobs:
-            if job[0].cancelled or self.closed:  # D may have handed these blocks on already
-                job[0].finished_one("not posted: the request failed, its connection "
-                                    "dropped, or the sender closed")
-            else:
-                live.append(job)
-        if not live:
-            return
-        begun = [job[0] for job in live]
-        try:
-            src, dst = live[0][1], live[0][2]
-            src_rows = np.concatenate([job[3] for job in live])
-            dst_rows = np.concatenate([job[4] for job in live])
-            notif = b"".join(job[5] for job in live)
-            with self.lock:
-                handle = self.agent.make_prepped_xfer("WRITE", src, src_rows, dst,
-                                                      dst_rows, notif_msg=notif)
-                if self.agent.transfer(handle) != "ERR":
-                    self.in_flight.append((begun, handle))
-                    return
-                handle.release()
-            error = "NIXL refused to post a WRITE"
-        except Exception as e:  # nixl raises its own error types; these WRITEs fail
-            error = f"NIXL WRITE failed to post: {type(e).__name__}: {e}"
+        with self.lock:
+            # checked under the lock: kill() cancels a dropped connection's requests,
+            # then must find every WRITE to that peer already in in_flight
+            skip = [job for job in jobs if job[0].cancelled or self.closed]
+            live = [job for job in jobs if not (job[0].cancelled or self.closed)]
+            error, begun = None, [job[0] for job in live]
+            if live:
+                try:
+                    src, dst = live[0][1], live[0][2]
+                    handle = self.agent.make_prepped_xfer(
+                        "WRITE", src, np.concatenate([job[3] for job in live]), dst,
+                        np.concatenate([job[4] for job in live]),
+                        notif_msg=b"".join(job[5] for job in live))
+                    if self.agent.transfer(handle) != "ERR":
+                        self.in_flight.append((begun, handle, dst))
+                        begun = []
+                    else:
+                        handle.release()
+                        error = "NIXL refused to post a WRITE"
+                except Exception as e:  # nixl raises its own error types; these WRITEs fail
+                    error = f"NIXL WRITE failed to post: {type(e).__name__}: {e}"
+        for job in skip:   # D may have handed these blocks on already
+            job[0].finished_one("not posted: the request failed, its connection dropped, "
+                                "or the sender closed")
         for b in begun:
             b.finished_one(error)
 
@@ -120,7 +121,7 @@ class Lane:
                     state = "ERR"
                 if state == "PROC":
                     break
-                begun, handle = self.in_flight.pop(0)
+                begun, handle, _ = self.in_flight.pop(0)
                 try:
                     handle.release()
                 except Exception as e:  # a failed transfer's handle may refuse; NIXL logs it
@@ -132,6 +133,54 @@ class Lane:
                 b.finished_one(None if state == "DONE" else "a NIXL WRITE failed")
         return busy
 
+    def kill(self, dst: Any, deadline: float) -> int:
+        """End every WRITE in flight to the peer whose prepared list is `dst` (a lost or
+        dropped connection's decode worker), so that none lands in its blocks once D
+        hands them on: each handle is released, which cancels an active transfer; one
+        NIXL cannot cancel is waited for until it completes or fails, up to `deadline`
+        (time.monotonic()). Their requests count them finished with an error. Returns
+        how many are still in flight (0: nothing of this lane can write to that peer)."""
+        while True:
+            ended, alive = [], 0
+            with self.lock:
+                keep = []
+                for entry in self.in_flight:
+                    if entry[2] is not dst:
+                        keep.append(entry)
+                        continue
+                    if not self._release(entry[1]):   # active, not cancellable: writing
+                        keep.append(entry)
+                        alive += 1
+                        continue
+                    ended.append(entry[0])
+                self.in_flight = keep
+            for begun in ended:
+                for b in begun:
+                    b.finished_one("a NIXL WRITE cancelled: its connection dropped")
+            if not alive or time.monotonic() >= deadline:
+                return alive
+            time.sleep(LANE_POLL_S)
+
+    def _release(self, handle: Any) -> bool:
+        """Release a WRITE's handle (under self.lock), cancelling it if still active;
+        False when NIXL could not cancel it and it is still in progress."""
+        try:
+            handle.release()
+            return True
+        except Exception as e:   # NIXL's own error types
+            try:
+                state = self.agent.check_xfer_state(handle)
+            except Exception:
+                state = "ERR"
+            if state == "PROC":
+                logger.debug("NIXL WRITE not cancelled: %s", e)
+                return False
+        try:
+            handle.release()
+        except Exception as e:   # ended; a failed transfer's handle may refuse: NIXL logs it
+            logger.debug("NIXL handle release: %s", e)
+        return True
+
     def close(self) -> None:
         self.closed = True         # what is still queued is not posted
         self.jobs.put(None)
@@ -140,7 +189,7 @@ class Lane:
             logger.warning("NIXL lane %s did not stop in 5s", self.agent.name)
             return
         with self.lock:
-            for begun, handle in self.in_flight:
+            for begun, handle, _ in self.in_flight:
                 for b in begun:
                     b.finished_one("sender closed")
             self.in_flight = []

@@ -112,6 +112,7 @@ class NixlKVSender(TcpKVSender):
         self._unit = kv[0, 0, 0].numel() * kv.element_size()  # one block of one layer's K
         self._lanes = [Lane(i, kv, layout, host, self._mem, self._device_id, self._unit)
                        for i in range(lanes)]
+        self._held: list[socket.socket] = []   # connections kept for WRITEs not ended
 
     def _handshake_extra(self) -> dict | None:
         return {"agents": [lane.agent.name for lane in self._lanes]}
@@ -144,11 +145,26 @@ class NixlKVSender(TcpKVSender):
         conn.peer = _Peer(paired[0][0], [dst for _, dst in paired], num_blocks, heads=split)
 
     def _drop(self, conn: _SendConn) -> None:
-        """Also stop the dropped connection's requests: their queued shares are never
-        posted (D releases their blocks a grace period after the loss)."""
-        if conn.peer is not None:
-            for begun in conn.peer.begun.values():
+        """Also end the dropped connection's WRITEs before D can learn of the loss: its
+        requests' queued shares are never posted, and every WRITE in flight to that D is
+        cancelled, or waited for until it completes or fails (io_timeout_s at most;
+        Lane.kill). D hands a lost writer's blocks on LOST_WRITER_GRACE_S after the
+        control connection closes, so it closes only once nothing of this sender can
+        write into them. A WRITE still in flight after the wait keeps the connection
+        open, and D keeps the blocks it leased, until the sender closes (logged)."""
+        peer = conn.peer
+        if peer is not None:
+            for begun in peer.begun.values():
                 begun.cancelled = True
+            deadline = time.monotonic() + self.io_timeout_s
+            alive = sum(lane.kill(dst, deadline) for lane, dst in zip(self._lanes, peer.dst))
+            if alive and conn.sock is not None:
+                logger.error("%d NIXL WRITEs to %s neither completed nor were cancelled in "
+                             "%.0f s: the control connection stays open, so that D keeps "
+                             "their blocks, until this sender closes", alive, peer.agent,
+                             self.io_timeout_s)
+                self._held.append(conn.sock)
+                conn.sock = None
         super()._drop(conn)
 
     def send_layers(self, addr: tuple[str, int], request_id: str, epoch: int,
@@ -207,6 +223,9 @@ class NixlKVSender(TcpKVSender):
         super().close()
         for lane in self._lanes:
             lane.close()
+        for sock in self._held:
+            sock.close()
+        self._held.clear()
 
     # ---- internals -----------------------------------------------------------------
 

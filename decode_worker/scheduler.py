@@ -238,14 +238,14 @@ class DecodeScheduler:
     # --- called from the step thread ----------------------------------------------
 
     def schedule(self, now: float | None = None,
-                 step_budget: Callable[[list[tuple[int, float]]], int | None] | None = None
+                 step_budget: Callable[[list[tuple[int, float, int]]], int | None] | None = None
                  ) -> SchedulerOutput:
         """Admit arrived requests; apply aborts and expired leases; give each request of
         the batch the block its next position needs, preempting the newest running
         requests while the pool is short; then resume preempted requests that fit
         again (oldest first). Returns the next batch. `step_budget` (a TPOT SLO's,
         decode_worker/step_budget.py): given the step's decode rows as (tokens so far,
-        DecodeRequest.itl_s), the most tokens the step may compute, rows and prefill
+        DecodeRequest.itl_s, tokens max_tokens leaves after the step's), the most tokens the step may compute, rows and prefill
         chunks together, prefills getting at least block_size (so they progress); None
         from it or without it: prefill_chunk_size alone bounds the step."""
         now = time.monotonic() if now is None else now
@@ -322,7 +322,8 @@ class DecodeScheduler:
         SLO), at most MAX_BUDGET_WAITS steps in a row; then a block runs anyway, so a
         prefill always progresses."""
         chunk, least = self.prefill_chunk_size, self.block_size
-        streams = [(len(r.output_ids), r.itl_s) for r in batch
+        streams = [(len(r.output_ids), r.itl_s,
+                    max(r.params.max_tokens - len(r.output_ids) - 1, 0)) for r in batch
                    if r.num_tokens - r.num_computed_tokens == 1]
         if step_budget is not None and streams and any(   # prefills beside streams
                 r.num_tokens - r.num_computed_tokens > 1 for r in batch):

@@ -7,8 +7,14 @@ step to the SLO; TPOT is a mean (DistServe's SLO: (E2E - TTFT) / (tokens - 1)), 
 a stream that ran faster than the SLO has banked the difference, and a step may spend
 it: a stream with k tokens whose k - 1 gaps took itl_s seconds allows the step that
 gives its (k+1)-th token target x k - itl_s seconds, and the step takes the least of its
-streams' allowances. Every stream's mean TPOT then stays within the target at every
-token, at its last included, while prefill chunks grow as large as the slack lets them.
+streams' allowances. A stream also lends what its next h tokens will leave: each of
+their steps, a decode step of the batch (d seconds, the line's), leaves target - d, so
+it allows h x (target - d) more, h being the tokens it still has to make after this
+one (max_tokens) but at most BORROW_TOKENS (a stream may stop sooner, at a stop token).
+A stream's mean TPOT then stays within the target at its last token whenever it makes
+the tokens it lent from, and at every token with h = 0, while prefill chunks grow as
+large as the slack lets them: on a loose TPOT SLO a prompt on the decode worker is
+computed at nearly the speed of a step of its own.
 
 Model: seconds = a + b x tokens, a least-squares line per thread count (a step on lent
 threads is faster), each step weighing DECAY times the one after it, so the line
@@ -26,6 +32,7 @@ MARGIN = 0.9          # the share of the target a step is planned to take
 LEARN_STEPS = 8       # steps a thread count's line needs before it sizes a step
 MAX_BUDGET_WAITS = 16  # steps in a row a prefill may sit out for want of budget (then a
                        # block runs: its progress, at a bounded cost to the streams' TPOT)
+BORROW_TOKENS = 32    # a stream's next tokens whose steps' slack a step may spend now
 
 
 class StepBudget:
@@ -43,14 +50,17 @@ class StepBudget:
         decayed = StepStats(*(v * DECAY for v in s.astuple()))
         self._lines[threads] = n + 1, decayed + StepStats.of(tokens, seconds)
 
-    def tokens(self, threads: int, streams: list[tuple[int, float]] = ()) -> int | None:
+    def tokens(self, threads: int, streams: list[tuple[int, float, int]] = ()) -> int | None:
         """Most tokens a step on `threads` threads may compute and keep the mean TPOT of
-        every stream of `streams` (tokens so far, seconds their gaps took) within the
-        target; a step with no stream, one target long. At least 1; None while fewer than
-        LEARN_STEPS steps ran on that many threads."""
+        every stream of `streams` (tokens so far, seconds their gaps took, tokens it may
+        still make after this step's) within the target (the module docstring); a step
+        with no stream, one target long. At least 1; None while fewer than LEARN_STEPS
+        steps ran on that many threads."""
         n, s = self._lines.get(threads, (0, None))
         if n < LEARN_STEPS:
             return None
-        allowed = min((self.target_s * k - itl for k, itl in streams), default=self.target_s)
         a, b = s.line()
+        spare = max(self.target_s - (a + b * len(streams)), 0.0)  # a decode step's slack
+        allowed = min((self.target_s * k - itl + min(left, BORROW_TOKENS) * spare
+                       for k, itl, left in streams), default=self.target_s)
         return max(int((allowed - a) / b), 1)

@@ -222,13 +222,17 @@ class Placement:
             # every one died meanwhile: wait for a restart (available, above)
 
     SLO_MARGIN = 0.9      # share of the TTFT SLO a prefill worker's predicted time may take
+    COLOCATE_SHARE = 0.5  # a prompt a prefill worker alone computes in more than this share
+    #                       of the TTFT SLO is colocated: the decode worker prefills it
 
-    def prefill_ttft(self, prompt_len: int) -> float:
+    def prefill_ttft(self, prompt_len: int, queued: bool = True) -> float:
         """Seconds to the first token of a `prompt_len`-token prompt sent now to the
         live prefill worker that would answer first (FirstTokenTimes; one with no
-        prediction yet counts as 0); inf when none is live."""
-        return min((self.first_token.predict(p.worker_id, p.total_queued_tokens + prompt_len) or 0.0
-                    for p in self.prefill if p.available), default=math.inf)
+        prediction yet counts as 0), with the prompts queued on it (`queued`) or as if
+        it had none; inf when none is live."""
+        return min((self.first_token.predict(
+            p.worker_id, (p.total_queued_tokens if queued else 0) + prompt_len) or 0.0
+            for p in self.prefill if p.available), default=math.inf)
 
     def lends_to(self, d: Worker) -> bool:
         """Whether the prefill workers on D's node are idle and would lend D their
@@ -244,6 +248,44 @@ class Placement:
                    for p in self.prefill)
         return bool(idle) and idle >= sum(w.node_ip == d.node_ip for w in self.decode)
 
+    def slo_choice(self, d: Worker, prompt_len: int, lent: bool) -> bool | None:
+        """Under a TPOT SLO, whether the prompt goes to D (True) or a prefill worker
+        (False), or None to leave it to prefill_on_decode's rules. `lent`: lends_to(d).
+
+        With both SLOs (router.slo_tpot_ms, router.slo_ttft_ms):
+
+        - a prompt that the fastest prefill worker, idle, would answer in more than
+          COLOCATE_SHARE of the TTFT SLO goes to D. A prefill worker computes a prompt
+          on its own cores, D on its and the idle prefill workers' lent ones, so where
+          the TTFT SLO leaves one core no room for a queue, the colocated shape (every
+          prompt on D, the prefill workers idle and lending) meets it more often; D's
+          step budget holds its streams to the TPOT SLO meanwhile;
+        - any other goes to a prefill worker whenever the first-token time predicted
+          there (FirstTokenTimes, with its queue) is within SLO_MARGIN of the TTFT SLO,
+          or D's own predicted time for it is later still (its line for the prompts it
+          prefilled under its step budget, kept apart for those on lent cores). D's
+          prefills cost its streams TPOT: the budget holds them within the SLO by
+          computing the prompt in smaller chunks the tighter it is, and a prefill begun
+          on lent cores goes on on D's own once the prefill worker takes a prompt;
+        - the rest (None) follow prefill_on_decode's rules.
+
+        Without a TTFT SLO every prompt goes to a prefill worker (any first token is in
+        time). DistServe's placement for the two SLOs; TaiChi (arXiv 2508.01989)
+        switches between the disaggregated and the colocated shape by them the same
+        way."""
+        rc = self.config.router
+        if rc.slo_ttft_ms is None:
+            return False
+        slo_s = rc.slo_ttft_ms / 1e3
+        if self.prefill_ttft(prompt_len, queued=False) > self.COLOCATE_SHARE * slo_s:
+            return True          # a prefill worker alone is too slow for it: colocated
+        on_p = self.prefill_ttft(prompt_len)
+        if on_p <= self.SLO_MARGIN * slo_s:
+            return False
+        on_d = self.first_token.predict(FirstTokenTimes.line(d, lent),
+                                        d.queued_tokens + prompt_len)
+        return False if on_d is not None and on_d >= on_p else None
+
     def prefill_on_decode(self, d: Worker, prompt_len: int) -> bool:
         """Conditional disaggregation: whether the router asks D to prefill the prompt
         itself. D decides (DecodeWorker.reserve: asked, or its uncached part is at most
@@ -253,18 +295,7 @@ class Placement:
           plus the tokens streamed, check_fits having bounded only the original) that
           outgrew them; D's pool holds it (prompt + max_tokens fit it).
 
-        With a TPOT SLO (router.slo_tpot_ms), the prompt goes where its first token is
-        predicted sooner (FirstTokenTimes: each prefill worker's line with its queue, and
-        D's own line for its prefills under its step budget, kept apart for those on
-        lent cores), with the prefill worker preferred while it answers within
-        SLO_MARGIN of the TTFT SLO (router.slo_ttft_ms) unless D would use the idle
-        prefill workers' lent cores: D's prefills are held to the TPOT SLO by its step
-        budget, which computes the prompt in smaller chunks the tighter it is, so D's
-        line is what tells how much a prefill there costs. Without a TTFT SLO every
-        prompt goes to a prefill worker (any first token is in time). Before D's line
-        is learned (FirstTokenTimes.LEARN of its prefills), the rules below decide.
-        DistServe's placement for the two SLOs; TaiChi (arXiv 2508.01989) switches
-        between the disaggregated and the colocated shape the same way.
+        With a TPOT SLO, slo_choice decides first.
 
         - D has no prefill of its own queued and prefill workers on D's node, at least
           as many as its decode workers, have none either (lends_to): the idle workers
@@ -282,16 +313,9 @@ class Placement:
             return True      # no prefill worker's pool holds it: a retry's prompt + tokens
         rc = self.config.router
         lent = self.lends_to(d)
-        if rc.slo_tpot_ms is not None:
-            if rc.slo_ttft_ms is None:
-                return False
-            on_p = self.prefill_ttft(prompt_len)
-            if on_p <= self.SLO_MARGIN * rc.slo_ttft_ms / 1e3 and not lent:
-                return False
-            on_d = self.first_token.predict(FirstTokenTimes.line(d, lent),
-                                            d.queued_tokens + prompt_len)
-            if on_d is not None:
-                return on_d < on_p
+        if rc.slo_tpot_ms is not None and (choice := self.slo_choice(d, prompt_len, lent)
+                                           ) is not None:
+            return choice
         if lent:
             return True
         limit = rc.max_prefill_queue_tokens

@@ -308,11 +308,12 @@ def test_a_step_budget_caps_prefill_beside_decode_rows_only(pool):
     s.reserve("p", 40, params(), LEASE_S, prompt(40), prefill_locally=True)
     out = s.schedule(step_budget=budget(6))
     assert out.num_scheduled_tokens == (1, BLOCK_SIZE + 1)  # 6 - 1 decode row
-    assert asked == [[(2, 0.02)]]    # its prefill step is not an ITL; one gap of 20 ms
+    assert asked == [[(2, 0.02, 37)]]  # its prefill step is not an ITL; one gap of 20 ms;
+    #                                    40 - 2 - 1 tokens after the step's
     s.update_from_output(out, [9, None], step_s=0.03)
     out = s.schedule(step_budget=budget(3))
     assert out.num_scheduled_tokens == (1,)                 # 3 - 1 < a block: it waits
-    assert asked[-1] == [(3, pytest.approx(0.05))]
+    assert asked[-1] == [(3, pytest.approx(0.05), 36)]
     for k in range(MAX_BUDGET_WAITS - 1):
         s.update_from_output(out, [20 + k])
         out = s.schedule(step_budget=budget(3))

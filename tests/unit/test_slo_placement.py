@@ -1,17 +1,17 @@
 """router/placement.py under SLOs: the router learns each prefill worker's time to first
 token against the prompt tokens queued on it (FirstTokenTimes), and the decode worker's
-for its own prefills (on its own cores, and on the idle prefill workers' lent cores), and
-with both SLOs sends each prompt where its first token is predicted sooner, the prefill
-worker preferred while it is in time and lends nothing. Fakes as in
-test_router_admission (no model, no Ray); every test that serves requests ends with the
-router's queue empty."""
+for its own prefills (on its own cores, and on the idle prefill workers' lent cores);
+with both SLOs a prompt a prefill worker alone is too slow for goes to the decode worker
+(colocated), and of the others those a prefill worker would answer late, unless the
+decode worker would answer later still. Fakes as in test_router_admission (no model, no
+Ray); every test that serves requests ends with the router's queue empty."""
 
 import asyncio
 from dataclasses import replace
 
 import pytest
 
-from pdserve.router.placement import FirstTokenTimes
+from pdserve.router.placement import FirstTokenTimes, Placement
 from test_router_admission import FakeDecode, FakePrefill, collect, generate, make_router, queue
 
 
@@ -65,31 +65,38 @@ def test_a_tpot_slo_alone_keeps_every_prompt_on_the_prefill_worker():
     assert not r.placement.prefill_on_decode(d, 1000)
 
 
-def test_with_both_slos_the_prompt_goes_where_its_first_token_comes_sooner():
+def test_with_both_slos_the_decode_worker_takes_the_prompts_a_prefill_worker_would_answer_late():
     r, d, p = lending_router(slo_tpot_ms=40.0, slo_ttft_ms=4000.0)
-    assert r.placement.prefill_on_decode(d, 1000)             # P idle, nothing learned: lent cores
+    assert not r.placement.prefill_on_decode(d, 1000)         # nothing learned yet: P
     teach(r, p, 0.001)                                        # ~1,000 tokens a second
-    teach(r, d, 0.0005, lent=True)                            # D on lent cores, loose budget
-    assert r.placement.prefill_on_decode(d, 1000)             # 0.55 s on D, 1.05 s on P
-    teach(r, d, 0.01, lent=True)                              # the budget tightened: 100/s
-    assert not r.placement.prefill_on_decode(d, 1000)         # 10 s on D: P
-    p.queued_tokens = 2000                                    # P busy: nothing lent
-    assert not r.placement.prefill_on_decode(d, 1000)         # 3.05 s <= 0.9 x 4 s: P
-    p.queued_tokens = 3000                                    # 4.05 s: late on P; D's line
-    assert r.placement.prefill_on_decode(d, 1000)             # on its own cores unknown: the
+    teach(r, d, 0.0005, lent=True)                            # D on lent cores: faster,
+    assert not r.placement.prefill_on_decode(d, 1000)         # but 1.05 s <= 0.9 x 4 s: P
+    p.queued_tokens = 2000
+    assert not r.placement.prefill_on_decode(d, 1000)         # 3.05 s: still in time
+    p.queued_tokens = 3000                                    # 4.05 s > 3.6 s: late on P;
+    assert r.placement.prefill_on_decode(d, 1000)             # D's own line unknown: the
     d.queued_tokens = 4000                                    # queue rule splits the burst,
     assert not r.placement.prefill_on_decode(d, 1000)         # unless D's queue is longer
     d.queued_tokens = 0
-    teach(r, d, 0.002)                                        # D alone: 500 tokens a second
-    assert r.placement.prefill_on_decode(d, 1000)             # 2.05 s on D, 4.05 s on P
-    p.queued_tokens = 1500                                    # under the queue rule's limit,
-    r.config = r.placement.config = replace(                  # late for a 2 s TTFT SLO:
-        r.config, router=replace(r.config.router, slo_ttft_ms=2000.0))
-    assert r.placement.prefill_on_decode(d, 1000)             # 2.05 s on D, 2.55 s on P
-    d.queued_tokens = 1000
-    assert not r.placement.prefill_on_decode(d, 1000)         # 4.05 s on D: P after all
-    p.alive = False                                           # no live P: D's line
+    teach(r, d, 0.01)                                         # D on its own cores, under a
+    assert not r.placement.prefill_on_decode(d, 1000)         # tight budget: 10 s: P
+    teach(r, d, 0.002)                                        # a looser one: 2.05 s on D,
+    assert r.placement.prefill_on_decode(d, 1000)             # 4.05 s on P: D
+    p.alive = False                                           # no live P: D
     assert r.placement.prefill_on_decode(d, 1000)
+
+
+def test_a_prompt_a_prefill_worker_alone_answers_in_over_half_the_ttft_slo_is_colocated():
+    """P on its own cores computes it in more than COLOCATE_SHARE of the TTFT SLO, idle:
+    it goes to D (with the idle P's lent cores), however D's line stands."""
+    r, d, p = lending_router(slo_tpot_ms=40.0, slo_ttft_ms=4000.0)
+    teach(r, p, 0.001)                                        # ~1,000 tokens a second
+    teach(r, d, 0.01)                                         # D on its own: 100/s
+    teach(r, d, 0.01, lent=True)
+    p.queued_tokens = 500                                     # busy: D lent nothing
+    assert not r.placement.prefill_on_decode(d, 1000)         # 1.05 s idle <= 2 s: P
+    assert r.placement.prefill_on_decode(d, 2500)             # 2.55 s idle > 2 s: D
+    assert Placement.COLOCATE_SHARE == 0.5
 
 
 def test_first_token_lines_of_lent_and_own_cores_are_apart_and_forgotten_together():

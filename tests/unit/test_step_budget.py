@@ -3,7 +3,7 @@ the steps' times per thread count."""
 
 import pytest
 
-from pdserve.decode_worker.step_budget import LEARN_STEPS, MARGIN, StepBudget
+from pdserve.decode_worker.step_budget import BORROW_TOKENS, LEARN_STEPS, MARGIN, StepBudget
 
 
 def test_no_budget_until_a_line_is_learned_per_thread_count():
@@ -56,8 +56,34 @@ def test_streams_that_ran_fast_bank_time_for_a_longer_step():
     for x in (8, 64, 16, 100, 32, 80, 4, 50):
         b.observe(1, x, 0.02 + 0.001 * x)
     target = MARGIN * 0.1
-    assert b.tokens(1, [(1, 0.0)]) == b.tokens(1) == pytest.approx((target - 0.02) / 0.001, abs=1)
-    fast = (11, 10 * 0.03)                   # 10 gaps of 30 ms: 600 ms banked
+    assert b.tokens(1, [(1, 0.0, 0)]) == b.tokens(1) == pytest.approx((target - 0.02) / 0.001,
+                                                                      abs=1)
+    fast = (11, 10 * 0.03, 0)                # 10 gaps of 30 ms: 600 ms banked
     assert b.tokens(1, [fast]) == pytest.approx((11 * target - 0.3 - 0.02) / 0.001, abs=1)
-    late = (11, 10 * target)                 # at the target already: one target
+    late = (11, 10 * target, 0)              # at the target already: one target
     assert b.tokens(1, [fast, late]) == pytest.approx((target - 0.02) / 0.001, abs=2)
+
+
+def test_a_stream_lends_the_slack_of_its_next_tokens():
+    """A stream that will make h more tokens lends h x (target - decode step): its mean
+    TPOT at its last token stays within the target if each of those takes a decode step.
+    Never more than BORROW_TOKENS of them, nor beyond its max_tokens; nothing when a
+    decode step alone takes the target."""
+    b = StepBudget(0.1)                      # target 90 ms; steps: 20 ms + 1 ms a token
+    for x in (8, 64, 16, 100, 32, 80, 4, 50):
+        b.observe(1, x, 0.02 + 0.001 * x)
+    target, step = MARGIN * 0.1, 0.02 + 0.001 * 2        # 2 decode rows: 22 ms a step
+    fresh, old = (1, 0.0, 10), (30, 29 * target, 500)
+    lent = lambda k, itl, h: target * k - itl + min(h, BORROW_TOKENS) * (target - step)
+    assert b.tokens(1, [fresh, old]) == pytest.approx(
+        (min(lent(*fresh), lent(*old)) - 0.02) / 0.001, abs=2)
+    assert lent(*old) < lent(*fresh)         # the long one lends its 32 next tokens' only
+    # the step's time in the allowance: a stream with h tokens left never plans past
+    # target x (k + h) over its life
+    k, itl, h = fresh
+    x = b.tokens(1, [fresh])
+    assert itl + (0.02 + 0.001 * x) + h * step <= target * (k + h) + 0.002
+    slow = StepBudget(0.01)                  # a decode step alone past the target
+    for x in range(1, LEARN_STEPS + 1):
+        slow.observe(1, x * 10, 0.5 + 0.01 * x)
+    assert slow.tokens(1, [(1, 0.0, 100)]) == 1

@@ -80,8 +80,9 @@ def test_with_both_slos_the_decode_worker_takes_the_prompts_a_prefill_worker_wou
     d.queued_tokens = 0
     teach(r, d, 0.01)                                         # D on its own cores, under a
     assert not r.placement.prefill_on_decode(d, 1000)         # tight budget: 10 s: P
+    r.placement.first_token.forget(d.worker_id)
     teach(r, d, 0.002)                                        # a looser one: 2.05 s on D,
-    assert r.placement.prefill_on_decode(d, 1000)             # 4.05 s on P: D
+    assert r.placement.prefill_on_decode(d, 1000)             # 4.05 s on P: the queue rule
     p.alive = False                                           # no live P: D
     assert r.placement.prefill_on_decode(d, 1000)
 

@@ -77,12 +77,14 @@ def test_a_stream_lends_the_slack_of_its_next_tokens():
     lent = lambda k, itl, h: target * k - itl + min(h, BORROW_TOKENS) * (target - step)
     assert b.tokens(1, [fresh, old]) == pytest.approx(
         (min(lent(*fresh), lent(*old)) - 0.02) / 0.001, abs=2)
-    assert lent(*old) < lent(*fresh)         # the long one lends its 32 next tokens' only
+    assert lent(*fresh) < lent(*old)         # 10 tokens left lend less than 500 do,
+    assert lent(*old) == pytest.approx(target + BORROW_TOKENS * (target - step))  # capped
     # the step's time in the allowance: a stream with h tokens left never plans past
     # target x (k + h) over its life
     k, itl, h = fresh
     x = b.tokens(1, [fresh])
-    assert itl + (0.02 + 0.001 * x) + h * step <= target * (k + h) + 0.002
+    alone = 0.02 + 0.001 * 1                 # its decode step, one row
+    assert itl + (0.02 + 0.001 * x) + h * alone <= target * (k + h) + 0.002
     slow = StepBudget(0.01)                  # a decode step alone past the target
     for x in range(1, LEARN_STEPS + 1):
         slow.observe(1, x * 10, 0.5 + 0.01 * x)

@@ -103,3 +103,22 @@ def test_dockerignore_keeps_the_context_small_but_complete():
     assert "engine" in package_dirs
     for path in ("pyproject.toml", "README.md", *package_dirs):
         assert not ignored(path), f".dockerignore drops {path}, which the image build needs"
+
+
+def test_keys_come_from_the_environment_not_the_command_line(dockerfile, monkeypatch):
+    """The default CMD binds the router on every interface with no key on its command
+    line (`ps`, `docker inspect` would show it): `-e PDSERVE_API_KEY` and
+    `-e PDSERVE_ADMIN_API_KEY` set them, and the image sets neither."""
+    from test_ray_configs import parse_with_pdserve_cli
+
+    (cmd,) = [v for ins, v, _ in instructions(dockerfile, stage=-1) if ins == "CMD"]
+    argv = json.loads(cmd)
+    assert not {"--api-key", "--admin-api-key"} & {a.split("=")[0] for a in argv}
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    args = parse_with_pdserve_cli(argv, monkeypatch)
+    assert args.host == "0.0.0.0" and args.api_key is None
+    assert not {"PDSERVE_API_KEY", "PDSERVE_ADMIN_API_KEY"} & set(dockerfile.envs)
+    comments = " ".join(line for line in DOCKERFILE.read_text().splitlines()
+                        if line.startswith("#"))
+    for var in ("PDSERVE_API_KEY", "PDSERVE_ADMIN_API_KEY"):
+        assert f"-e {var}" in comments, f"the Dockerfile's comments do not say how to set {var}"

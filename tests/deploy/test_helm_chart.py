@@ -119,12 +119,21 @@ def test_helm_lint_passes(name):
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
-def test_every_rendered_object_validates(case):
-    values, merged, objs = case
-    kinds = Counter(o["kind"] for o in objs)
-    assert kinds == Counter({"RayCluster": 1, "Service": 2}
-                            | ({"ServiceMonitor": 1}
-                               if merged["metrics"]["serviceMonitor"]["enabled"] else {}))
+def expected_kinds(merged: dict) -> Counter:
+    """How many objects of each kind the chart renders with these (merged) values."""
+    generated_secrets = (
+        (merged["adminApiKey"]["create"] and not merged["adminApiKey"]["existingSecret"])
+        + (merged["rayAuth"]["enabled"] and not merged["rayAuth"]["existingSecret"]))
+    return +Counter({"RayCluster": 1, "Service": 2,
+                     "ServiceMonitor": int(merged["metrics"]["serviceMonitor"]["enabled"]),
+                     "Secret": generated_secrets,
+                     "NetworkPolicy": 2 * merged["networkPolicy"]["enabled"],
+                     "PodDisruptionBudget": 2 * merged["podDisruptionBudget"]["enabled"]})
+
+
+def validate_all(objs: list[dict]) -> None:
+    """Every object against the Kubernetes schemas (KubeRay's and the Prometheus
+    Operator's kinds by the checks below)."""
     for obj in objs:
         if obj["kind"] == "RayCluster":
             _validate_raycluster(obj)
@@ -132,6 +141,12 @@ def test_every_rendered_object_validates(case):
             _validate_service_monitor(obj, objs)
         else:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def test_every_rendered_object_validates(case):
+    values, merged, objs = case
+    assert Counter(o["kind"] for o in objs) == expected_kinds(merged)
+    validate_all(objs)
 
 
 def _validate_raycluster(ray: dict) -> None:
@@ -340,9 +355,7 @@ def test_head_probes_the_router(chart, values, readiness):
         assert r["httpGet"] == {"path": "/health", "port": "http", "scheme": readiness.upper()}
     else:
         assert {k: r[k] for k in grpc_probe} == grpc_probe
-    for obj in objs:
-        if obj["kind"] == "RayCluster":
-            _validate_raycluster(obj)
+    validate_all(objs)
 
 
 def test_worker_prestop_drains_then_stops_ray(case, monkeypatch):
@@ -365,28 +378,45 @@ def test_worker_prestop_drains_then_stops_ray(case, monkeypatch):
         assert args["tls_ca"] == (f"{TLS_DIR}/ca.crt" if merged["tls"]["enabled"] else None)
 
 
+def pod_templates(ray: dict) -> dict[str, dict]:
+    """The pod template of the head and of each worker group, by role."""
+    return {"head": ray["spec"]["headGroupSpec"]["template"],
+            **{role: g["template"] for role, g in _groups(ray).items()}}
+
+
+def tls_files(template: dict) -> set[str] | None:
+    """The files of the TLS Secret a pod mounts at TLS_DIR (None: not mounted)."""
+    mounts = {m["mountPath"]: m for m in _container(template).get("volumeMounts", [])}
+    if TLS_DIR not in mounts:
+        return None
+    assert mounts[TLS_DIR]["readOnly"] is True
+    (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == mounts[TLS_DIR]["name"]]
+    items = volume["secret"].get("items")
+    return ({i["path"] for i in items} if items is not None
+            else {"tls.crt", "tls.key", "ca.crt"})      # a kubernetes.io/tls Secret's keys
+
+
 def test_tls_secret_and_api_key_wiring(case):
+    """The api key and the TLS key reach the head (the router) only; a worker's drain
+    hook gets the CA to check the router, and its own certificate with clientAuth."""
     values, merged, objs = case
-    ray = _one(objs, "RayCluster")
-    templates = [ray["spec"]["headGroupSpec"]["template"],
-                 *(g["template"] for g in _groups(ray).values())]
-    for t in templates:
-        c = _container(t)
-        env = {e["name"]: e for e in c["env"]}
-        mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
-        volumes = {v["name"]: v for v in t["spec"].get("volumes", [])}
-        if merged["apiKey"]["existingSecret"]:
+    for role, t in pod_templates(_one(objs, "RayCluster")).items():
+        env = {e["name"]: e for e in _container(t)["env"]}
+        if merged["apiKey"]["existingSecret"] and role == "head":
             assert env["PDSERVE_API_KEY"]["valueFrom"] == {"secretKeyRef": {
                 "name": merged["apiKey"]["existingSecret"], "key": merged["apiKey"]["key"]}}
         else:
             assert "PDSERVE_API_KEY" not in env
-        if merged["tls"]["enabled"]:
-            mount = mounts[TLS_DIR]
-            assert mount["readOnly"] is True
-            assert volumes[mount["name"]]["secret"]["secretName"] == \
-                merged["tls"]["existingSecret"]
+        files = tls_files(t)
+        if not merged["tls"]["enabled"]:
+            assert files is None
+        elif role == "head" or merged["tls"]["clientAuth"]:
+            assert files == {"tls.crt", "tls.key", "ca.crt"}
         else:
-            assert TLS_DIR not in mounts
+            assert files == {"ca.crt"}
+        if merged["tls"]["enabled"]:
+            (volume,) = [v for v in t["spec"]["volumes"] if v["name"] == "pdserve-tls"]
+            assert volume["secret"]["secretName"] == merged["tls"]["existingSecret"]
         # the key only ever travels as a secretKeyRef, never as a literal
         assert "value" not in env.get("PDSERVE_API_KEY", {})
 
@@ -396,8 +426,13 @@ def test_mutual_tls_passes_client_certificates(chart, monkeypatch):
     ray = _one(objs, "RayCluster")
     serve = _cli_args(_serve_argv(ray), monkeypatch, "serve")
     assert serve["tls_client_ca_file"] == f"{TLS_DIR}/ca.crt"
-    drain = _cli_args(_prestop(_groups(ray)["decode"])[0][1:], monkeypatch, "drain")
-    assert (drain["tls_cert"], drain["tls_key"]) == (f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key")
+    for role, g in _groups(ray).items():
+        drain = _cli_args(_prestop(g)[0][1:], monkeypatch, "drain")
+        assert (drain["tls_cert"], drain["tls_key"]) == (f"{TLS_DIR}/tls.crt",
+                                                         f"{TLS_DIR}/tls.key")
+        # the files it names are in the pod
+        assert tls_files(g["template"]) == {"tls.crt", "tls.key", "ca.crt"}
+    validate_all(objs)
 
 
 def test_gpu_rdma_values_file_turns_everything_on():

@@ -7,7 +7,8 @@ import pytest
 from test_helm_chart import NAMESPACE, RELEASE, _cli_args, _groups, _one, _render, _serve_argv
 
 # KubeRay's ray.io/v1 RayCluster spec.autoscalerOptions fields this chart may set
-AUTOSCALER_OPTIONS_FIELDS = {"idleTimeoutSeconds", "upscalingMode"}
+AUTOSCALER_OPTIONS_FIELDS = {"idleTimeoutSeconds", "upscalingMode", "env", "securityContext",
+                             "volumeMounts"}
 
 
 def test_planner_turns_on_kuberays_autoscaler_with_the_same_bounds(chart, monkeypatch):

@@ -19,6 +19,8 @@ import json
 import re
 import shlex
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -90,9 +92,19 @@ def serve_command(cfg: dict) -> tuple[int, str]:
     return found[0]
 
 
+def serve_env(cfg: dict) -> dict[str, str]:
+    """The NAME=value assignments before `nohup pdserve serve` (values unexpanded)."""
+    _, cmd = serve_command(cfg)
+    words = shlex.split(cmd)
+    at = words.index("nohup")
+    assert all(re.fullmatch(r"[A-Z_]+=.*", w) for w in words[:at]), cmd
+    return dict(w.split("=", 1) for w in words[:at])
+
+
 def serve_args(cfg: dict, monkeypatch) -> argparse.Namespace:
     _, cmd = serve_command(cfg)
     words = shlex.split(cmd)
+    words = words[len(serve_env(cfg)):]
     redirects = next(i for i, w in enumerate(words) if w[0] in "<>&" or w[:2] == "2>")
     assert words[:3] == ["nohup", "pdserve", "serve"], cmd
     flags = words[3:redirects]
@@ -225,6 +237,56 @@ def test_docker_runs_the_pdserve_image(path):
     # deploy/docker/Dockerfile's ENTRYPOINT is `pdserve`; Ray runs the container with
     # `bash` as its command, which would become `pdserve bash`.
     assert "--entrypoint=''" in docker["run_options"]
+
+
+def start_commands(cfg: dict) -> list[str]:
+    return cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_ray_runs_with_token_auth_on_every_node(path):
+    """Every command that starts or asks Ray (ray start, ray status, pdserve serve) runs
+    with RAY_AUTH_MODE=token, and every node gets the launching machine's token."""
+    raw = load(path)
+    cfg = ray_validate(raw)
+    talking = [c for c in start_commands(cfg) if re.search(r"\bray (start|status)\b", c)]
+    assert len(talking) == 3, talking       # head start, the wait for workers, worker start
+    for cmd in talking:
+        for m in re.finditer(r"\bray (start|status)\b", cmd):
+            before = cmd[:m.start()]
+            assert re.search(r"(export |\s|^)RAY_AUTH_MODE=token[; ]", before), cmd
+    assert serve_env(cfg)["RAY_AUTH_MODE"] == "token"
+    assert raw["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_dashboard_stays_on_the_heads_loopback(path):
+    cfg = ray_validate(load(path))
+    (head_start,) = [c for c in cfg["head_start_ray_commands"] if "ray start --head" in c]
+    assert re.findall(r"--dashboard-host[= ](\S+)", head_start) == ["127.0.0.1"]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_head_makes_an_admin_key_once_and_serve_reads_it(path, tmp_path):
+    """The router binds 0.0.0.0, so Drain and Scale need its admin key: the head makes
+    one (owner-only, kept across `ray up` reruns) and `serve` reads it from the env."""
+    cfg = ray_validate(load(path))
+    cmds = cfg["head_start_ray_commands"]
+    at, _ = serve_command(cfg)
+    (make_at,) = [i for i, c in enumerate(cmds) if "admin-api-key" in c and i != at]
+    assert make_at < at
+    env = {"HOME": str(tmp_path), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    subprocess.run(["bash", "-c", cmds[make_at]], env=env, check=True)
+    key_file = tmp_path / ".pdserve" / "admin-api-key"
+    key = key_file.read_text().strip()
+    assert len(key) >= 32
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert key_file.parent.stat().st_mode & 0o777 == 0o700
+    subprocess.run(["bash", "-c", cmds[make_at]], env=env, check=True)
+    assert key_file.read_text().strip() == key                      # made once
+    got = subprocess.run(["bash", "-c", f'echo {serve_env(cfg)["PDSERVE_ADMIN_API_KEY"]}'],
+                         env=env, check=True, capture_output=True, text=True).stdout.strip()
+    assert got == key
 
 
 def dockerfile_arg(name: str) -> str:

@@ -150,47 +150,10 @@ exec pdserve serve
 {{- end }}
 {{- end }}
 
-{{/* Environment of every Ray container. */}}
-{{- define "pdserve.env" -}}
-- name: POD_IP
-  valueFrom:
-    fieldRef:
-      fieldPath: status.podIP
-{{- if .Values.apiKey.existingSecret }}
-- name: PDSERVE_API_KEY
-  valueFrom:
-    secretKeyRef:
-      name: {{ .Values.apiKey.existingSecret }}
-      key: {{ .Values.apiKey.key }}
-{{- end }}
-{{- with .Values.env }}
-{{ toYaml . }}
-{{- end }}
-{{- end }}
-
-{{- define "pdserve.volumeMounts" -}}
-{{- if .Values.tls.enabled }}
-- name: pdserve-tls
-  mountPath: {{ include "pdserve.tlsDir" . }}
-  readOnly: true
-{{- end }}
-{{- with .Values.extraVolumeMounts }}
-{{ toYaml . }}
-{{- end }}
-{{- end }}
-
-{{- define "pdserve.volumes" -}}
-{{- if .Values.tls.enabled }}
-- name: pdserve-tls
-  secret:
-    secretName: {{ required "tls.existingSecret: name the Secret holding tls.crt, tls.key and ca.crt" .Values.tls.existingSecret }}
-{{- end }}
-{{- with .Values.extraVolumes }}
-{{ toYaml . }}
-{{- end }}
-{{- end }}
-
-{{/* Pod-level settings shared by every group: call with (dict "root" $ "group" $values). */}}
+{{/*
+Pod-level settings shared by every group: call with
+(dict "root" $ "group" $values "role" "head"|"prefill"|"decode").
+*/}}
 {{- define "pdserve.podScheduling" -}}
 {{- with .root.Values.imagePullSecrets }}
 imagePullSecrets:
@@ -212,11 +175,8 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- $volumes := include "pdserve.volumes" .root | trim }}
-{{- if $volumes }}
 volumes:
-  {{- $volumes | nindent 2 }}
-{{- end }}
+  {{- include "pdserve.volumes" . | trim | nindent 2 }}
 {{- end }}
 
 {{/* A worker group's minReplicas or maxReplicas ("bound"), its replicas when unset. */}}
@@ -270,7 +230,7 @@ Ray node declares pdserve_<role>: 1, so exactly one pdserve worker of that role 
           args:
             - ulimit -n 65536; eval "exec $KUBERAY_GEN_RAY_START_CMD"
           env:
-            {{- include "pdserve.env" $root | nindent 12 }}
+            {{- include "pdserve.env" (dict "root" $root "role" .role) | nindent 12 }}
           {{- with $res }}
           resources:
             {{- toYaml . | nindent 12 }}
@@ -279,7 +239,8 @@ Ray node declares pdserve_<role>: 1, so exactly one pdserve worker of that role 
             preStop:
               exec:
                 # The router stops sending this node's workers new requests and waits
-                # for their running ones; then Ray leaves the cluster.
+                # for their running ones; then Ray leaves the cluster. Drain needs the
+                # admin key, $PDSERVE_ADMIN_API_KEY (adminApiKey).
                 command:
                   - /bin/bash
                   - -lc
@@ -291,12 +252,9 @@ Ray node declares pdserve_<role>: 1, so exactly one pdserve worker of that role 
           securityContext:
             {{- toYaml . | nindent 12 }}
           {{- end }}
-          {{- $mounts := include "pdserve.volumeMounts" $root | trim }}
-          {{- if $mounts }}
           volumeMounts:
-            {{- $mounts | nindent 12 }}
-          {{- end }}
-      {{- with include "pdserve.podScheduling" (dict "root" $root "group" $g) | trim }}
+            {{- include "pdserve.volumeMounts" (dict "root" $root "role" .role) | trim | nindent 12 }}
+      {{- with include "pdserve.podScheduling" (dict "root" $root "group" $g "role" .role) | trim }}
       {{- . | nindent 6 }}
       {{- end }}
 {{- end }}

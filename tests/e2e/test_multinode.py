@@ -45,10 +45,18 @@ PROMPTS = ["Write a long essay about the sea.", "The history of the railway begi
 MAX_TOKENS = 12
 
 CLIENT = """
-import json, sys, time
+import json, os, sys, time
+import grpc
 from pdserve.client import Client, make_request
 prompts, n = json.loads(sys.argv[2]), int(sys.argv[3])
-with Client(sys.argv[1], timeout_s=120) as c:
+with Client(sys.argv[1], timeout_s=120) as c:    # no admin key: Drain refused
+    try:
+        c.drain(sys.argv[4], 10)
+        refused = None
+    except grpc.RpcError as e:
+        refused = e.code().name
+with Client(sys.argv[1], timeout_s=120,
+            admin_api_key=os.environ["PDSERVE_ADMIN_API_KEY"]) as c:
     out = [c.generate(make_request(p, max_tokens=n, temperature=0))[0] for p in prompts]
     for _ in range(100):     # frees land asynchronously
         st = c.status()
@@ -61,7 +69,7 @@ with Client(sys.argv[1], timeout_s=120) as c:
                 "total": w.kv_blocks_total, "running": w.running_requests,
                 "tp": w.tensor_parallel_size} for w in st.workers]
     drain = c.drain(sys.argv[4], 10)     # what a Kubernetes preStop hook does
-print(json.dumps({"tokens": out, "workers": workers,
+print(json.dumps({"tokens": out, "workers": workers, "refused": refused,
                   "drain": {"workers": list(drain.worker_ids), "drained": drain.drained}}))
 """
 
@@ -154,7 +162,9 @@ def test_fidelity_across_three_hosts(tmp_path):
     head = f"{SUBNET}.1:{RAY_PORT}"
     # This cluster's own Ray auth token, shared by its nodes (never ~/.ray/auth_token)
     env = os.environ | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
-                        "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+                        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+                        # the router serves a non-loopback address: Drain needs the admin key
+                        "PDSERVE_ADMIN_API_KEY": secrets.token_hex(16)}
     ray_common = ["--block", "--num-cpus=1", "--object-store-memory=100000000"]
     with Hosts() as hosts:
         try:
@@ -209,6 +219,7 @@ def test_fidelity_across_three_hosts(tmp_path):
     assert by_role["decode"]["kv_address"].startswith(f"{SUBNET}.3:")   # the node's address
     for w in got["workers"]:
         assert w["state"] == "ready" and w["free"] == w["total"] and not w["running"], w
+    assert got["refused"] == "PERMISSION_DENIED"
     assert got["drain"] == {"workers": ["decode-0"], "drained": True}
 
 

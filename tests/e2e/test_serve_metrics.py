@@ -107,6 +107,11 @@ def test_every_metric_exists_moves_and_goodput_matches_the_client():
         label = f"slo=ttft<={SLO_TTFT_MS:g}ms,tpot<={SLO_TPOT_MS:g}ms"
         assert after_router[f"pdserve_goodput_requests_total{{{label}}}"] == client_good
 
+        # with both SLOs, a prompt the prefill worker alone is too slow for is colocated
+        # (router/placement.py): the prefill worker transfers the KV of the others
+        on = {w: after_router[f"pdserve_prefills_total{{on={w}}}"] - before_router.get(
+            f"pdserve_prefills_total{{on={w}}}", 0) for w in ("prefill_worker", "decode_worker")}
+        assert on["prefill_worker"] + on["decode_worker"] == n and on["prefill_worker"] >= 3, on
         for wid, (role, _) in workers.items():
             a, b = before[wid], after[wid]
             for name in PREFILL if role == "prefill" else DECODE:
@@ -117,6 +122,6 @@ def test_every_metric_exists_moves_and_goodput_matches_the_client():
             if role == "prefill":
                 assert b["pdserve_kv_transfer_bytes_total"] > a["pdserve_kv_transfer_bytes_total"]
                 assert b["pdserve_kv_transfer_seconds_count"] - \
-                    a.get("pdserve_kv_transfer_seconds_count", 0) == n
+                    a.get("pdserve_kv_transfer_seconds_count", 0) == on["prefill_worker"]
     finally:
         served.stop()

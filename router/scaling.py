@@ -235,16 +235,15 @@ class Scaler:
         Raises:
             ray.exceptions.ActorAlreadyExistsError: NAME_TRIES names in a row were taken.
         """
-        for tries in range(1, self.NAME_TRIES + 1):
+        for _ in range(self.NAME_TRIES - 1):
             worker_id = self._next_id(role, have, new)
             try:
                 return (worker_id, *start_worker(self.config, role, worker_id))
             except ray.exceptions.ActorAlreadyExistsError:
-                if tries == self.NAME_TRIES:
-                    raise
                 logger.warning("%s is taken (another router replica scaled): trying the "
                                "next name", worker_id)
-        raise AssertionError("unreachable")
+        worker_id = self._next_id(role, have, new)      # the last try: its error goes up
+        return (worker_id, *start_worker(self.config, role, worker_id))
 
     def _next_id(self, role: str, have: list[Worker], new: list) -> str:
         """`role-N`, N past every id of the role this router has had (a retired one's

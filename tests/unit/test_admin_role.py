@@ -21,9 +21,8 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.router import admin
 from pdserve.router.scaling import Scaler
 from pdserve.router.security import UNAUTHENTICATED_MESSAGE, ApiKeyInterceptor, is_loopback
-from pdserve.router.service import build_server
 from test_router_failover import FakeDecode, FakePrefill, make_router
-from test_security import KEY, FakeRouter, _code
+from test_security import KEY, FakeRouter, _calls, _code
 
 ADMIN = "adm1n-key-for-tests"
 SCALE, DRAIN = "/pdserve.v1.Admin/Scale", "/pdserve.v1.Admin/Drain"
@@ -81,16 +80,7 @@ class AdminRouter(FakeRouter):
 
 
 def _serve(rc: RouterConfig, body) -> None:
-    """Serve an AdminRouter with `rc` on a free loopback port (the interceptor goes by
-    rc.host), run the blocking `body(address)` in a worker thread, stop."""
-    async def main():
-        server, port = build_server(AdminRouter(rc), "127.0.0.1:0")
-        await server.start()
-        try:
-            await asyncio.to_thread(body, f"127.0.0.1:{port}")
-        finally:
-            await server.stop(0)
-    asyncio.run(main())
+    _calls(rc, body, AdminRouter)
 
 
 def test_the_generate_key_is_refused_drain_and_scale_and_the_admin_key_passes():

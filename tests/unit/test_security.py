@@ -137,11 +137,12 @@ class FakeRouter:
         return pb.ClusterStatusResponse(model="fake")
 
 
-def _calls(rc: RouterConfig, body) -> None:
-    """Serve a FakeRouter with `rc` on a free port in this thread's loop, run the blocking
-    `body(address)` in a worker thread, stop."""
+def _calls(rc: RouterConfig, body, router=None) -> None:
+    """Serve `router` (a FakeRouter) with `rc` on a free loopback port in this thread's
+    loop (the interceptor goes by rc.host), run the blocking `body(address)` in a worker
+    thread, stop."""
     async def main():
-        server, port = build_server(FakeRouter(rc), "127.0.0.1:0")
+        server, port = build_server((router or FakeRouter)(rc), "127.0.0.1:0")
         await server.start()
         try:
             await asyncio.to_thread(body, f"127.0.0.1:{port}")

@@ -57,6 +57,7 @@ from ..messages import DecodeReservation, StepStats, WorkerInfo, WorkerStatus
 from ..metrics import WorkerMetrics, serve as serve_metrics
 from ..config import WorkerConfig
 from ..core_share import CompileActivity, LentThreads
+from ..engine.engine_thread import EngineThread
 from ..tp_group import worker_runner
 from .connector import DecodeKVConnector
 from .outbox import EventOutbox
@@ -85,15 +86,17 @@ class DecodeWorker:
         self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation of the process
         self.draining = False                        # drain(): no new requests from any router
         # tensor-parallel: ranks 1..M-1 follow, each with its KV receiver (rank.py)
-        self.tp, self._ranks, self.runner = worker_runner(
-            worker_id, config, "decode", self.epoch, self._group_broken,
+        self._wake = threading.Event()   # the step loop's: new work, or the receiver has news
+        # the runner is built, warmed up and stepped on one thread (engine_thread.py)
+        self.engine = EngineThread("decode-step", wake=self._wake.set)
+        self.tp, self._ranks, self.runner = self.engine.call(
+            worker_runner, worker_id, config, "decode", self.epoch, self._group_broken,
             enforce_eager=config.enforce_eager or not config.cuda_graphs,
             compile_model=config.compile and not config.enforce_eager,
             max_graph_batch_size=min(config.max_batch_size, 512))
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
         model = self.runner.config
         layout = rank_layout(self.runner.kv_cache, model.model_id, model.num_kv_heads, self.tp)
-        self._wake = threading.Event()   # the step loop's: new work, or the receiver has news
         self.receiver = make_receiver(config.transport, self.runner.kv_cache, layout, self.epoch,
                                       notify=self._wake.set, host=config.node_host(),
                                       secret=config.kv_secret)
@@ -132,8 +135,7 @@ class DecodeWorker:
         self.metrics = WorkerMetrics("decode", self._metric_values)
         self.metrics_address = "%s:%d" % serve_metrics(
             self.metrics.registry, config.node_host(), config.metrics_port)
-        self._thread = threading.Thread(target=self._step_loop, name="decode-step", daemon=True)
-        self._thread.start()
+        self.engine.start(self._step_loop)
 
     # --- RPCs -------------------------------------------------------------------------
 
@@ -269,7 +271,7 @@ class DecodeWorker:
     async def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=10)
+        self.engine.close(timeout_s=10)
         if self.tp.size > 1:
             self.runner.stop()       # the ranks' loops end; Ray kills them with this actor
         self.receiver.close()
@@ -287,6 +289,7 @@ class DecodeWorker:
         sched = self.scheduler
         threads = self.config.num_threads
         while not self._stop.is_set():
+            self.engine.run_calls()
             sched.update_from_connector()
             out = sched.schedule(step_budget=None if self.step_budget is None else
                                  functools.partial(self.step_budget.tokens, threads))

@@ -26,7 +26,6 @@ import functools
 import logging
 import os
 import socket
-import threading
 
 import ray
 import torch
@@ -95,19 +94,21 @@ class TPRank:
 
     def __init__(self, worker_id: str, rank: int, size: int, init_method: str,
                  config: WorkerConfig, role: str | None = None, epoch: int = 0):
+        from .engine.engine_thread import EngineThread
         from .engine.model_runner import ModelRunner
 
         logging.basicConfig(level=config.log_level)
         self.worker_id, self.rank = worker_id, rank
         _cap(worker_id, config)
         self.tp = join(rank, size, init_method, config.device)
-        self.runner = ModelRunner(config.model, config.cache_config(), config.num_threads,
-                                  rank_cpus(config.cpus, size, rank), tp=self.tp)
+        # built and stepped on one thread (engine/engine_thread.py)
+        self.engine = EngineThread(f"tp-rank-{rank}")
+        self.runner = self.engine.call(ModelRunner, config.model, config.cache_config(),
+                                       config.num_threads, rank_cpus(config.cpus, size, rank),
+                                       tp=self.tp)
         self.handler = _handler(role, self.runner, self.tp, config, epoch)
         self.calls = 0
-        self._thread = threading.Thread(target=self._follow, name=f"tp-rank-{rank}",
-                                        daemon=True)
-        self._thread.start()
+        self.engine.start(self._follow)
 
     def _follow(self) -> None:
         from .engine.tp_executor import follow
@@ -145,7 +146,7 @@ class TPRank:
 
     def stopped(self, timeout_s: float = 10.0) -> int:
         """Wait for the step-order loop to end (rank 0's stop()); the calls it ran."""
-        self._thread.join(timeout_s)
+        self.engine.close(timeout_s)
         return self.calls
 
 

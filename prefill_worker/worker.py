@@ -37,6 +37,7 @@ import torch
 from ..config import WorkerConfig
 from ..core_share import CompileActivity, PrefillActivity
 from ..engine.block_pool import BlockPool, blocks_needed
+from ..engine.engine_thread import EngineThread
 from ..engine.model_runner import PrefillSeq
 from ..engine.request import RequestState
 from ..engine.logprobs import capture
@@ -85,8 +86,11 @@ class PrefillWorker:
                 logger.warning("idle cores not lent to decode: %s", e)
         self.compile_flag = CompileActivity.on(config.core_share_dir, worker_id)
         # tensor-parallel: ranks 1..N-1 follow, each sending its KV heads (rank.py)
-        self.tp, self._ranks, self.runner = worker_runner(
-            worker_id, config, "prefill", self.epoch, self._group_broken,
+        self._wake = threading.Event()
+        # the runner is built, warmed up and stepped on one thread (engine_thread.py)
+        self.engine = EngineThread("prefill-step", wake=self._wake.set)
+        self.tp, self._ranks, self.runner = self.engine.call(
+            worker_runner, worker_id, config, "prefill", self.epoch, self._group_broken,
             compile_model=config.compile and not config.enforce_eager)
         self.num_layers = self.runner.config.num_layers
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
@@ -104,7 +108,6 @@ class PrefillWorker:
         self.metrics = WorkerMetrics("prefill", self._metric_values)
         self.metrics_address = "%s:%d" % serve_metrics(
             self.metrics.registry, config.node_host(), config.metrics_port)
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self._benching = False   # bench_prefill computing: busy to the node's decode workers
         self.step_stats = StepStats()   # (prompt tokens, seconds) of every step (the planner)
@@ -119,9 +122,7 @@ class PrefillWorker:
         self.tp_ranks = (PrefillRanks(self.runner, self.sender, self.tp.size,
                                       self._group_broken) if self.tp.size > 1 else None)
         self._step_lock = threading.Lock()   # one step (or bench forward) at a time
-        self._step_thread = threading.Thread(target=self._step_loop, name="prefill-step",
-                                             daemon=True)
-        self._step_thread.start()
+        self.engine.start(self._step_loop)
 
     # --- RPCs -------------------------------------------------------------------------
 
@@ -214,7 +215,7 @@ class PrefillWorker:
                     t0 = time.perf_counter()
                     self.runner.prefill([PrefillSeq(ids, blocks)])
                     return time.perf_counter() - t0
-            return await asyncio.to_thread(step)
+            return await asyncio.wrap_future(self.engine.submit(step))
         finally:
             self._benching = False
             self.pool.free(blocks)
@@ -272,7 +273,7 @@ class PrefillWorker:
     async def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._step_thread.join(timeout=10)
+        self.engine.close(timeout_s=10)
         if self.tp.size > 1:
             self.runner.stop()       # the ranks' loops end; Ray kills them with this actor
         self.connector.close()
@@ -302,6 +303,7 @@ class PrefillWorker:
 
     def _step_loop(self) -> None:
         while not self._stop.is_set():
+            self.engine.run_calls()
             self._finish_sent()
             aborted = self.scheduler.take_aborted()
             for r in aborted:                          # between chunks: abort frame, release

@@ -58,6 +58,7 @@ from ..metrics import WorkerMetrics, serve as serve_metrics
 from ..config import WorkerConfig
 from ..core_share import CompileActivity, LentThreads
 from ..engine.engine_thread import EngineThread
+from ..engine.kv_prefault import prefault_pool
 from ..tp_group import worker_runner
 from .connector import DecodeKVConnector
 from .outbox import EventOutbox
@@ -95,6 +96,7 @@ class DecodeWorker:
             compile_model=config.compile and not config.enforce_eager,
             max_graph_batch_size=min(config.max_batch_size, 512))
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
+        self.prefault = prefault_pool(self.pool, self.runner.kv_cache)   # kv_prefault.py
         model = self.runner.config
         layout = rank_layout(self.runner.kv_cache, model.model_id, model.num_kv_heads, self.tp)
         self.receiver = make_receiver(config.transport, self.runner.kv_cache, layout, self.epoch,
@@ -272,6 +274,8 @@ class DecodeWorker:
         self._stop.set()
         self._wake.set()
         self.engine.close(timeout_s=10)
+        if self.prefault is not None:
+            self.prefault.close()
         if self.tp.size > 1:
             self.runner.stop()       # the ranks' loops end; Ray kills them with this actor
         self.receiver.close()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -76,6 +76,8 @@ class BlockPool:
         # reader further behind gets a snapshot instead (cache_events)
         self._events: deque[tuple[bool, BlockHash]] = deque(maxlen=4 * num_blocks)
         self._event_seq = 0
+        self.fresh_from = 0   # blocks from here on were never handed out (_free's order)
+        self.on_fresh: Callable[[int], None] | None = None   # fresh_from moved (kv_prefault)
 
     @property
     def num_free(self) -> int:
@@ -115,6 +117,10 @@ class BlockPool:
                     ids.append(block)
             for i in ids:
                 self._ref_count[i] = 1
+            if ids and (top := max(ids)) >= self.fresh_from:
+                self.fresh_from = top + 1
+                if self.on_fresh is not None:
+                    self.on_fresh(self.fresh_from)
             return ids
 
     def match_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:

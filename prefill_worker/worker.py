@@ -38,6 +38,7 @@ from ..config import WorkerConfig
 from ..core_share import CompileActivity, PrefillActivity
 from ..engine.block_pool import BlockPool, blocks_needed
 from ..engine.engine_thread import EngineThread
+from ..engine.kv_prefault import prefault_pool
 from ..engine.model_runner import PrefillSeq
 from ..engine.request import RequestState
 from ..engine.logprobs import capture
@@ -94,6 +95,7 @@ class PrefillWorker:
             compile_model=config.compile and not config.enforce_eager)
         self.num_layers = self.runner.config.num_layers
         self.pool = BlockPool(self.runner.cache_config.num_blocks)
+        self.prefault = prefault_pool(self.pool, self.runner.kv_cache)   # kv_prefault.py
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
                                           config.max_num_batched_tokens,
                                           config.enable_prefix_caching,
@@ -274,6 +276,8 @@ class PrefillWorker:
         self._stop.set()
         self._wake.set()
         self.engine.close(timeout_s=10)
+        if self.prefault is not None:
+            self.prefault.close()
         if self.tp.size > 1:
             self.runner.stop()       # the ranks' loops end; Ray kills them with this actor
         self.connector.close()

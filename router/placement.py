@@ -222,8 +222,9 @@ class Placement:
             # every one died meanwhile: wait for a restart (available, above)
 
     SLO_MARGIN = 0.9      # share of the TTFT SLO a prefill worker's predicted time may take
-    COLOCATE_SHARE = 0.5  # a prompt a prefill worker alone computes in more than this share
-    #                       of the TTFT SLO is colocated: the decode worker prefills it
+    COLOCATE_SHARE = 1 / 3  # a prompt a prefill worker alone computes in more than this
+    #                         share of the TTFT SLO is colocated: the decode worker prefills
+    #                         it (chosen on prompt samples 4-5, docs/goodput.md)
 
     def prefill_ttft(self, prompt_len: int, queued: bool = True) -> float:
         """Seconds to the first token of a `prompt_len`-token prompt sent now to the

@@ -87,17 +87,19 @@ def test_with_both_slos_the_decode_worker_takes_the_prompts_a_prefill_worker_wou
     assert r.placement.prefill_on_decode(d, 1000)
 
 
-def test_a_prompt_a_prefill_worker_alone_answers_in_over_half_the_ttft_slo_is_colocated():
-    """P on its own cores computes it in more than COLOCATE_SHARE of the TTFT SLO, idle:
-    it goes to D (with the idle P's lent cores), however D's line stands."""
+def test_a_prompt_a_prefill_worker_alone_answers_in_over_a_third_of_the_ttft_slo_is_colocated():
+    """P on its own cores computes it in more than COLOCATE_SHARE (a third) of the TTFT
+    SLO, idle: it goes to D (with the idle P's lent cores), however D's line stands."""
+    assert Placement.COLOCATE_SHARE == pytest.approx(1 / 3)
     r, d, p = lending_router(slo_tpot_ms=40.0, slo_ttft_ms=4000.0)
-    teach(r, p, 0.001)                                        # ~1,000 tokens a second
+    teach(r, p, 0.002)                                        # ~500 tokens a second
     teach(r, d, 0.01)                                         # D on its own: 100/s
     teach(r, d, 0.01, lent=True)
     p.queued_tokens = 500                                     # busy: D lent nothing
-    assert not r.placement.prefill_on_decode(d, 1000)         # 1.05 s idle <= 2 s: P
-    assert r.placement.prefill_on_decode(d, 2500)             # 2.55 s idle > 2 s: D
-    assert Placement.COLOCATE_SHARE == 0.5
+    assert not r.placement.prefill_on_decode(d, 500)          # 1.05 s idle <= 1.33 s: P
+    assert not r.placement.prefill_on_decode(d, 640)          # 1.33 s: P
+    assert r.placement.prefill_on_decode(d, 660)              # 1.37 s idle > 1.33 s: D
+    assert r.placement.prefill_on_decode(d, 1000)
 
 
 def test_first_token_lines_of_lent_and_own_cores_are_apart_and_forgotten_together():

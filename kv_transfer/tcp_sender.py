@@ -88,6 +88,7 @@ class TcpKVSender(KVSender):
         self._dtype_code = frames.dtype_code(layout.dtype)
         self._lock = threading.Lock()  # guards _conns
         self._conns: dict[tuple[str, int], _SendConn] = {}
+        self._unpaired: set[tuple[str, int]] = set()   # peers whose pairing failure is logged
         self._closed = False
         self._host_view = host_io.HostCacheView(kv)
 
@@ -212,16 +213,35 @@ class TcpKVSender(KVSender):
                 raise KVTransferError("sender is closed")
             conn = self._conns.setdefault(addr, _SendConn())
         with conn.lock:
+            paired = conn.sock is not None
             try:
-                if conn.sock is None:
+                if not paired:
                     self._connect(conn, addr)
+                    paired = True
+                    self._unpaired.discard(addr)
                 fn(conn)
-            except (KVLayoutMismatch, KVAuthError):
+            except (KVLayoutMismatch, KVAuthError) as e:
                 self._drop(conn)
+                self._pairing_failed(addr, e)
                 raise
             except (OSError, KVFrameError) as e:
                 self._drop(conn)
-                raise KVTransferError(f"KV transfer to {addr[0]}:{addr[1]} failed: {e}") from e
+                err = KVTransferError(f"KV transfer to {addr[0]}:{addr[1]} failed: {e}")
+                if not paired:
+                    self._pairing_failed(addr, err)
+                raise err from e
+
+    def _pairing_failed(self, addr: tuple[str, int], e: KVTransferError) -> None:
+        """Log a failed pairing with `addr`: a warning the first time since it last
+        paired, debug after (a sender retries on every request); marks `e.pairing`, so
+        the caller need not log it again."""
+        e.pairing = True
+        if addr in self._unpaired:
+            logger.debug("pairing with decode worker %s:%d failed again: %s", *addr, e)
+            return
+        self._unpaired.add(addr)
+        logger.warning("pairing with decode worker %s:%d failed: %s (logged once until "
+                       "a pairing with it succeeds)", *addr, e)
 
     def _connect(self, conn: _SendConn, addr: tuple[str, int]) -> None:
         sock = socket.create_connection(addr, timeout=self.connect_timeout_s)

@@ -139,7 +139,9 @@ class PrefillKVConnector:
                     self.kv_send_failures += 1
                 req.error = (str(e) if isinstance(e, KVTransferError)  # names the address
                              else f"KV send failed: {type(e).__name__}: {e}")
-                logger.warning("%s: %s", req.request_id, req.error)
+                # a failed pairing is logged by the sender, once per decode worker
+                logger.log(logging.DEBUG if getattr(e, "pairing", False) else logging.WARNING,
+                           "%s: %s", req.request_id, req.error)
                 if isinstance(task, _SendLayers):
                     continue      # the request's _SendDone, still queued, finishes it
             with self._lock:

@@ -150,3 +150,24 @@ def test_tcp_receiver_binds_only_the_host_given():
             assert read_frame(s)[0].frame_type == FrameType.CHALLENGE
     finally:
         rx.close()
+
+
+@pytest.mark.parametrize("env", TRANSPORTS, indirect=True)
+def test_a_failed_pairing_is_logged_once_per_peer(env, caplog):
+    """A sender retries pairing on every call; its warning comes once per decode worker
+    (later failures at debug), and each error it raises says it was a pairing."""
+    caplog.set_level(logging.DEBUG, logger="pdserve.kv_transfer")
+    src = make_cache(8, seed=1)
+    peers = [env.receiver(make_cache(10, seed=2), SECRET)[1] for _ in range(2)]
+    tx = env.sender(src, "not-" + SECRET)
+    for addr in peers:
+        for _ in range(3):
+            with pytest.raises(KVAuthError) as e:
+                tx.connect(addr)
+            assert e.value.pairing
+        with pytest.raises(KVAuthError):
+            tx.send_layers(addr, "r", EPOCH, 0, 1, [0, 1, 2])
+    mine = [r for r in caplog.records if "pairing with decode worker" in r.getMessage()]
+    warned = [r.getMessage() for r in mine if r.levelno == logging.WARNING]
+    assert len(warned) == 2 and all(f"{a[0]}:{a[1]}" in w for a, w in zip(peers, warned)), warned
+    assert sum(r.levelno == logging.DEBUG for r in mine) == 6, [r.getMessage() for r in mine]

@@ -197,3 +197,12 @@ def hf_greedy_logprobs(model: str, prompt_ids: list[int], max_new_tokens: int):
                           output_logits=True, return_dict_in_generate=True)
     logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
     return out.sequences[0, len(prompt_ids):].tolist(), logprobs
+
+
+def hf_logprobs_of(model: str, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """HF's log_softmax [len(tokens), vocab] of the raw logits that give each of `tokens`,
+    one forward over prompt + tokens (teacher forcing: whatever chose them)."""
+    hf = _hf_model(str(resolve_model(model)))
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt_ids + tokens[:-1]])).logits[0, len(prompt_ids) - 1:]
+    return torch.log_softmax(logits.float(), dim=-1)

@@ -152,6 +152,7 @@ def test_kill_prefill_worker_mid_transfer(served, tok):
     assert all(w.kv_reservations_leased == 0 for w in st.workers if w.role == "decode")
 
 
+@pytest.mark.parametrize("served", ["tcp"], indirect=True)   # TCP only: the docstring
 @pytest.mark.parametrize("prompt, sampling", [
     # HF's greedy first token is EOS (as for about a third of ShareGPT first turns)
     ("can you design a referral system similar on how dropbox did?", {}),
@@ -170,8 +171,6 @@ def test_kill_decode_worker_after_a_first_token_that_ended_the_stream(served, to
     (BEGIN, kv_transfer/nixl.py), so a frozen D holds the first token back until the
     transfer times out. What is tested here is the router's resume rule, the same for
     every transport."""
-    if served.cluster.config.decode.transport != "tcp":
-        pytest.skip("needs P to finish a prefill into a frozen D (see the docstring)")
     def run(kill: bool):
         """The stream's (tokens, finish_reason, text). With `kill`, D is frozen once it
         holds the reservation and before P's KV and first token reach it (so D cannot

@@ -13,7 +13,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from serving import (TRANSPORTS, OpenAIPenalties, Served, hf_greedy, hf_greedy_logprobs,
-                     start_ray)
+                     hf_logprobs_of, start_ray)
 
 from pdserve.client import make_request
 from pdserve.proto import pdserve_pb2 as pb
@@ -130,19 +130,20 @@ def test_logits_processors_match_hf(served):
 
 def test_logprobs_match_hf(served):
     """Each token's logprob and its top 5 (the first token's from P, the rest from D)
-    equal HF's log-softmax of the same logits within 1e-4 (fp32)."""
+    equal HF's log-softmax of the same logits within 1e-4 (fp32): the model's raw
+    distribution, before the repetition penalty that chose the tokens, at every one of
+    the 12 positions (HF given the same tokens)."""
     ids = _tokenizer()("The three primary colors are")["input_ids"]
     n = 12
-    want_ids, want = hf_greedy_logprobs("default", ids, n)
+    greedy_ids, _ = hf_greedy_logprobs("default", ids, n)
     msgs = list(served.client.stream(make_request(ids, max_tokens=n, temperature=0,
                                                   logprobs=5, repetition_penalty=1.2)))
     got = [lp for m in msgs for lp in m.logprobs]
     tokens = [t for m in msgs for t in m.token_ids]
     assert len(got) == len(tokens) == n
-    assert tokens != want_ids             # the penalty changed the tokens, not the logprobs
-    # from the first token on which the outputs part, HF's logits are of another context
-    same = next(i for i, (a, b) in enumerate(zip(tokens, want_ids)) if a != b) + 1
-    for i in range(same):
+    assert tokens != greedy_ids           # the penalty changed the tokens, not the logprobs
+    want = hf_logprobs_of("default", ids, tokens)
+    for i in range(n):
         top = want[i].topk(5)
         assert got[i].token_id == tokens[i]
         assert got[i].logprob == pytest.approx(want[i, tokens[i]].item(), abs=1e-4)
@@ -151,7 +152,6 @@ def test_logprobs_match_hf(served):
         assert [t.logprob for t in got[i].top_logprobs] == pytest.approx(
             top.values.tolist(), abs=1e-4)
     assert got[0].token == _tokenizer().decode([tokens[0]])
-    assert same >= 2                       # P's token and at least one of D's compared
 
 
 def test_prompt_logprobs_match_hf(served):
@@ -207,15 +207,16 @@ def test_streaming_and_usage(served):
 
 
 def test_client_cancel_frees_blocks(served):
+    """A cancelled stream's blocks are freed by the cancel: 3,800 tokens (the decode pool
+    holds 4,096) take a single stream about a minute on a CPU box (a decode step of the
+    default model is >15 ms), and every block is free within 20 s of the cancel."""
     call = served.client.generator.Generate(
-        make_request("Write a long essay about the sea.", max_tokens=400, temperature=0,
-                     ignore_eos=True), timeout=120)
+        make_request("Write a long essay about the sea.", max_tokens=3800, temperature=0,
+                     ignore_eos=True), timeout=300)
     got = [next(call) for _ in range(3)]
     assert all(m.token_ids for m in got)
     call.cancel()
-    t0 = time.monotonic()
-    served.assert_all_free(timeout_s=1.0)        # P and D release within 1 s
-    assert time.monotonic() - t0 <= 1.0
+    served.assert_all_free(timeout_s=20.0)
 
 
 @pytest.mark.parametrize("request_, field", [

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.parametrize("env", [p for p in TRANSPORTS if "nixl" in 
 
 @pytest.mark.parametrize("end", ["done", "abort", "connection-lost"])
 def test_forgotten_request_keeps_its_blocks_until_the_writer_ends(env, end, monkeypatch):
-    monkeypatch.setattr(nixl_receiver, "LOST_WRITER_GRACE_S", 0.2)
+    monkeypatch.setattr(nixl_receiver, "LOST_WRITER_GRACE_S", 1.0)
     src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
     rx, addr, done = env.receiver(dst)
     tx = env.sender(src)
@@ -41,10 +41,10 @@ def test_forgotten_request_keeps_its_blocks_until_the_writer_ends(env, end, monk
         tx.send_abort(addr, "r", EPOCH, "cancelled")
     else:
         tx.close()
-    t0 = time.monotonic()
+        # held a grace period (1 s here) past the loss, which D saw before close()
+        # returned, for a WRITE still in flight
+        assert not done.released_within("r", 0.3)
     assert done.released_within("r", TIMEOUT_S)
-    if end == "connection-lost":   # held a grace period past the loss, for a WRITE in flight
-        assert time.monotonic() - t0 >= 0.15
     assert done.ids() == []                           # forget() never reports a completion
 
 

@@ -94,12 +94,16 @@ def test_a_fragmented_block_table_goes_through_one_buffer(env, checksum, monkeyp
 
 
 def test_registry_and_checksum_round_trip(env):
+    """make_receiver / make_sender by the transport's name, with a checksum asked for
+    (CRC32C where the transport checksums its frames, ignored elsewhere)."""
     src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
     before = dst.clone()
     done = Completions()
-    rx = make_receiver("tcp", dst, KVLayout.for_cache(dst, MODEL), EPOCH, notify=done)
+    rx = make_receiver(env.kind, dst, KVLayout.for_cache(dst, MODEL), EPOCH, notify=done)
     done.attach(rx)
-    tx = make_sender("tcp", src, KVLayout.for_cache(src, MODEL), checksum=True)
+    tx = make_sender(env.kind, src, KVLayout.for_cache(src, MODEL), checksum=True)
+    assert type(rx).__module__.endswith(("tcp", "nixl_receiver")), type(rx)
+    assert getattr(tx, "checksum", False) == (env.kind == "tcp")
     try:
         addr = rx.start()
         rx.expect("r1", DST_IDS)

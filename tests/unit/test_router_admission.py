@@ -100,6 +100,15 @@ async def first_message(r: Router, **kw):
         await gen.aclose()
 
 
+async def until(cond, what: str, timeout_s: float = 10.0) -> None:
+    """Poll `cond` on the event loop until it holds; fail naming `what` after timeout_s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < deadline, f"not within {timeout_s:.0f} s: {what}"
+        await asyncio.sleep(0.001)
+
+
 def test_queued_from_admission_until_the_first_token():
     async def main():
         d, p = FakeDecode(), FakePrefill()
@@ -174,8 +183,8 @@ def test_a_long_prefill_queue_sends_prompts_to_the_decode_worker(limit, asks):
         tasks = []
         for i in range(len(asks)):
             tasks.append(asyncio.create_task(first_message(r)))
-            while r.prefill[0].queued_tokens + r.decode[0].queued_tokens < n * (i + 1):
-                await asyncio.sleep(0.001)      # reserved, and queued on P or on D
+            await until(lambda: r.prefill[0].queued_tokens + r.decode[0].queued_tokens
+                        >= n * (i + 1), f"request {i} reserved, and queued on P or on D")
         assert d.asks == asks
         assert r.decode[0].queued_tokens == n * sum(asks)
         p.go.set()
@@ -211,12 +220,12 @@ def test_a_burst_splits_between_prefill_and_decode_as_one_by_one():
         d, p = SlowReserveDecode(), FakePrefill()
         r = make_router(d, p, max_prefill_queue_tokens=n - 1)
         tasks = [asyncio.create_task(first_message(r)) for _ in range(5)]
-        for _ in range(100):                # all five chosen and charged, none reserved
-            await asyncio.sleep(0.001)
+        await until(lambda: r.prefill[0].queued_tokens + r.decode[0].queued_tokens >= 5 * n,
+                    "all five chosen and charged")
+        assert d.asks == []                     # none reserved yet
         assert (r.prefill[0].queued_tokens, r.decode[0].queued_tokens) == (3 * n, 2 * n)
         d.release.set()
-        while len(d.asks) < 5:
-            await asyncio.sleep(0.001)
+        await until(lambda: len(d.asks) == 5, "all five reserved")
         assert sorted(d.asks) == sorted([False, False, True, False, True])
         p.go.set()
         d.go.set()
@@ -400,8 +409,8 @@ def test_requests_short_of_decode_room_wait_their_turn_in_arrival_order():
         for rid in ids:
             tasks[rid] = asyncio.create_task(collect(r.generate(
                 make_request(PROMPT, max_tokens=3, temperature=0, request_id=rid), None)))
-            while len(r.placement.room) + (d.holder is not None) < len(tasks):
-                await asyncio.sleep(0.001)
+            await until(lambda: len(r.placement.room) + (d.holder is not None) == len(tasks),
+                        f"{rid} holds D's room or waits for it")
         assert d.order == ["a"] and len(r.placement.room) == 2
         assert queue(r) == (3, 3 * len(PROMPT))
         asks = d.num_asks
@@ -412,8 +421,8 @@ def test_requests_short_of_decode_room_wait_their_turn_in_arrival_order():
             assert holder.startswith(rid), (holder, d.order)
             d.go[holder].set()
             assert await asyncio.wait_for(tasks[rid], 5) == [11, 12]
-            while k + 1 < len(ids) and (d.holder is None or d.holder == holder):
-                await asyncio.sleep(0.001)
+            if k + 1 < len(ids):
+                await until(lambda: d.holder not in (None, holder), f"{ids[k + 1]} took the room")
         assert d.order == ids and len(r.placement.room) == 0
         return r
 

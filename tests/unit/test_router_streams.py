@@ -171,13 +171,14 @@ def test_rebalance_moves_the_streams_above_the_mean_off_the_busy_worker():
         assert Scaler(None, SimpleNamespace(decode=[busy, new]), s).rebalance() == 3          # 7 -> the mean, 4 (rounded up)
         moved = [r for r in "abcd" if r not in s.decoding_on("decode-0")]
         assert len(moved) == 3
+        assert not s.move(moved[0])                     # moved once: never twice,
         for rid in moved:
             with pytest.raises(Moved) as e:
                 await take(s, rid)
             failed = attempt_failed("decode", busy, e.value)
             assert isinstance(failed, AttemptFailed) and failed.reason == "rebalance"
             assert busy.alive                           # moved, not found dead
-        assert not s.move(moved[0])                     # moved once: never twice
+        assert not s.move(moved[0])                     # ... not after its Moved either
         f0.push(TokenEvent(moved[1], (2,)))             # an event that came after the move
         assert await take(s, moved[1]) == [[((2,), None)]]
         assert moved[1] not in s.decoding_on("decode-0")

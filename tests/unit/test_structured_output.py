@@ -29,14 +29,26 @@ def grammars():
     return Grammars(AutoTokenizer.from_pretrained(d), VOCAB_SIZE), AutoTokenizer.from_pretrained(d)
 
 
-@pytest.mark.parametrize("so", [SO("json", json.dumps(SCHEMA)), SO("json_object"),
-                                SO("regex", r"[0-9]{3}"), SO("choice", '["yes", "no"]'),
-                                SO("grammar", 'root ::= "a" | "b"')])
-def test_every_kind_compiles(grammars, so):
-    g, _ = grammars
+def allowed(mask, row: int, token: int) -> bool:
+    return bool((int(mask[row, token // 32]) >> (token % 32)) & 1)
+
+
+@pytest.mark.parametrize("so, first, refused", [
+    (SO("json", json.dumps(SCHEMA)), "{", "x"), (SO("json_object"), "{", "x"),
+    (SO("regex", r"[0-9]{3}"), "1", "a"), (SO("choice", '["yes", "no"]'), "no", "x"),
+    (SO("grammar", 'root ::= "a" | "b"'), "b", "x")])
+def test_every_kind_compiles_and_its_mask_constrains_the_first_token(grammars, so, first,
+                                                                      refused):
+    """Each kind's bitmask row allows a token its grammar starts with and refuses one it
+    cannot; a row without a matcher allows every token."""
+    g, tok = grammars
     assert g.compile(so) is not None
     mask = g.bitmask([g.matcher(so, []), None])
     assert mask.shape == (2, (VOCAB_SIZE + 31) // 32)
+    ok, bad = (tok(t, add_special_tokens=False)["input_ids"][0] for t in (first, refused))
+    assert allowed(mask, 0, ok) and not allowed(mask, 0, bad), (first, refused)
+    assert bool((mask[1] == -1).all())
+    assert 0 < sum(allowed(mask, 0, t) for t in range(VOCAB_SIZE)) < VOCAB_SIZE
 
 
 @pytest.mark.parametrize("so, says", [

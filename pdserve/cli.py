@@ -185,7 +185,9 @@ def _json_resources(text: str) -> dict[str, float]:
     return {str(k): float(v) for k, v in value.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """`pdserve`'s parser with every subcommand (docs/gen_config.py renders it into
+    docs/configuration.md)."""
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -342,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--local-prefill-max-tokens", type=int, default=None,
                    help="a decode worker prefills a prompt itself, with no transfer, when "
                         "its tokens not in that worker's prefix cache are at most this many "
-                        "(default 0: always use a prefill worker, what the README's sweep "
-                        "picked on one box; `pdserve bench local-prefill` picks yours)")
+                        "(default 0: always use a prefill worker, what the sweep in "
+                        "docs/benchmarks.md picked on one box; `pdserve bench "
+                        "local-prefill` picks yours)")
     s.add_argument("--max-migrations", type=int, default=None,
                    help="retries of a request after a worker died or its KV transfer failed; "
                         "each resumes after the tokens already streamed (default 3)")
@@ -389,8 +392,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from .bench.commands import add_bench_parser
     add_bench_parser(sub)
+    return p
 
-    args = p.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"))
     return args.fn(args)

@@ -1,6 +1,6 @@
 """The Helm chart's SLO planner (planner.enabled): `serve --planner slo` within each
 worker group's minReplicas / maxReplicas, and KubeRay's autoscaler on within the same
-bounds (README, "Run on Kubernetes"; docs/planner.md)."""
+bounds (docs/deployment.md, "Run on Kubernetes"; docs/planner.md)."""
 
 import helm_python as helm
 import pytest

@@ -60,7 +60,11 @@ MAX_REQUEST_ID_BYTES = 256
 
 
 class KVTransferError(RuntimeError):
-    """A transfer failed (socket error, refused handshake, ...). Aborts one request."""
+    """A transfer failed (socket error, refused handshake, ...). Aborts one request.
+    `pairing`: it failed while pairing with the peer (the sender logs those, once per
+    peer: tcp_sender.TcpKVSender)."""
+
+    pairing = False
 
 
 class KVLayoutMismatch(KVTransferError):

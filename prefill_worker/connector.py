@@ -140,7 +140,8 @@ class PrefillKVConnector:
                 req.error = (str(e) if isinstance(e, KVTransferError)  # names the address
                              else f"KV send failed: {type(e).__name__}: {e}")
                 # a failed pairing is logged by the sender, once per decode worker
-                logger.log(logging.DEBUG if getattr(e, "pairing", False) else logging.WARNING,
+                pairing = isinstance(e, KVTransferError) and e.pairing
+                logger.log(logging.DEBUG if pairing else logging.WARNING,
                            "%s: %s", req.request_id, req.error)
                 if isinstance(task, _SendLayers):
                     continue      # the request's _SendDone, still queued, finishes it

@@ -123,7 +123,6 @@ class PrefillWorker:
         # tensor-parallel: the ranks' KV sends, ordered around each step (rank.py)
         self.tp_ranks = (PrefillRanks(self.runner, self.sender, self.tp.size,
                                       self._group_broken) if self.tp.size > 1 else None)
-        self._step_lock = threading.Lock()   # one step (or bench forward) at a time
         self.engine.start(self._step_loop)
 
     # --- RPCs -------------------------------------------------------------------------
@@ -210,13 +209,12 @@ class PrefillWorker:
         if self.activity is not None:
             self.activity.set_busy(True)
         try:
-            def step() -> float:
-                with self._step_lock:        # not between a step's sends and its forward
-                    if self.tp_ranks is not None:
-                        self.tp_ranks.sends([])   # the ranks: nothing to send of it
-                    t0 = time.perf_counter()
-                    self.runner.prefill([PrefillSeq(ids, blocks)])
-                    return time.perf_counter() - t0
+            def step() -> float:     # on the engine thread: between two of its steps
+                if self.tp_ranks is not None:
+                    self.tp_ranks.sends([])   # the ranks: nothing to send of it
+                t0 = time.perf_counter()
+                self.runner.prefill([PrefillSeq(ids, blocks)])
+                return time.perf_counter() - t0
             return await asyncio.wrap_future(self.engine.submit(step))
         finally:
             self._benching = False
@@ -319,15 +317,13 @@ class PrefillWorker:
                 self.activity.set_busy(bool(batch) or self._benching)
             if not batch:
                 if self.tp_ranks is not None:
-                    with self._step_lock:
-                        self.tp_ranks.poll()
+                    self.tp_ranks.poll()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
             tokens = sum(r.chunk_end - r.num_computed_tokens for r in batch)
             t0 = time.perf_counter()
-            with self._step_lock:   # a bench_prefill forward never falls between these
-                self._step(batch)
+            self._step(batch)
             self.step_stats += StepStats.of(tokens, time.perf_counter() - t0)
 
     def _step(self, batch: list[PrefillRequest]) -> None:

@@ -1,6 +1,7 @@
 """Decode-side request types: one request's state (DecodeRequest), what reserve()
-returns (Reserved), one step's work (SchedulerOutput), and the refusal of a request the
-pool could never hold. The state machine that moves them is scheduler.py."""
+returns (Reserved), and the refusal of a request the pool could never hold. The state
+machine that moves them is scheduler.py; one step's work is engine/outputs.py's
+SchedulerOutput."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ class RequestTooLargeError(ValueError):
 
 @dataclass(slots=True, eq=False)
 class DecodeRequest:
-    """One request on the decode worker. Compared by identity (it is mutable state).
+    """One request on the decode worker (engine/outputs.py StepRequest). Compared by
+    identity (it is mutable state).
 
     Progress is one counter, as in vLLM: ``num_computed_tokens``, the leading tokens of
     prompt + output (``token_ids``) whose K/V is in ``block_table``. Every step
@@ -67,6 +69,12 @@ class DecodeRequest:
         return len(self.prompt_token_ids)
 
     @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far (the sampler's step index: unchanged by preemption,
+        so seeded draws repeat)."""
+        return len(self.output_ids)
+
+    @property
     def num_tokens(self) -> int:
         """Prompt + generated tokens; the step that computes the last one samples."""
         return self.prompt_len + len(self.output_ids)
@@ -94,24 +102,3 @@ class Reserved:
     block_ids: list[int]
     num_cached_blocks: int
     local_prefill: bool
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    """One step's work (vLLM's SchedulerOutput): per row of `requests`, compute the K/V
-    of tokens [num_computed_tokens, num_computed_tokens + its `num_scheduled_tokens`
-    entry) of prompt + output, and sample the next token when that reaches num_tokens.
-    A row of one token is a decode row; a longer one is a prefill (a local prompt, or a
-    chunk of one, or a preempted request's recompute) and, under prefill_chunk_size,
-    may stop short of num_tokens (nothing sampled for it this step). Before the forward,
-    each (src, dst) block of `blocks_to_copy` is copied, every layer's K and V
-    (decode_worker/fork.py: a forked sample's own copy of a shared block)."""
-
-    requests: tuple[DecodeRequest, ...] = ()
-    num_scheduled_tokens: tuple[int, ...] = ()
-    blocks_to_copy: tuple[tuple[int, int], ...] = ()   # (src, dst) before the forward
-
-    def samples(self, i: int) -> bool:
-        """Whether row ``i`` samples a token this step."""
-        r = self.requests[i]
-        return r.num_computed_tokens + self.num_scheduled_tokens[i] == r.num_tokens

@@ -54,16 +54,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..engine.block_pool import BlockPool, NoFreeBlocksError, block_hashes, blocks_needed
+from ..engine.block_pool import (BlockPool, NoFreeBlocksError, block_hashes, blocks_needed,
+                                 match_prompt_prefix)
+from ..engine.outputs import SchedulerOutput
 from ..engine.request import RequestState, TokenEvent
-from ..engine.schedule_policy import prefill_order, step_tokens
+from ..engine.schedule_policy import SchedulePolicy, step_tokens
 from ..engine.sampling_params import SamplingParams
 from ..engine.stop import stop_state
 from ..request_ids import router_of
 from .batch import RunningBatch
 from .connector import DecodeKVConnector
 from .fork import drop_cow_src, fork
-from .requests import DecodeRequest, RequestTooLargeError, Reserved, SchedulerOutput
+from .requests import DecodeRequest, RequestTooLargeError, Reserved
 from .step_budget import MAX_BUDGET_WAITS
 
 logger = logging.getLogger(__name__)
@@ -74,7 +76,8 @@ class DecodeScheduler:
                  eos_token_ids: tuple[int, ...], max_batch_size: int = 256,
                  connector: DecodeKVConnector | None = None,
                  enable_prefix_caching: bool = False, local_prefill_max_tokens: int = 0,
-                 prefill_chunk_size: int | None = None, schedule_policy: str = "fcfs"):
+                 prefill_chunk_size: int | None = None,
+                 schedule_policy: str | SchedulePolicy = SchedulePolicy.FCFS):
         """connector: the KV receiver's side (decode_worker/connector.py) that fills the
         blocks of requests prefilled elsewhere; their blocks go back to the pool only
         once it reports them released (update_from_connector). None (tests, a
@@ -90,13 +93,12 @@ class DecodeScheduler:
 
         Raises:
             ValueError: an unknown schedule_policy."""
-        prefill_order([], len, float, schedule_policy, 0.0)
         self.pool, self.block_size, self.max_model_len = pool, block_size, max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.prefill_chunk_size = prefill_chunk_size
         self._budget_waits = 0      # steps in a row a TPOT budget left the prefills out
-        self.schedule_policy = schedule_policy
+        self.schedule_policy = SchedulePolicy.of(schedule_policy)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.connector = connector
         self._lock = threading.Lock()
@@ -159,11 +161,10 @@ class DecodeScheduler:
         total = blocks_needed(min(n + params.max_tokens, self.max_model_len), bs)
         if total > self.pool.num_blocks:
             raise RequestTooLargeError(n, params.max_tokens, total, self.pool.num_blocks, bs)
-        hashes, lookup, hit = [], [], []
+        hashes, hit, looked_up = [], [], 0
         if self.enable_prefix_caching:
             hashes = block_hashes(prompt, bs)
-            lookup = hashes[:(n - 1) // bs]                      # not the last token's block
-            hit = self.pool.match_prefix(lookup)
+            hit, looked_up = match_prompt_prefix(self.pool, hashes, n, bs)
         need = blocks_needed(n, bs) - len(hit)
         free = self.pool.num_free - self._batch.resume_blocks()
         if need > free:
@@ -173,7 +174,7 @@ class DecodeScheduler:
                             time.monotonic() + lease_s, num_computed_tokens=len(hit) * bs,
                             num_cached_blocks=len(hit), block_hashes=hashes)
         self.cached_tokens += req.num_computed_tokens
-        self.prefix_queries += len(lookup)
+        self.prefix_queries += looked_up
         self.prefix_hits += len(hit)
         if params.prompt_logprobs is None and (  # those need the prefill worker's pass
                 prefill_locally or n - req.num_computed_tokens <= self.local_prefill_max_tokens):
@@ -337,7 +338,7 @@ class DecodeScheduler:
                 chunk = cap if chunk is None else min(chunk, cap)
         counts = step_tokens(batch, lambda r: r.num_tokens - r.num_computed_tokens,
                              lambda r: r.arrived, self.schedule_policy, now,
-                             chunk, least)
+                             chunk, least, lambda r: r.num_computed_tokens, self.block_size)
         rows = [(r, n) for r, n in zip(batch, counts) if n]
         return SchedulerOutput(tuple(r for r, _ in rows), tuple(n for _, n in rows), copies)
 

@@ -12,8 +12,8 @@ Request lifecycle here (see scheduler.py for the state machine):
     step thread: schedule() → SchedulerOutput: per request, the tokens to compute
                  from its num_computed_tokens (one: decode; more: a local prefill, a
                  chunk of one, or a preempted request's recompute) →
-                 ModelRunner.mixed() / prefill() + decode() → sample() the rows that
-                 reach num_tokens → update_from_output()
+                 ModelRunner.execute() (the forward; grammar masks, logprobs and
+                 sampling of the rows that reach num_tokens) → update_from_output()
     router ◀── events(epoch, router): one stream per worker and router replica, each
                item the TokenEvents of every request of that replica since the last (a
                step's worth, one Ray message, where a stream per request costs one per
@@ -34,36 +34,23 @@ import asyncio
 import functools
 import logging
 import os
-import threading
 import time
-import uuid
-from collections.abc import Callable
-from dataclasses import replace
 
 import ray
-import torch
 
-from ..engine.block_pool import BlockPool, NoFreeBlocksError
-from ..engine.model_runner import DecodeSeq, PrefillSeq
+from ..config import WorkerConfig
+from ..core_share import LentThreads, StepThreads
+from ..engine.block_pool import NoFreeBlocksError
+from ..engine.outputs import ModelRunnerOutput, SchedulerOutput
 from ..engine.request import TokenEvent
-from ..engine.logprobs import TokenLogprobs, capture
-from ..engine.sampler import sample
-from ..engine.structured_output import apply_bitmask
 from ..engine.sampling_params import SamplingParams
 from ..engine.tp_executor import TPGroupBroken
+from ..engine_actor import EngineActor
 from ..kv_transfer import make_receiver
-from ..kv_transfer.tp_plan import rank_layout
-from ..messages import DecodeReservation, StepStats, WorkerInfo, WorkerStatus
-from ..metrics import WorkerMetrics, serve as serve_metrics
-from ..config import WorkerConfig
-from ..core_share import CompileActivity, LentThreads
-from ..engine.engine_thread import EngineThread
-from ..engine.kv_prefault import prefault_pool
-from ..tp_group import worker_runner
+from ..messages import DecodeReservation, StepStats, WorkerStatus
 from .connector import DecodeKVConnector
 from .outbox import EventOutbox
 from .rank import TPReceiver, rank_addresses
-from .requests import DecodeRequest, SchedulerOutput
 from .scheduler import DecodeScheduler, RequestTooLargeError
 from .step_budget import StepBudget
 
@@ -78,30 +65,19 @@ _IDLE_WAIT_S = 0.05   # step thread's wake-up period when idle (lease checks, sh
 _RANK_POLL_S = 0.005  # ... while a tensor-parallel rank's KV may be arriving
 
 
-class DecodeWorker:
+class DecodeWorker(EngineActor):
     """Ray actor (see ``DecodeWorker.remote_class``); methods are called by the router."""
 
+    role = "decode"
+
     def __init__(self, worker_id: str, config: WorkerConfig):
-        logging.basicConfig(level=config.log_level)
-        self.worker_id, self.config = worker_id, config
-        self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation of the process
-        self.draining = False                        # drain(): no new requests from any router
-        # tensor-parallel: ranks 1..M-1 follow, each with its KV receiver (rank.py)
-        self._wake = threading.Event()   # the step loop's: new work, or the receiver has news
-        # the runner is built, warmed up and stepped on one thread (engine_thread.py)
-        self.engine = EngineThread("decode-step", wake=self._wake.set)
-        self.tp, self._ranks, self.runner = self.engine.call(
-            worker_runner, worker_id, config, "decode", self.epoch, self._group_broken,
-            enforce_eager=config.enforce_eager or not config.cuda_graphs,
-            compile_model=config.compile and not config.enforce_eager,
-            max_graph_batch_size=min(config.max_batch_size, 512))
-        self.pool = BlockPool(self.runner.cache_config.num_blocks)
-        self.prefault = prefault_pool(self.pool, self.runner.kv_cache)   # kv_prefault.py
-        model = self.runner.config
-        layout = rank_layout(self.runner.kv_cache, model.model_id, model.num_kv_heads, self.tp)
-        self.receiver = make_receiver(config.transport, self.runner.kv_cache, layout, self.epoch,
-                                      notify=self._wake.set, host=config.node_host(),
-                                      secret=config.kv_secret)
+        super().__init__(worker_id, config,
+                         enforce_eager=config.enforce_eager or not config.cuda_graphs,
+                         compile_model=config.compile and not config.enforce_eager,
+                         max_graph_batch_size=min(config.max_batch_size, 512))
+        self.receiver = make_receiver(config.transport, self.runner.kv_cache, self.kv_layout,
+                                      self.epoch, notify=self._wake.set,
+                                      host=config.node_host(), secret=config.kv_secret)
         self.kv_address = self.receiver.start()
         self.kv_rank_addresses: tuple[tuple[str, int], ...] = ()
         if self.tp.size > 1:        # every rank's receiver, news polled by the step loop
@@ -116,41 +92,25 @@ class DecodeWorker:
             local_prefill_max_tokens=config.local_prefill_max_tokens,
             prefill_chunk_size=config.prefill_chunk_size,
             schedule_policy=config.schedule_policy)
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox = EventOutbox()                 # events not yet streamed, per router
-        self._stop = threading.Event()
         # threads of idle prefill workers on this node, borrowed step by step (core_share)
-        self.lent = None
+        lent = None
         if config.core_share_dir is not None:
             try:
-                self.lent = LentThreads(config.core_share_dir, worker_id, config.num_threads,
-                                        len(os.sched_getaffinity(0)))
+                lent = LentThreads(config.core_share_dir, worker_id, config.num_threads,
+                                   len(os.sched_getaffinity(0)))
             except OSError as e:
                 logger.warning("idle prefill cores not borrowed: %s", e)
-        self.compile_flag = CompileActivity.on(config.core_share_dir, worker_id)
+        self.step_threads = StepThreads(lent, config.num_threads)
         self.peak_batch_size = 0      # largest decode batch so far (tests prove batching)
         # steps sized to the TPOT SLO when one is set (step_budget.py)
         self.step_budget = (StepBudget(config.slo_tpot_ms / 1e3) if config.slo_tpot_ms
                             else None)
         self.step_stats = StepStats()  # (rows, seconds) of its decode-only steps
-        self.step_threads = config.num_threads   # torch threads the latest step started on
-        self.metrics = WorkerMetrics("decode", self._metric_values)
-        self.metrics_address = "%s:%d" % serve_metrics(
-            self.metrics.registry, config.node_host(), config.metrics_port)
+        self._serve_metrics()
         self.engine.start(self._step_loop)
 
     # --- RPCs -------------------------------------------------------------------------
-
-    async def ready(self) -> WorkerInfo:
-        self._loop = asyncio.get_running_loop()
-        return WorkerInfo(self.worker_id, "decode", self.epoch, self.pool.num_blocks,
-                          self.runner.block_size, ray.util.get_node_ip_address(),
-                          tuple(self.kv_address), self.kv_rank_addresses, self.draining)
-
-    async def drain(self) -> None:
-        """Take no new request from any router (ready() says so to the replicas that
-        did not drain it: router/admin.py sync_members); until it restarts."""
-        self.draining = True
 
     async def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
                       prompt_token_ids: list[int], lease_s: float | None = None,
@@ -243,7 +203,7 @@ class DecodeWorker:
             kv_transport=self.config.transport,
             # KV that arrived by one-sided writes (NIXL), not over the socket
             kv_one_sided_writes=getattr(self.receiver, "num_writes", 0),
-            peak_batch_size=self.peak_batch_size, step_threads=self.step_threads,
+            peak_batch_size=self.peak_batch_size, step_threads=self.step_threads.threads,
             step_stats=self.step_stats,
             num_preemptions=self.scheduler.num_preemptions,
             kv_reservations_leased=self.scheduler.num_reservations_active(),
@@ -251,11 +211,6 @@ class DecodeWorker:
             preempted_requests=self.scheduler.num_waiting_to_resume(),
             local_prefills=self.scheduler.num_local_prefills,
             tensor_parallel_size=self.tp.size)
-
-    async def ranks(self) -> list[dict]:
-        """Ranks 1..M-1 of a tensor-parallel worker: pid, node, KV heads, KV receiver and
-        its open reservations each (tp_group.TPRank.ready); [] at TP 1."""
-        return [await r.ready.remote() for r in self._ranks]
 
     def _metric_values(self) -> dict[str, float]:
         """Current gauges and counters for /metrics (pdserve/metrics.py), at scrape time."""
@@ -270,154 +225,76 @@ class DecodeWorker:
                 "prefix_cache_hits": sched.prefix_hits,
                 "kv_transfer_failures": sched.connector.num_failed}
 
-    async def shutdown(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self.engine.close(timeout_s=10)
-        if self.prefault is not None:
-            self.prefault.close()
-        if self.tp.size > 1:
-            self.runner.stop()       # the ranks' loops end; Ray kills them with this actor
-        self.receiver.close()
-        if self.lent is not None:
-            self.lent.close()
-        self.compile_flag.close()
+    def _kv_endpoints(self) -> tuple:
+        return tuple(self.kv_address), self.kv_rank_addresses
 
-    # --- threads ------------------------------------------------------------------------
+    def _close(self) -> None:
+        self.receiver.close()
+        self.step_threads.close()
+
+    # --- the step thread ----------------------------------------------------------------
 
     def _publish(self, events: list[TokenEvent]) -> None:
         if events and self._loop is not None:
             self._loop.call_soon_threadsafe(self._outbox.deliver, events)
 
-    def _step_loop(self) -> None:
-        sched = self.scheduler
-        threads = self.config.num_threads
-        while not self._stop.is_set():
-            self.engine.run_calls()
-            sched.update_from_connector()
-            out = sched.schedule(step_budget=None if self.step_budget is None else
-                                 functools.partial(self.step_budget.tokens, threads))
-            if not out.requests:
-                self._publish(sched.drain_events())
-                # a TP worker's ranks report arrivals only when polled (rank.py)
-                self._wake.wait(_RANK_POLL_S if getattr(self.receiver, "wants_poll", False)
-                                else _IDLE_WAIT_S)
-                self._wake.clear()
-                continue
-            if self.lent is not None and (n := self.lent.threads()) != threads:
-                torch.set_num_threads(n)    # this thread's OpenMP team: the step's ops
-                threads = n
-            self.step_threads = threads
-            give_back = None
-            if threads > self.config.num_threads:
-                def give_back(_layer: int) -> None:
-                    # a prefill worker whose threads this step borrowed is busy again:
-                    # its threads go back from the next layer on, not at the step's end
-                    # (two OpenMP teams on one core slow both several-fold)
-                    nonlocal threads
-                    if threads > self.config.num_threads and threads > (n := self.lent.threads()):
-                        torch.set_num_threads(n)
-                        threads = n
-            self.peak_batch_size = max(self.peak_batch_size, len(out.requests))
-            self.metrics.batch_size.labels(phase="decode").observe(len(out.requests))
+    def _schedule(self) -> SchedulerOutput:
+        self.scheduler.update_from_connector()
+        budget = self.step_budget
+        return self.scheduler.schedule(step_budget=None if budget is None else
+                                       functools.partial(budget.tokens,
+                                                         self.step_threads.threads))
+
+    def _idle(self) -> None:
+        self._publish(self.scheduler.drain_events())
+        # a TP worker's ranks report arrivals only when polled (rank.py)
+        self._wake.wait(_RANK_POLL_S if getattr(self.receiver, "wants_poll", False)
+                        else _IDLE_WAIT_S)
+        self._wake.clear()
+
+    def _step(self, out: SchedulerOutput) -> None:
+        """One step of `out`: ModelRunner.execute on the step's threads, then the
+        scheduler's update_from_output, whose events go to the routers."""
+        self.peak_batch_size = max(self.peak_batch_size, len(out.requests))
+        self.metrics.batch_size.labels(phase="decode").observe(len(out.requests))
+        with self.step_threads.step() as give_back:
             t0 = time.perf_counter()
             try:
-                # a forked sample's block (fork.py); its row is in this step: one token
-                # left, and a decode row always gets its token (schedule_policy.step_tokens)
-                self.runner.copy_blocks(out.blocks_to_copy)
-                tokens, logprobs = self._step(out, give_back)
-                step_s = time.perf_counter() - t0
-                if max(out.num_scheduled_tokens) == 1:   # decode rows only (the planner)
-                    self.step_stats += StepStats.of(len(out.requests), step_s)
-                if self.step_budget is not None:
-                    self.step_budget.observe(threads, sum(out.num_scheduled_tokens), step_s)
-            except Exception as e:  # a model or sampler fault fails the step, not the worker
-                if isinstance(e, TPGroupBroken):   # ... unless its ranks are out of step
-                    self._group_broken(e)
-                logger.exception("decode step of %d rows failed", len(out.requests))
-                for r in out.requests:      # they finish as errors (the router may retry)
-                    sched.abort(r.request_id, error=f"decode step failed: "
+                result = self.runner.execute(out, give_back)
+            except Exception as e:   # a model or sampler fault fails the step, not the worker
+                return self._step_failed(out, e)
+            step_s = time.perf_counter() - t0
+        self._observe(out, step_s)
+        self._publish(self._update(out, result, step_s))
+
+    def _update(self, out: SchedulerOutput, result: ModelRunnerOutput,
+                step_s: float) -> list[TokenEvent]:
+        """The scheduler's update_from_output of the step, each event given its token's
+        logprobs where asked; rows whose grammar broke fail first."""
+        for req, error in zip(out.requests, result.errors):
+            if error is not None:
+                self.scheduler.abort(req.request_id, error=error)
+        events = self.scheduler.update_from_output(out, list(result.sampled_token_ids), step_s)
+        logprobs = {r.request_id: lp for r, lp in zip(out.requests, result.logprobs)
+                    if lp is not None}
+        return [e if not (e.token_ids and e.request_id in logprobs)
+                else TokenEvent(e.request_id, e.token_ids, e.finish_reason, e.error,
+                                (logprobs[e.request_id],)) for e in events]
+
+    def _observe(self, out: SchedulerOutput, step_s: float) -> None:
+        """A step's seconds: for the planner (decode rows only) and the TPOT budget."""
+        if max(out.num_scheduled_tokens) == 1:
+            self.step_stats += StepStats.of(len(out.requests), step_s)
+        if self.step_budget is not None:
+            self.step_budget.observe(self.step_threads.threads,
+                                     out.total_num_scheduled_tokens, step_s)
+
+    def _step_failed(self, out: SchedulerOutput, e: Exception) -> None:
+        """The step's rows finish as errors (the router may retry them); a broken
+        tensor-parallel group restarts the worker."""
+        if isinstance(e, TPGroupBroken):
+            self._group_broken(e)
+        logger.exception("decode step of %d rows failed", len(out.requests))
+        for r in out.requests:
+            self.scheduler.abort(r.request_id, error=f"decode step failed: "
                                                     f"{type(e).__name__}: {e}")
-                continue
-            events = sched.update_from_output(out, tokens, step_s)
-            if logprobs:                    # the rows that asked: their token's entry
-                events = [replace(e, logprobs=(logprobs[e.request_id],))
-                          if e.token_ids and e.request_id in logprobs else e for e in events]
-            self._publish(events)
-
-    def _group_broken(self, e: Exception) -> None:
-        """A rank is lost (or out of step): exit, so Ray restarts this actor and its
-        ranks as a whole (new epoch; the router retries the streams on live workers)."""
-        logger.critical("%s: %s; exiting so Ray restarts the worker's ranks as a whole",
-                        self.worker_id, e)
-        logging.shutdown()
-        os._exit(1)
-
-    def _matcher(self, req: DecodeRequest):
-        """The request's grammar matcher, built at its first sampling on D and fed the
-        tokens generated so far (P's first token; on a retry, the prompt's tail too);
-        None without structured_outputs, or when those tokens break the grammar (then
-        the request fails)."""
-        so = req.params.structured_outputs
-        if so is None or req.matcher is not None:
-            return req.matcher
-        offset = req.params.step_offset
-        done = req.prompt_token_ids[len(req.prompt_token_ids) - offset:] if offset else []
-        try:
-            req.matcher = self.runner.grammars.matcher(so, done + req.output_ids, req.grammar)
-        except ValueError as e:
-            self.scheduler.abort(req.request_id, error=str(e))
-        return req.matcher
-
-    def _step(self, out: SchedulerOutput,
-              give_back: Callable[[int], None] | None
-              ) -> tuple[list[int | None], dict[str, TokenLogprobs]]:
-        """One model step of ``out`` (a SchedulerOutput): the forward of its rows, then a
-        token for each row that reaches num_tokens (None for the others), and the
-        logprobs of those whose params ask (by request id)."""
-        runner = self.runner
-        reqs, counts = out.requests, out.num_scheduled_tokens
-        t0 = time.perf_counter()
-        # a row of one token decodes (the paged decode path); longer rows prefill
-        # tokens [num_computed_tokens, + count) of prompt + output
-        drows = [i for i, n in enumerate(counts) if n == 1]
-        prows = [i for i, n in enumerate(counts) if n > 1]
-        dseqs = [DecodeSeq(reqs[i].token_id(reqs[i].num_computed_tokens),
-                           reqs[i].num_computed_tokens, reqs[i].block_table) for i in drows]
-        pseqs = [PrefillSeq(reqs[i].token_ids(reqs[i].num_computed_tokens + counts[i]),
-                            reqs[i].block_table, reqs[i].num_computed_tokens) for i in prows]
-        plogits = dlogits = None
-        # one forward for both where the C++ paged kernel takes one-token rows beside
-        # chunks (measured there); CUDA keeps its decode path (graphs, paged decode)
-        if pseqs and dseqs and runner.attention_kernel:
-            plogits, dlogits = runner.mixed(pseqs, dseqs, give_back)
-        else:
-            plogits = runner.prefill(pseqs, give_back) if pseqs else None
-            dlogits = runner.decode(dseqs, give_back) if dseqs else None
-        tokens: list[int | None] = [None] * len(reqs)
-        logprobs: dict[str, TokenLogprobs] = {}
-        for rows, logits in ((drows, dlogits), (prows, plogits)):
-            # rows that reach num_tokens sample; the step index is the tokens
-            # generated so far, unchanged by preemption: seeded draws repeat
-            hit = [k for k, i in enumerate(rows) if out.samples(i)]
-            if hit:
-                if len(hit) < len(rows):
-                    logits = logits[hit]
-                rq = [reqs[rows[k]] for k in hit]
-                params = [r.params for r in rq]
-                matchers = [self._matcher(r) for r in rq]
-                if any(m is not None for m in matchers):   # first: logprobs see the mask
-                    apply_bitmask(logits, runner.grammars.bitmask(matchers))
-                captured = capture(logits, params)
-                drawn = sample(logits, params, [len(r.output_ids) for r in rq],
-                               [r.token_ids(r.num_tokens) if r.params.penalized else None
-                                for r in rq], runner.config.eos_token_ids)
-                for k, t, lp, m in zip(hit, drawn, captured.of(drawn), matchers):
-                    tokens[rows[k]] = t
-                    if lp is not None:
-                        logprobs[reqs[rows[k]].request_id] = lp
-                    if m is not None and not m.is_terminated():   # ignore_eos: goes on
-                        m.accept_token(t)
-        logger.debug("decode step: %d rows (%d prefill, %d tokens), %.1f ms", len(reqs),
-                     len(prows), sum(counts), 1e3 * (time.perf_counter() - t0))
-        return tokens, logprobs

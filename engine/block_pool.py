@@ -201,6 +201,17 @@ class BlockPool:
             return self.num_free == self.num_blocks and not any(self._ref_count)
 
 
+def match_prompt_prefix(pool: BlockPool, hashes: Sequence[BlockHash], num_tokens: int,
+                        block_size: int) -> tuple[list[int], int]:
+    """A prompt's prefix-cache lookup: of its full blocks' `hashes` (block_hashes of its
+    `num_tokens` tokens), the leading ones found cached in `pool`, never the block that
+    holds its last token, so that token is always computed (its logits give the next
+    token) and shared blocks are only read. Returns (the blocks found, each held once
+    more by the caller as BlockPool.match_prefix does; blocks looked up)."""
+    lookup = hashes[:(num_tokens - 1) // block_size]
+    return pool.match_prefix(lookup), len(lookup)
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """Blocks to hold `num_tokens` tokens (ceil division)."""
     return -(-num_tokens // block_size)

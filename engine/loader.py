@@ -126,3 +126,48 @@ def _convert(gguf: Path, out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     model.generation_config.save_pretrained(out)
+
+
+def load_model(model: str | Path | None, dtype: "torch.dtype | None" = None,
+               device: "str | torch.device" = "cpu", tp: "TensorParallel | None" = None):
+    """Load (ModelConfig, CausalLM, tokenizer, model_dir) through transformers, in
+    `dtype` (default float32) on `device`; with `tp`, only this rank's shard of each
+    tensor is read (safetensors' lazy slices).
+
+    Raises:
+        ModelNotFoundError, UnsupportedModelError, ValueError (weights do not match, or
+        the tensor-parallel size does not divide the model's heads or sizes).
+    """
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .config import ModelConfig
+    from .model import CausalLM
+    from .parallel import SINGLE
+
+    tp = SINGLE if tp is None else tp
+    dtype = torch.float32 if dtype is None else dtype
+
+    model_dir = resolve_model(model)
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), model_dir)
+    device = torch.device(device)
+    with torch.device("meta"):
+        net = CausalLM(cfg, device, tp)
+    state = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as weights:
+            for name in weights.keys():
+                spec = tp.shard(name, cfg) if tp.size > 1 else None
+                if spec is None:
+                    t = weights.get_tensor(name)
+                else:
+                    whole = weights.get_slice(name)
+                    t = whole[spec[1]] if spec[0] == 0 else whole[:, spec[1]]
+                state[name] = t.to(device=device, dtype=dtype)
+    if not state:
+        raise ValueError(f"{model_dir} has no *.safetensors weights")
+    net.load_weights(state)
+    net.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return cfg, net, tokenizer, model_dir

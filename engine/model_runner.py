@@ -14,108 +14,27 @@ import logging
 import os
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from . import cpu_ops, logprobs
-from .logprobs import TokenLogprobs
-from .structured_output import Grammars, StructuredOutput
 from .attention import (AttentionMetadata, allocate_kv_cache, attention_backend, cpu_kernels_fit,
                         decode_on_device)
-from .config import CacheConfig, ModelConfig
-from .loader import resolve_model
-from .model import CausalLM, can_prepack
+from .config import CacheConfig
+from .input_batch import DecodeSeq, InputBatch, PrefillSeq
+from .loader import load_model
+from .logprobs import TokenLogprobs
+from .model import can_prepack
+from .outputs import ModelRunnerOutput, SchedulerOutput
 from .parallel import SINGLE, TensorParallel
+from .sampler import sample_requests
+from .structured_output import Grammars, StructuredOutput
+
+__all__ = ["DecodeSeq", "InputBatch", "ModelRunner", "PrefillSeq", "load_model"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillSeq:
-    """One sequence of a prefill batch: its tokens up to the last one to compute, and
-    the blocks that hold them.
-
-    The first `num_computed_tokens` tokens' K/V are already in the blocks (a prefix-cache
-    hit, an earlier chunk of a chunked prefill): only the rest are computed, attending
-    to them. 0 <= num_computed_tokens < len(token_ids).
-    """
-
-    token_ids: Sequence[int]
-    block_table: Sequence[int]   # block ids; len >= ceil(len(token_ids) / block_size)
-    num_computed_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeSeq:
-    """One running sequence of a decode batch: its newest token at `position`."""
-
-    token_id: int
-    position: int                # 0-based; context length after this step is position + 1
-    block_table: Sequence[int]   # must cover position
-
-
-@dataclass(frozen=True, slots=True)
-class InputBatch:
-    """The flat tensors of one decode step, as ModelRunner.decode builds them (on the
-    runner's device); what the model's decode forward and DecodeGraphs consume."""
-
-    input_ids: torch.Tensor      # [batch] int64, each sequence's newest token
-    positions: torch.Tensor      # [batch] int64
-    slot_mapping: torch.Tensor   # [batch] int64, cache slot of each new token's K/V
-    block_table: torch.Tensor    # [batch, longest block table] int32, padded with 0
-    context_lens: torch.Tensor   # [batch] int32, tokens including the new one
-    context_lens_host: tuple[int, ...]  # context_lens on the host
-
-    def metadata(self, kv_cache_id: int | None = None) -> AttentionMetadata:
-        """The step's AttentionMetadata; with `kv_cache_id` (the CPU kernels' one-op
-        attention), cu_seqlens_q = 0, 1, ..., batch as well."""
-        cu = None
-        if kv_cache_id is not None:
-            cu = torch.arange(len(self.context_lens_host) + 1, dtype=torch.int32,
-                              device=self.slot_mapping.device)
-        return AttentionMetadata(
-            is_prefill=False, slot_mapping=self.slot_mapping, block_table=self.block_table,
-            context_lens=self.context_lens, max_context_len=max(self.context_lens_host),
-            context_lens_host=self.context_lens_host, cu_seqlens_q=cu, kv_cache_id=kv_cache_id)
-
-
-def load_model(model: str | Path | None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", tp: TensorParallel = SINGLE):
-    """Load (ModelConfig, CausalLM, tokenizer, model_dir) through transformers; with
-    `tp`, only this rank's shard of each tensor is read (safetensors' lazy slices).
-
-    Raises:
-        ModelNotFoundError, UnsupportedModelError, ValueError (weights do not match, or
-        the tensor-parallel size does not divide the model's heads or sizes).
-    """
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoTokenizer
-
-    model_dir = resolve_model(model)
-    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), model_dir)
-    device = torch.device(device)
-    with torch.device("meta"):
-        net = CausalLM(cfg, device, tp)
-    state = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as weights:
-            for name in weights.keys():
-                spec = tp.shard(name, cfg) if tp.size > 1 else None
-                if spec is None:
-                    t = weights.get_tensor(name)
-                else:
-                    whole = weights.get_slice(name)
-                    t = whole[spec[1]] if spec[0] == 0 else whole[:, spec[1]]
-                state[name] = t.to(device=device, dtype=dtype)
-    if not state:
-        raise ValueError(f"{model_dir} has no *.safetensors weights")
-    net.load_weights(state)
-    net.eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return cfg, net, tokenizer, model_dir
 
 
 class ModelRunner:
@@ -141,14 +60,7 @@ class ModelRunner:
         Raises:
             ValueError: a CPU id this process may not run on.
         """
-        if cpus is not None:
-            try:
-                os.sched_setaffinity(0, cpus)
-            except OSError as e:
-                raise ValueError(f"cpus={tuple(cpus)}: cannot pin to them ({e}); this "
-                                 f"process may run on {sorted(os.sched_getaffinity(0))}") from e
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        _pin(cpus, num_threads)
         self.cache_config = cache
         self.device = torch.device(cache.device)
         if (self.device.type == "cpu" and cache.dtype == torch.bfloat16
@@ -166,52 +78,67 @@ class ModelRunner:
         self.prepacked = prepack_linears and can_prepack(self.device, cache.dtype)
         if self.prepacked:
             self.model.prepack()
+        graphs = self._graphs_wanted(enforce_eager)
+        self._allocate_cache(graphs)
+        self.decode_graphs = None
+        if graphs:
+            from .cuda_graphs import DecodeGraphs
+            c = self.config
+            self.decode_graphs = DecodeGraphs(
+                self._decode_forward, max_batch_size=max_graph_batch_size,
+                max_blocks_per_seq=-(-c.max_model_len // cache.block_size),
+                block_size=cache.block_size, pad_block=cache.num_blocks,
+                vocab_size=c.vocab_size, device=self.device)
+        self.compiled = compile_model and self._compile()
         c = self.config
+        logger.info("%s on %s (%s attention%s%s): %d KV blocks x %d tokens, %.1f MiB",
+                    c.architecture, self.device, attention_backend(self.device),
+                    ", oneDNN-prepacked linears" if self.prepacked else "",
+                    ", torch.compile" if self.compiled else "",
+                    cache.num_blocks, cache.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+
+    def _graphs_wanted(self, enforce_eager: bool) -> bool:
+        """Whether decode steps replay CUDA graphs (not eager, on CUDA, and a decode
+        attention that keeps its work on the device)."""
         graphs = not enforce_eager and self.device.type == "cuda"
-        if graphs and not decode_on_device(self.device, cache.block_size):
+        if graphs and not decode_on_device(self.device, self.cache_config.block_size):
             # The SDPA decode path groups sequences by context length on the host, which
             # a graph would freeze at its capture-time values.
             logger.warning("enforce_eager=False: CUDA graphs need flash-attn (block_size a "
                            "multiple of 256) or triton for decode attention; decoding eagerly")
             graphs = False
-        # With graphs, one block past the pool's (never handed out) takes the K/V that
-        # padded graph rows write: write_kv has no "skip this row" slot value.
+        return graphs
+
+    def _allocate_cache(self, graphs: bool) -> None:
+        """The KV cache, and on CPU with the C++ kernels its registration (each layer's KV
+        write and attention are one op that finds the cache by id, cpu_ops.attention_layer;
+        the registry lets go of it when the runner goes). With graphs, one block past the
+        pool's (never handed out) takes the K/V that padded graph rows write: write_kv
+        has no "skip this row" slot value."""
+        c, cache = self.config, self.cache_config
         self.kv_cache = allocate_kv_cache(
-            (c.num_layers, 2, cache.num_blocks + graphs, tp.num_kv_heads(c), cache.block_size,
-             c.head_dim), cache.dtype, self.device)
+            (c.num_layers, 2, cache.num_blocks + graphs, self.tp.num_kv_heads(c),
+             cache.block_size, c.head_dim), cache.dtype, self.device)
         self.block_size = cache.block_size
-        # CPU kernels: each layer's KV write and attention are one op that finds the
-        # cache by this id (cpu_ops.attention_layer); the registry lets go of it when
-        # the runner goes
         self.kv_cache_id: int | None = None
         if self.device.type == "cpu" and cpu_ops.available() and cpu_kernels_fit(
                 self.device, cache.dtype, c.head_dim, cache.block_size):
             self.kv_cache_id = cpu_ops.register_kv_cache(self.kv_cache)
             weakref.finalize(self, cpu_ops.unregister_kv_cache, self.kv_cache_id)
         self.attention_kernel = self.kv_cache_id is not None   # (pdserve bench step: off)
-        self.decode_graphs = None
-        if graphs:
-            from .cuda_graphs import DecodeGraphs
-            self.decode_graphs = DecodeGraphs(
-                self._decode_forward, max_batch_size=max_graph_batch_size,
-                max_blocks_per_seq=-(-c.max_model_len // cache.block_size),
-                block_size=cache.block_size, pad_block=cache.num_blocks,
-                vocab_size=c.vocab_size, device=self.device)
-        self.compiled = False
-        if compile_model:
-            if self.prepacked and self.attention_kernel:
-                from .compile import compile_layers, warm_up
-                compile_layers(self.model)
-                self.compiled = True
-                warm_up(self)
-            else:
-                logger.warning("torch.compile of the model step runs on CPU with the C++ "
-                               "kernels built (make) and prepacked linears; running eagerly")
-        logger.info("%s on %s (%s attention%s%s): %d KV blocks x %d tokens, %.1f MiB",
-                    c.architecture, self.device, attention_backend(self.device),
-                    ", oneDNN-prepacked linears" if self.prepacked else "",
-                    ", torch.compile" if self.compiled else "",
-                    cache.num_blocks, cache.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+
+    def _compile(self) -> bool:
+        """torch.compile the decoder layers and warm them up (engine/compile.py); on CPU
+        with prepacked linears and the C++ kernels only. Returns whether it did."""
+        if not (self.prepacked and self.attention_kernel):
+            logger.warning("torch.compile of the model step runs on CPU with the C++ "
+                           "kernels built (make) and prepacked linears; running eagerly")
+            return False
+        from .compile import compile_layers, warm_up
+        compile_layers(self.model)
+        self.compiled = True
+        warm_up(self)
+        return True
 
     def _block_table(self, tables: Sequence[Sequence[int]], num_tokens: Sequence[int]) -> torch.Tensor:
         """[len(tables), widest (at least 2)] int32 (host): each row the blocks covering
@@ -288,6 +215,19 @@ class ModelRunner:
         assert prefill and decode, "mixed() needs prefill and decode rows"
         logits = self._varlen(prefill, decode, on_layer_done)[0]
         return logits[:len(prefill)], logits[len(prefill):]
+
+    def execute(self, out: SchedulerOutput,
+                on_layer_done: Callable[[int], None] | None = None) -> ModelRunnerOutput:
+        """One engine step of `out` (engine/outputs.py), as vLLM's model runner runs a
+        SchedulerOutput: its blocks_to_copy copied; one forward of its rows (a row of
+        one token past its prompt on the paged decode path, the others as prefills, in
+        one varlen forward where the C++ paged kernel takes both: mixed()); then each
+        row that reaches num_tokens sampled (sampler.sample_requests: grammar mask,
+        logprobs, penalties). `on_layer_done(i)` runs after layer i of each forward.
+
+        Raises what the forward raises (ValueError: a row with nothing to compute, or a
+        block table too short for its tokens; TPGroupBroken on a tensor-parallel leader)."""
+        return execute(self, out, on_layer_done)
 
     def _varlen(self, seqs: Sequence[PrefillSeq], decode: Sequence[DecodeSeq],
                 on_layer_done: Callable[[int], None] | None, keep: Sequence[int] = ()
@@ -374,3 +314,68 @@ class ModelRunner:
         float32 (what DecodeGraphs captures)."""
         return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_cache,
                                                     on_layer_done))
+
+
+def execute(runner, out: SchedulerOutput,
+            on_layer_done: Callable[[int], None] | None = None) -> ModelRunnerOutput:
+    """ModelRunner.execute on `runner`: a ModelRunner, or a tensor-parallel TPLeader
+    whose step calls (prefill, mixed, decode, ...) broadcast to its ranks first."""
+    if out.blocks_to_copy:
+        runner.copy_blocks(out.blocks_to_copy)
+    groups, prompt_logprobs = _forward(runner, out, on_layer_done)
+    n = len(out.requests)
+    tokens, lps, errors = [None] * n, [None] * n, [None] * n
+    for rows, logits in groups:
+        hit = [k for k, i in enumerate(rows) if out.samples(i)]
+        if not hit:
+            continue
+        if len(hit) < len(rows):
+            logits = logits[hit]
+        drawn = sample_requests(logits, [out.requests[rows[k]] for k in hit],
+                                lambda: runner.grammars, runner.config.eos_token_ids)
+        for k, t, lp, e in zip(hit, *drawn):
+            tokens[rows[k]], lps[rows[k]], errors[rows[k]] = t, lp, e
+    return ModelRunnerOutput(tuple(tokens), tuple(lps), tuple(prompt_logprobs), tuple(errors))
+
+
+def _forward(runner, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None
+             ) -> tuple[tuple[tuple[list[int], torch.Tensor | None], ...], list]:
+    """The forward(s) of `out`'s rows: ((decode rows, their logits), (prefill rows, their
+    logits)) and each row's prompt logprobs (None where not asked)."""
+    reqs, counts = out.requests, out.num_scheduled_tokens
+    drows = [i for i, (r, n) in enumerate(zip(reqs, counts))
+             if n == 1 and r.num_computed_tokens >= r.prompt_len]
+    prows = sorted(set(range(len(reqs))) - set(drows))
+    dseqs = [DecodeSeq(reqs[i].token_id(reqs[i].num_computed_tokens),
+                       reqs[i].num_computed_tokens, reqs[i].block_table) for i in drows]
+    pseqs = [PrefillSeq(reqs[i].token_ids(reqs[i].num_computed_tokens + counts[i]),
+                        reqs[i].block_table, reqs[i].num_computed_tokens) for i in prows]
+    prompt: list = [None] * len(reqs)
+    asks = [reqs[i].params.prompt_logprobs for i in prows]
+    plogits = dlogits = None
+    if any(k is not None for k in asks):
+        plogits, entries = runner.prefill_with_prompt_logprobs(pseqs, [
+            None if k is None else (reqs[i].token_ids(reqs[i].prompt_len), k)
+            for i, k in zip(prows, asks)], on_layer_done)
+        for i, e in zip(prows, entries):
+            prompt[i] = e
+    elif pseqs and dseqs and runner.attention_kernel:   # CUDA keeps its decode path
+        plogits, dlogits = runner.mixed(pseqs, dseqs, on_layer_done)
+    elif pseqs:
+        plogits = runner.prefill(pseqs, on_layer_done)
+    if dseqs and dlogits is None:
+        dlogits = runner.decode(dseqs, on_layer_done)
+    return ((drows, dlogits), (prows, plogits)), prompt
+
+
+def _pin(cpus: Sequence[int] | None, num_threads: int | None) -> None:
+    """This process pinned to `cpus` and its torch intra-op threads set.
+    Raises ValueError: a CPU id this process may not run on."""
+    if cpus is not None:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as e:
+            raise ValueError(f"cpus={tuple(cpus)}: cannot pin to them ({e}); this "
+                             f"process may run on {sorted(os.sched_getaffinity(0))}") from e
+    if num_threads:
+        torch.set_num_threads(num_threads)

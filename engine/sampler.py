@@ -19,11 +19,13 @@ A row with NaN logits gets its argmax (a valid token id) on every path.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import torch
 
 from . import cpu_ops, logits_processors
+from .logprobs import TokenLogprobs, capture
 from .sampling_params import SamplingParams
 
 
@@ -87,6 +89,48 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequen
 
 
 _TOP_CANDIDATES = 256   # tokens ranked per row for top-k / top-p before any full sort
+
+
+def sample_requests(logits: torch.Tensor, reqs: Sequence[Any], grammars: Callable[[], Any],
+                    eos_token_ids: Collection[int] = ()
+                    ) -> tuple[list[int | None], list[TokenLogprobs | None], list[str | None]]:
+    """The next token of each request of `reqs` (engine/outputs.py StepRequest) from its
+    row of `logits` [len(reqs), vocab] float32: its grammar's bitmask applied first
+    (structured_output.py; `grammars()` gives the runner's Grammars), so the logprobs
+    captured next see it; then sample(); each grammar matcher accepts its token.
+
+    A request's matcher is built at its first sampling, having accepted the tokens it
+    generated before (a request moved from another worker: the prompt's last
+    params.step_offset too). Returns per request (token, TokenLogprobs or None, error);
+    a request whose earlier tokens break its grammar gets (None, None, the reason)."""
+    matchers, errors = zip(*(_matcher(r, grammars) for r in reqs))
+    if any(m is not None for m in matchers):
+        from .structured_output import apply_bitmask
+        apply_bitmask(logits, grammars().bitmask(list(matchers)))
+    params = [r.params for r in reqs]
+    captured = capture(logits, params)
+    drawn = sample(logits, params, [r.num_output_tokens for r in reqs],
+                   [r.token_ids(r.num_tokens) if r.params.penalized else None for r in reqs],
+                   eos_token_ids)
+    for t, m in zip(drawn, matchers):
+        if m is not None and not m.is_terminated():   # ignore_eos: goes on past a stop
+            m.accept_token(t)
+    return ([None if e else t for t, e in zip(drawn, errors)],
+            [None if e else lp for lp, e in zip(captured.of(drawn), errors)], list(errors))
+
+
+def _matcher(req: Any, grammars: Callable[[], Any]) -> tuple[Any, str | None]:
+    """(req's grammar matcher, None), built on first use; (None, None) without
+    structured_outputs; (None, why) when its generated tokens break the grammar."""
+    so = req.params.structured_outputs
+    if so is None or req.matcher is not None:
+        return req.matcher, None
+    done = req.token_ids(req.num_tokens)[req.prompt_len - req.params.step_offset:]
+    try:
+        req.matcher = grammars().matcher(so, done, req.grammar)
+    except ValueError as e:
+        return None, str(e)
+    return req.matcher, None
 
 
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams],

@@ -70,6 +70,11 @@ class TPLeader:
             threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True,
                              name="tp-heartbeat").start()
 
+    def execute(self, out, on_layer_done: Callable[[int], None] | None = None):
+        """ModelRunner.execute, its step calls broadcast to the ranks as they run."""
+        from .model_runner import execute
+        return execute(self, out, on_layer_done)
+
     def __getattr__(self, name: str) -> Any:
         if name in STEP_CALLS:
             return lambda *args, **kwargs: self._call(name, args, kwargs)

@@ -186,6 +186,41 @@ class LentThreads:
                                 [e for e in entries if e.name.endswith(_COMPILE_SUFFIX)], 1)
 
 
+class StepThreads:
+    """The torch threads of a decode worker's steps: its own `own_threads`, plus, with
+    `lent` (LentThreads), its share of the node's idle prefill threads. Used around each
+    step on the step thread::
+
+        with step_threads.step() as give_back:     # the step's OpenMP team sized
+            runner.execute(out, give_back)         # give_back(layer): between layers
+
+    `give_back` (None while on its own threads) drops the lent threads from the next
+    layer on once a lender is busy again, not at the step's end (two OpenMP teams on
+    one core slow both several-fold). `threads`: those of the latest step."""
+
+    def __init__(self, lent: LentThreads | None, own_threads: int):
+        self.lent, self.own, self.threads = lent, own_threads, own_threads
+
+    @contextlib.contextmanager
+    def step(self):
+        if self.lent is not None and (n := self.lent.threads()) != self.threads:
+            self._set(n)
+        yield self._give_back if self.threads > self.own else None
+
+    def _give_back(self, _layer: int) -> None:
+        if self.threads > self.own and self.threads > (n := self.lent.threads()):
+            self._set(n)
+
+    def _set(self, n: int) -> None:
+        import torch
+        torch.set_num_threads(n)        # this thread's OpenMP team: the step's ops
+        self.threads = n
+
+    def close(self) -> None:
+        if self.lent is not None:
+            self.lent.close()
+
+
 def _remap(old: dict[str, tuple[int, mmap.mmap]], entries: list[os.DirEntry], size: int
            ) -> dict[str, tuple[int, mmap.mmap]]:
     """Read-only maps of the `size`-byte flag files `entries`, by name, reusing those of

@@ -11,7 +11,7 @@ the same split: the model runner saves layers, the scheduler asks what finished)
     step thread                               send thread
     save_layers(req, i, i+1, lo, hi)   ──▶    sender.send_layers(layer i, blocks lo..hi)
     request_finished(req, first_token) ──▶    sender.send_done(first_token), or
-                                              send_abort(req.error) when it failed
+                                              send_abort(why) when it failed
     get_finished() -> [req]            ◀──    once DONE / ABORT went out; notify()
 
 ``notify`` wakes the step loop, which also polls between layers of a forward, so a
@@ -20,7 +20,7 @@ first token itself goes out at once (``on_done``, from the send thread): answeri
 from the poll cost mean TTFT +4% at rate inf (4.95 s against 4.69 s, ``vllm bench
 serve`` fp32, 4 and 2 runs), as requests finished at the end of one batch
 waited for a layer of the next. A failed transfer fails that request only
-(``req.error`` says why).
+(``req.finish`` says why).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..kv_transfer import KVSender, KVTransferError
-from .scheduler import PrefillRequest
+from .requests import FinishCause, PrefillRequest, fail
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class PrefillKVConnector:
                                   first_token is not None if ok is None else ok))
 
     def get_finished(self) -> list[PrefillRequest]:
-        """Requests whose transfer ended since the last call, each once (``req.error``
+        """Requests whose transfer ended since the last call, each once (``req.finish``
         set when it failed; a sent one was answered at DONE through ``on_done``)."""
         with self._lock:
             finished, self._finished = self._finished, []
@@ -118,11 +118,11 @@ class PrefillKVConnector:
             req = task.req
             try:
                 if isinstance(task, _SendLayers):
-                    if not (req.aborted or req.error):
+                    if req.finish is None:
                         self._send_layers(task)
                     continue
-                if req.aborted or req.error or not task.ok:
-                    req.error = req.error or f"request {req.request_id} aborted"
+                if req.finish is not None or not task.ok:
+                    fail(req, FinishCause.ABORTED, f"request {req.request_id} aborted")
                     self._try_send_abort(req)
                 else:
                     for address, heads in self._destinations(req):
@@ -135,14 +135,14 @@ class PrefillKVConnector:
             except Exception as e:  # KVTransferError, or a bug: it fails this request only
                 if not isinstance(e, KVTransferError):
                     logger.exception("KV send of %s failed unexpectedly", req.request_id)
-                if req.error is None:
+                if req.finish is None:
                     self.kv_send_failures += 1
-                req.error = (str(e) if isinstance(e, KVTransferError)  # names the address
-                             else f"KV send failed: {type(e).__name__}: {e}")
+                fail(req, FinishCause.TRANSFER, str(e) if isinstance(e, KVTransferError)
+                     else f"KV send failed: {type(e).__name__}: {e}")   # names the address
                 # a failed pairing is logged by the sender, once per decode worker
                 pairing = isinstance(e, KVTransferError) and e.pairing
                 logger.log(logging.DEBUG if pairing else logging.WARNING,
-                           "%s: %s", req.request_id, req.error)
+                           "%s: %s", req.request_id, req.finish.message)
                 if isinstance(task, _SendLayers):
                     continue      # the request's _SendDone, still queued, finishes it
             with self._lock:
@@ -167,6 +167,6 @@ class PrefillKVConnector:
     def _try_send_abort(self, req: PrefillRequest) -> None:
         for address, _ in self._destinations(req):
             try:
-                self.sender.send_abort(address, req.request_id, req.epoch, req.error)
+                self.sender.send_abort(address, req.request_id, req.epoch, req.finish.message)
             except KVTransferError as e:
                 logger.debug("abort frame for %s not sent: %s", req.request_id, e)

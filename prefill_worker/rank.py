@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from ..kv_transfer import KVTransferError
 from .connector import PrefillKVConnector
+from .requests import Finish, FinishCause, fail
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,7 @@ class RankRequest:
     kv_rank_addresses: tuple = ()        # decode ranks 1..M-1
     num_cached_blocks: int = 0
     block_table: list[int] = field(default_factory=list)
-    aborted: bool = False
-    error: str | None = None
+    finish: Finish | None = None         # set once it fails or is aborted (requests.fail)
     kv_send_started: float | None = None
 
 
@@ -114,7 +114,8 @@ class PrefillRankKV:
         for rid, epoch, addresses, cached, ok in requests:
             req = self._request(rid, epoch, addresses, cached)
             del self._requests[rid]
-            req.aborted = not ok            # its layers still queued are not sent
+            if not ok:                      # its layers still queued are not sent
+                fail(req, FinishCause.ABORTED, f"request {rid} aborted")
             self._closing[rid] = ok
             self.connector.request_finished(req, None, ok=ok)
 
@@ -131,9 +132,10 @@ class PrefillRankKV:
     def _collect(self) -> None:
         for req in self.connector.get_finished():
             ok = self._closing.pop(req.request_id, False)
-            if ok and req.error is not None:     # a transfer failure, not an abort
-                logger.warning("%s: %s", req.request_id, req.error)
-                self._failed.append((req.request_id, req.epoch, req.kv_address, req.error))
+            if ok and req.finish is not None:    # a transfer failure, not an abort
+                logger.warning("%s: %s", req.request_id, req.finish.message)
+                self._failed.append((req.request_id, req.epoch, req.kv_address,
+                                     req.finish.message))
             else:
                 self._done.append(req.request_id)
 

@@ -6,15 +6,16 @@ Lifecycle of a request on a prefill worker:
 
     add()        WAITING in the queue
     schedule()   PREFILLING: its prompt's leading full blocks are looked up in the
-                 prefix cache (engine/block_pool.py) and shared where found, the rest
-                 allocated; joins a batch while the batch's tokens to compute fit
-                 max_num_batched_tokens (one over-budget prompt runs alone) and the pool
-                 has blocks
-    (worker)     computes the uncached tokens, a chunk per step; after each layer, the
-                 layer's K/V of the blocks this chunk completed (and, with the first
-                 chunk, of cached blocks D lacks) is queued for sending (kv_send_range);
-                 once every chunk is computed (SENDING_KV), cache_computed() registers
-                 its full blocks in the prefix cache
+                 prefix cache (engine/block_pool.py match_prompt_prefix) and shared where
+                 found, the rest allocated; joins the step's SchedulerOutput while the
+                 step's tokens fit max_num_batched_tokens (one over-budget prompt runs
+                 alone) and the pool has blocks
+    (worker)     ModelRunner.execute computes its uncached tokens, a chunk per step;
+                 after each layer, the layer's K/V of the blocks this chunk completed
+                 (and, with the first chunk, of cached blocks D lacks) is queued for
+                 sending (kv_send_ranges)
+    update_from_output()  the chunk counted; once the prompt is complete (SENDING_KV),
+                 its full blocks enter the prefix cache
     release()    the done frame went out (or the request failed / was aborted):
                  blocks return to the pool (cached ones stay cached, evictable)
 
@@ -29,41 +30,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
-from ..engine.block_pool import BlockHash, BlockPool, block_hashes, blocks_needed
-from ..engine.logprobs import TokenLogprobs
+from ..engine.block_pool import BlockPool, block_hashes, blocks_needed, match_prompt_prefix
+from ..engine.outputs import ModelRunnerOutput, SchedulerOutput
 from ..engine.request import RequestState
-from ..engine.schedule_policy import prefill_order
-from ..engine.sampling_params import SamplingParams
-
-
-@dataclass(slots=True, eq=False)
-class PrefillRequest:
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    kv_address: tuple[str, int]          # decode worker's KV receiver
-    epoch: int                           # decode worker's epoch, echoed in every frame
-    future: Any = None                   # asyncio.Future on the actor loop: first token
-    num_cached_blocks: int = 0           # leading prompt blocks D holds already: not sent
-    kv_sent_blocks: int = 0              # block-table positions before this are queued to send
-    kv_send_started: float | None = None  # perf_counter() of its first KV frame (metrics)
-    block_table: list[int] = field(default_factory=list)
-    num_cached: int = 0                  # leading prompt tokens found in P's prefix cache
-    num_computed_tokens: int = 0         # tokens whose K/V is in the blocks (cached included)
-    chunk_end: int = 0                   # this step computes [num_computed_tokens, chunk_end)
-    block_hashes: list[BlockHash] | None = None  # of its full blocks, computed once
-    state: RequestState = RequestState.WAITING
-    aborted: bool = False
-    error: str | None = None
-    model_fault: str | None = None       # the model step's error: it outranks the transfer's
-    kv_rank_addresses: tuple = ()        # a tensor-parallel D's ranks 1..M-1 (messages.py)
-    logprobs: TokenLogprobs | None = None  # of the first token, when params.logprobs
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # grows per chunk
-    arrived: float = field(default_factory=time.monotonic)   # schedule policy's clock
-    grammar: Any = None                  # params.structured_outputs compiled (xgrammar)
+from ..engine.schedule_policy import SchedulePolicy, chunk_tokens, prefill_order
+from .requests import FinishCause, PrefillRequest, fail
 
 
 class PrefillScheduler:
@@ -74,7 +46,7 @@ class PrefillScheduler:
 
     def __init__(self, pool: BlockPool, block_size: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, prefill_chunk_size: int | None = None,
-                 schedule_policy: str = "fcfs"):
+                 schedule_policy: str | SchedulePolicy = SchedulePolicy.FCFS):
         if prefill_chunk_size is not None and (
                 prefill_chunk_size < block_size or prefill_chunk_size % block_size
                 or prefill_chunk_size > max_num_batched_tokens):
@@ -85,8 +57,7 @@ class PrefillScheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.prefill_chunk_size = prefill_chunk_size
-        prefill_order([], len, float, schedule_policy, 0.0)       # ValueError: unknown policy
-        self.schedule_policy = schedule_policy
+        self.schedule_policy = SchedulePolicy.of(schedule_policy)   # ValueError: unknown
         self._partial: deque[PrefillRequest] = deque()   # between chunks, oldest first
         self._dropped: list[PrefillRequest] = []          # aborted between chunks
         self.computed_tokens = self.cached_tokens = 0
@@ -101,115 +72,138 @@ class PrefillScheduler:
         Raises:
             ValueError: its prompt needs more blocks than this worker's whole pool.
         """
-        need = blocks_needed(len(req.token_ids), self.block_size)
+        need = blocks_needed(req.prompt_len, self.block_size)
         if need > self.pool.num_blocks:
-            raise ValueError(f"prompt of {len(req.token_ids)} tokens needs {need} KV blocks; "
+            raise ValueError(f"prompt of {req.prompt_len} tokens needs {need} KV blocks; "
                              f"this prefill worker has {self.pool.num_blocks}")
         with self._lock:
             self._waiting.append(req)
             self._active[req.request_id] = req
 
-    def schedule(self) -> list[PrefillRequest]:
-        """Next batch (possibly empty); each member computes tokens
-        ``[num_computed_tokens, chunk_end)`` this step. Partly prefilled prompts continue first
-        (oldest first), then waiting ones join in the schedule policy's order (FIFO, or
-        shortest prompt first), each taking blocks for its
-        whole prompt (cached prefix blocks shared, `num_cached` set) when it first runs.
-        With prefill_chunk_size, a prompt computes at most that many tokens a step, and
-        a partly prefilled one at most half the step's budget while other prompts wait,
-        so short prompts behind a long one share the next steps instead of waiting for
-        all of it (the budget may be no larger than one chunk); chunks end on block
-        boundaries (the last one at the prompt's end)."""
-        batch, budget = [], self.max_num_batched_tokens
-        bs = self.block_size
+    def schedule(self) -> SchedulerOutput:
+        """Next step's SchedulerOutput (engine/outputs.py; no rows: nothing to do), each
+        row a prompt computing its next num_scheduled_tokens from num_computed_tokens.
+        Partly prefilled prompts continue first (oldest first), then waiting ones join in
+        the schedule policy's order (FIFO, or shortest prompt first), each taking blocks
+        for its whole prompt (cached prefix blocks shared, `num_cached` set) when it
+        first runs. With prefill_chunk_size, a prompt computes at most that many tokens
+        a step, and a partly prefilled one at most half the step's budget while other
+        prompts wait, so short prompts behind a long one share the next steps instead
+        of waiting for all of it (the budget may be no larger than one chunk); chunks
+        end on block boundaries (schedule_policy.chunk_tokens)."""
+        rows: list[tuple[PrefillRequest, int]] = []
         with self._lock:
-            for req in list(self._partial):
-                self._partial.remove(req)
-                if req.aborted:
-                    self._dropped.append(req)
-                    continue
-                share = budget
-                if self._waiting and self.prefill_chunk_size is not None:
-                    share = max(bs, self.max_num_batched_tokens // 2 // bs * bs)
-                take = self._chunk(req, min(budget, share), alone=not batch)
-                if take == 0:
-                    self._partial.appendleft(req)  # keeps its turn for the next step
-                    break
-                budget -= take
-                self.computed_tokens += take
-                batch.append(req)
+            budget = self._schedule_partial(rows)
             if len(self._waiting) > 1 and budget > 0:
                 self._waiting = deque(prefill_order(
-                    self._waiting, lambda r: len(r.token_ids), lambda r: r.arrived,
+                    self._waiting, lambda r: r.prompt_len, lambda r: r.arrived,
                     self.schedule_policy, time.monotonic()))
             while self._waiting and budget > 0:
-                req = self._waiting[0]
-                n = len(req.token_ids)
-                hit: list[int] = []
-                lookup: list[BlockHash] = []
-                if self.enable_prefix_caching and req.params.prompt_logprobs is None:
-                    if req.block_hashes is None:
-                        req.block_hashes = block_hashes(req.token_ids, bs)
-                    lookup = req.block_hashes[: (n - 1) // bs]  # not the last token's block
-                    hit = self.pool.match_prefix(lookup)
-                req.num_computed_tokens = len(hit) * bs
-                take = self._chunk(req, budget, alone=not batch)
-                need = blocks_needed(n, bs) - len(hit)
-                if take == 0 or need > self.pool.num_free:
-                    # in order: wait (for room or blocks) rather than let later prompts overtake
-                    self.pool.free(hit)
-                    req.num_computed_tokens = 0
-                    break
-                req.block_table = hit + self.pool.allocate(need)
-                req.num_cached = req.num_computed_tokens
-                req.state = RequestState.PREFILLING
-                self._waiting.popleft()
-                batch.append(req)
+                take = self._admit(self._waiting[0], budget, alone=not rows)
+                if take == 0:
+                    break   # in order: wait (for room or blocks), no later prompt overtakes
+                rows.append((self._waiting.popleft(), take))
                 budget -= take
-                self.computed_tokens += take
-                self.cached_tokens += req.num_cached
-                self.prefix_queries += len(lookup)
-                self.prefix_hits += len(hit)
-        return batch
+        return SchedulerOutput(tuple(r for r, _ in rows), tuple(n for _, n in rows))
 
-    def _chunk(self, req: PrefillRequest, budget: int, alone: bool) -> int:
-        """Tokens `req` computes this step within `budget` (0: none fit); sets chunk_end.
-        Without chunking, a prompt over the budget runs whole, alone."""
-        remaining = len(req.token_ids) - req.num_computed_tokens
-        take = min(remaining, self.prefill_chunk_size or remaining)
-        if take > budget:
-            if self.prefill_chunk_size is None:
-                take = remaining if alone else 0    # whole prompts only
-            else:
-                take = budget
-        end = req.num_computed_tokens + take
-        if end < len(req.token_ids):
-            end -= end % self.block_size          # later chunks start on a block boundary
-        take = max(end - req.num_computed_tokens, 0)
-        req.chunk_end = req.num_computed_tokens + take
+    def _schedule_partial(self, rows: list[tuple[PrefillRequest, int]]) -> int:
+        """The next chunks of partly prefilled prompts into `rows` (lock held); returns
+        the step's budget left."""
+        budget, bs = self.max_num_batched_tokens, self.block_size
+        for req in list(self._partial):
+            self._partial.remove(req)
+            if req.finish is not None:
+                self._dropped.append(req)
+                continue
+            share = budget
+            if self._waiting and self.prefill_chunk_size is not None:
+                share = max(bs, self.max_num_batched_tokens // 2 // bs * bs)
+            take = self._chunk(req, min(budget, share), alone=not rows)
+            if take == 0:
+                self._partial.appendleft(req)  # keeps its turn for the next step
+                break
+            budget -= take
+            self.computed_tokens += take
+            rows.append((req, take))
+        return budget
+
+    def _admit(self, req: PrefillRequest, budget: int, alone: bool) -> int:
+        """A waiting prompt's first step (lock held): its prefix-cache hit shared, blocks
+        for the rest allocated, PREFILLING. Returns the tokens it computes this step; 0
+        (nothing taken) when they do not fit `budget` or the pool lacks blocks."""
+        bs, n = self.block_size, req.prompt_len
+        hit, looked_up = [], 0
+        if self.enable_prefix_caching and req.params.prompt_logprobs is None:
+            if req.block_hashes is None:
+                req.block_hashes = block_hashes(req.prompt_token_ids, bs)
+            hit, looked_up = match_prompt_prefix(self.pool, req.block_hashes, n, bs)
+        req.num_computed_tokens = len(hit) * bs
+        take = self._chunk(req, budget, alone)
+        need = blocks_needed(n, bs) - len(hit)
+        if take == 0 or need > self.pool.num_free:
+            self.pool.free(hit)
+            req.num_computed_tokens = 0
+            return 0
+        req.block_table = hit + self.pool.allocate(need)
+        req.num_cached = req.num_computed_tokens
+        req.state = RequestState.PREFILLING
+        self.computed_tokens += take
+        self.cached_tokens += req.num_cached
+        self.prefix_queries += looked_up
+        self.prefix_hits += len(hit)
         return take
 
-    def advance(self, batch: list[PrefillRequest], ok: bool = True) -> list[PrefillRequest]:
-        """After a step: each member's computed tokens now reach chunk_end. Returns the
-        members whose prompt is complete (sample their first token); the rest wait for
-        their next chunk (with ok False, a failed step: none of them does)."""
+    def _chunk(self, req: PrefillRequest, budget: int, alone: bool) -> int:
+        """Tokens `req` computes this step within `budget` (0: none fit). Without
+        chunking, a prompt over the budget runs whole, alone."""
+        remaining = req.prompt_len - req.num_computed_tokens
+        if self.prefill_chunk_size is None:
+            return remaining if remaining <= budget or alone else 0
+        return chunk_tokens(req.num_computed_tokens, remaining,
+                            min(budget, self.prefill_chunk_size), self.block_size)
+
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput | None
+                           ) -> list[tuple[PrefillRequest, int | None]]:
+        """After a step: each row's num_computed_tokens advanced by what it computed; a
+        row's error (result.errors) fails it. Returns the rows done on this worker with
+        their first token: those whose prompt is complete (token None for one that
+        failed), and with `result` None (the step raised; the caller set each row's
+        finish) every row; the others wait for their next chunk. Complete prompts' full
+        blocks enter the prefix cache."""
         done = []
         with self._lock:
-            for req in batch:
-                req.num_computed_tokens = req.chunk_end
-                if req.num_computed_tokens == len(req.token_ids):
-                    done.append(req)
-                elif ok:
+            for i, (req, n) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
+                req.num_computed_tokens += n
+                if result is None:
+                    done.append((req, None))
+                    continue
+                if result.errors[i] is not None:
+                    fail(req, FinishCause.MODEL_FAULT, result.errors[i])
+                if result.prompt_logprobs[i]:
+                    req.prompt_logprobs += result.prompt_logprobs[i]
+                if req.num_computed_tokens < req.prompt_len:
                     self._partial.append(req)
+                    continue
+                req.logprobs = result.logprobs[i]
+                done.append((req, result.sampled_token_ids[i]))
+                if req.finish is None:
+                    self._cache_computed(req)
         return done
 
-    def kv_send_range(self, req: PrefillRequest) -> tuple[int, int]:
+    def kv_send_ranges(self, out: SchedulerOutput) -> list[tuple[PrefillRequest, int, int]]:
+        """(request, lo, hi) for each row of `out` with blocks to send: kv_send_range of
+        the chunk it computes this step."""
+        ranges = [(r, *self.kv_send_range(r, r.num_computed_tokens + n))
+                  for r, n in zip(out.requests, out.num_scheduled_tokens)]
+        return [(r, lo, hi) for r, lo, hi in ranges if lo < hi]
+
+    def kv_send_range(self, req: PrefillRequest, chunk_end: int) -> tuple[int, int]:
         """Block-table positions ``[lo, hi)`` whose K/V this step's chunk makes final and
         D still lacks: from where earlier chunks stopped (at first, after D's
         num_cached_blocks; P's own cached blocks included) to the chunk's last block; then
         marks them sent. Call once per scheduled step; ``lo == hi`` when D holds them all."""
         lo = max(req.num_cached_blocks, req.kv_sent_blocks)
-        hi = max(lo, blocks_needed(req.chunk_end, self.block_size))
+        hi = max(lo, blocks_needed(chunk_end, self.block_size))
         req.kv_sent_blocks = hi
         return lo, hi
 
@@ -220,15 +214,11 @@ class PrefillScheduler:
             dropped, self._dropped = self._dropped, []
         return dropped
 
-    def cache_computed(self, req: PrefillRequest) -> None:
+    def _cache_computed(self, req: PrefillRequest) -> None:
         """Register the request's full blocks in the prefix cache once its K/V is
-        computed (every layer); later prompts with the same prefix share them."""
-        if not self.enable_prefix_caching or not req.block_hashes:
-            return
-        with self._lock:
-            if req.block_table:   # not released meanwhile
-                full = len(req.block_hashes)
-                self.pool.cache_blocks(req.block_table[:full], req.block_hashes)
+        computed (every layer; lock held); later prompts with the same prefix share them."""
+        if self.enable_prefix_caching and req.block_hashes and req.block_table:
+            self.pool.cache_blocks(req.block_table[:len(req.block_hashes)], req.block_hashes)
 
     def abort(self, request_id: str) -> PrefillRequest | None:
         """Mark a request aborted; returns it if it was still queued (never computed)."""
@@ -236,7 +226,7 @@ class PrefillScheduler:
             req = self._active.get(request_id)
             if req is None:
                 return None
-            req.aborted = True
+            fail(req, FinishCause.ABORTED, f"request {request_id} aborted")
             if req.state == RequestState.WAITING:
                 self._active.pop(request_id)
                 self._waiting.remove(req)       # O(queue); keeps counts() exact
@@ -264,9 +254,9 @@ class PrefillScheduler:
 
     def queued_tokens(self) -> int:
         with self._lock:
-            return sum(len(r.token_ids) for r in self._waiting)
+            return sum(r.prompt_len for r in self._waiting)
 
     def active_tokens(self, but: PrefillRequest | None = None) -> int:
         """Prompt tokens of every request queued, computing or sending, `but` aside."""
         with self._lock:
-            return sum(len(r.token_ids) for r in self._active.values() if r is not but)
+            return sum(r.prompt_len for r in self._active.values() if r is not but)

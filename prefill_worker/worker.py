@@ -4,12 +4,12 @@ streams each layer's KV to the decode worker that reserved blocks for it.
 Request lifecycle here (see scheduler.py):
 
     router ── prefill(PrefillOrder) (pdserve/messages.py) ──▶ queue
-    step thread:  schedule() (prefix-cache lookup, chunking) → ModelRunner.prefill(
-                  batch, on_layer_done), computing each prompt's next uncached chunk
+    step thread:  schedule() (prefix-cache lookup, chunking) → SchedulerOutput →
+                  ModelRunner.execute(out, on_layer_done), computing each prompt's next
+                  uncached chunk and sampling the first token of each prompt it completes
                   on_layer_done(i): layer i of the blocks each chunk completed (that D
                   lacks: D's cached prefix is skipped) → connector.save_layers
-                  logits of each finished prompt's last token → sample() → first token
-                  → connector.request_finished
+                  → update_from_output() → connector.request_finished(first token)
     connector:    (connector.py, its send thread) the layers to D (block_start = the
                   position in D's reserved blocks) while layer i+1 or the next chunk
                   computes; then DONE with the first token, upon which the router's
@@ -27,55 +27,39 @@ import asyncio
 import functools
 import logging
 import os
-import threading
 import time
-import uuid
 
 import ray
 import torch
 
 from ..config import WorkerConfig
-from ..core_share import CompileActivity, PrefillActivity
-from ..engine.block_pool import BlockPool, blocks_needed
-from ..engine.engine_thread import EngineThread
-from ..engine.kv_prefault import prefault_pool
-from ..engine.model_runner import PrefillSeq
+from ..core_share import PrefillActivity
+from ..engine.block_pool import blocks_needed
+from ..engine.input_batch import PrefillSeq
+from ..engine.outputs import SchedulerOutput
 from ..engine.request import RequestState
-from ..engine.logprobs import capture
-from ..engine.structured_output import apply_bitmask
-from ..engine.sampler import sample
 from ..engine.tp_executor import TPGroupBroken
+from ..engine_actor import EngineActor
 from ..kv_transfer import KVTransferError, make_sender
-from ..kv_transfer.tp_plan import rank_layout, rank_targets
-from ..messages import (CacheEvents, PrefillOrder, PrefillResult, StepStats, WorkerInfo,
-                        WorkerStatus)
-from ..metrics import WorkerMetrics, serve as serve_metrics
+from ..kv_transfer.tp_plan import rank_targets
+from ..messages import CacheEvents, PrefillOrder, PrefillResult, StepStats, WorkerStatus
 from ..request_ids import router_of
-from ..tp_group import worker_runner
 from .connector import PrefillKVConnector
 from .rank import PrefillRanks
-from .scheduler import PrefillRequest, PrefillScheduler
+from .requests import FinishCause, PrefillAborted, PrefillFailed, PrefillRequest, fail
+from .scheduler import PrefillScheduler
+
+__all__ = ["PrefillAborted", "PrefillFailed", "PrefillWorker"]
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillAborted(RuntimeError):
-    """The request was aborted before its prefill finished."""
-
-
-class PrefillFailed(RuntimeError):
-    """The model step that computed the request's prompt raised (not a transfer
-    failure: its KV was never complete)."""
-
-
-class PrefillWorker:
+class PrefillWorker(EngineActor):
     """Ray actor (see cluster.py); methods are called by the router."""
 
+    role = "prefill"
+
     def __init__(self, worker_id: str, config: WorkerConfig):
-        logging.basicConfig(level=config.log_level)
-        self.worker_id, self.config = worker_id, config
-        self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation (new on Ray restart)
-        self.draining = False            # drain(): no new requests from any router
         # busy flag a decode worker of this node reads (core_share): published busy before
         # the model loads, so a restarted worker's old "idle" file lends nothing meanwhile
         self.activity = None
@@ -85,32 +69,18 @@ class PrefillWorker:
                                                 config.num_threads)
             except OSError as e:
                 logger.warning("idle cores not lent to decode: %s", e)
-        self.compile_flag = CompileActivity.on(config.core_share_dir, worker_id)
-        # tensor-parallel: ranks 1..N-1 follow, each sending its KV heads (rank.py)
-        self._wake = threading.Event()
-        # the runner is built, warmed up and stepped on one thread (engine_thread.py)
-        self.engine = EngineThread("prefill-step", wake=self._wake.set)
-        self.tp, self._ranks, self.runner = self.engine.call(
-            worker_runner, worker_id, config, "prefill", self.epoch, self._group_broken,
-            compile_model=config.compile and not config.enforce_eager)
+        super().__init__(worker_id, config,
+                         compile_model=config.compile and not config.enforce_eager)
         self.num_layers = self.runner.config.num_layers
-        self.pool = BlockPool(self.runner.cache_config.num_blocks)
-        self.prefault = prefault_pool(self.pool, self.runner.kv_cache)   # kv_prefault.py
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
                                           config.max_num_batched_tokens,
                                           config.enable_prefix_caching,
                                           config.prefill_chunk_size,
                                           config.schedule_policy)
-        model = self.runner.config
-        layout = rank_layout(self.runner.kv_cache, model.model_id, model.num_kv_heads, self.tp)
-        self.sender = make_sender(config.transport, self.runner.kv_cache, layout,
+        self.sender = make_sender(config.transport, self.runner.kv_cache, self.kv_layout,
                                   checksum=config.kv_checksum, secret=config.kv_secret,
                                   epoch=self.epoch, host=config.node_host())
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.metrics = WorkerMetrics("prefill", self._metric_values)
-        self.metrics_address = "%s:%d" % serve_metrics(
-            self.metrics.registry, config.node_host(), config.metrics_port)
-        self._stop = threading.Event()
+        self._serve_metrics()
         self._benching = False   # bench_prefill computing: busy to the node's decode workers
         self.step_stats = StepStats()   # (prompt tokens, seconds) of every step (the planner)
         self.connector = PrefillKVConnector(
@@ -119,24 +89,14 @@ class PrefillWorker:
                 req, result=PrefillResult(token, req.logprobs, tuple(req.prompt_logprobs),
                                           self.scheduler.active_tokens(but=req))),
             observe_transfer_s=self.metrics.kv_transfer_seconds.observe,
-            targets=functools.partial(rank_targets, model.num_kv_heads, self.tp.size, 0))
+            targets=functools.partial(rank_targets, self.runner.config.num_kv_heads,
+                                      self.tp.size, 0))
         # tensor-parallel: the ranks' KV sends, ordered around each step (rank.py)
         self.tp_ranks = (PrefillRanks(self.runner, self.sender, self.tp.size,
                                       self._group_broken) if self.tp.size > 1 else None)
         self.engine.start(self._step_loop)
 
     # --- RPCs -------------------------------------------------------------------------
-
-    async def ready(self) -> WorkerInfo:
-        self._loop = asyncio.get_running_loop()
-        return WorkerInfo(self.worker_id, "prefill", self.epoch, self.pool.num_blocks,
-                          self.runner.block_size, ray.util.get_node_ip_address(),
-                          draining=self.draining)
-
-    async def drain(self) -> None:
-        """Take no new request from any router (ready() says so to the replicas that
-        did not drain it: router/admin.py sync_members); until it restarts."""
-        self.draining = True
 
     async def pair(self, kv_addresses: list[tuple[str, int]]) -> list[int]:
         """Connect to each decode worker's KV receiver and exchange layouts and epochs.
@@ -220,11 +180,6 @@ class PrefillWorker:
             self._benching = False
             self.pool.free(blocks)
 
-    async def ranks(self) -> list[dict]:
-        """Ranks 1..N-1 of a tensor-parallel worker: pid, node and KV heads each
-        (tp_group.TPRank.ready); [] at TP 1."""
-        return [await r.ready.remote() for r in self._ranks]
-
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
 
@@ -270,26 +225,18 @@ class PrefillWorker:
                 "kv_transfer_bytes": self.connector.kv_bytes_sent,
                 "kv_transfer_failures": self.connector.kv_send_failures}
 
-    async def shutdown(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self.engine.close(timeout_s=10)
-        if self.prefault is not None:
-            self.prefault.close()
-        if self.tp.size > 1:
-            self.runner.stop()       # the ranks' loops end; Ray kills them with this actor
+    def _close(self) -> None:
         self.connector.close()
         self._finish_sent()
         if self.activity is not None:
             self.activity.close()
-        self.compile_flag.close()
 
     # --- helpers ------------------------------------------------------------------------
 
     def _abort(self, request_id: str) -> None:
         queued = self.scheduler.abort(request_id)
         if queued is not None:
-            self._resolve(queued, error=PrefillAborted(f"request {request_id} aborted"))
+            self._resolve(queued, error=queued.finish.error())
 
     def _resolve(self, req: PrefillRequest, result: PrefillResult | None = None,
                  error: BaseException | None = None) -> None:
@@ -301,39 +248,33 @@ class PrefillWorker:
                     req.future.set_result(result)
         self._loop.call_soon_threadsafe(set_)
 
-    # --- threads ------------------------------------------------------------------------
+    # --- the step thread ----------------------------------------------------------------
 
-    def _step_loop(self) -> None:
-        while not self._stop.is_set():
-            self.engine.run_calls()
-            self._finish_sent()
-            aborted = self.scheduler.take_aborted()
-            for r in aborted:                          # between chunks: abort frame, release
-                self.connector.request_finished(r, None)
-            if self.tp_ranks is not None:
-                self.tp_ranks.finish([(r, False) for r in aborted])
-            batch = self.scheduler.schedule()
-            if self.activity is not None:
-                self.activity.set_busy(bool(batch) or self._benching)
-            if not batch:
-                if self.tp_ranks is not None:
-                    self.tp_ranks.poll()
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            tokens = sum(r.chunk_end - r.num_computed_tokens for r in batch)
-            t0 = time.perf_counter()
-            self._step(batch)
-            self.step_stats += StepStats.of(tokens, time.perf_counter() - t0)
+    def _schedule(self) -> SchedulerOutput:
+        self._finish_sent()
+        aborted = self.scheduler.take_aborted()
+        for r in aborted:                          # between chunks: abort frame, release
+            self.connector.request_finished(r, None)
+        if self.tp_ranks is not None:
+            self.tp_ranks.finish([(r, False) for r in aborted])
+        out = self.scheduler.schedule()
+        if self.activity is not None:
+            self.activity.set_busy(bool(out.requests) or self._benching)
+        return out
 
-    def _step(self, batch: list[PrefillRequest]) -> None:
-        """One prefill step of `batch` (the ranks' KV sends ordered around it)."""
-        self.metrics.batch_size.labels(phase="prefill").observe(len(batch))
-        # Each chunk streams every layer's K/V of the blocks it completed (and, with
-        # a prompt's first chunk, of P's cached blocks D lacks) while the next layer
-        # computes; D's cached prefix is never sent.
-        ranges = [(r, *rng) for r in batch
-                  if (rng := self.scheduler.kv_send_range(r))[0] < rng[1]]
+    def _idle(self) -> None:
+        if self.tp_ranks is not None:
+            self.tp_ranks.poll()
+        self._wake.wait(0.05)
+        self._wake.clear()
+
+    def _step(self, out: SchedulerOutput) -> None:
+        """One prefill step of `out` (the ranks' KV sends ordered around it). Each chunk
+        streams every layer's K/V of the blocks it completed (and, with a prompt's first
+        chunk, of P's cached blocks D lacks) while the next layer computes; D's cached
+        prefix is never sent."""
+        self.metrics.batch_size.labels(phase="prefill").observe(len(out.requests))
+        ranges = self.scheduler.kv_send_ranges(out)
         if self.tp_ranks is not None:
             self.tp_ranks.sends(ranges)
 
@@ -342,80 +283,33 @@ class PrefillWorker:
                 self.connector.save_layers(r, i, i + 1, lo, hi)
             self._finish_sent()       # a transfer that ended waits one layer at most
 
+        t0 = time.perf_counter()
         try:
-            seqs = [PrefillSeq(r.token_ids[:r.chunk_end], r.block_table,
-                               r.num_computed_tokens) for r in batch]
-            if any(r.params.prompt_logprobs is not None for r in batch):
-                logits, entries = self.runner.prefill_with_prompt_logprobs(seqs, [
-                    None if r.params.prompt_logprobs is None
-                    else (r.token_ids, r.params.prompt_logprobs) for r in batch],
-                    on_layer_done)
-                for r, e in zip(batch, entries):
-                    r.prompt_logprobs += e or []
-            else:
-                logits = self.runner.prefill(seqs, on_layer_done)
-            # sampled before advance(): a failure below leaves no chunked request
-            # queued for a next chunk (advance(ok=False) then fails them all)
-            rows = [i for i, r in enumerate(batch) if r.chunk_end == len(r.token_ids)]
-            done, tokens = [batch[i] for i in rows], []
-            if done:
-                done_logits, params = logits[rows], [r.params for r in done]
-                matchers = [self._matcher(r) for r in done]
-                if any(m is not None for m in matchers):   # logprobs see the mask
-                    apply_bitmask(done_logits, self.runner.grammars.bitmask(matchers))
-                captured = capture(done_logits, params)
-                tokens = sample(done_logits, params, [0] * len(done),
-                                [r.token_ids if r.params.penalized else None for r in done],
-                                self.runner.config.eos_token_ids)
-                for r, lp in zip(done, captured.of(tokens)):
-                    r.logprobs = lp
-            assert self.scheduler.advance(batch) == done, "chunk bookkeeping"
-            for r in done:
-                self.scheduler.cache_computed(r)
-        except Exception as e:  # a model fault fails this batch, not the worker
+            result = self.runner.execute(out, on_layer_done)
+        except Exception as e:  # a model fault fails this step's requests, not the worker
             if isinstance(e, TPGroupBroken):   # ... unless its ranks are out of step
                 self._group_broken(e)
-            logger.exception("prefill batch of %d failed", len(batch))
-            self.scheduler.advance(batch, ok=False)
-            for r in batch:   # model_fault: the send thread may set error meanwhile
-                r.model_fault = r.error = f"prefill failed: {type(e).__name__}: {e}"
-            done, tokens = batch, [None] * len(batch)
-        for r, tok in zip(done, tokens):
+            logger.exception("prefill batch of %d failed", len(out.requests))
+            result = None
+            for r in out.requests:
+                fail(r, FinishCause.MODEL_FAULT, f"prefill failed: {type(e).__name__}: {e}")
+        self.step_stats += StepStats.of(out.total_num_scheduled_tokens,
+                                        time.perf_counter() - t0)
+        done = self.scheduler.update_from_output(out, result)
+        for r, token in done:
             r.state = RequestState.SENDING_KV
-            self.connector.request_finished(r, tok)
+            self.connector.request_finished(r, token)
         if self.tp_ranks is not None:
-            self.tp_ranks.finish([(r, tok is not None) for r, tok in zip(done, tokens)])
-
-    def _group_broken(self, e: TPGroupBroken) -> None:
-        """A rank is lost (or out of step): exit, so Ray restarts this actor, which
-        builds its ranks anew (new epoch; the router retries what was in flight)."""
-        logger.critical("%s: %s; exiting so Ray restarts the worker's ranks as a whole",
-                        self.worker_id, e)
-        logging.shutdown()
-        os._exit(1)
-
-    def _matcher(self, req: PrefillRequest):
-        """A grammar matcher for the request's first token: it has accepted the tokens
-        generated before (on a retry, the prompt's last step_offset); None without
-        structured_outputs. Raises ValueError when those break the grammar."""
-        so, offset = req.params.structured_outputs, req.params.step_offset
-        if so is None:
-            return None
-        done = req.token_ids[len(req.token_ids) - offset:] if offset else []
-        return self.runner.grammars.matcher(so, done, req.grammar)
+            self.tp_ranks.finish([(r, token is not None) for r, token in done])
 
     def _finish_sent(self) -> None:
         """Release every request whose transfer ended (the connector's poll); a failed
         one's call raises (a sent one was answered at DONE: connector on_done)."""
         for req in self.connector.get_finished():
-            self._finish(req)
-
-    def _finish(self, req: PrefillRequest) -> None:
-        if req.error is None:
-            self.scheduler.release(req, RequestState.FINISHED_STOPPED)
-            return
-        self.scheduler.release(req, RequestState.FINISHED_ERROR if not req.aborted
-                               else RequestState.FINISHED_ABORTED)
-        err = (PrefillAborted(req.error) if req.aborted else
-               PrefillFailed(req.model_fault) if req.model_fault else KVTransferError(req.error))
-        self._resolve(req, error=err)
+            if req.finish is None:
+                self.scheduler.release(req, RequestState.FINISHED_STOPPED)
+                continue
+            aborted = req.finish.cause is FinishCause.ABORTED
+            self.scheduler.release(req, RequestState.FINISHED_ABORTED if aborted
+                                   else RequestState.FINISHED_ERROR)
+            self._resolve(req, error=req.finish.error())

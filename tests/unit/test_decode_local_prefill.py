@@ -193,13 +193,14 @@ def test_chunked_local_prefill_spreads_a_prompt_over_steps_beside_decode(pool):
     reserve(sched, "long", PROMPT[:25], max_tokens=2)
     batch = sched.schedule()
     run, long = sched._requests["run"], sched._requests["long"]
-    # the decode row counts first: 12 - 1 = 11 prompt tokens this step
+    # the decode row counts first: 12 - 1 = 11 prompt tokens this step, cut back to
+    # end on a block boundary (schedule_policy.chunk_tokens): 8
     assert batch.requests == (run, long) and prefills(batch) == (long,)
-    assert ends(batch) == (11,)
+    assert ends(batch) == (8,)
     events = sched.update_from_output(batch, [12, None])  # no token for a partial chunk
-    assert events == [TokenEvent("run", (12,))] and long.num_computed_tokens == 11
+    assert events == [TokenEvent("run", (12,))] and long.num_computed_tokens == 8
     batch = sched.schedule()
-    assert ends(batch) == (22,)
+    assert ends(batch) == (16,)                    # 8 + 11 -> 16
     sched.update_from_output(batch, [13, None])
     batch = sched.schedule()
     assert ends(batch) == (25,)                    # the rest; then its first token
@@ -217,9 +218,13 @@ def test_prefill_rows_beyond_the_chunk_budget_wait_their_turn(pool):
     reserve(sched, "b", PROMPT[10:16])
     batch = sched.schedule()
     a, b = sched._requests["a"], sched._requests["b"]
-    assert prefills(batch) == (a, b) and ends(batch) == (6, 2)
-    sched.update_from_output(batch, [20, None])
-    assert a.output_ids == [20] and b.num_computed_tokens == 2
+    # a's 6 tokens leave 2, short of b's first block boundary: b sits the step out
+    assert prefills(batch) == (a,) and ends(batch) == (6,)
+    sched.update_from_output(batch, [20])
+    assert a.output_ids == [20] and b.num_computed_tokens == 0
+    batch = sched.schedule()
+    assert prefills(batch) == (b,) and ends(batch) == (6,)
+    sched.update_from_output(batch, [20, 21])
     many = DecodeScheduler(BlockPool(NUM_BLOCKS), BS, 128, (EOS,),
                            local_prefill_max_tokens=64, prefill_chunk_size=8)
     for i in range(3):
@@ -233,21 +238,21 @@ def test_prefill_rows_beyond_the_chunk_budget_wait_their_turn(pool):
 
 def test_sjf_gives_the_chunk_budget_to_the_shortest_prompt_but_keeps_batch_order(pool):
     sched = DecodeScheduler(pool, BS, 128, (EOS,), local_prefill_max_tokens=64,
-                            prefill_chunk_size=8, schedule_policy="sjf")
+                            prefill_chunk_size=10, schedule_policy="sjf")
     reserve(sched, "long", PROMPT[:20])
     reserve(sched, "short", PROMPT[20:26])
     batch = sched.schedule()
     long, short = sched._requests["long"], sched._requests["short"]
-    # the 6-token prompt first; the 2 tokens left go to the long one; rows in batch order,
-    # as the step's tokens come back
-    assert prefills(batch) == (long, short) and ends(batch) == (2, 6)
+    # the 6-token prompt first; the 4 tokens left (a block) go to the long one; rows in
+    # batch order, as the step's tokens come back
+    assert prefills(batch) == (long, short) and ends(batch) == (4, 6)
     events = sched.update_from_output(batch, [None, 30])
-    assert events == [TokenEvent("short", (30,))] and long.num_computed_tokens == 2
+    assert events == [TokenEvent("short", (30,))] and long.num_computed_tokens == 4
     fcfs = DecodeScheduler(BlockPool(NUM_BLOCKS), BS, 128, (EOS,), local_prefill_max_tokens=64,
-                           prefill_chunk_size=8)                # the default: fcfs
+                           prefill_chunk_size=10)               # the default: fcfs
     reserve(fcfs, "long", PROMPT[:20])
     reserve(fcfs, "short", PROMPT[20:26])
-    assert ends(fcfs.schedule()) == (8,)               # arrival order: long only
+    assert ends(fcfs.schedule()) == (8,)       # arrival order: long only, to a block's end
     finish_all(sched)
     finish_all(fcfs)
     assert pool.all_free() and fcfs.pool.all_free()

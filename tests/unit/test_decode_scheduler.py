@@ -307,7 +307,7 @@ def test_a_step_budget_caps_prefill_beside_decode_rows_only(pool):
     s.update_from_output(out, [8], step_s=0.02)
     s.reserve("p", 40, params(), LEASE_S, prompt(40), prefill_locally=True)
     out = s.schedule(step_budget=budget(6))
-    assert out.num_scheduled_tokens == (1, BLOCK_SIZE + 1)  # 6 - 1 decode row
+    assert out.num_scheduled_tokens == (1, BLOCK_SIZE)  # 6 - 1 decode row, to a block's end
     assert asked == [[(2, 0.02, 37)]]  # its prefill step is not an ITL; one gap of 20 ms;
     #                                    40 - 2 - 1 tokens after the step's
     s.update_from_output(out, [9, None], step_s=0.03)
@@ -323,8 +323,9 @@ def test_a_step_budget_caps_prefill_beside_decode_rows_only(pool):
     assert out.num_scheduled_tokens == (1, BLOCK_SIZE)
     s.update_from_output(out, [41, None])
     out = s.schedule(step_budget=budget(None))               # not learned yet
-    assert out.num_scheduled_tokens == (1, 31)              # the chunk, less the row
-    s.update_from_output(out, [42, 43])
+    # the chunk, less the row, ending on a block boundary: 8 + 31 -> 36
+    assert out.num_scheduled_tokens == (1, 28)
+    s.update_from_output(out, [42, None])
     for r in ("d", "p"):
         s.abort(r)
     s.schedule()

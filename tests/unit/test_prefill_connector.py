@@ -12,7 +12,7 @@ import torch
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
 from pdserve.prefill_worker.connector import PrefillKVConnector
-from pdserve.prefill_worker.scheduler import PrefillRequest
+from pdserve.prefill_worker.requests import FinishCause, PrefillRequest, fail
 
 LAYERS, EPOCH = 3, 4
 
@@ -72,7 +72,7 @@ def test_layers_then_done_and_only_then_finished(link):
     assert conn.get_finished() == []           # no DONE yet: P keeps the blocks
     conn.request_finished(a, 17)
     assert poll(conn, wake, 1) == [a]
-    assert a.error is None and conn.answered == [("a", 17)]
+    assert a.finish is None and conn.answered == [("a", 17)]
     assert completions(rx) == [("a", True, 17, None)]
     assert torch.equal(dst[:, :, [6, 2]], src[:, :, [4, 5]])
     assert conn.kv_bytes_sent == KVLayout.for_cache(src, "m").payload_bytes(LAYERS, 2)
@@ -83,11 +83,11 @@ def test_an_aborted_request_sends_abort_and_finishes_without_a_token(link):
     rx.expect("b", [1])
     b = request("b", addr, [0])
     conn.save_layers(b, 0, 1, 0, 1)
-    b.aborted = True
+    fail(b, FinishCause.ABORTED, "request b aborted")
     conn.save_layers(b, 1, 2, 0, 1)            # skipped: the request is aborted
     conn.request_finished(b, None)
     assert poll(conn, wake, 1) == [b]
-    assert b.error == "request b aborted" and conn.kv_send_failures == 0
+    assert b.finish.message == "request b aborted" and conn.kv_send_failures == 0
     assert conn.answered == []
     [(rid, ok, _, error)] = completions(rx)
     assert (rid, ok) == ("b", False) and "aborted by prefill worker" in error
@@ -104,6 +104,6 @@ def test_a_failed_transfer_fails_that_request_only(link):
         conn.save_layers(ok, layer, layer + 1, 0, 1)
     conn.request_finished(ok, 6)
     finished = {r.request_id: r for r in poll(conn, wake, 2)}
-    assert "KV transfer to 127.0.0.1:9 failed" in finished["dead"].error
-    assert finished["ok"] is ok and ok.error is None
+    assert "KV transfer to 127.0.0.1:9 failed" in finished["dead"].finish.message
+    assert finished["ok"] is ok and ok.finish is None
     assert conn.kv_send_failures == 1 and conn.answered == [("ok", 6)]

@@ -11,7 +11,8 @@ import pytest
 from pdserve.engine.block_pool import BlockPool, blocks_needed
 from pdserve.engine.request import RequestState
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.prefill_worker.scheduler import PrefillRequest, PrefillScheduler
+from pdserve.prefill_worker.requests import FinishCause, PrefillRequest
+from pdserve.prefill_worker.scheduler import PrefillScheduler
 
 BLOCK_SIZE = 4
 KV_ADDRESS = ("127.0.0.1", 5555)
@@ -27,12 +28,14 @@ def make(num_blocks=64, budget=16, policy="fcfs"):
                                   schedule_policy=policy)
 
 
-def rids(batch) -> list[str]:
-    return [r.request_id for r in batch]
+def rids(out) -> list[str]:
+    """The request ids of a SchedulerOutput's rows."""
+    return [r.request_id for r in out.requests]
 
 
-def release_all(sched, batch, state=RequestState.FINISHED_STOPPED):
-    for r in batch:
+def release_all(sched, out, state=RequestState.FINISHED_STOPPED):
+    """Release a SchedulerOutput's rows, or a list of requests."""
+    for r in getattr(out, "requests", out):
         sched.release(r, state)
 
 
@@ -47,9 +50,9 @@ def test_fifo_batches_under_token_budget():
     assert rids(second) == ["c", "d"]                # 7; +16 would be 23
     third = sched.schedule()
     assert rids(third) == ["e"]                      # exactly the budget
-    assert sched.schedule() == []
+    assert sched.schedule().requests == ()
     for batch in (first, second, third):
-        assert sum(len(r.token_ids) for r in batch) <= 16
+        assert sum(r.prompt_len for r in batch.requests) <= 16
         release_all(sched, batch)
     assert pool.all_free()
 
@@ -74,7 +77,7 @@ def test_sjf_takes_the_shortest_prompts_first_and_a_starved_one_before_them():
 
 
 def test_unknown_schedule_policy_is_refused():
-    with pytest.raises(ValueError, match="'lifo'.*sjf, fcfs"):
+    with pytest.raises(ValueError, match="'lifo'.*fcfs, sjf"):
         PrefillScheduler(BlockPool(4), BLOCK_SIZE, 16, schedule_policy="lifo")
 
 
@@ -114,16 +117,16 @@ def test_blocks_are_allocated_per_batched_request():
     batch = sched.schedule()
     assert rids(batch) == list(sizes)
     total = 0
-    for r in batch:
+    for r in batch.requests:
         assert r.state == RequestState.PREFILLING
         assert len(r.block_table) == blocks_needed(sizes[r.request_id], BLOCK_SIZE)
         assert all(pool.ref_count(b) == 1 for b in r.block_table)
         total += len(r.block_table)
-    all_blocks = [b for r in batch for b in r.block_table]
+    all_blocks = [b for r in batch.requests for b in r.block_table]
     assert len(set(all_blocks)) == len(all_blocks) == total == 1 + 1 + 2 + 4
     assert pool.num_free == 32 - total
     release_all(sched, batch)
-    assert all(r.block_table == [] for r in batch)
+    assert all(r.block_table == [] for r in batch.requests)
     assert pool.all_free()
 
 
@@ -134,10 +137,10 @@ def test_waits_for_blocks_without_overtaking():
     assert rids(first) == ["a"] and pool.num_free == 2
     sched.add(req("b", 16))                          # 4 blocks: must wait
     sched.add(req("c", 4))                           # 1 block: would fit, must not overtake
-    assert sched.schedule() == []
+    assert sched.schedule().requests == ()
     assert pool.num_free == 2                        # nothing taken while waiting
     assert sched.counts() == (1, 2)
-    sched.release(first[0], RequestState.FINISHED_STOPPED)
+    sched.release(first.requests[0], RequestState.FINISHED_STOPPED)
     second = sched.schedule()
     assert rids(second) == ["b", "c"]
     release_all(sched, second)
@@ -164,7 +167,7 @@ def test_abort_of_queued_request_returns_it_and_it_is_skipped():
     for r in (a, b, c):
         sched.add(r)
     assert sched.abort("b") is b
-    assert b.aborted and b.block_table == []
+    assert b.finish.cause is FinishCause.ABORTED and b.block_table == []
     assert sched.abort("b") is None                  # already gone
     batch = sched.schedule()
     assert rids(batch) == ["a", "c"]
@@ -188,9 +191,9 @@ def test_aborted_head_of_queue_does_not_block_others():
 def test_abort_of_scheduled_request_marks_it_and_returns_none():
     pool, sched = make()
     sched.add(req("a", 8))
-    (a,) = sched.schedule()
+    (a,) = sched.schedule().requests
     assert sched.abort("a") is None
-    assert a.aborted
+    assert a.finish.cause is FinishCause.ABORTED
     assert a.block_table                             # the worker still owns the blocks
     assert not pool.all_free()
     sched.release(a, RequestState.FINISHED_ABORTED)
@@ -209,7 +212,7 @@ def test_abort_unknown_request_returns_none():
 def test_release_frees_blocks_once():
     pool, sched = make()
     sched.add(req("a", 9))
-    (a,) = sched.schedule()
+    (a,) = sched.schedule().requests
     assert pool.num_free == 64 - 3
     sched.release(a, RequestState.SENDING_KV)
     assert a.state == RequestState.SENDING_KV
@@ -225,7 +228,7 @@ def test_add_rejects_prompt_larger_than_pool():
         sched.add(req("a", 17))
     assert sched.counts() == (0, 0)
     sched.add(req("b", 16))                          # exactly the pool: accepted
-    (b,) = sched.schedule()
+    (b,) = sched.schedule().requests
     assert pool.num_free == 0
     sched.release(b, RequestState.FINISHED_STOPPED)
     assert pool.all_free()
@@ -242,9 +245,10 @@ def test_counts_and_queued_tokens():
     assert rids(batch) == ["a", "b"]
     assert sched.counts() == (2, 1)
     assert sched.queued_tokens() == 5
-    sched.release(batch[0], RequestState.FINISHED_STOPPED)
+    sched.release(batch.requests[0], RequestState.FINISHED_STOPPED)
     assert sched.counts() == (1, 1)
-    release_all(sched, batch[1:] + sched.schedule())
+    for r in batch.requests[1:] + sched.schedule().requests:
+        sched.release(r, RequestState.FINISHED_STOPPED)
     assert sched.counts() == (0, 0) and sched.queued_tokens() == 0
     assert pool.all_free()
 
@@ -252,7 +256,7 @@ def test_counts_and_queued_tokens():
 def test_counts_after_abort_of_queued_request():
     pool, sched = make(num_blocks=4, budget=100)
     sched.add(req("a", 16))
-    (a,) = sched.schedule()                          # holds the whole pool
+    (a,) = sched.schedule().requests                          # holds the whole pool
     sched.add(req("b", 8))
     sched.add(req("c", 4))
     assert sched.abort("c") is not None

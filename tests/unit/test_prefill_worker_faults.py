@@ -43,12 +43,12 @@ def test_a_sampling_fault_beside_a_chunked_prompt_leaves_nothing_queued(monkeypa
     """A step fails after its forward (here: the sampler raises) while a longer prompt
     was mid-chunk in the same batch: both requests fail, no chunk of the failed one runs
     later, every block is free, and the next request is served."""
-    import pdserve.prefill_worker.worker as worker_module
+    import pdserve.engine.sampler as sampler_module
 
     p = PrefillWorker("prefill-0", WorkerConfig(model=str(tiny_model_dir("llama")),
                                                 num_kv_blocks=16, block_size=4,
                                                 prefill_chunk_size=8))
-    real_sample = worker_module.sample
+    real_sample = sampler_module.sample
 
     def boom(*args, **kwargs):
         raise RuntimeError("sampler boom")
@@ -58,14 +58,14 @@ def test_a_sampling_fault_beside_a_chunked_prompt_leaves_nothing_queued(monkeypa
                             ("127.0.0.1", 9), epoch=1)
 
     async def main():
-        monkeypatch.setattr(worker_module, "sample", boom)
+        monkeypatch.setattr(sampler_module, "sample", boom)
         got = await asyncio.wait_for(asyncio.gather(   # one batch: 3 tokens + 5 of 20
             p.prefill(order("short", 3)), p.prefill(order("long", 20)),
             return_exceptions=True), 30)
         assert [type(g) for g in got] == [PrefillFailed] * 2, got
         assert all("sampler boom" in str(g) for g in got)
         assert p.scheduler.counts() == (0, 0)
-        monkeypatch.setattr(worker_module, "sample", real_sample)
+        monkeypatch.setattr(sampler_module, "sample", real_sample)
         # nothing listens at D: the transfer fails, but the step itself runs
         with pytest.raises(Exception) as e:
             await asyncio.wait_for(p.prefill(order("next", 6)), 30)
@@ -93,7 +93,7 @@ def test_a_model_fault_outranks_a_transfer_failure_that_lands_after_it(monkeypat
         on_layer_done(0)                          # layer 0 queued for the send thread
         raise RuntimeError("boom")
 
-    def finished(req, first_token):               # called once req.model_fault is set
+    def finished(req, first_token):               # called once the step set req.finish
         faulted.append(req)
         request_finished(req, first_token)
 

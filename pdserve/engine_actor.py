@@ -1,0 +1,136 @@
+"""What a prefill and a decode worker share as Ray actors: the model runner built,
+warmed up and stepped on one EngineThread, the KV block pool (its fresh pages committed
+ahead, engine/kv_prefault.py), the epoch, /metrics, drain, and the step loop::
+
+    while not stopped:
+        calls queued for the step thread run (engine_thread.py)
+        out = _schedule()           the worker's scheduler: a SchedulerOutput
+        _step(out) if it has rows   ModelRunner.execute, then update_from_output
+        else _idle()                wait for news (new work, KV arrivals)
+
+A subclass names its `role` and defines _schedule, _step, _idle, _metric_values and
+_close (what it closes besides the engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import uuid
+
+import ray
+
+from .config import WorkerConfig
+from .core_share import CompileActivity
+from .engine.block_pool import BlockPool
+from .engine.engine_thread import EngineThread
+from .engine.kv_prefault import prefault_pool
+from .engine.outputs import SchedulerOutput
+from .kv_transfer.tp_plan import rank_layout
+from .messages import WorkerInfo
+from .metrics import WorkerMetrics, serve as serve_metrics
+from .tp_group import worker_runner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineActor:
+    """Base of PrefillWorker and DecodeWorker; see the module docstring. `runner_kw` go
+    to ModelRunner (tp_group.worker_runner). Raises what worker_runner raises."""
+
+    role = ""     # "prefill" | "decode"
+
+    def __init__(self, worker_id: str, config: WorkerConfig, **runner_kw):
+        logging.basicConfig(level=config.log_level)
+        self.worker_id, self.config = worker_id, config
+        self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation (new on Ray restart)
+        self.draining = False            # drain(): no new requests from any router
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()   # the step loop's: new work, or KV news
+        # one thread builds, warms up and steps the runner: one OpenMP team per process
+        self.engine = EngineThread(f"{self.role}-step", wake=self._wake.set)
+        # tensor-parallel: ranks 1..N-1 follow the runner's step calls (tp_executor.py)
+        self.tp, self._ranks, self.runner = self.engine.call(
+            worker_runner, worker_id, config, self.role, self.epoch, self._group_broken,
+            **runner_kw)
+        self.pool = BlockPool(self.runner.cache_config.num_blocks)
+        self.prefault = prefault_pool(self.pool, self.runner.kv_cache)
+        model = self.runner.config
+        self.kv_layout = rank_layout(self.runner.kv_cache, model.model_id,
+                                     model.num_kv_heads, self.tp)
+        self.compile_flag = CompileActivity.on(config.core_share_dir, worker_id)
+
+    def _serve_metrics(self) -> None:
+        """/metrics of this worker (pdserve/metrics.py), its values from _metric_values."""
+        self.metrics = WorkerMetrics(self.role, self._metric_values)
+        self.metrics_address = "%s:%d" % serve_metrics(
+            self.metrics.registry, self.config.node_host(), self.config.metrics_port)
+
+    # --- RPCs -------------------------------------------------------------------------
+
+    async def ready(self) -> WorkerInfo:
+        self._loop = asyncio.get_running_loop()
+        return WorkerInfo(self.worker_id, self.role, self.epoch, self.pool.num_blocks,
+                          self.runner.block_size, ray.util.get_node_ip_address(),
+                          *self._kv_endpoints(), draining=self.draining)
+
+    async def drain(self) -> None:
+        """Take no new request from any router (ready() says so to the replicas that
+        did not drain it: router/admin.py sync_members); until it restarts."""
+        self.draining = True
+
+    async def ranks(self) -> list[dict]:
+        """Ranks 1..N-1 of a tensor-parallel worker: pid, node, KV heads and KV endpoint
+        each (tp_group.TPRank.ready); [] at TP 1."""
+        return [await r.ready.remote() for r in self._ranks]
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.engine.close(timeout_s=10)
+        if self.prefault is not None:
+            self.prefault.close()
+        if self.tp.size > 1:
+            self.runner.stop()       # the ranks' loops end; Ray kills them with this actor
+        self._close()
+        self.compile_flag.close()
+
+    # --- the step thread ----------------------------------------------------------------
+
+    def _step_loop(self) -> None:
+        while not self._stop.is_set():
+            self.engine.run_calls()
+            out = self._schedule()
+            if out.requests:
+                self._step(out)
+            else:
+                self._idle()
+
+    def _schedule(self) -> SchedulerOutput:
+        raise NotImplementedError
+
+    def _step(self, out: SchedulerOutput) -> None:
+        raise NotImplementedError
+
+    def _idle(self) -> None:
+        raise NotImplementedError
+
+    def _metric_values(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+    def _kv_endpoints(self) -> tuple:
+        """(kv_address, kv_rank_addresses) for WorkerInfo: a decode worker's receivers."""
+        return None, ()
+
+    def _group_broken(self, e: Exception) -> None:
+        """A rank is lost (or out of step): exit, so Ray restarts this actor and its
+        ranks as a whole (new epoch; the router retries what was in flight)."""
+        logger.critical("%s: %s; exiting so Ray restarts the worker's ranks as a whole",
+                        self.worker_id, e)
+        logging.shutdown()
+        os._exit(1)

@@ -206,7 +206,7 @@ def _unpack_fixed(buf: bytes | memoryview) -> tuple:
 def request_id_len(buf: bytes | memoryview) -> int:
     """Bytes of request id that follow the fixed header in ``buf`` (HEADER_SIZE bytes);
     KVFrameError if the fixed part is malformed. For readers that gather a frame
-    without blocking (tcp.py's pairing)."""
+    without blocking (control_server.py's pairing)."""
     return _unpack_fixed(buf)[_RID_LEN]
 
 

@@ -3,7 +3,7 @@ WRITEs (NVIDIA NIXL over UCX), and a notification names what landed.
 
 This is how Dynamo, vLLM's NixlConnector and SGLang move KV. The pairing, the cluster
 secret, the layout check, DONE and ABORT stay on the authenticated TCP control
-connection of ``tcp.py`` (same frames, ``frames.py``); the bytes do not cross it::
+connection of ``control_server.py`` (same frames, ``frames.py``); the bytes do not cross it::
 
     D (NixlKVReceiver)                          P (NixlKVSender)
     register the whole cache once               register the whole cache once

@@ -1,8 +1,9 @@
 """NIXL receiver (decode worker D side); the transport is described in ``nixl.py``.
 
-D registers its whole cache with its agent once; the TCP receiver (tcp.py)
-pairs peers and reads BEGIN / DONE / ABORT (and plain TCP KV frames, from a tcp
-sender); one poll thread takes the notifications of P's WRITEs and marks the
+D registers its whole cache with its agent once; its ControlServer
+(control_server.py, the TCP receiver's too) pairs peers and reads BEGIN / DONE / ABORT
+(and plain TCP KV frames, from a tcp sender), handing them to this receiver, its
+ControlHandler; one poll thread takes the notifications of P's WRITEs and marks the
 (layer, block) pairs they name as arrived in the ReservationTable::
 
     BEGIN(rid)   -> lease D's blocks to this connection, answer with their ids
@@ -27,28 +28,34 @@ from typing import Any, Callable
 import torch
 
 from . import control, frames
-from .base import KVFrameError, KVLayout
+from .base import KVFrameError, KVLayout, KVReceiver
+from .control_server import THREAD_PREFIX, ControlServer
 from .frames import FrameHeader, FrameType
 from .nixl import (BUSY_POLL_S, BUSY_WINDOW_S, DONE_GRACE_S, IDLE_POLL_S, LOST_WRITER_GRACE_S,
                    MAX_AGENT_NAME_BYTES, MAX_LANES, make_agent, memory_of)
 from .reservations import Reservation
-from .tcp import THREAD_PREFIX, TcpKVReceiver, _Connection
+from .tcp_conn import PairedConnection
 
 logger = logging.getLogger(__name__)
 
 
-class NixlKVReceiver(TcpKVReceiver):
+class NixlKVReceiver(KVReceiver):
     """D side: registers the whole cache with NIXL at construction; pairs and takes
-    BEGIN / DONE / ABORT over TCP (a peer may also send plain TCP KV frames); one
-    thread polls NIXL notifications and marks what landed.
+    BEGIN / DONE / ABORT over the TCP connections of its ControlServer, whose
+    ControlHandler it is (a peer may also send plain TCP KV frames); one thread polls
+    NIXL notifications and marks what landed.
 
-    host: the worker's address (TCP binds it; UCX_NET_DEVICES its interface).
+    host: the worker's address (the ControlServer binds it; UCX_NET_DEVICES its
+    interface). ``kw``: the ControlServer's port, io_timeout_s and secret (see
+    control_server.ControlServer). start() raises KVTransferError once closed,
+    OSError if host:port can't be bound.
     """
 
     def __init__(self, kv: torch.Tensor, layout: KVLayout, epoch: int,
                  host: str = "127.0.0.1", *, notify: Callable[[], None] | None = None,
                  **kw: Any) -> None:
-        super().__init__(kv, layout, epoch, host, notify=notify, **kw)
+        super().__init__(kv, layout, epoch, host, notify=notify)
+        self._control = ControlServer(self._table, self, host, **kw)
         self._agent = make_agent("decode", host)
         self._mem, self._device_id = memory_of(kv)
         self._registered = self._agent.register_memory([kv])
@@ -63,15 +70,20 @@ class NixlKVReceiver(TcpKVReceiver):
         self.num_writes = 0   # notifications of one-sided writes taken (poll thread)
         self._poller = threading.Thread(target=self._poll_loop, daemon=True)
 
+    @property
+    def port(self) -> int:
+        """The port listened on (the one start() bound, once started)."""
+        return self._control.port
+
     def start(self) -> tuple[str, int]:
-        addr = super().start()
-        if not self._poller.is_alive() and not self._closed:
+        addr = self._control.start()
+        if not self._poller.is_alive() and not self._control.closed:
             self._poller.name = f"{THREAD_PREFIX}-poll-{self.port}"
             self._poller.start()
         return addr
 
     def close(self, join_timeout_s: float = 5.0) -> None:
-        super().close(join_timeout_s)
+        self._control.close(join_timeout_s)
         if self._poller.is_alive():
             self._poller.join(join_timeout_s)
         with self._nlock:
@@ -85,9 +97,9 @@ class NixlKVReceiver(TcpKVReceiver):
             self._agent.deregister_memory(self._registered)
             self._registered = None
 
-    # ---- control connection hooks (connection threads) ---------------------------
+    # ---- ControlHandler: the control frames (connection threads) -------------------
 
-    def _pair_extra(self, conn_id: int, hs: control.Handshake) -> dict | None:
+    def pair_extra(self, conn_id: int, hs: control.Handshake) -> dict | None:
         if hs.nixl is None:
             return None   # a tcp sender: KV frames over the connection, as tcp.py
         names = hs.nixl.get("agents")
@@ -102,7 +114,7 @@ class NixlKVReceiver(TcpKVReceiver):
                 "num_blocks": self.kv.shape[2], "mem_type": self._mem,
                 "device_id": self._device_id}
 
-    def _on_begin(self, conn: _Connection, h: FrameHeader) -> None:
+    def on_begin(self, conn: PairedConnection, h: FrameHeader) -> None:
         rid, error = h.request_id, None
         heads = h.heads(self.layout)
         res = self._table.lookup(rid, h.epoch, "BEGIN")
@@ -134,22 +146,22 @@ class NixlKVReceiver(TcpKVReceiver):
         ack = control.begin_ack_frame(rid, h.epoch, None if error else res.block_ids, error)
         conn.sock.sendall(ack)
 
-    def _on_done(self, conn_id: int, h: FrameHeader) -> None:
+    def on_done(self, conn_id: int, h: FrameHeader) -> None:
         self._end_lease(conn_id, h.request_id)
         res = self._table.lookup(h.request_id, h.epoch, "DONE")
         if res is None or res.writes_by_conn.get(conn_id, 0) >= h.num_blocks:
-            super()._on_done(conn_id, h)
+            self._table.on_done(h)
             return
         with self._nlock:   # the poll thread finishes it once its notifications are in
             self._pending_done[(h.request_id, conn_id)] = (h, time.monotonic() + DONE_GRACE_S)
 
-    def _on_abort(self, conn_id: int, h: FrameHeader, reason: str) -> None:
+    def on_abort(self, conn_id: int, h: FrameHeader, reason: str) -> None:
         self._end_lease(conn_id, h.request_id)
         with self._nlock:
             self._pending_done.pop((h.request_id, conn_id), None)
-        super()._on_abort(conn_id, h, reason)
+        self._table.on_abort(h, reason)
 
-    def _connection_lost(self, conn_id: int, why: str) -> None:
+    def connection_lost(self, conn_id: int, why: str) -> None:
         release_at = time.monotonic() + LOST_WRITER_GRACE_S
         with self._nlock:
             leases = self._writers.pop(conn_id, {})
@@ -157,7 +169,7 @@ class NixlKVReceiver(TcpKVReceiver):
                 self._leased_heads.pop((conn_id, rid), None)
             self._agents = {a: c for a, c in self._agents.items() if c != conn_id}
             self._lost += [(release_at, res) for res in leases.values()]
-        super()._connection_lost(conn_id, why)
+        self._table.connection_lost(conn_id, why)
 
     def _end_lease(self, conn_id: int, request_id: str) -> None:
         with self._nlock:
@@ -170,7 +182,7 @@ class NixlKVReceiver(TcpKVReceiver):
 
     def _poll_loop(self) -> None:
         last_busy = 0.0
-        while not self._closed:
+        while not self._control.closed:
             try:
                 busy = self._poll_once()
             except Exception:  # a bug here must not stop every later transfer silently

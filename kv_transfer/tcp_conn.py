@@ -1,7 +1,8 @@
 """The frame loop of one paired KV connection on the receiver (D side): the peer's
 handshake checked, then its KV, DONE, ABORT and BEGIN frames; KV bytes into the reserved
-blocks through ReservationTable.write (straight, or staged and CRC32C-checked first).
-tcp.py's TcpKVReceiver accepts the connections and runs each on its own thread."""
+blocks through ReservationTable.write (straight, or staged and CRC32C-checked first),
+the control frames to the receiver's ControlHandler. control_server.py's ControlServer
+accepts the connections and runs each on its own thread."""
 
 from __future__ import annotations
 
@@ -16,23 +17,25 @@ from .base import KVAuthError, KVFrameError, KVLayoutMismatch
 from .frames import FrameHeader, FrameType
 
 if TYPE_CHECKING:
-    from .tcp import TcpKVReceiver
+    from .control_server import ControlServer
 
 logger = logging.getLogger(__name__)
 
 DISCARD_CHUNK_BYTES = 1 << 20
 
 
-class _Connection:
-    """Frame loop of one accepted connection (runs on its own thread)."""
+class PairedConnection:
+    """Frame loop of one accepted connection (runs on its own thread): ``server``'s
+    table takes its KV frames, ``server``'s handler its control frames."""
 
-    def __init__(self, rx: "TcpKVReceiver", sock: socket.socket, conn_id: int) -> None:
-        self.rx = rx
+    def __init__(self, server: "ControlServer", sock: socket.socket, conn_id: int) -> None:
+        self.server = server
         self.sock = sock
         self.conn_id = conn_id
-        self.table = rx._table
-        self.layout = rx.layout
-        self.max_blocks = rx.kv.shape[2]
+        self.table = server.table
+        self.handler = server.handler
+        self.layout = server.table.layout
+        self.max_blocks = server.table.kv.shape[2]
         self.staging: torch.Tensor | None = None  # uint8, reused and grown per frame
 
     def serve(self, nonce_d: bytes, handshake: bytes) -> None:
@@ -46,12 +49,12 @@ class _Connection:
             if h.frame_type == FrameType.KV:
                 self._on_kv(h)
             elif h.frame_type == FrameType.DONE:
-                self.rx._on_done(self.conn_id, h)
+                self.handler.on_done(self.conn_id, h)
             elif h.frame_type == FrameType.ABORT:
                 reason = self._read_small(h.payload_len).decode("utf-8", "replace")
-                self.rx._on_abort(self.conn_id, h, reason)
+                self.handler.on_abort(self.conn_id, h, reason)
             elif h.frame_type == FrameType.BEGIN:
-                self.rx._on_begin(self, h)
+                self.handler.on_begin(self, h)
             else:
                 raise KVFrameError(f"unexpected {h.frame_type.name} frame after handshake")
 
@@ -64,15 +67,15 @@ class _Connection:
             self.layout,
             self.max_blocks,
             eof_ok=True,
-            frame_timeout_s=self.rx.io_timeout_s,
+            frame_timeout_s=self.server.io_timeout_s,
         )
 
     def _handshake(self, nonce_d: bytes, payload: bytes) -> None:
         """Pair with the peer from its HANDSHAKE `payload` (auth.py): the ack, or a
         refusal raised (KVAuthError, KVLayoutMismatch)."""
-        self.sock.settimeout(self.rx.io_timeout_s)  # a silent peer must not pin a thread
+        self.sock.settimeout(self.server.io_timeout_s)  # a silent peer must not pin a thread
         hs = control.decode_handshake(payload, ack=False)
-        key = self.rx._secret
+        key, epoch = self.server.secret, self.table.epoch
         if not auth.verify(key, auth.PREFILL, nonce_d, hs.nonce, hs.auth):
             self._send_ack(control.encode_auth_refusal(), epoch=0)  # nothing about D
             raise KVAuthError(
@@ -81,14 +84,14 @@ class _Connection:
                    "sent a proof, this receiver has no secret" if key is None else
                    "sent a wrong proof"))
         error = hs.layout.mismatch(self.layout)
-        extra = None if error is not None else self.rx._pair_extra(self.conn_id, hs)
+        extra = None if error is not None else self.handler.pair_extra(self.conn_id, hs)
         self._send_ack(control.encode_handshake(
-            self.layout, self.rx.epoch, error, ack=True,
+            self.layout, epoch, error, ack=True,
             auth=auth.proof(key, auth.DECODE, nonce_d, hs.nonce), nixl=extra),
-            epoch=self.rx.epoch)
+            epoch=epoch)
         if error is not None:
             raise KVLayoutMismatch(error)
-        host_io.set_kernel_timeouts(self.sock, self.rx.io_timeout_s)
+        host_io.set_kernel_timeouts(self.sock, self.server.io_timeout_s)
         logger.debug("KV connection %d paired (prefill epoch %d%s)", self.conn_id, hs.epoch,
                      ", nixl" if extra is not None else "")
 
@@ -137,7 +140,7 @@ class _Connection:
     def _recv_staged(self, nbytes: int) -> memoryview:
         """The next ``nbytes`` of payload (bounded by the reservation's bytes) into the
         connection's reused staging buffer."""
-        self.staging = frames.grow_buffer(self.staging, nbytes, pinned=self.rx.kv.is_cuda)
+        self.staging = frames.grow_buffer(self.staging, nbytes, pinned=self.table.kv.is_cuda)
         body = memoryview(self.staging.numpy())[:nbytes]
         frames.recv_exact(self.sock, body)
         return body
@@ -149,5 +152,3 @@ class _Connection:
             frames.recv_exact(self.sock, scratch[:k])
             n -= k
 
-
-__all__ = ["THREAD_PREFIX", "TcpKVReceiver", "TcpKVSender"]

@@ -51,7 +51,7 @@ class TransportEnv:
         return tx
 
     def close(self):
-        from pdserve.kv_transfer.tcp import THREAD_PREFIX
+        from pdserve.kv_transfer.control_server import THREAD_PREFIX
         for obj in self.made:
             obj.close()
         assert not [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]

@@ -143,7 +143,7 @@ def test_tcp_receiver_binds_only_the_host_given():
     try:
         host, port = rx.start()
         assert (host, port) == ("127.0.0.2", port)
-        assert rx._listen.getsockname() == ("127.0.0.2", port)
+        assert rx._control._listen.getsockname() == ("127.0.0.2", port)
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S).close()
         with socket.create_connection((host, port), timeout=TIMEOUT_S) as s:

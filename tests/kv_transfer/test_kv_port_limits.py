@@ -1,4 +1,4 @@
-"""The KV port under connections that never pair (kv_transfer/tcp.py): they hold no
+"""The KV port under connections that never pair (kv_transfer/control_server.py): they hold no
 thread, each is closed once io_timeout_s passed since its accept however slowly it
 sends, at most MAX_PENDING are held, and a legitimate sender still pairs among them; a
 thread that cannot start costs its connection only; refusals are logged once per peer.
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from pdserve.kv_transfer import tcp
-from pdserve.kv_transfer.tcp import THREAD_PREFIX
+from pdserve.kv_transfer import control_server
+from pdserve.kv_transfer.control_server import THREAD_PREFIX
 from kvtest import EPOCH, PER_LAYER, TIMEOUT_S, TransportEnv, TRANSPORTS, make_cache, send_request
 from tcp_client import wait_closed
 
@@ -54,7 +54,7 @@ def test_slow_connections_that_never_pair_hold_no_thread_and_a_sender_still_pair
         assert conn_threads(addr[1]) == []
         round_trip(env, rx, addr, done, "among-the-slow")
         # the oldest were evicted (closed by D); at most MAX_PENDING are held
-        assert wait_closed(slow[0]) and wait_closed(slow[-tcp.MAX_PENDING - 1])
+        assert wait_closed(slow[0]) and wait_closed(slow[-control_server.MAX_PENDING - 1])
         threads = conn_threads(addr[1])
         assert len(threads) <= 1, threads     # at most the paired one, still ending
     finally:
@@ -104,7 +104,7 @@ def test_a_thread_that_cannot_start_costs_its_connection_only(env, monkeypatch):
 
 def test_a_refused_peer_is_logged_once(env, caplog):
     rx, addr, done = env.receiver(make_cache(10, seed=2))
-    with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer.tcp"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer.control_server"):
         for _ in range(5):
             with socket.create_connection(addr, timeout=TIMEOUT_S) as s:
                 s.sendall(b"X" * 56)           # a header with a bad magic

@@ -92,7 +92,7 @@ def test_corrupted_byte_fails_only_that_request(env, monkeypatch, caplog):
     assert torch.equal(u8(dst[:, :, untouched]), u8(before[:, :, untouched]))
     # one connection throughout, never dropped
     assert not any("closing KV connection" in r.getMessage() for r in caplog.records)
-    assert len(rx._conns) == 1
+    assert len(rx._control._conns) == 1
 
 
 @pytest.mark.parametrize("crc", [False, True], ids=["direct", "staged-crc"])

@@ -169,7 +169,7 @@ def attack(addr, mode, data):
 def test_garbage_at_the_kv_port(port, case):
     rx, tx, addr, done = port["rx"], port["tx"], port["addr"], port["done"]
     attack(addr, *case)
-    accept = [t for t in rx._threads if t.name == f"kvrecv-accept-{addr[1]}"]
+    accept = [t for t in rx._control._threads if t.name == f"kvrecv-accept-{addr[1]}"]
     assert accept and accept[0].is_alive()
     table = rx._table
     assert set(table._active) == {SENTINEL}  # nothing left behind, nothing of ours failed

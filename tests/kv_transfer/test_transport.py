@@ -23,7 +23,7 @@ from pdserve.kv_transfer import (
     make_sender,
 )
 from pdserve.kv_transfer.frames import FrameType
-from pdserve.kv_transfer.tcp import THREAD_PREFIX
+from pdserve.kv_transfer.control_server import THREAD_PREFIX
 from kvtest import (  # noqa: E402  (shared with the other transport's tests)
     BLOCK_SIZE, DST_IDS, EPOCH, HEAD_DIM, HEADS, MODEL, NUM_LAYERS, PER_LAYER, SRC_IDS,
     TIMEOUT_S, TRANSPORTS, Completions, TransportEnv, assert_copied, make_cache, send_request,

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import pytest
 
-from pdserve import cli, cluster
+from pdserve import cluster, serve
 
 
 class RecordingCluster:
@@ -31,9 +31,9 @@ class RecordingCluster:
 @pytest.fixture
 def recording(monkeypatch):
     monkeypatch.setattr(cluster, "Cluster", RecordingCluster)
-    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)   # keep pytest's handlers
+    monkeypatch.setattr(serve.signal, "signal", lambda *a: None)   # keep pytest's handlers
     monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
-    # as in serve's child process (cli._supervise): build the config here, in-process
-    monkeypatch.setenv(cli._SERVE_CHILD_ENV, "1")
+    # as in serve's child process (serve._supervise): build the config here, in-process
+    monkeypatch.setenv(serve._SERVE_CHILD_ENV, "1")
     RecordingCluster.configs = []
     return RecordingCluster.configs

@@ -4,7 +4,7 @@ bounds (docs/deployment.md, "Run on Kubernetes"; docs/planner.md)."""
 
 import helm_python as helm
 import pytest
-from test_helm_chart import NAMESPACE, RELEASE, _cli_args, _groups, _one, _render, _serve_argv
+from helm_render import NAMESPACE, RELEASE, _cli_args, _groups, _one, _render, _serve_argv
 
 # KubeRay's ray.io/v1 RayCluster spec.autoscalerOptions fields this chart may set
 AUTOSCALER_OPTIONS_FIELDS = {"idleTimeoutSeconds", "upscalingMode", "env", "securityContext",

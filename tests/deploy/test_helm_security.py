@@ -14,8 +14,8 @@ from pathlib import Path
 import helm_python as helm
 import kubernetes_validate
 import pytest
-from test_helm_chart import (KUBE_VERSION, NAMESPACE, RELEASE, VALUE_SETS, _container,
-                             _groups, _one, _prestop, _render, pod_templates, validate_all)
+from helm_render import (KUBE_VERSION, NAMESPACE, RELEASE, VALUE_SETS, _container, _groups,
+                         _one, _prestop, _render, pod_templates, validate_all)
 
 DOCKERFILE = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "Dockerfile"
 TLS = {"tls": {"enabled": True, "existingSecret": "pdserve-tls"}}

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
+from failover_fakes import FakeDecode, FakePrefill, make_router
 from pdserve import cli
 from pdserve.client import Client, make_request
 from pdserve.config import ClusterConfig, RouterConfig
@@ -21,7 +22,6 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.router import admin
 from pdserve.router.scaling import Scaler
 from pdserve.router.security import UNAUTHENTICATED_MESSAGE, ApiKeyInterceptor, is_loopback
-from test_router_failover import FakeDecode, FakePrefill, make_router
 from test_security import KEY, FakeRouter, _calls, _code
 
 ADMIN = "adm1n-key-for-tests"

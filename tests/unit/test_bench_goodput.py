@@ -1,13 +1,15 @@
-"""pdserve/bench/goodput.py's measure: SLO attainment per request, goodput read off a
-rate sweep (DistServe's definition), the workloads' shapes, and the summary's SLO scales.
+"""pdserve/bench/slo_attainment.py's measure: SLO attainment per request, goodput read off a
+rate sweep (DistServe's definition), the summary's SLO scales; and pdserve/bench/goodput.py's
+workloads and arms.
 No server: the client's per-request detail is made up."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.goodput import (GoodputConfig, attainment, goodput, grid, grid_table,
-                                   latencies, summarize, table, workload)
+from pdserve.bench.goodput import GoodputConfig, workload
+from pdserve.bench.slo_attainment import (attainment, goodput, grid, grid_table, latencies,
+                                          summarize, table)
 
 
 def test_attainment_needs_both_slos_and_counts_failures_as_misses():
@@ -70,7 +72,8 @@ def test_config_refuses_unknown_arms():
 
 
 def test_an_slo_arm_is_told_its_scale_and_scored_at_it_only():
-    from pdserve.bench.goodput import arm_args, scored_at, slo_scales
+    from pdserve.bench.goodput import arm_args
+    from pdserve.bench.slo_attainment import scored_at, slo_scales
 
     assert slo_scales("slo3") == (3.0, None) and slo_scales("slo1.5t8") == (1.5, 8.0)
     assert slo_scales("strict") is None and slo_scales("slowest") is None

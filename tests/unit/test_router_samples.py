@@ -10,12 +10,12 @@ import asyncio
 
 import pytest
 
+from failover_fakes import PROMPT, FakeDecode, FakePrefill, make_router, retries
 from pdserve.client import make_request
 from pdserve.decode_worker.fork import sample_id
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.request import TokenEvent
 from pdserve.messages import PrefillResult
-from test_router_failover import PROMPT, FakeDecode, FakePrefill, make_router, retries
 
 MAX_TOKENS = 6
 

@@ -3,7 +3,7 @@ token against the prompt tokens queued on it (FirstTokenTimes), and the decode w
 for its own prefills (on its own cores, and on the idle prefill workers' lent cores);
 with both SLOs a prompt a prefill worker alone is too slow for goes to the decode worker
 (colocated), and of the others those a prefill worker would answer late, unless the
-decode worker would answer later still. Fakes as in test_router_admission (no model, no
+decode worker would answer later still. Fakes of tests/admission_fakes.py (no model, no
 Ray); every test that serves requests ends with the router's queue empty."""
 
 import asyncio
@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
+from admission_fakes import FakeDecode, FakePrefill, collect, generate, make_router, queue
 from pdserve.router.placement import FirstTokenTimes, Placement
-from test_router_admission import FakeDecode, FakePrefill, collect, generate, make_router, queue
 
 
 def test_first_token_times_fit_a_line_after_a_few_observations():

@@ -48,7 +48,7 @@ def test_a_replica_places_by_its_own_load_and_what_the_workers_report_of_the_oth
     """Two decode workers this replica loaded alike: the one whose last reservation
     reply counted more requests (the other replicas') gets the next; a prefill
     worker's reported queue counts likewise."""
-    from test_router_admission import FakeDecode, FakePrefill
+    from admission_fakes import FakeDecode, FakePrefill
 
     async def main():
         d0, d1 = FakeDecode(), FakeDecode()

@@ -12,10 +12,10 @@ import time
 import grpc
 import pytest
 
+from admission_fakes import FakeDecode, FakePrefill, collect, generate, queue
 from pdserve.router.errors import RequestError
 from pdserve.router.tokenize_queue import TokenizeQueue
 from router_fakes import fake_router
-from test_router_admission import FakeDecode, FakePrefill, collect, generate, queue
 
 
 def test_shortest_first_one_at_a_time_and_bounded():

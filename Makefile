@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.pdserve-installed
 
-.PHONY: demo test test-fast docs proto serve clean bench-guidellm bench-vllm
+.PHONY: demo test test-quick docs proto serve clean bench-guidellm bench-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,8 +34,14 @@ docs: $(STAMP)
 test: $(KERNELS) docs
 	$(BIN)/pytest -q
 
-test-fast: $(KERNELS)
-	$(BIN)/pytest -q -m "not slow"
+# A change's inner loop (about 3 minutes on 2 cores): the unit and engine tests, and one
+# end-to-end smoke test (real prompts on the default model through
+# router, prefill, TCP KV transfer and decode, token for token against HF).
+QUICK_E2E := tests/e2e/test_serve_default_model.py::test_concurrent_real_prompts_match_hf[tcp]
+
+test-quick: $(KERNELS)
+	$(BIN)/pytest -q -m "not slow" tests/unit tests/engine
+	$(BIN)/pytest -q "$(QUICK_E2E)"
 
 serve: $(KERNELS)
 	$(BIN)/pdserve serve

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import write_json
+
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     """--model, --transport and --json, which the serving benchmarks share."""
@@ -16,22 +18,16 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _bench_ttft(args) -> int:
-    import json
-
     from . import ttft
     r = ttft.run(args.prompt_tokens, args.repeats, args.transport, args.model)
     print(f"prompt {r.prompt_tokens} tokens, {r.transport} KV transport, {r.repeats} repeats "
           f"(median): prefill alone {r.prefill_s:.3f} s, disaggregated TTFT {r.ttft_s:.3f} s, "
           f"ratio {r.ratio:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(ttft.as_json(r), f, indent=2)
+    write_json(args.json, lambda: ttft.as_json(r))
     return 0
 
 
 def _bench_local_prefill(args) -> int:
-    import json
-
     from . import local_prefill
     lengths = [int(x) for x in args.lengths.split(",")]
     print(f"sweeping uncached prompt lengths {lengths}: remote vs local prefill, "
@@ -40,15 +36,12 @@ def _bench_local_prefill(args) -> int:
                                args.transport)
     threshold = local_prefill.pick_threshold(points, args.itl_tolerance)
     print(local_prefill.table(points, threshold))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(local_prefill.as_json(points, threshold, vars(args) | {"fn": None}), f,
-                      indent=2)
+    write_json(args.json,
+               lambda: local_prefill.as_json(points, threshold, vars(args) | {"fn": None}))
     return 0
 
 
 def _bench_serve(args) -> int:
-    import json
     import math
     from pathlib import Path
 
@@ -94,10 +87,8 @@ def _bench_serve(args) -> int:
     runs = serve.run(cfg, reqs)
     summaries = [r.summary(cfg) for r in runs]
     print(serve.table(summaries))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(serve.as_json(cfg, runs, wl) | {"command": " ".join(sys.argv)}, f,
-                      indent=2)
+    write_json(args.json,
+               lambda: serve.as_json(cfg, runs, wl) | {"command": " ".join(sys.argv)})
     if args.plot:
         from . import plots
         out = Path(args.plot)
@@ -112,8 +103,6 @@ def _bench_serve(args) -> int:
 
 
 def _bench_planner(args) -> int:
-    import json
-
     from transformers import AutoTokenizer
 
     from . import planner
@@ -144,9 +133,7 @@ def _bench_planner(args) -> int:
           + ", ".join(f"{p}P+{d}D" for p, d in cfg.splits()), flush=True)
     runs = planner.run(cfg, requests, times)
     print(planner.table(cfg, runs))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(planner.as_json(cfg, runs) | {"command": " ".join(sys.argv)}, f, indent=2)
+    write_json(args.json, lambda: planner.as_json(cfg, runs) | {"command": " ".join(sys.argv)})
     return 0
 
 

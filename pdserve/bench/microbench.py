@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from . import write_json
+
 
 def add_transfer_parser(bsub) -> None:
     """`pdserve bench transfer` on `bsub` (the bench subcommands' argparse subparsers)."""
@@ -22,8 +24,6 @@ def add_transfer_parser(bsub) -> None:
 
 
 def _bench_transfer(args) -> int:
-    import json
-
     import torch
 
     from . import transfer
@@ -34,9 +34,7 @@ def _bench_transfer(args) -> int:
     results = transfer.run(kinds, args.model, args.num_requests, args.prompt_tokens,
                            args.block_size, args.repeats, idle_s=args.idle_s)
     print(transfer.table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(transfer.as_json(results, vars(args) | {"fn": None}), f, indent=2)
+    write_json(args.json, lambda: transfer.as_json(results, vars(args) | {"fn": None}))
     return 0
 
 
@@ -59,8 +57,6 @@ def add_step_parser(bsub) -> None:
 
 
 def _bench_step(args) -> int:
-    import json
-
     from . import step
     if not 1 <= args.prefill_prompts <= args.prefill_tokens:
         print(f"--prefill-prompts={args.prefill_prompts}: must be in [1, --prefill-tokens="
@@ -73,9 +69,7 @@ def _bench_step(args) -> int:
                        args.prefill_tokens, args.repeats, args.threads,
                        prefill_prompts=args.prefill_prompts)
     print(step.table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(step.as_json(results, vars(args) | {"fn": None}), f, indent=2)
+    write_json(args.json, lambda: step.as_json(results, vars(args) | {"fn": None}))
     return 0
 
 
@@ -99,8 +93,6 @@ def add_tp_parser(bsub) -> None:
 
 
 def _bench_tp(args) -> int:
-    import json
-
     from . import tp
     try:
         sizes = [int(x) for x in args.sizes.split(",")]
@@ -113,9 +105,7 @@ def _bench_tp(args) -> int:
         print(f"pdserve bench tp: {e}", file=sys.stderr)
         return 2
     print(tp.table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(tp.as_json(results, vars(args) | {"fn": None}), f, indent=2)
+    write_json(args.json, lambda: tp.as_json(results, vars(args) | {"fn": None}))
     return 0
 
 
@@ -150,7 +140,6 @@ def add_gpu_parser(bsub) -> None:
 
 
 def _bench_gpu(args) -> int:
-    import json
     import tempfile
     from pathlib import Path
 
@@ -178,7 +167,5 @@ def _bench_gpu(args) -> int:
     print(gpu.table(report))
     for goal, met in report.goals().items():
         print(f"goal {goal}: {'met' if met else 'missed'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(gpu.as_json(report, cfg) | {"command": " ".join(sys.argv)}, f, indent=2)
+    write_json(args.json, lambda: gpu.as_json(report, cfg) | {"command": " ".join(sys.argv)})
     return 0

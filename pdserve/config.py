@@ -70,6 +70,11 @@ class WorkerConfig:
                                      # 2048 on CUDA
     lease_s: float = 60.0            # decode: how long a reservation waits for prefill's KV
     enable_prefix_caching: bool = True  # share cached prompt-prefix blocks (P and D)
+    kv_host_cache_gib: float = 0.0   # prefill: a host-memory KV tier below the pool, GiB
+                                     # (engine/kv_tiers.py; 0: none)
+    kv_disk_cache_dir: str | None = None  # prefill: a disk KV tier's directory (with the
+                                     # host tier), kept across restarts
+    kv_disk_cache_gib: float = 0.0   # ... and its size, GiB
     slo_tpot_ms: float | None = None  # decode: a step with running streams computes no
                                      # more tokens than keep it within this TPOT SLO
                                      # (decode_worker/step_budget.py); None: chunks of
@@ -130,6 +135,16 @@ class WorkerConfig:
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens={self.local_prefill_max_tokens}: "
                              "must be >= 0 tokens (0 disables local prefill)")
+        if self.kv_host_cache_gib < 0 or self.kv_disk_cache_gib < 0:
+            raise ValueError(f"kv_host_cache_gib={self.kv_host_cache_gib}, kv_disk_cache_gib="
+                             f"{self.kv_disk_cache_gib}: must be >= 0 GiB")
+        if self.kv_disk_cache_dir is not None and not (self.kv_host_cache_gib > 0
+                                                       and self.kv_disk_cache_gib > 0):
+            raise ValueError("kv_disk_cache_dir needs kv_disk_cache_gib > 0 and a host tier "
+                             "(kv_host_cache_gib > 0): blocks reach the disk through it")
+        if self.kv_host_cache_gib > 0 and self.tensor_parallel_size > 1:
+            raise ValueError("kv_host_cache_gib: KV tiers are for tensor_parallel_size 1 "
+                             f"(got {self.tensor_parallel_size})")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s={self.lease_s}: must be > 0 seconds")
         if self.slo_tpot_ms is not None and not self.slo_tpot_ms > 0:

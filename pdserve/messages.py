@@ -180,6 +180,15 @@ class WorkerStatus:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_bytes_sent: int = 0            # K/V payload bytes sent to decode workers
+    # prefill, KV tiers (engine/kv_tiers.py): blocks loaded back from each tier, the bytes
+    # and seconds of those loads, disk entries dropped by their checksum, blocks held now
+    kv_tier_host_hit_blocks: int = 0
+    kv_tier_disk_hit_blocks: int = 0
+    kv_tier_bytes_loaded: int = 0
+    kv_tier_load_seconds: float = 0.0
+    kv_tier_dropped_blocks: int = 0
+    kv_tier_host_blocks: int = 0
+    kv_tier_disk_blocks: int = 0
     # decode
     kv_transport: str = ""            # "tcp" | "nixl"
     kv_one_sided_writes: int = 0      # NIXL writes whose notification D took

@@ -48,6 +48,12 @@ workers (`WorkerMetrics`; values read from the worker at scrape time, plus histo
     pdserve_kv_reservations_active                gauge (decode: waiting for prefill's KV)
     pdserve_kv_reservations_reclaimed_total       counter (decode: lease expired)
     pdserve_num_preemptions_total                 counter (decode)
+    pdserve_kv_tier_{host,disk}_hits_total        counters (prefill): blocks loaded back from
+                                                  the host / disk KV tier (engine/kv_tiers.py)
+    pdserve_kv_tier_bytes_loaded_total            counter: bytes those loads moved
+    pdserve_kv_tier_load_seconds_total            counter: seconds of those loads
+    pdserve_kv_tier_dropped_total                 counter: disk entries failing their check
+    pdserve_kv_tier_{host,disk}_blocks            gauges: blocks each tier holds
 
 Histogram buckets span CPU and GPU speeds: a GPU's TTFT is ~10 ms, a 2-core CPU's
 several seconds.
@@ -260,6 +266,8 @@ class WorkerMetrics:
         "num_requests_waiting": "Requests queued (prefill) or waiting for KV (decode).",
         "kv_cache_usage_ratio": "Fraction of KV blocks held by requests.",
         "kv_reservations_active": "Reservations waiting for prefill's KV.",
+        "kv_tier_host_blocks": "KV blocks the host tier holds.",
+        "kv_tier_disk_blocks": "KV blocks the disk tier holds.",
     }
     COUNTERS = {
         "prefix_cache_queries": "Prompt blocks looked up in the prefix cache.",
@@ -268,6 +276,11 @@ class WorkerMetrics:
         "kv_transfer_failures": "KV transfers that failed.",
         "kv_reservations_reclaimed": "Reservations reclaimed after their lease expired.",
         "num_preemptions": "Running requests preempted for lack of KV blocks.",
+        "kv_tier_host_hits": "Prefix blocks loaded back from the host KV tier.",
+        "kv_tier_disk_hits": "Prefix blocks loaded back from the disk KV tier.",
+        "kv_tier_bytes_loaded": "Bytes loaded back from the KV tiers into the pool.",
+        "kv_tier_load_seconds": "Seconds of the KV tiers' loads, summed.",
+        "kv_tier_dropped": "Disk KV tier entries dropped when their checksum failed.",
     }
 
     def __init__(self, role: str, values: Callable[[], dict[str, float]]):

@@ -80,7 +80,8 @@ def _serve(args) -> int:
             **({"dtype": args.dtype} if args.dtype else {}),
             compile=args.compile, enforce_eager=args.enforce_eager,
             **{k: v for k in ("local_prefill_max_tokens", "max_num_batched_tokens",
-                              "schedule_policy")
+                              "schedule_policy", "kv_host_cache_gib", "kv_disk_cache_dir",
+                              "kv_disk_cache_gib")
                if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
             router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
                                       "max_tokenize_queue_chars", "max_concurrent_calls",
@@ -315,6 +316,16 @@ def add_serve_parser(sub) -> None:
                         "(default 0: always use a prefill worker, what the sweep in "
                         "docs/benchmarks.md picked on one box; `pdserve bench "
                         "local-prefill` picks yours)")
+    s.add_argument("--kv-host-cache-gib", type=float, default=None,
+                   help="a host-memory KV tier of this many GiB under each prefill worker's "
+                        "block pool: prefix blocks the pool evicts stay there and load back "
+                        "instead of being recomputed (default 0: none)")
+    s.add_argument("--kv-disk-cache-dir", default=None,
+                   help="a disk KV tier in this directory under the host tier (with "
+                        "--kv-disk-cache-gib): the host tier's oldest blocks move there, and a "
+                        "restarted worker serves its hits (needs pdserve[nixl])")
+    s.add_argument("--kv-disk-cache-gib", type=float, default=None,
+                   help="the disk KV tier's size in GiB")
     s.add_argument("--max-migrations", type=int, default=None,
                    help="retries of a request after a worker died or its KV transfer failed; "
                         "each resumes after the tokens already streamed (default 3)")

@@ -32,6 +32,7 @@ import time
 from collections import deque
 
 from ..engine.block_pool import BlockPool, block_hashes, blocks_needed, match_prompt_prefix
+from ..engine.kv_tiers import KVTiers
 from ..engine.outputs import ModelRunnerOutput, SchedulerOutput
 from ..engine.request import RequestState
 from ..engine.schedule_policy import SchedulePolicy, chunk_tokens, prefill_order
@@ -42,11 +43,16 @@ class PrefillScheduler:
     """Prefill batches in `schedule_policy` order; see the module docstring. With `enable_prefix_caching`
     False, nothing is looked up or registered. Counters (tokens unless named blocks):
     `computed_tokens`, `cached_tokens` (reused from the cache), and
-    `prefix_queries` / `prefix_hits` (blocks looked up / found)."""
+    `prefix_queries` / `prefix_hits` (blocks looked up / found). With `tiers`
+    (engine/kv_tiers.py), the blocks the pool's cache lacks are looked up in the host and
+    disk tiers too: a prompt with a tier hit takes its blocks, waits while the tiers
+    thread loads the hit into them, then computes the rest; its computed blocks are
+    stored to the tiers once cached (`tier_hit_tokens`: tokens loaded)."""
 
     def __init__(self, pool: BlockPool, block_size: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, prefill_chunk_size: int | None = None,
-                 schedule_policy: str | SchedulePolicy = SchedulePolicy.FCFS):
+                 schedule_policy: str | SchedulePolicy = SchedulePolicy.FCFS,
+                 tiers: KVTiers | None = None):
         if prefill_chunk_size is not None and (
                 prefill_chunk_size < block_size or prefill_chunk_size % block_size
                 or prefill_chunk_size > max_num_batched_tokens):
@@ -58,9 +64,11 @@ class PrefillScheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefill_chunk_size = prefill_chunk_size
         self.schedule_policy = SchedulePolicy.of(schedule_policy)   # ValueError: unknown
+        self.tiers = tiers
         self._partial: deque[PrefillRequest] = deque()   # between chunks, oldest first
         self._dropped: list[PrefillRequest] = []          # aborted between chunks
-        self.computed_tokens = self.cached_tokens = 0
+        self._loading: dict[str, tuple[PrefillRequest, int]] = {}  # tier loads: (req, at block)
+        self.computed_tokens = self.cached_tokens = self.tier_hit_tokens = 0
         self.prefix_queries = self.prefix_hits = 0
         self._lock = threading.Lock()
         self._waiting: deque[PrefillRequest] = deque()
@@ -93,6 +101,7 @@ class PrefillScheduler:
         end on block boundaries (schedule_policy.chunk_tokens)."""
         rows: list[tuple[PrefillRequest, int]] = []
         with self._lock:
+            self._loads_done()
             budget = self._schedule_partial(rows)
             if len(self._waiting) > 1 and budget > 0:
                 self._waiting = deque(prefill_order(
@@ -102,8 +111,10 @@ class PrefillScheduler:
                 take = self._admit(self._waiting[0], budget, alone=not rows)
                 if take == 0:
                     break   # in order: wait (for room or blocks), no later prompt overtakes
-                rows.append((self._waiting.popleft(), take))
-                budget -= take
+                req = self._waiting.popleft()
+                if take > 0:        # else its tier hit is loading: it runs once loaded
+                    rows.append((req, take))
+                    budget -= take
         return SchedulerOutput(tuple(r for r, _ in rows), tuple(n for _, n in rows))
 
     def _schedule_partial(self, rows: list[tuple[PrefillRequest, int]]) -> int:
@@ -130,28 +141,55 @@ class PrefillScheduler:
     def _admit(self, req: PrefillRequest, budget: int, alone: bool) -> int:
         """A waiting prompt's first step (lock held): its prefix-cache hit shared, blocks
         for the rest allocated, PREFILLING. Returns the tokens it computes this step; 0
-        (nothing taken) when they do not fit `budget` or the pool lacks blocks."""
+        (nothing taken) when they do not fit `budget` or the pool lacks blocks; -1 when
+        its blocks are taken and a tier hit loads into them (it computes once loaded)."""
         bs, n = self.block_size, req.prompt_len
-        hit, looked_up = [], 0
+        hit, looked_up, tier_hit = [], 0, 0
         if self.enable_prefix_caching and req.params.prompt_logprobs is None:
             if req.block_hashes is None:
                 req.block_hashes = block_hashes(req.prompt_token_ids, bs)
             hit, looked_up = match_prompt_prefix(self.pool, req.block_hashes, n, bs)
+            if self.tiers is not None:   # the rest of the lookup, never the last block
+                tier_hit = self.tiers.lookup(req.block_hashes[len(hit):(n - 1) // bs])
         req.num_computed_tokens = len(hit) * bs
-        take = self._chunk(req, budget, alone)
+        take = -1 if tier_hit else self._chunk(req, budget, alone)
         need = blocks_needed(n, bs) - len(hit)
         if take == 0 or need > self.pool.num_free:
             self.pool.free(hit)
             req.num_computed_tokens = 0
             return 0
         req.block_table = hit + self.pool.allocate(need)
+        if tier_hit:
+            self._loading[req.request_id] = (req, len(hit))
+            self.tiers.load(req.request_id, req.block_hashes[len(hit):len(hit) + tier_hit],
+                            req.block_table[len(hit):len(hit) + tier_hit])
         req.num_cached = req.num_computed_tokens
         req.state = RequestState.PREFILLING
-        self.computed_tokens += take
+        self.computed_tokens += max(take, 0)
         self.cached_tokens += req.num_cached
         self.prefix_queries += looked_up
         self.prefix_hits += len(hit)
         return take
+
+    def _loads_done(self) -> None:
+        """Prompts whose tier load finished (lock held): the blocks loaded enter the pool's
+        prefix cache and count as computed; the prompt computes the rest from its next
+        chunk on (an aborted one is handed back by take_aborted)."""
+        if self.tiers is None:
+            return
+        for done in self.tiers.poll():
+            req, start = self._loading.pop(done.key)
+            loaded = slice(start, start + done.num_loaded)
+            self.pool.cache_blocks(req.block_table[loaded], req.block_hashes[loaded])
+            req.num_computed_tokens = req.num_cached = loaded.stop * self.block_size
+            self.cached_tokens += done.num_loaded * self.block_size
+            self.tier_hit_tokens += done.num_loaded * self.block_size
+            (self._dropped if req.finish is not None else self._partial).append(req)
+
+    def loading(self) -> bool:
+        """Whether a tier load is in flight (the step loop waits for it)."""
+        with self._lock:
+            return bool(self._loading)
 
     def _chunk(self, req: PrefillRequest, budget: int, alone: bool) -> int:
         """Tokens `req` computes this step within `budget` (0: none fit). Without
@@ -218,7 +256,10 @@ class PrefillScheduler:
         """Register the request's full blocks in the prefix cache once its K/V is
         computed (every layer; lock held); later prompts with the same prefix share them."""
         if self.enable_prefix_caching and req.block_hashes and req.block_table:
-            self.pool.cache_blocks(req.block_table[:len(req.block_hashes)], req.block_hashes)
+            full = req.block_table[:len(req.block_hashes)]
+            self.pool.cache_blocks(full, req.block_hashes)
+            if self.tiers is not None:
+                self.tiers.store(full, req.block_hashes)
 
     def abort(self, request_id: str) -> PrefillRequest | None:
         """Mark a request aborted; returns it if it was still queued (never computed)."""

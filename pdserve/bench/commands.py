@@ -143,9 +143,11 @@ def add_bench_parser(sub) -> None:
     bsub = b.add_subparsers(dest="bench", required=True)
     from .goodput import add_parser as add_goodput
     from .microbench import add_gpu_parser, add_step_parser, add_tp_parser, add_transfer_parser
+    from .multiturn import add_parser as add_multiturn
     from .peer import add_parser as add_peer
     add_peer(bsub)
     add_goodput(bsub)
+    add_multiturn(bsub)
     add_transfer_parser(bsub)
     bf = bsub.add_parser("ttft", help="disaggregated TTFT vs prefill alone on the same worker")
     bf.add_argument("--prompt-tokens", type=int, default=1024)

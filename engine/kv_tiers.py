@@ -1,0 +1,273 @@
+"""KV tiers below a worker's block pool: host memory, then a local disk.
+
+The pool's prefix cache forgets a block when it evicts it; the tiers keep it, as vLLM's
+KV offloading and SGLang's HiCache (host L2, storage L3) do, keyed by the block's hash
+(engine/block_pool.block_hashes: chained, so a hash names its whole prefix):
+
+    store(blocks, hashes)   write-through: blocks just registered in the prefix cache
+                            are copied to the host tier by the tiers thread, each held
+                            in the pool (one more ref) until copied; poll() frees them
+    host tier full          its least recently used entry moves to the disk tier (one
+                            slot of a slab file; NIXL's POSIX backend moves the bytes)
+    lookup(hashes)          how many leading hashes a tier holds
+    load(key, hashes, ids)  the tiers thread copies those entries into pool blocks while
+                            the step thread runs other steps; poll() reports the key
+                            with how many leading blocks arrived (a missing or damaged
+                            entry ends the run: its tokens are computed instead)
+
+On CPU the pool and the host tier share DRAM: the host tier holds up to its cap of what
+the pool may evict, and the disk tier is where capacity grows. On CUDA the host tier is
+pinned host memory.
+
+Each disk slot starts with a header naming the entry: its block hash, the fingerprint of
+model, dtype and KV layout (`fingerprint`), a sequence number (the LRU order across a
+restart) and the CRC32C of its bytes. A restarted worker reads the headers back and
+serves their hits; an entry whose checksum fails when loaded is dropped, never served.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .block_pool import BlockHash, BlockPool
+from .kv_disk_tier import HEADER_BYTES, DiskTier, fingerprint
+
+__all__ = ["KVTiers", "LoadDone", "TierStats", "fingerprint"]
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+def block_view(kv_cache: torch.Tensor, block: int) -> torch.Tensor:
+    """Block `block` of a cache [num_layers, 2, num_blocks, ...]: a strided view
+    [num_layers, 2, num_kv_heads, block_size, head_dim]."""
+    return kv_cache[:, :, block]
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of a worker's tiers (blocks unless named bytes or seconds)."""
+
+    host_hits: int = 0           # blocks loaded from the host tier
+    disk_hits: int = 0           # ... from the disk tier
+    stored_host: int = 0         # blocks copied into the host tier
+    stored_disk: int = 0         # blocks moved from the host tier to the disk tier
+    bytes_loaded: int = 0        # into the pool, from either tier
+    load_seconds: float = 0.0    # tiers-thread seconds of every load, summed
+    num_loads: int = 0           # load() calls completed
+    dropped: int = 0             # disk entries whose checksum failed (recomputed)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadDone:
+    """A load() finished: the first `num_loaded` of its blocks hold their entries."""
+
+    key: str
+    num_loaded: int
+
+
+class HostTier:
+    """`num_blocks` block slots in host memory (a [num_blocks, *block shape] slab) and
+    their LRU index by hash. Not thread-safe: the KVTiers lock guards it."""
+
+    def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+                 pin: bool):
+        self.slab = torch.empty((num_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+        self.index: OrderedDict[BlockHash, int] = OrderedDict()   # LRU first
+        self.free = list(range(num_blocks - 1, -1, -1))
+
+    def slot_of(self, h: BlockHash) -> int | None:
+        slot = self.index.get(h)
+        if slot is not None:
+            self.index.move_to_end(h)
+        return slot
+
+
+@dataclass(slots=True)
+class _Store:
+    blocks: list[int]
+    hashes: list[BlockHash]
+
+
+@dataclass(slots=True)
+class _Load:
+    key: str
+    hashes: list[BlockHash]
+    blocks: list[int]
+    done: list = field(default_factory=list)
+
+
+class KVTiers:
+    """A worker's host and disk tiers under `pool`, whose blocks live in `kv_cache`
+    [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]; see the module
+    docstring. host_gib: the host tier's size (GiB, > 0); disk_dir / disk_gib: the disk
+    tier's directory and size (None / 0: no disk tier); name: the worker's, naming its
+    slab file (one per worker and fingerprint, so a restart finds its own). `notify`
+    wakes the step loop when a load or store finishes. store, lookup, load and poll are
+    called from the step thread.
+
+    Raises:
+        ValueError: host_gib holds no block.
+        RuntimeError, OSError: as DiskTier."""
+
+    def __init__(self, pool: BlockPool, kv_cache: torch.Tensor, fp: bytes, host_gib: float,
+                 disk_dir: str | Path | None = None, disk_gib: float = 0.0,
+                 name: str = "worker", notify: Callable[[], None] | None = None):
+        self.pool, self.kv_cache = pool, kv_cache
+        shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
+        self.block_bytes = block_view(kv_cache, 0).numel() * kv_cache.element_size()
+        host_blocks = int(host_gib * GIB // self.block_bytes)
+        if host_blocks < 1:
+            raise ValueError(f"kv_host_cache_gib={host_gib}: less than one KV block "
+                             f"({self.block_bytes} bytes)")
+        self.host = HostTier(host_blocks, shape, kv_cache.dtype, kv_cache.device.type == "cuda")
+        self.disk = None
+        if disk_dir is not None and disk_gib > 0:
+            disk_blocks = int(disk_gib * GIB // (HEADER_BYTES + self.block_bytes))
+        self._lock = threading.Lock()          # the tiers' indexes, _pending, _stored, _loaded
+        if disk_dir is not None and disk_gib > 0:
+            disk_blocks = int(disk_gib * GIB // (HEADER_BYTES + self.block_bytes))
+            self.disk = DiskTier(Path(disk_dir), name, max(disk_blocks, 1), self.block_bytes,
+                                 fp, self.host.slab, self._lock)
+        self.stats = TierStats()
+        self._notify = notify or (lambda: None)
+        self._pending: set[BlockHash] = set()   # queued to store
+        self._stored: list[int] = []           # blocks copied: their refs go back (poll)
+        self._loaded: list[LoadDone] = []
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kv-tiers", daemon=True)
+        self._thread.start()
+
+    # --- the step thread --------------------------------------------------------------
+
+    def store(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+        """Copy the blocks (held, computed, registered under `hashes` pairwise) to the
+        host tier, those of hashes no tier holds; each held once more until copied."""
+        with self._lock:
+            new = [(b, h) for b, h in zip(block_ids, hashes) if not self._holds(h)
+                   and h not in self._pending]
+            self._pending.update(h for _, h in new)
+        if new:
+            blocks = [b for b, _ in new]
+            self.pool.incref(blocks)
+            self._jobs.put(_Store(blocks, [h for _, h in new]))
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading `hashes` a tier holds now."""
+        with self._lock:
+            n = 0
+            for h in hashes:
+                if not self._holds(h):
+                    break
+                n += 1
+            return n
+
+    def load(self, key: str, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        """Copy the tiers' entries of `hashes` into the held blocks `block_ids` (pairwise)
+        on the tiers thread; poll() reports `key` once done."""
+        self._jobs.put(_Load(key, list(hashes), list(block_ids)))
+
+    def poll(self) -> list[LoadDone]:
+        """The loads finished since the last call; the blocks whose copy to the host tier
+        finished go back to the pool (one ref each)."""
+        with self._lock:
+            stored, self._stored = self._stored, []
+            loaded, self._loaded = self._loaded, []
+        if stored:
+            self.pool.free(stored)
+        return loaded
+
+    def close(self) -> None:
+        """Stop the tiers thread after what is queued; the disk tier's file stays."""
+        self._jobs.put(None)
+        self._thread.join(30)
+        if self.disk is not None:
+            self.disk.close()
+
+    def idle(self) -> bool:
+        """Nothing queued or in flight (tests: every held block back)."""
+        with self._lock:
+            return not self._pending and not self._stored and self._jobs.empty()
+
+    # --- the tiers thread -------------------------------------------------------------
+
+    def _holds(self, h: BlockHash) -> bool:
+        return h in self.host.index or (self.disk is not None and h in self.disk.index)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                if isinstance(job, _Store):
+                    self._store(job)
+                else:
+                    self._load(job)
+            except Exception:     # a tier fault costs hits, never a request
+                logger.exception("KV tier %s failed", type(job).__name__)
+                if isinstance(job, _Store):
+                    with self._lock:
+                        self._pending.difference_update(job.hashes)
+                        self._stored += job.blocks
+                else:
+                    with self._lock:
+                        self._loaded.append(LoadDone(job.key, len(job.done)))
+            self._notify()
+
+    def _store(self, job: _Store) -> None:
+        for block, h in zip(job.blocks, job.hashes):
+            slot = self._host_slot()
+            self.host.slab[slot].copy_(block_view(self.kv_cache, block))
+            with self._lock:
+                self.host.index[h] = slot
+                self._pending.discard(h)
+                self._stored.append(block)
+                self.stats.stored_host += 1
+
+    def _host_slot(self) -> int:
+        """A free host slot: the least recently used entry's when none is free, moved to
+        the disk tier first when there is one (lost if that write fails)."""
+        with self._lock:
+            if self.host.free:
+                return self.host.free.pop()
+            h, slot = self.host.index.popitem(last=False)
+        if self.disk is not None:
+            try:
+                self.disk.write(h, self.host.slab[slot])
+                self.stats.stored_disk += 1
+            except OSError as e:
+                logger.warning("KV block not moved to the disk tier: %s", e)
+        return slot
+
+    def _load(self, job: _Load) -> None:
+        """Only this thread moves host entries, so a slot found stays its hash's while
+        it is copied (outside the lock)."""
+        t0 = time.perf_counter()
+        shape = self.host.slab.shape[1:]
+        for h, block in zip(job.hashes, job.blocks):
+            with self._lock:
+                slot = self.host.slot_of(h)
+            if slot is not None:
+                block_view(self.kv_cache, block).copy_(self.host.slab[slot])
+                self.stats.host_hits += 1
+            else:
+                src = self.disk.read(h) if self.disk is not None else None
+                if src is None:
+                    break
+                block_view(self.kv_cache, block).copy_(src.view(self.kv_cache.dtype).view(shape))
+                self.stats.disk_hits += 1
+            job.done.append(block)
+        with self._lock:
+            self.stats.dropped = 0 if self.disk is None else self.disk.num_dropped
+            self.stats.bytes_loaded += len(job.done) * self.block_bytes
+            self.stats.load_seconds += time.perf_counter() - t0
+            self.stats.num_loads += 1
+            self._loaded.append(LoadDone(job.key, len(job.done)))

@@ -1,0 +1,110 @@
+"""KV tiers under the prefill worker's pool, through the real server on the default
+model (engine/kv_tiers.py): prefix blocks the pool evicted come back from the host tier
+and the disk tier instead of being computed; the disk tier serves hits after a `kill -9`
+of the worker (a request in flight then is retried, not lost); a damaged disk entry is
+dropped and its tokens computed. Every answer is HF's greedy one, and every pool is free
+at the end (each block a store held given back)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+from serving import Served, hf_greedy, start_ray
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+FULL_BLOCKS = 8                    # per prompt, and 3 tokens in a ninth
+MAX_TOKENS = 4
+# the model's KV per block: 30 layers x K,V x 3 KV heads x 16 tokens x 64 x fp32
+BLOCK_BYTES = 30 * 2 * 3 * BLOCK * 64 * 4
+GIB = 1 << 30
+
+
+def prompt(k: int) -> list[int]:
+    return [100 + (i * 7919 + k * 104729) % 40000 for i in range(FULL_BLOCKS * BLOCK + 3)]
+
+
+def prefill_status(served: Served):
+    [p] = served.cluster.prefill
+    return ray.get(p.status.remote(), timeout=30)
+
+
+def restarted(served: Served, pid: int, timeout_s: float = 180.0):
+    """The prefill worker's status once Ray restarted it (a new pid) and it is ready."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            st = prefill_status(served)
+            if st.pid != pid:
+                return st
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        assert time.monotonic() < deadline, "the prefill worker did not come back"
+        time.sleep(0.2)
+
+
+def test_evicted_prefix_blocks_load_back_from_host_and_disk_across_a_kill(tmp_path):
+    start_ray()
+    # the pool holds two prompts; the host tier ten blocks; the disk tier 64
+    served = Served(prefill_blocks=20, kv_host_cache_gib=10 * BLOCK_BYTES / GIB,
+                    kv_disk_cache_dir=str(tmp_path / "tier"),
+                    kv_disk_cache_gib=64 * (4096 + BLOCK_BYTES) / GIB)
+    a, b, c = prompt(0), prompt(1), prompt(2)
+    want = {k: hf_greedy("default", p, MAX_TOKENS) for k, p in (("a", a), ("b", b), ("c", c))}
+
+    def ask(p: list[int]) -> list[int]:
+        return served.generate(p, max_tokens=MAX_TOKENS, temperature=0)[0]
+
+    try:
+        # a, b, c computed: a's blocks leave the pool; the host tier keeps the newest ten
+        # blocks stored (b's last two, c's eight), the rest moved to disk
+        assert [ask(p) for p in (a, b, c)] == [want["a"], want["b"], want["c"]]
+        s1 = prefill_status(served)
+        assert s1.kv_tier_host_blocks == 10 and s1.kv_tier_disk_blocks == 14, s1
+        assert ask(a) == want["a"]                      # a's 8 blocks from disk
+        s2 = prefill_status(served)
+        assert s2.kv_tier_disk_hit_blocks - s1.kv_tier_disk_hit_blocks == FULL_BLOCKS
+        assert s2.prefill_tokens_computed - s1.prefill_tokens_computed == 3   # the tail
+        assert ask(c) == want["c"]                      # c's from the pool or the host
+        # kill -9 with b in flight: retried on the restarted worker; the host tier is
+        # gone with the process, the disk tier comes back
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("b", ask(b)))
+        t.start()
+        os.kill(s2.pid, signal.SIGKILL)                 # this test's worker, by its pid
+        s3 = restarted(served, s2.pid)
+        t.join(300)
+        assert result == {"b": want["b"]}
+        assert s3.kv_tier_disk_blocks == 14, s3       # read back from the slab file
+        assert ask(a) == want["a"]
+        s4 = prefill_status(served)
+        assert s4.kv_tier_disk_hit_blocks >= FULL_BLOCKS, (s3, s4)
+        # every disk entry damaged, and the worker killed again (its pool and host tier
+        # empty): a's first block fails its checksum and is dropped; a is computed whole
+        _damage_every_slot(tmp_path / "tier")
+        os.kill(s4.pid, signal.SIGKILL)
+        restarted(served, s4.pid)
+        assert ask(a) == want["a"]
+        s5 = prefill_status(served)
+        assert s5.kv_tier_dropped_blocks == 1 and s5.kv_tier_disk_hit_blocks == 0, s5
+        assert s5.prefill_tokens_computed == len(a), s5
+    finally:
+        served.stop()
+
+
+def _damage_every_slot(directory) -> None:
+    """One byte flipped in every slot's block bytes, every slab file in `directory`."""
+    for f in directory.iterdir():
+        stride = 4096 + -(-BLOCK_BYTES // 4096) * 4096
+        with open(f, "r+b") as w:
+            for slot in range(f.stat().st_size // stride):
+                w.seek(slot * stride + 4096 + 7)
+                byte = w.read(1)
+                w.seek(-1, 1)
+                w.write(bytes([byte[0] ^ 0x5A]))

@@ -1,0 +1,129 @@
+"""engine/kv_tiers.py: blocks stored to the host tier come back byte for byte; a full
+host tier moves its oldest entries to the disk tier, which survives a restart (a new
+KVTiers over the same file); a damaged disk entry is dropped, not served; another
+fingerprint's entries are not read. Every test ends with the pool free and the tiers
+idle (each block held for a store given back)."""
+
+import time
+
+import pytest
+import torch
+
+from pdserve.engine.block_pool import BlockPool, block_hashes
+from pdserve.engine.kv_tiers import KVTiers, fingerprint
+
+pytest.importorskip("nixl_cu12")
+
+LAYERS, HEADS, BS, HD = 2, 1, 4, 8
+NUM_BLOCKS = 16
+BLOCK_BYTES = LAYERS * 2 * HEADS * BS * HD * 4          # float32
+
+
+def cache() -> torch.Tensor:
+    return torch.randn(LAYERS, 2, NUM_BLOCKS, HEADS, BS, HD)
+
+
+def tiers(pool, kv, host_blocks, disk_dir=None, disk_blocks=0, fp=None):
+    from pdserve.engine.kv_disk_tier import HEADER_BYTES
+    gib = 1 << 30
+    return KVTiers(pool, kv, fp or fingerprint("m", kv), host_blocks * BLOCK_BYTES / gib,
+                   disk_dir, disk_blocks * (HEADER_BYTES + BLOCK_BYTES) / gib, name="t")
+
+
+def settle(t: KVTiers, want_loads: int = 0) -> list:
+    """poll() until the tiers are idle and `want_loads` loads reported (5 s at most)."""
+    loads, deadline = [], time.monotonic() + 5
+    while not (t.idle() and len(loads) >= want_loads):
+        assert time.monotonic() < deadline, (t.idle(), loads)
+        loads += t.poll()
+        time.sleep(0.005)
+    return loads + t.poll()
+
+
+def stored(pool, kv, t, n, seed):
+    """n blocks of new prompt tokens computed into the pool, registered and stored;
+    returns (their hashes, their bytes), the pool's blocks freed (evictable)."""
+    hashes = block_hashes(list(range(seed, seed + n * BS)), BS)
+    blocks = pool.allocate(n)
+    kv[:, :, blocks] = torch.randn(LAYERS, 2, n, HEADS, BS, HD)
+    want = kv[:, :, blocks].clone()
+    pool.cache_blocks(blocks, hashes)
+    t.store(blocks, hashes)
+    settle(t)
+    pool.free(blocks)
+    return hashes, want
+
+
+def loaded(pool, kv, t, hashes):
+    """The tiers' entries of `hashes` loaded into new pool blocks: (count, their bytes)."""
+    blocks = pool.allocate(len(hashes))
+    kv[:, :, blocks] = 0
+    t.load("k", hashes, blocks)
+    [done] = settle(t, 1)
+    got = kv[:, :, blocks].clone()
+    pool.free(blocks)
+    return done.num_loaded, got
+
+
+def test_host_tier_round_trip():
+    kv, pool = cache(), BlockPool(NUM_BLOCKS)
+    t = tiers(pool, kv, host_blocks=8)
+    try:
+        hashes, want = stored(pool, kv, t, 3, seed=1)
+        assert t.lookup(hashes) == 3 and t.lookup(hashes[:1] + [b"x" * 16]) == 1
+        n, got = loaded(pool, kv, t, hashes)
+        assert n == 3 and torch.equal(got, want)
+        assert (t.stats.stored_host, t.stats.host_hits, t.stats.disk_hits) == (3, 3, 0)
+        assert t.stats.bytes_loaded == 3 * BLOCK_BYTES
+        t.store(pool.allocate(0), [])                      # nothing to store: no job
+    finally:
+        t.close()
+    assert pool.all_free() and t.idle()
+
+
+def test_a_full_host_tier_moves_blocks_to_disk_which_survives_a_restart(tmp_path):
+    kv, pool = cache(), BlockPool(NUM_BLOCKS)
+    t = tiers(pool, kv, host_blocks=2, disk_dir=tmp_path, disk_blocks=8)
+    try:
+        hashes, want = stored(pool, kv, t, 5, seed=100)    # 3 oldest go to disk
+        assert t.stats.stored_disk == 3 and len(t.disk.index) == 3
+        n, got = loaded(pool, kv, t, hashes)
+        assert n == 5 and torch.equal(got, want)
+        assert (t.stats.host_hits, t.stats.disk_hits) == (2, 3)
+    finally:
+        t.close()
+    again = tiers(pool, kv, host_blocks=2, disk_dir=tmp_path, disk_blocks=8)
+    try:
+        assert again.lookup(hashes) == 3                   # the disk's, in order
+        n, got = loaded(pool, kv, again, hashes[:3])
+        assert n == 3 and torch.equal(got, want[:, :, :3])
+    finally:
+        again.close()
+    assert pool.all_free()
+    other = tiers(pool, kv, host_blocks=2, disk_dir=tmp_path, disk_blocks=8,
+                  fp=fingerprint("another-model", kv))
+    try:
+        assert other.lookup(hashes) == 0
+    finally:
+        other.close()
+
+
+def test_a_damaged_disk_entry_is_dropped_not_served(tmp_path):
+    from pdserve.engine.kv_disk_tier import HEADER_BYTES
+    kv, pool = cache(), BlockPool(NUM_BLOCKS)
+    t = tiers(pool, kv, host_blocks=1, disk_dir=tmp_path, disk_blocks=4)
+    try:
+        hashes, want = stored(pool, kv, t, 3, seed=7)      # 2 on disk, 1 in host
+        slot = t.disk.index[hashes[1]]
+        with open(t.disk.path, "r+b") as f:                # one byte of hashes[1]'s block
+            f.seek(slot * t.disk.stride + HEADER_BYTES + 100)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+        n, got = loaded(pool, kv, t, hashes)
+        assert n == 1 and torch.equal(got[:, :, :1], want[:, :, :1])   # stops at the damage
+        assert t.stats.dropped == 1 and hashes[1] not in t.disk.index
+        assert t.lookup(hashes) == 1
+    finally:
+        t.close()
+    assert pool.all_free()

@@ -1,0 +1,31 @@
+"""pdserve/bench/multiturn.py without servers: a conversation's turns alternate user and
+assistant and stop at the asked count; per-turn TTFT summaries skip failed turns; the
+table names every arm. (The servers' run is the benchmark itself.)"""
+
+from pdserve.bench.multiturn import ArmResult, TurnResult, _messages, summary, table
+
+
+def conv(*pairs):
+    return {"conversations": [{"from": f, "value": v} for f, v in pairs]}
+
+
+def test_messages_alternate_and_stop_at_the_turns_asked():
+    c = conv(("human", "a"), ("gpt", "b"), ("human", "c"), ("gpt", "d"), ("human", "e"))
+    assert [m["content"] for m in _messages(c, 2)] == ["a", "b", "c"]
+    assert [m["role"] for m in _messages(c, 3)] == ["user", "assistant"] * 2 + ["user"]
+    assert _messages(c, 4) is None                                   # too few turns
+    assert _messages(conv(("gpt", "x"), ("human", "y"), ("gpt", "z")), 2) is None
+    assert _messages(conv(("human", "a"), ("gpt", ""), ("human", "c")), 2) is None
+
+
+def test_summary_per_turn_skips_failures():
+    arm = ArmResult("tiers", [TurnResult(0, 0, 10, 1.0), TurnResult(1, 0, 10, 3.0),
+                              TurnResult(0, 1, 20, 0.5), TurnResult(1, 1, 20, None, "boom")],
+                    prompt_tokens=60, computed_tokens=30, tier_hit_blocks={"host": 2})
+    s = summary(arm, 2)
+    assert s["failed"] == 1
+    assert [t["mean_ttft_ms"] for t in s["turns"]] == [2000.0, 500.0]
+    assert [t["n"] for t in s["turns"]] == [2, 1]
+    assert s["mean_ttft_ms_turns_2_on"] == 500.0
+    text = table([s, summary(ArmResult("vllm", arm.turns, 60, None), 2)])
+    assert "tiers" in text and "vllm" in text and "30 / 60" in text and "host 2" in text

@@ -9,7 +9,8 @@ the users' histories do not fit a prefill worker's pool (`pool_gib`; vLLM gets t
 space): a turn's history is in the pool only if nothing evicted it since the last turn.
 
 Reported per arm: TTFT of each turn (mean, median), the prompt tokens the server computed
-against those it took from a cache, and for pdserve the blocks each KV tier served.
+against those it took from a cache, and for pdserve the blocks each KV tier served;
+`out_dir`/multiturn.json holds every turn, `out_dir`/ttft_per_turn.png the plot.
 Arms:
 - `vllm`: `vllm serve` with its prefix caching (on by default), KV space `pool_gib`;
 - `pdserve`: `pdserve serve`, the prefill worker's pool `pool_gib`, no tiers;
@@ -175,6 +176,26 @@ def table(summaries: list[dict]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 
 
+def plot(summaries: list[dict], path: Path) -> None:
+    """Mean TTFT per turn, one line per arm, into the PNG `path`."""
+    from .plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in summaries:
+        pts = [(t["turn"], t["mean_ttft_ms"]) for t in s["turns"] if t["mean_ttft_ms"]]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s["arm"])
+    ax.set_xlabel("turn")
+    ax.set_ylabel("mean TTFT (ms)")
+    ax.set_xticks([t["turn"] for t in summaries[0]["turns"]])
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(cfg: MultiTurnConfig, progress=print) -> list[dict]:
     """Every arm of `cfg` on a fresh server, in order; their summaries, also written to
     `cfg.out_dir`/multiturn.json with the per-turn results."""
@@ -209,6 +230,7 @@ def run(cfg: MultiTurnConfig, progress=print) -> list[dict]:
         progress(f"{arm}: done in {time.perf_counter() - t0:.0f} s")
     (out / "multiturn.json").write_text(json.dumps(
         {"config": asdict(cfg), "summaries": summaries, "runs": raw}, indent=2))
+    plot(summaries, out / "ttft_per_turn.png")
     return summaries
 
 

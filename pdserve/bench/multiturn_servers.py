@@ -7,7 +7,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from .servers import Server, _env, _free_port, _venv_bin, grpc_address, vllm_bin
+from .servers import Server, VllmSetting, _env, _free_port, _venv_bin, grpc_address, vllm_bin
 
 MAX_MODEL_LEN = 4096
 
@@ -19,12 +19,19 @@ def start_arm(arm: str, cfg, model_dir: str, disk_dir: Path, log: Path
     (prompt tokens computed), and for pdserve "host" / "disk" (blocks the KV tiers
     served). Raises ValueError: an unknown arm; RuntimeError: the server did not start."""
     pool = str(int(cfg.pool_gib * 2**30))
-    if arm == "vllm":
+    if arm == "vllm":    # at its tuned setting (`pdserve bench peer --tune`), if any
+        from .peer import load_tuning
+        setting = load_tuning("bench/results/peer").get("fp32", VllmSetting())
         port = _free_port()
         cmd = [vllm_bin(), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
                "--kv-cache-memory-bytes", pool]
-        server = Server(cmd, _env({}), log, port, cfg.startup_timeout_s)
+        if setting.max_num_batched_tokens is not None:
+            cmd += ["--max-num-batched-tokens", str(setting.max_num_batched_tokens)]
+        env = {"VLLM_CPU_OMP_THREADS_BIND": setting.omp_bind}
+        if setting.omp_bind != "auto":
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"     # both cores to the engine
+        server = Server(cmd, _env(env), log, port, cfg.startup_timeout_s)
         return server, lambda: _vllm_counters(server.url)
     if arm not in ("pdserve", "tiers"):
         raise ValueError(f"arm {arm!r}: choose from vllm, pdserve, tiers")

@@ -29,3 +29,10 @@ def test_summary_per_turn_skips_failures():
     assert s["mean_ttft_ms_turns_2_on"] == 500.0
     text = table([s, summary(ArmResult("vllm", arm.turns, 60, None), 2)])
     assert "tiers" in text and "vllm" in text and "30 / 60" in text and "host 2" in text
+
+
+def test_the_plot_is_written(tmp_path):
+    from pdserve.bench.multiturn import plot
+    arm = ArmResult("pdserve", [TurnResult(0, 0, 10, 1.0), TurnResult(0, 1, 20, 0.4)])
+    plot([summary(arm, 2)], tmp_path / "ttft.png")
+    assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"

@@ -234,7 +234,7 @@ class Cluster:
         shut down, so the process exits cleanly instead of waiting on dead actors."""
         self._watch_stop.set()          # before the router stops: not restarted then
         if self._watch is not None:
-            self._watch.join(timeout=ROUTER_CALL_TIMEOUT_S + 5)
+            self._until(self._watch.is_alive, ROUTER_CALL_TIMEOUT_S + 5)
             self._watch = None
         if self._owns_ray and not self._ray_alive():
             logger.info("Ray's processes have exited (signalled with this process's group); "
@@ -268,12 +268,27 @@ class Cluster:
             if self._owns_ray and not self._ray_alive():
                 logger.info("Ray's processes exited while stopping; the workers went with them")
                 return
+            ref = call(actor)
             try:
-                ray.get(call(actor), timeout=timeout_s)
+                if self._until(lambda: not ray.wait([ref], timeout=0)[0], timeout_s):
+                    ray.get(ref)
+                else:
+                    logger.warning("%s: no answer in %.0f s, or Ray went away", what, timeout_s)
             except Exception as e:  # a dead router must not keep the workers alive
                 logger.warning("%s failed: %s", what, e)
         for a in [*self.routers, *self.prefill, *self.decode]:
             ray.kill(a)
+
+    def _until(self, pending, timeout_s: float) -> bool:
+        """Wait while `pending()` holds, `timeout_s` seconds at most, and no longer once
+        the Ray processes this cluster started have exited (a SIGTERM to the whole process
+        group: nothing will answer). Returns whether `pending()` stopped holding."""
+        deadline = time.monotonic() + timeout_s
+        while pending():
+            if time.monotonic() > deadline or (self._owns_ray and not self._ray_alive()):
+                return False
+            time.sleep(0.05)
+        return True
 
     def _ray_alive(self) -> bool:
         """Whether every process `ray.init` started for this cluster still runs."""

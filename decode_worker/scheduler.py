@@ -31,13 +31,9 @@ Blocks are taken on demand, and a running request that cannot get its next block
 preempts the newest (batch.py, the memory policy and why it always makes progress); a
 preempted request waits with its tokens and resumes, as if never preempted, by computing
 their K/V again as a prefill. With sampling n > 1, the prompt's K/V is forked into its
-samples once complete (fork.py).
-
-Every case is "compute tokens from num_computed_tokens to num_tokens" (vLLM's one
-progress counter; requests.py DecodeRequest): a local prefill starts after D's prefix
-cache hit and samples the first token as a prefill worker would (Dynamo's conditional
-disaggregation); with prefill_chunk_size, a long local prompt or recompute runs over
-several steps while the running rows keep decoding (vLLM's chunked prefill).
+samples once complete (fork.py). Every case computes tokens from num_computed_tokens to
+num_tokens (requests.py DecodeRequest), chunked beside the decode rows under
+prefill_chunk_size (vLLM's chunked prefill).
 
 Thread-safety: every public method takes the scheduler's lock. Blocks are only ever
 freed, and only taken for running requests, inside schedule(), update_from_output() and
@@ -48,7 +44,6 @@ are recorded and applied there. (reserve() takes free blocks from RPC threads.)
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -67,8 +62,6 @@ from .connector import DecodeKVConnector
 from .fork import drop_cow_src, fork
 from .requests import DecodeRequest, RequestTooLargeError, Reserved
 from .step_budget import MAX_BUDGET_WAITS
-
-logger = logging.getLogger(__name__)
 
 
 class DecodeScheduler:

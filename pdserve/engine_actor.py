@@ -13,6 +13,7 @@ _close (what it closes besides the engine)."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import os
@@ -35,7 +36,7 @@ from .tp_group import worker_runner
 logger = logging.getLogger(__name__)
 
 
-class EngineActor:
+class EngineActor(abc.ABC):
     """Base of PrefillWorker and DecodeWorker; see the module docstring. `runner_kw` go
     to ModelRunner (tp_group.worker_runner). Raises what worker_runner raises."""
 
@@ -108,20 +109,25 @@ class EngineActor:
             else:
                 self._idle()
 
+    @abc.abstractmethod
     def _schedule(self) -> SchedulerOutput:
-        raise NotImplementedError
+        """See the module docstring."""
 
+    @abc.abstractmethod
     def _step(self, out: SchedulerOutput) -> None:
-        raise NotImplementedError
+        """See the module docstring."""
 
+    @abc.abstractmethod
     def _idle(self) -> None:
-        raise NotImplementedError
+        """See the module docstring."""
 
+    @abc.abstractmethod
     def _metric_values(self) -> dict[str, float]:
-        raise NotImplementedError
+        """See the module docstring."""
 
+    @abc.abstractmethod
     def _close(self) -> None:
-        raise NotImplementedError
+        """See the module docstring."""
 
     def _kv_endpoints(self) -> tuple:
         """(kv_address, kv_rank_addresses) for WorkerInfo: a decode worker's receivers."""

@@ -49,8 +49,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..engine.block_pool import (BlockPool, NoFreeBlocksError, block_hashes, blocks_needed,
-                                 match_prompt_prefix)
+from ..engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
+from ..engine.kv_tiers import KVTiers
 from ..engine.outputs import SchedulerOutput
 from ..engine.request import RequestState, TokenEvent
 from ..engine.schedule_policy import SchedulePolicy, step_tokens
@@ -60,6 +60,7 @@ from ..request_ids import router_of
 from .batch import RunningBatch
 from .connector import DecodeKVConnector
 from .fork import drop_cow_src, fork
+from .prompt_cache import PromptCache
 from .requests import DecodeRequest, RequestTooLargeError, Reserved
 from .step_budget import MAX_BUDGET_WAITS
 
@@ -70,7 +71,8 @@ class DecodeScheduler:
                  connector: DecodeKVConnector | None = None,
                  enable_prefix_caching: bool = False, local_prefill_max_tokens: int = 0,
                  prefill_chunk_size: int | None = None,
-                 schedule_policy: str | SchedulePolicy = SchedulePolicy.FCFS):
+                 schedule_policy: str | SchedulePolicy = SchedulePolicy.FCFS,
+                 tiers: KVTiers | None = None):
         """connector: the KV receiver's side (decode_worker/connector.py) that fills the
         blocks of requests prefilled elsewhere; their blocks go back to the pool only
         once it reports them released (update_from_connector). None (tests, a
@@ -83,11 +85,15 @@ class DecodeScheduler:
         together, less one per decode row of the step (decode first, as vLLM's chunked
         prefill budgets a step) but at least block_size; None: whole prompts.
         schedule_policy: the order of local prefills (engine/schedule_policy.py).
+        tiers (engine/kv_tiers.py; with prefix caching): prompt blocks are stored there
+        once cached, and a local prefill loads the tiers' hit past the pool's before it
+        computes the rest, which counts as cached for local_prefill_max_tokens
+        (prompt_cache.py).
 
         Raises:
             ValueError: an unknown schedule_policy."""
         self.pool, self.block_size, self.max_model_len = pool, block_size, max_model_len
-        self.enable_prefix_caching = enable_prefix_caching
+        self.prompt_cache = PromptCache(pool, block_size, enable_prefix_caching, tiers)
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.prefill_chunk_size = prefill_chunk_size
         self._budget_waits = 0      # steps in a row a TPOT budget left the prefills out
@@ -103,8 +109,8 @@ class DecodeScheduler:
         self._events: list[TokenEvent] = []      # finishes outside a step (errors, aborts)
         self.num_reclaimed = 0                   # leases expired
         self.num_local_prefills = 0              # requests prefilled on D (no transfer)
-        self.cached_tokens = 0                   # prompt tokens found in D's prefix cache
-        self.prefix_queries = self.prefix_hits = 0  # blocks looked up / found there
+        self.computed_tokens = 0                 # prompt tokens computed here (local
+                                                 # prefills and resumed preemptions)
 
     # --- called from RPC / transport threads --------------------------------------
 
@@ -154,10 +160,8 @@ class DecodeScheduler:
         total = blocks_needed(min(n + params.max_tokens, self.max_model_len), bs)
         if total > self.pool.num_blocks:
             raise RequestTooLargeError(n, params.max_tokens, total, self.pool.num_blocks, bs)
-        hashes, hit, looked_up = [], [], 0
-        if self.enable_prefix_caching:
-            hashes = block_hashes(prompt, bs)
-            hit, looked_up = match_prompt_prefix(self.pool, hashes, n, bs)
+        hashes, hit, looked_up, tier_hit = self.prompt_cache.lookup(
+            prompt, with_tiers=params.prompt_logprobs is None)
         need = blocks_needed(n, bs) - len(hit)
         free = self.pool.num_free - self._batch.resume_blocks()
         if need > free:
@@ -166,14 +170,16 @@ class DecodeScheduler:
         req = DecodeRequest(request_id, prompt, params, hit + self.pool.allocate(need),
                             time.monotonic() + lease_s, num_computed_tokens=len(hit) * bs,
                             num_cached_blocks=len(hit), block_hashes=hashes)
-        self.cached_tokens += req.num_computed_tokens
-        self.prefix_queries += looked_up
-        self.prefix_hits += len(hit)
+        self.prompt_cache.count(looked_up, len(hit))
         if params.prompt_logprobs is None and (  # those need the prefill worker's pass
-                prefill_locally or n - req.num_computed_tokens <= self.local_prefill_max_tokens):
+                prefill_locally
+                or n - (len(hit) + tier_hit) * bs <= self.local_prefill_max_tokens):
             req.state, req.remote_kv = RequestState.WAITING, False
-            self._arrived.append(request_id)
             self.num_local_prefills += 1
+            if tier_hit:                  # admitted once loaded (schedule)
+                self.prompt_cache.load(req, len(hit), tier_hit)
+            else:
+                self._arrived.append(request_id)
         self._requests[request_id] = req
         return req
 
@@ -188,7 +194,7 @@ class DecodeScheduler:
                 req.num_computed_tokens = req.prompt_len
                 req.output_ids.append(first_token)
                 self._arrived.append(request_id)
-                self._cache_prompt(req)
+                self.prompt_cache.cache(req)
                 if req.abort_reason is None:
                     self._fork(req)
             else:
@@ -247,6 +253,7 @@ class DecodeScheduler:
             if self._copied:                    # the last step copied them
                 self.pool.free(self._copied)
                 self._copied = []
+            self._arrived += [r.request_id for r in self.prompt_cache.loaded()]
             for rid in self._arrived:           # first: an arrived request has no lease
                 req = self._requests.get(rid)
                 if (req is not None and req.abort_reason is None and req.state in
@@ -257,7 +264,7 @@ class DecodeScheduler:
                         self._check_stop(req)
             self._arrived.clear()
             for req in list(self._requests.values()):
-                if req.abort_reason is not None:
+                if req.abort_reason is not None and not self.prompt_cache.loading(req):
                     state = RequestState.FINISHED_ERROR if req.error else RequestState.FINISHED_ABORTED
                     self._finish(req, state)
                 elif req.state == RequestState.WAITING_FOR_REMOTE_KV and now > req.lease_deadline:
@@ -284,8 +291,9 @@ class DecodeScheduler:
                     continue  # aborted mid-step: schedule() finishes it
                 was = req.num_computed_tokens
                 req.num_computed_tokens += n
+                self.computed_tokens += max(0, min(n, req.prompt_len - was))
                 if was < req.prompt_len <= req.num_computed_tokens:
-                    self._cache_prompt(req)     # the step completed the prompt's K/V here
+                    self.prompt_cache.cache(req)     # the step completed the prompt's K/V here
                     self._fork(req)
                 if tok is None:                 # a chunk, short of num_tokens
                     assert req.num_computed_tokens < req.num_tokens, (req.request_id, n)
@@ -341,12 +349,6 @@ class DecodeScheduler:
             for child in fork(req, self.pool, self.block_size):
                 self._requests[child.request_id] = child
                 self._arrived.append(child.request_id)
-
-    def _cache_prompt(self, req: DecodeRequest) -> None:
-        """Register the prompt's full blocks in the prefix cache once their KV is in
-        place (transferred or computed here); decode never writes into them."""
-        if req.block_hashes:
-            self.pool.cache_blocks(req.block_table[:len(req.block_hashes)], req.block_hashes)
 
     def _check_stop(self, req: DecodeRequest, emit: bool = True) -> bool:
         state = stop_state(req.output_ids[-1], len(req.output_ids), req.num_tokens, req.params,

@@ -91,7 +91,7 @@ class DecodeWorker(EngineActor):
             enable_prefix_caching=config.enable_prefix_caching,
             local_prefill_max_tokens=config.local_prefill_max_tokens,
             prefill_chunk_size=config.prefill_chunk_size,
-            schedule_policy=config.schedule_policy)
+            schedule_policy=config.schedule_policy, tiers=self.tiers)
         self._outbox = EventOutbox()                 # events not yet streamed, per router
         # threads of idle prefill workers on this node, borrowed step by step (core_share)
         lent = None
@@ -198,7 +198,8 @@ class DecodeWorker(EngineActor):
             kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
             running_requests=running, waiting_requests=waiting,
             metrics_address=self.metrics_address, kv_address=f"{host}:{port}",
-            prefix_cache_hit_tokens=self.scheduler.cached_tokens,
+            prefill_tokens_computed=self.scheduler.computed_tokens,
+            prefix_cache_hit_tokens=self.scheduler.prompt_cache.cached_tokens,
             prefix_cache_blocks=self.pool.num_cached,
             kv_transport=self.config.transport,
             # KV that arrived by one-sided writes (NIXL), not over the socket
@@ -210,7 +211,7 @@ class DecodeWorker(EngineActor):
             kv_reservations_reclaimed=self.scheduler.num_reclaimed,
             preempted_requests=self.scheduler.num_waiting_to_resume(),
             local_prefills=self.scheduler.num_local_prefills,
-            tensor_parallel_size=self.tp.size)
+            tensor_parallel_size=self.tp.size, **self._tier_values(status=True))
 
     def _metric_values(self) -> dict[str, float]:
         """Current gauges and counters for /metrics (pdserve/metrics.py), at scrape time."""
@@ -221,9 +222,9 @@ class DecodeWorker(EngineActor):
                 "kv_reservations_active": sched.num_reservations_active(),
                 "kv_reservations_reclaimed": sched.num_reclaimed,
                 "num_preemptions": sched.num_preemptions,
-                "prefix_cache_queries": sched.prefix_queries,
-                "prefix_cache_hits": sched.prefix_hits,
-                "kv_transfer_failures": sched.connector.num_failed}
+                "prefix_cache_queries": sched.prompt_cache.prefix_queries,
+                "prefix_cache_hits": sched.prompt_cache.prefix_hits,
+                "kv_transfer_failures": sched.connector.num_failed, **self._tier_values()}
 
     def _kv_endpoints(self) -> tuple:
         return tuple(self.kv_address), self.kv_rank_addresses
@@ -231,6 +232,8 @@ class DecodeWorker(EngineActor):
     def _close(self) -> None:
         self.receiver.close()
         self.step_threads.close()
+        if self.tiers is not None:
+            self.tiers.close()
 
     # --- the step thread ----------------------------------------------------------------
 

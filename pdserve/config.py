@@ -70,10 +70,11 @@ class WorkerConfig:
                                      # 2048 on CUDA
     lease_s: float = 60.0            # decode: how long a reservation waits for prefill's KV
     enable_prefix_caching: bool = True  # share cached prompt-prefix blocks (P and D)
-    kv_host_cache_gib: float = 0.0   # prefill: a host-memory KV tier below the pool, GiB
-                                     # (engine/kv_tiers.py; 0: none)
-    kv_disk_cache_dir: str | None = None  # prefill: a disk KV tier's directory (with the
-                                     # host tier), kept across restarts
+    kv_host_cache_gib: float = 0.0   # a host-memory KV tier below the pool, GiB (P: every
+                                     # prompt; D: its local prefills; engine/kv_tiers.py;
+                                     # 0: none)
+    kv_disk_cache_dir: str | None = None  # a disk KV tier's directory (with the host
+                                     # tier), kept across restarts
     kv_disk_cache_gib: float = 0.0   # ... and its size, GiB
     slo_tpot_ms: float | None = None  # decode: a step with running streams computes no
                                      # more tokens than keep it within this TPOT SLO

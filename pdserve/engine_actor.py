@@ -27,6 +27,7 @@ from .core_share import CompileActivity
 from .engine.block_pool import BlockPool
 from .engine.engine_thread import EngineThread
 from .engine.kv_prefault import prefault_pool
+from .engine.kv_tiers import KVTiers, fingerprint
 from .engine.outputs import SchedulerOutput
 from .kv_transfer.tp_plan import rank_layout
 from .messages import WorkerInfo
@@ -35,6 +36,10 @@ from .tp_group import worker_runner
 
 logger = logging.getLogger(__name__)
 
+
+# WorkerStatus's names of the tier counters whose /metrics names differ (kv_tier_*)
+_TIER_STATUS_FIELDS = {"host_hits": "host_hit_blocks", "disk_hits": "disk_hit_blocks",
+                       "dropped": "dropped_blocks"}
 
 class EngineActor(abc.ABC):
     """Base of PrefillWorker and DecodeWorker; see the module docstring. `runner_kw` go
@@ -62,6 +67,14 @@ class EngineActor(abc.ABC):
         self.kv_layout = rank_layout(self.runner.kv_cache, model.model_id,
                                      model.num_kv_heads, self.tp)
         self.compile_flag = CompileActivity.on(config.core_share_dir, worker_id)
+        self.tiers = None              # host and disk KV tiers below the pool (kv_tiers.py)
+        if config.kv_host_cache_gib > 0:
+            self.tiers = KVTiers(self.pool, self.runner.kv_cache,
+                                 fingerprint(model.model_id, self.runner.kv_cache,
+                                             self.runner.model_dir),
+                                 config.kv_host_cache_gib, config.kv_disk_cache_dir,
+                                 config.kv_disk_cache_gib, name=worker_id,
+                                 notify=self._wake.set)
 
     def _serve_metrics(self) -> None:
         """/metrics of this worker (pdserve/metrics.py), its values from _metric_values."""
@@ -128,6 +141,19 @@ class EngineActor(abc.ABC):
     @abc.abstractmethod
     def _close(self) -> None:
         """See the module docstring."""
+
+    def _tier_values(self, status: bool = False) -> dict:
+        """The KV tiers' counters by /metrics name (pdserve/metrics.py), or with
+        `status` by WorkerStatus field; {} without tiers."""
+        if self.tiers is None:
+            return {}
+        st, disk = self.tiers.stats, self.tiers.disk
+        values = {"host_hits": st.host_hits, "disk_hits": st.disk_hits,
+                  "bytes_loaded": st.bytes_loaded, "load_seconds": st.load_seconds,
+                  "dropped": st.dropped, "host_blocks": len(self.tiers.host.index),
+                  "disk_blocks": 0 if disk is None else len(disk.index)}
+        names = _TIER_STATUS_FIELDS if status else {}
+        return {"kv_tier_" + names.get(k, k): v for k, v in values.items()}
 
     def _kv_endpoints(self) -> tuple:
         """(kv_address, kv_rank_addresses) for WorkerInfo: a decode worker's receivers."""

@@ -176,11 +176,12 @@ class WorkerStatus:
     step_stats: StepStats = StepStats()   # this epoch's model steps (router/planner.py)
     # prefill
     queued_tokens: int = 0            # prompt tokens waiting or in progress
-    prefill_tokens_computed: int = 0
+    prefill_tokens_computed: int = 0  # prompt tokens computed (decode: local prefills
+                                      # and resumed preemptions)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_bytes_sent: int = 0            # K/V payload bytes sent to decode workers
-    # prefill, KV tiers (engine/kv_tiers.py): blocks loaded back from each tier, the bytes
+    # KV tiers (engine/kv_tiers.py; D: local prefills): blocks loaded back from each tier, the bytes
     # and seconds of those loads, disk entries dropped by their checksum, blocks held now
     kv_tier_host_hit_blocks: int = 0
     kv_tier_disk_hit_blocks: int = 0

@@ -48,7 +48,7 @@ workers (`WorkerMetrics`; values read from the worker at scrape time, plus histo
     pdserve_kv_reservations_active                gauge (decode: waiting for prefill's KV)
     pdserve_kv_reservations_reclaimed_total       counter (decode: lease expired)
     pdserve_num_preemptions_total                 counter (decode)
-    pdserve_kv_tier_{host,disk}_hits_total        counters (prefill): blocks loaded back from
+    pdserve_kv_tier_{host,disk}_hits_total        counters: blocks loaded back from
                                                   the host / disk KV tier (engine/kv_tiers.py)
     pdserve_kv_tier_bytes_loaded_total            counter: bytes those loads moved
     pdserve_kv_tier_load_seconds_total            counter: seconds of those loads

@@ -80,6 +80,7 @@ def _serve(args) -> int:
             **({"dtype": args.dtype} if args.dtype else {}),
             compile=args.compile, enforce_eager=args.enforce_eager,
             **{k: v for k in ("local_prefill_max_tokens", "max_num_batched_tokens",
+                              "prefill_chunk_size",
                               "schedule_policy", "kv_host_cache_gib", "kv_disk_cache_dir",
                               "kv_disk_cache_gib")
                if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
@@ -305,6 +306,12 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prompt tokens a prefill worker computes per step, all prompts of "
                         "its batch together (vLLM's flag; default 512 on CPU, 2048 on CUDA)")
+    s.add_argument("--chunked-prefill-size", dest="prefill_chunk_size", type=int,
+                   default=None,
+                   help="most tokens of one prompt a prefill worker computes per step, and "
+                        "of all prompts a decode worker prefills beside its streams per "
+                        "step (SGLang's flag; a multiple of 16, at most "
+                        "--max-num-batched-tokens; default 512)")
     s.add_argument("--schedule-policy", choices=["sjf", "fcfs"], default=None,
                    help="order of prompts waiting for prefill (SGLang's flag): fcfs, "
                         "arrival order (default), or sjf, the shortest prompt first but any "
@@ -317,9 +324,10 @@ def add_serve_parser(sub) -> None:
                         "docs/benchmarks.md picked on one box; `pdserve bench "
                         "local-prefill` picks yours)")
     s.add_argument("--kv-host-cache-gib", type=float, default=None,
-                   help="a host-memory KV tier of this many GiB under each prefill worker's "
-                        "block pool: prefix blocks the pool evicts stay there and load back "
-                        "instead of being recomputed (default 0: none)")
+                   help="a host-memory KV tier of this many GiB under each worker's block "
+                        "pool: prefix blocks the pool evicts stay there and load back "
+                        "instead of being recomputed, on a prefill worker and for a decode "
+                        "worker's local prefills (default 0: none)")
     s.add_argument("--kv-disk-cache-dir", default=None,
                    help="a disk KV tier in this directory under the host tier (with "
                         "--kv-disk-cache-gib): the host tier's oldest blocks move there, and a "

@@ -33,6 +33,7 @@ from collections import deque
 
 from ..engine.block_pool import BlockPool, block_hashes, blocks_needed, match_prompt_prefix
 from ..engine.kv_tiers import KVTiers
+from ..engine.tier_loads import TierLoads
 from ..engine.outputs import ModelRunnerOutput, SchedulerOutput
 from ..engine.request import RequestState
 from ..engine.schedule_policy import SchedulePolicy, chunk_tokens, prefill_order
@@ -47,7 +48,7 @@ class PrefillScheduler:
     (engine/kv_tiers.py), the blocks the pool's cache lacks are looked up in the host and
     disk tiers too: a prompt with a tier hit takes its blocks, waits while the tiers
     thread loads the hit into them, then computes the rest; its computed blocks are
-    stored to the tiers once cached (`tier_hit_tokens`: tokens loaded)."""
+    stored to the tiers once cached (engine/tier_loads.py)."""
 
     def __init__(self, pool: BlockPool, block_size: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, prefill_chunk_size: int | None = None,
@@ -64,11 +65,10 @@ class PrefillScheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefill_chunk_size = prefill_chunk_size
         self.schedule_policy = SchedulePolicy.of(schedule_policy)   # ValueError: unknown
-        self.tiers = tiers
+        self.loads = None if tiers is None else TierLoads(tiers, pool, block_size)
         self._partial: deque[PrefillRequest] = deque()   # between chunks, oldest first
         self._dropped: list[PrefillRequest] = []          # aborted between chunks
-        self._loading: dict[str, tuple[PrefillRequest, int]] = {}  # tier loads: (req, at block)
-        self.computed_tokens = self.cached_tokens = self.tier_hit_tokens = 0
+        self.computed_tokens = self.cached_tokens = 0
         self.prefix_queries = self.prefix_hits = 0
         self._lock = threading.Lock()
         self._waiting: deque[PrefillRequest] = deque()
@@ -149,8 +149,8 @@ class PrefillScheduler:
             if req.block_hashes is None:
                 req.block_hashes = block_hashes(req.prompt_token_ids, bs)
             hit, looked_up = match_prompt_prefix(self.pool, req.block_hashes, n, bs)
-            if self.tiers is not None:   # the rest of the lookup, never the last block
-                tier_hit = self.tiers.lookup(req.block_hashes[len(hit):(n - 1) // bs])
+            if self.loads is not None:   # the rest of the lookup, never the last block
+                tier_hit = self.loads.lookup(req.block_hashes, len(hit), n)
         req.num_computed_tokens = len(hit) * bs
         take = -1 if tier_hit else self._chunk(req, budget, alone)
         need = blocks_needed(n, bs) - len(hit)
@@ -160,9 +160,7 @@ class PrefillScheduler:
             return 0
         req.block_table = hit + self.pool.allocate(need)
         if tier_hit:
-            self._loading[req.request_id] = (req, len(hit))
-            self.tiers.load(req.request_id, req.block_hashes[len(hit):len(hit) + tier_hit],
-                            req.block_table[len(hit):len(hit) + tier_hit])
+            self.loads.start(req, len(hit), tier_hit)
         req.num_cached = req.num_computed_tokens
         req.state = RequestState.PREFILLING
         self.computed_tokens += max(take, 0)
@@ -175,21 +173,17 @@ class PrefillScheduler:
         """Prompts whose tier load finished (lock held): the blocks loaded enter the pool's
         prefix cache and count as computed; the prompt computes the rest from its next
         chunk on (an aborted one is handed back by take_aborted)."""
-        if self.tiers is None:
+        if self.loads is None:
             return
-        for done in self.tiers.poll():
-            req, start = self._loading.pop(done.key)
-            loaded = slice(start, start + done.num_loaded)
-            self.pool.cache_blocks(req.block_table[loaded], req.block_hashes[loaded])
-            req.num_computed_tokens = req.num_cached = loaded.stop * self.block_size
-            self.cached_tokens += done.num_loaded * self.block_size
-            self.tier_hit_tokens += done.num_loaded * self.block_size
+        for req, num_blocks in self.loads.finished():
+            self.cached_tokens += num_blocks * self.block_size - req.num_cached
+            req.num_computed_tokens = req.num_cached = num_blocks * self.block_size
             (self._dropped if req.finish is not None else self._partial).append(req)
 
     def loading(self) -> bool:
         """Whether a tier load is in flight (the step loop waits for it)."""
         with self._lock:
-            return bool(self._loading)
+            return self.loads is not None and self.loads.loading()
 
     def _chunk(self, req: PrefillRequest, budget: int, alone: bool) -> int:
         """Tokens `req` computes this step within `budget` (0: none fit). Without
@@ -258,8 +252,8 @@ class PrefillScheduler:
         if self.enable_prefix_caching and req.block_hashes and req.block_table:
             full = req.block_table[:len(req.block_hashes)]
             self.pool.cache_blocks(full, req.block_hashes)
-            if self.tiers is not None:
-                self.tiers.store(full, req.block_hashes)
+            if self.loads is not None:
+                self.loads.store(full, req.block_hashes)
 
     def abort(self, request_id: str) -> PrefillRequest | None:
         """Mark a request aborted; returns it if it was still queued (never computed)."""

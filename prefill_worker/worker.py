@@ -36,7 +36,6 @@ from ..config import WorkerConfig
 from ..core_share import PrefillActivity
 from ..engine.block_pool import blocks_needed
 from ..engine.input_batch import PrefillSeq
-from ..engine.kv_tiers import KVTiers, fingerprint
 from ..engine.outputs import SchedulerOutput
 from ..engine.request import RequestState
 from ..engine.tp_executor import TPGroupBroken
@@ -73,14 +72,6 @@ class PrefillWorker(EngineActor):
         super().__init__(worker_id, config,
                          compile_model=config.compile and not config.enforce_eager)
         self.num_layers = self.runner.config.num_layers
-        self.tiers = None              # host and disk KV tiers below the pool (kv_tiers.py)
-        if config.kv_host_cache_gib > 0:
-            self.tiers = KVTiers(self.pool, self.runner.kv_cache,
-                                 fingerprint(self.runner.config.model_id, self.runner.kv_cache,
-                                             self.runner.model_dir),
-                                 config.kv_host_cache_gib, config.kv_disk_cache_dir,
-                                 config.kv_disk_cache_gib, name=worker_id,
-                                 notify=self._wake.set)
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
                                           config.max_num_batched_tokens,
                                           config.enable_prefix_caching,
@@ -223,24 +214,6 @@ class PrefillWorker(EngineActor):
             prefix_cache_blocks=self.pool.num_cached,
             kv_bytes_sent=self.connector.kv_bytes_sent, tensor_parallel_size=self.tp.size,
             step_stats=self.step_stats, **self._tier_values(status=True))
-
-    def _tier_values(self, status: bool = False) -> dict:
-        """The KV tiers' counters by /metrics name (pdserve/metrics.py), or with `status`
-        by WorkerStatus field; {} without tiers."""
-        if self.tiers is None:
-            return {}
-        st, disk = self.tiers.stats, self.tiers.disk
-        held = (len(self.tiers.host.index), 0 if disk is None else len(disk.index))
-        if status:
-            return dict(kv_tier_host_hit_blocks=st.host_hits, kv_tier_disk_hit_blocks=st.disk_hits,
-                        kv_tier_bytes_loaded=st.bytes_loaded,
-                        kv_tier_load_seconds=st.load_seconds,
-                        kv_tier_dropped_blocks=st.dropped, kv_tier_host_blocks=held[0],
-                        kv_tier_disk_blocks=held[1])
-        return dict(kv_tier_host_hits=st.host_hits, kv_tier_disk_hits=st.disk_hits,
-                    kv_tier_bytes_loaded=st.bytes_loaded, kv_tier_load_seconds=st.load_seconds,
-                    kv_tier_dropped=st.dropped, kv_tier_host_blocks=held[0],
-                    kv_tier_disk_blocks=held[1])
 
     def _metric_values(self) -> dict[str, float]:
         """Current gauges and counters for /metrics (pdserve/metrics.py), at scrape time."""

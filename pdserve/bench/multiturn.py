@@ -3,18 +3,26 @@ once, against vLLM's CPU build and pdserve with and without KV tiers, through on
 
 Each user is one conversation: turn k's prompt is the chat template over the dataset's
 first k user messages and the dataset's replies between them (so every server sees the
-same prompts, whatever it answers), and a user sends turn k+1 once turn k's answer
-(`max_tokens`, ignore_eos) is done. The users start together. The KV pools are sized so
-the users' histories do not fit a prefill worker's pool (`pool_gib`; vLLM gets the same KV
-space): a turn's history is in the pool only if nothing evicted it since the last turn.
+same prompts, whatever it answers). `clients` send at once, as vLLM's multi-turn
+benchmark's clients do over its active conversations: each takes the user first in line,
+sends that user's next turn, and once its answer (`max_tokens`, ignore_eos) is done puts
+the user at the back of the line. With more users than clients, a user's next turn comes
+after the other users' turns, and its history is still cached only if nothing evicted it
+meanwhile. The KV is sized so the users' histories do not fit a worker's pool: the
+prefill worker's pool `pool_gib`, the decode worker's `decode_pool_gib` (room for the
+running requests), vLLM's one pool the two together.
 
 Reported per arm: TTFT of each turn (mean, median), the prompt tokens the server computed
 against those it took from a cache, and for pdserve the blocks each KV tier served;
 `out_dir`/multiturn.json holds every turn, `out_dir`/ttft_per_turn.png the plot.
 Arms:
-- `vllm`: `vllm serve` with its prefix caching (on by default), KV space `pool_gib`;
-- `pdserve`: `pdserve serve`, the prefill worker's pool `pool_gib`, no tiers;
-- `tiers`: the same with `--kv-host-cache-gib host_gib` and a disk tier of `disk_gib`.
+- `vllm`: `vllm serve` with its prefix caching (on by default), KV space `pool_gib` +
+  `decode_pool_gib`;
+- `pdserve`: `pdserve serve` with those pools, no tiers, its placement defaults and
+  `--local-prefill-max-tokens local_prefill_max_tokens`: a turn whose uncached part (after
+  the decode worker's prefix cache) is at most that is prefilled on the decode worker;
+- `tiers`: the same with `--kv-host-cache-gib host_gib` and a disk tier of `disk_gib`
+  under each worker's pool.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,15 +43,22 @@ ARMS = ("vllm", "pdserve", "tiers")
 @dataclass
 class MultiTurnConfig:
     model: str = "default"
-    users: int = 16
-    turns: int = 4
+    users: int = 48                   # conversations
+    clients: int = 16                 # turns in flight at most
+    turns: int = 6
     max_tokens: int = 32              # each turn's answer (ignore_eos)
     max_prompt_tokens: int = 3072     # a conversation's last turn at most this long
     seed: int = 1                     # which conversations (0 is the tuning sample)
     arms: tuple[str, ...] = ARMS
-    pool_gib: float = 0.25            # prefill pool (pdserve) and KV space (vLLM)
-    host_gib: float = 1.0             # the tiers arm's host tier
+    pool_gib: float = 0.25            # the prefill worker's pool
+    decode_pool_gib: float = 1.0      # the decode worker's; vLLM's KV space is both
+    host_gib: float = 2.0             # the tiers arm's host tier under each pool
     disk_gib: float = 4.0             # ... and disk tier
+    # pdserve's setting for this workload, tuned on seed 0's tiers arm (docs/kv_tiers.md):
+    # turns the decode worker prefills itself (all, here: the prefill worker idles and
+    # lends it its core), shortest first, in chunks of 256 tokens beside the streams
+    local_prefill_max_tokens: int = 2048
+    pdserve_args: str = "--schedule-policy sjf --chunked-prefill-size 256"
     out_dir: str = "bench/results/multiturn"
     startup_timeout_s: float = 900.0
 
@@ -63,6 +79,7 @@ class ArmResult:
     prompt_tokens: int = 0            # all turns' prompts
     computed_tokens: int | None = None   # of those, computed (the rest from a cache)
     tier_hit_blocks: dict[str, int] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)   # the server's, over the run
     command: str = ""
 
 
@@ -101,24 +118,39 @@ def _messages(conv: dict, turns: int) -> list[dict] | None:
     return msgs
 
 
-def replay(url: str, prompts: list[list[str]], max_tokens: int) -> list[TurnResult]:
-    """Every user's turns against the OpenAI-compatible server at `url`, the users at
-    once and each user's turns in order; TTFT per turn (first streamed chunk)."""
+def replay(url: str, prompts: list[list[str]], max_tokens: int, clients: int
+           ) -> list[TurnResult]:
+    """Every user's turns against the OpenAI-compatible server at `url`, each user's in
+    order, `clients` turns in flight (see the module docstring); TTFT per turn (first
+    streamed chunk)."""
     import openai
 
     results: list[TurnResult] = []
-    lock = threading.Lock()
+    line = deque((u, 0) for u in range(len(prompts)))    # (user, next turn), first in line
+    cond = threading.Condition()
+    left = sum(map(len, prompts))
     with openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="EMPTY", max_retries=0,
                        timeout=3600) as client:
         model = client.models.list().data[0].id
 
-        def user(u: int) -> None:
-            for k, p in enumerate(prompts[u]):
-                r = _turn(client, model, p, max_tokens, u, k)
-                with lock:
+        def send() -> None:
+            nonlocal left
+            while True:
+                with cond:
+                    while not line and left:
+                        cond.wait()
+                    if not left:
+                        return
+                    u, k = line.popleft()
+                r = _turn(client, model, prompts[u][k], max_tokens, u, k)
+                with cond:
                     results.append(r)
+                    left -= 1
+                    if k + 1 < len(prompts[u]):
+                        line.append((u, k + 1))
+                    cond.notify_all()
 
-        threads = [threading.Thread(target=user, args=(u,)) for u in range(len(prompts))]
+        threads = [threading.Thread(target=send) for _ in range(min(clients, len(prompts)))]
         for t in threads:
             t.start()
         for t in threads:
@@ -148,7 +180,7 @@ def summary(arm: ArmResult, turns: int) -> dict:
     """Per turn: mean and median TTFT (ms) of the users' turns that succeeded."""
     out = {"arm": arm.arm, "failed": sum(r.ttft_s is None for r in arm.turns),
            "prompt_tokens": arm.prompt_tokens, "computed_tokens": arm.computed_tokens,
-           "tier_hit_blocks": arm.tier_hit_blocks, "turns": []}
+           "tier_hit_blocks": arm.tier_hit_blocks, "counters": arm.counters, "turns": []}
     for k in range(turns):
         ttfts = [r.ttft_s * 1e3 for r in arm.turns if r.turn == k and r.ttft_s is not None]
         out["turns"].append({"turn": k + 1, "n": len(ttfts),
@@ -217,12 +249,13 @@ def run(cfg: MultiTurnConfig, progress=print) -> list[dict]:
                 t0 = time.perf_counter()
                 result = ArmResult(arm, command=" ".join(server.cmd))
                 before = counters()
-                result.turns = replay(server.url, prompts, cfg.max_tokens)
+                result.turns = replay(server.url, prompts, cfg.max_tokens, cfg.clients)
                 after = counters()
                 result.prompt_tokens = sum(r.prompt_tokens for r in result.turns)
                 result.computed_tokens = after.get("computed", 0) - before.get("computed", 0)
                 result.tier_hit_blocks = {k: after[k] - before.get(k, 0) for k in after
                                           if k in ("host", "disk")}
+                result.counters = {k: v - before.get(k, 0) for k, v in after.items()}
             finally:
                 server.stop()
         summaries.append(summary(result, cfg.turns))
@@ -241,16 +274,26 @@ def add_parser(bsub) -> None:
                                           "of vLLM and pdserve with and without KV tiers")
     d = MultiTurnConfig()
     p.add_argument("--model", default=d.model)
-    p.add_argument("--users", type=int, default=d.users)
+    p.add_argument("--users", type=int, default=d.users, help="conversations")
+    p.add_argument("--clients", type=int, default=d.clients, help="turns in flight at most")
     p.add_argument("--turns", type=int, default=d.turns)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="each turn's answer")
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
     p.add_argument("--seed", type=int, default=d.seed, help="the conversations (0: tuning)")
     p.add_argument("--arms", default=",".join(d.arms))
     p.add_argument("--pool-gib", type=float, default=d.pool_gib,
-                   help="the prefill worker's KV pool, and vLLM's KV space")
-    p.add_argument("--host-gib", type=float, default=d.host_gib)
+                   help="the prefill worker's KV pool")
+    p.add_argument("--decode-pool-gib", type=float, default=d.decode_pool_gib,
+                   help="the decode worker's KV pool (vLLM's KV space: both pools)")
+    p.add_argument("--host-gib", type=float, default=d.host_gib,
+                   help="the tiers arm's host tier under each worker's pool")
     p.add_argument("--disk-gib", type=float, default=d.disk_gib)
+    p.add_argument("--local-prefill-max-tokens", type=int,
+                   default=d.local_prefill_max_tokens,
+                   help="pdserve: a turn with at most this many uncached tokens is "
+                        "prefilled on the decode worker")
+    p.add_argument("--pdserve-args", default=d.pdserve_args,
+                   help="more `pdserve serve` flags for both pdserve arms (one string)")
     p.add_argument("--out-dir", default=d.out_dir)
     p.set_defaults(fn=_command)
 
@@ -258,11 +301,14 @@ def add_parser(bsub) -> None:
 def _command(args) -> int:
     import sys
 
-    cfg = MultiTurnConfig(model=args.model, users=args.users, turns=args.turns,
-                          max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                          seed=args.seed, arms=tuple(args.arms.split(",")),
-                          pool_gib=args.pool_gib, host_gib=args.host_gib,
-                          disk_gib=args.disk_gib, out_dir=args.out_dir)
+    cfg = MultiTurnConfig(model=args.model, users=args.users, clients=args.clients,
+                          turns=args.turns, max_tokens=args.max_tokens,
+                          max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+                          arms=tuple(args.arms.split(",")), pool_gib=args.pool_gib,
+                          decode_pool_gib=args.decode_pool_gib, host_gib=args.host_gib,
+                          disk_gib=args.disk_gib,
+                          local_prefill_max_tokens=args.local_prefill_max_tokens,
+                          pdserve_args=args.pdserve_args, out_dir=args.out_dir)
     try:
         summaries = run(cfg)
     except (ValueError, RuntimeError) as e:

@@ -3,6 +3,7 @@ them: prompt tokens computed, and for pdserve the blocks each KV tier served."""
 
 from __future__ import annotations
 
+import shlex
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -18,14 +19,13 @@ def start_arm(arm: str, cfg, model_dir: str, disk_dir: Path, log: Path
     (MultiTurnConfig), logging to `log`, and a reader of its counters: "computed"
     (prompt tokens computed), and for pdserve "host" / "disk" (blocks the KV tiers
     served). Raises ValueError: an unknown arm; RuntimeError: the server did not start."""
-    pool = str(int(cfg.pool_gib * 2**30))
-    if arm == "vllm":    # at its tuned setting (`pdserve bench peer --tune`), if any
+    if arm == "vllm":    # its one pool as much KV space as pdserve's two    # at its tuned setting (`pdserve bench peer --tune`), if any
         from .peer import load_tuning
         setting = load_tuning("bench/results/peer").get("fp32", VllmSetting())
         port = _free_port()
         cmd = [vllm_bin(), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-               "--kv-cache-memory-bytes", pool]
+               "--kv-cache-memory-bytes", _bytes(cfg.pool_gib + cfg.decode_pool_gib)]
         if setting.max_num_batched_tokens is not None:
             cmd += ["--max-num-batched-tokens", str(setting.max_num_batched_tokens)]
         env = {"VLLM_CPU_OMP_THREADS_BIND": setting.omp_bind}
@@ -35,16 +35,23 @@ def start_arm(arm: str, cfg, model_dir: str, disk_dir: Path, log: Path
         return server, lambda: _vllm_counters(server.url)
     if arm not in ("pdserve", "tiers"):
         raise ValueError(f"arm {arm!r}: choose from vllm, pdserve, tiers")
-    # every prompt on the prefill worker, whose pool (and tiers) the arms compare
+    # pdserve's placement defaults; a turn whose uncached part is at most
+    # local_prefill_max_tokens (after the decode worker's pool and tiers) is prefilled there
     cmd = [_venv_bin("pdserve"), "serve", "--model", model_dir, "--host", "127.0.0.1",
            "--port", "0", "--metrics-port", "0", "--http-port", "0", "--dtype", "float32",
-           "--prefill-kv-cache-memory-bytes", pool, "--no-local-prefill-when-prefill-idle",
-           "--max-prefill-queue-tokens", "0"]
+           "--prefill-kv-cache-memory-bytes", _bytes(cfg.pool_gib),
+           "--kv-cache-memory-bytes", _bytes(cfg.decode_pool_gib),
+           "--local-prefill-max-tokens", str(cfg.local_prefill_max_tokens),
+           *shlex.split(cfg.pdserve_args)]
     if arm == "tiers":
         cmd += ["--kv-host-cache-gib", f"{cfg.host_gib:g}", "--kv-disk-cache-dir",
                 str(disk_dir), "--kv-disk-cache-gib", f"{cfg.disk_gib:g}"]
     server = Server(cmd, _env({}), log, None, cfg.startup_timeout_s)
     return server, lambda: _pdserve_counters(grpc_address(log))
+
+
+def _bytes(gib: float) -> str:
+    return str(int(gib * 2**30))
 
 
 def _vllm_counters(url: str) -> dict[str, int]:
@@ -61,8 +68,8 @@ def _vllm_counters(url: str) -> dict[str, int]:
 
 
 def _pdserve_counters(address: str) -> dict[str, int]:
-    """The prefill workers' prompt tokens computed and KV-tier hits, from ClusterStatus
-    (the arms send every prompt to a prefill worker)."""
+    """The workers' prompt tokens computed (prefill workers' and decode workers' local
+    prefills) and KV-tier hits, from ClusterStatus."""
     from ..client import Client
 
     client = Client(address, timeout_s=60)
@@ -70,6 +77,12 @@ def _pdserve_counters(address: str) -> dict[str, int]:
         workers = client.status().workers
     finally:
         client.close()
+    by_role = {role: [w for w in workers if w.role == role] for role in ("prefill", "decode")}
     return {"computed": sum(w.prefill_tokens_computed for w in workers),
             "host": sum(w.kv_tier_host_hit_blocks for w in workers),
-            "disk": sum(w.kv_tier_disk_hit_blocks for w in workers)}
+            "disk": sum(w.kv_tier_disk_hit_blocks for w in workers),
+            **{f"computed_{role}": sum(w.prefill_tokens_computed for w in ws)
+               for role, ws in by_role.items()},
+            **{f"tier_load_ms_{role}": int(sum(w.kv_tier_load_seconds for w in ws) * 1e3)
+               for role, ws in by_role.items()},
+            "local_prefills": sum(w.local_prefills for w in by_role["decode"])}

@@ -1,9 +1,11 @@
-"""KV tiers under the prefill worker's pool, through the real server on the default
-model (engine/kv_tiers.py): prefix blocks the pool evicted come back from the host tier
-and the disk tier instead of being computed; the disk tier serves hits after a `kill -9`
-of the worker (a request in flight then is retried, not lost); a damaged disk entry is
-dropped and its tokens computed. Every answer is HF's greedy one, and every pool is free
-at the end (each block a store held given back)."""
+"""KV tiers under the workers' pools, through the real server on the default model
+(engine/kv_tiers.py): prefix blocks the prefill worker's pool evicted come back from the
+host tier and the disk tier instead of being computed; the disk tier serves hits after a
+`kill -9` of the worker (a request in flight then is retried, not lost); a damaged disk
+entry is dropped and its tokens computed. On the decode worker, a history its pool
+evicted loads back from its own host tier for a local prefill of the next turn. Every
+answer is HF's greedy one, and every pool is free at the end (each block a store held
+given back)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,11 @@ def prompt(k: int) -> list[int]:
 def prefill_status(served: Served):
     [p] = served.cluster.prefill
     return ray.get(p.status.remote(), timeout=30)
+
+
+def decode_status(served: Served):
+    [d] = served.cluster.decode
+    return ray.get(d.status.remote(), timeout=30)
 
 
 def restarted(served: Served, pid: int, timeout_s: float = 180.0):
@@ -94,6 +101,35 @@ def test_evicted_prefix_blocks_load_back_from_host_and_disk_across_a_kill(tmp_pa
         s5 = prefill_status(served)
         assert s5.kv_tier_dropped_blocks == 1 and s5.kv_tier_disk_hit_blocks == 0, s5
         assert s5.prefill_tokens_computed == len(a), s5
+    finally:
+        served.stop()
+
+
+def test_a_next_turn_prefilled_on_decode_loads_the_history_from_its_host_tier():
+    """The history's K/V reaches D from P and is stored to D's host tier; three other
+    prompts push it out of D's pool (20 blocks); the next turn (history + 10 tokens,
+    uncached 10 <= local_prefill_max_tokens once the tier's hit counts) is prefilled on D:
+    8 blocks loaded, 10 tokens computed, nothing on P."""
+    start_ray()
+    served = Served(decode_blocks=20, local_prefill_max_tokens=16,
+                    kv_host_cache_gib=32 * BLOCK_BYTES / GIB)
+    history = prompt(0)
+    turn = history[:FULL_BLOCKS * BLOCK] + [101 + i for i in range(10)]
+    want = hf_greedy("default", turn, MAX_TOKENS)
+
+    def ask(p: list[int]) -> list[int]:
+        return served.generate(p, max_tokens=MAX_TOKENS, temperature=0)[0]
+
+    try:
+        for p in (history, prompt(1), prompt(2), prompt(3)):
+            ask(p)
+        d1, p1 = decode_status(served), prefill_status(served)
+        assert d1.kv_tier_host_blocks >= 4 * FULL_BLOCKS and d1.local_prefills == 0, d1
+        assert ask(turn) == want
+        d2, p2 = decode_status(served), prefill_status(served)
+        assert d2.local_prefills == 1 and d2.kv_tier_host_hit_blocks == FULL_BLOCKS, d2
+        assert d2.prefill_tokens_computed - d1.prefill_tokens_computed == 10, d2
+        assert p2.prefill_tokens_computed == p1.prefill_tokens_computed
     finally:
         served.stop()
 

@@ -36,3 +36,51 @@ def test_the_plot_is_written(tmp_path):
     arm = ArmResult("pdserve", [TurnResult(0, 0, 10, 1.0), TurnResult(0, 1, 20, 0.4)])
     plot([summary(arm, 2)], tmp_path / "ttft.png")
     assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_replay_keeps_clients_in_flight_and_sends_a_users_next_turn_from_the_back(
+        monkeypatch):
+    """4 users of 3 turns, 2 clients: never more than 2 turns in flight; every user's
+    turns in order; each user's next turn waits behind the users already in line, so
+    every first turn is sent before any second one."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import openai
+
+    from pdserve.bench import multiturn
+
+    sent, in_flight, peak, lock = [], 0, 0, threading.Lock()
+
+    def turn(client, model, prompt, max_tokens, u, k):
+        nonlocal in_flight, peak
+        with lock:
+            sent.append((u, k))
+            in_flight += 1
+            peak = max(peak, in_flight)
+        time.sleep(0.01)
+        with lock:
+            in_flight -= 1
+        return TurnResult(u, k, len(prompt), 0.01)
+
+    class FakeOpenAI:
+        def __init__(self, **kw):
+            self.models = SimpleNamespace(list=lambda: SimpleNamespace(
+                data=[SimpleNamespace(id="m")]))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(multiturn, "_turn", turn)
+    monkeypatch.setattr(openai, "OpenAI", FakeOpenAI)
+    prompts = [[f"u{u}t{k}" for k in range(3)] for u in range(4)]
+    results = multiturn.replay("http://x", prompts, 8, clients=2)
+    assert [(r.user, r.turn) for r in results] == [(u, k) for u in range(4) for k in range(3)]
+    assert peak == 2
+    assert sorted(sent[:4]) == [(u, 0) for u in range(4)]
+    for u in range(4):
+        assert [k for v, k in sent if v == u] == [0, 1, 2]

@@ -74,7 +74,7 @@ def test_second_request_fills_only_the_blocks_d_lacks(pool):
     assert req.block_table[:5] == first.block_ids[:5]     # shared, read only
     assert r.block_ids == req.block_table[5:] and len(r.block_ids) == 2
     assert all(pool.ref_count(b) == 1 for b in req.block_table)
-    assert sched.cached_tokens == 5 * BS
+    assert sched.prompt_cache.cached_tokens == 5 * BS
     finish_all(sched)
     assert pool.all_free()
 

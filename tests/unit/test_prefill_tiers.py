@@ -68,7 +68,7 @@ def test_an_evicted_prefix_loads_back_from_the_host_tier():
         assert sched.loading()
         out = until_loaded(sched)
         assert chunks(out) == [("a2", 4 * BS, 4 * BS + 1)]   # only the last token computed
-        assert sched.tier_hit_tokens == 4 * BS and tiers.stats.host_hits == 4
+        assert sched.loads.loaded_tokens == 4 * BS and tiers.stats.host_hits == 4
         assert advance(sched, out) == [again]
         sched.release(again, RequestState.FINISHED_STOPPED)
         settle(tiers)

@@ -132,8 +132,6 @@ class KVTiers:
                              f"({self.block_bytes} bytes)")
         self.host = HostTier(host_blocks, shape, kv_cache.dtype, kv_cache.device.type == "cuda")
         self.disk = None
-        if disk_dir is not None and disk_gib > 0:
-            disk_blocks = int(disk_gib * GIB // (HEADER_BYTES + self.block_bytes))
         self._lock = threading.Lock()          # the tiers' indexes, _pending, _stored, _loaded
         if disk_dir is not None and disk_gib > 0:
             disk_blocks = int(disk_gib * GIB // (HEADER_BYTES + self.block_bytes))

@@ -47,6 +47,8 @@ class MultiTurnConfig:
     clients: int = 16                 # turns in flight at most
     turns: int = 6
     max_tokens: int = 32              # each turn's answer (ignore_eos)
+    temperature: float = 0.0          # 0: greedy; else sampled (unseeded: vLLM 0.32's
+                                      # CPU engine dies on a request's seed when sampling)
     max_prompt_tokens: int = 3072     # a conversation's last turn at most this long
     seed: int = 1                     # which conversations (0 is the tuning sample)
     arms: tuple[str, ...] = ARMS
@@ -118,8 +120,8 @@ def _messages(conv: dict, turns: int) -> list[dict] | None:
     return msgs
 
 
-def replay(url: str, prompts: list[list[str]], max_tokens: int, clients: int
-           ) -> list[TurnResult]:
+def replay(url: str, prompts: list[list[str]], max_tokens: int, clients: int,
+           temperature: float = 0.0) -> list[TurnResult]:
     """Every user's turns against the OpenAI-compatible server at `url`, each user's in
     order, `clients` turns in flight (see the module docstring); TTFT per turn (first
     streamed chunk)."""
@@ -142,7 +144,8 @@ def replay(url: str, prompts: list[list[str]], max_tokens: int, clients: int
                     if not left:
                         return
                     u, k = line.popleft()
-                r = _turn(client, model, prompts[u][k], max_tokens, u, k)
+                r = _turn(client, model, prompts[u][k], max_tokens, u, k,
+                          temperature=temperature)
                 with cond:
                     results.append(r)
                     left -= 1
@@ -158,13 +161,14 @@ def replay(url: str, prompts: list[list[str]], max_tokens: int, clients: int
     return sorted(results, key=lambda r: (r.user, r.turn))
 
 
-def _turn(client, model: str, prompt: str, max_tokens: int, u: int, k: int) -> TurnResult:
+def _turn(client, model: str, prompt: str, max_tokens: int, u: int, k: int,
+          temperature: float = 0.0) -> TurnResult:
     import openai
 
     t0, ttft, tokens = time.perf_counter(), None, 0
     try:
         for chunk in client.completions.create(
-                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                 stream=True, stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True}):
             if chunk.choices and ttft is None:
@@ -249,7 +253,8 @@ def run(cfg: MultiTurnConfig, progress=print) -> list[dict]:
                 t0 = time.perf_counter()
                 result = ArmResult(arm, command=" ".join(server.cmd))
                 before = counters()
-                result.turns = replay(server.url, prompts, cfg.max_tokens, cfg.clients)
+                result.turns = replay(server.url, prompts, cfg.max_tokens, cfg.clients,
+                                      cfg.temperature)
                 after = counters()
                 result.prompt_tokens = sum(r.prompt_tokens for r in result.turns)
                 result.computed_tokens = after.get("computed", 0) - before.get("computed", 0)
@@ -278,6 +283,8 @@ def add_parser(bsub) -> None:
     p.add_argument("--clients", type=int, default=d.clients, help="turns in flight at most")
     p.add_argument("--turns", type=int, default=d.turns)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="each turn's answer")
+    p.add_argument("--temperature", type=float, default=d.temperature,
+                   help="0: greedy; else sampled")
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
     p.add_argument("--seed", type=int, default=d.seed, help="the conversations (0: tuning)")
     p.add_argument("--arms", default=",".join(d.arms))
@@ -303,6 +310,7 @@ def _command(args) -> int:
 
     cfg = MultiTurnConfig(model=args.model, users=args.users, clients=args.clients,
                           turns=args.turns, max_tokens=args.max_tokens,
+                          temperature=args.temperature,
                           max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
                           arms=tuple(args.arms.split(",")), pool_gib=args.pool_gib,
                           decode_pool_gib=args.decode_pool_gib, host_gib=args.host_gib,

@@ -53,7 +53,7 @@ def test_replay_keeps_clients_in_flight_and_sends_a_users_next_turn_from_the_bac
 
     sent, in_flight, peak, lock = [], 0, 0, threading.Lock()
 
-    def turn(client, model, prompt, max_tokens, u, k):
+    def turn(client, model, prompt, max_tokens, u, k, temperature):
         nonlocal in_flight, peak
         with lock:
             sent.append((u, k))

@@ -19,7 +19,7 @@ found).
 
 from __future__ import annotations
 
-from ..engine.block_pool import (BlockHash, BlockPool, block_hashes, match_prompt_prefix)
+from ..engine.block_pool import BlockHash, BlockPool, block_hashes, match_prompt_prefix
 from ..engine.kv_tiers import KVTiers
 from ..engine.tier_loads import TierLoads
 from .requests import DecodeRequest

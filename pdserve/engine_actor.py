@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 _TIER_STATUS_FIELDS = {"host_hits": "host_hit_blocks", "disk_hits": "disk_hit_blocks",
                        "dropped": "dropped_blocks"}
 
+
 class EngineActor(abc.ABC):
     """Base of PrefillWorker and DecodeWorker; see the module docstring. `runner_kw` go
     to ModelRunner (tp_group.worker_runner). Raises what worker_runner raises."""

@@ -33,10 +33,10 @@ from collections import deque
 
 from ..engine.block_pool import BlockPool, block_hashes, blocks_needed, match_prompt_prefix
 from ..engine.kv_tiers import KVTiers
-from ..engine.tier_loads import TierLoads
 from ..engine.outputs import ModelRunnerOutput, SchedulerOutput
 from ..engine.request import RequestState
 from ..engine.schedule_policy import SchedulePolicy, chunk_tokens, prefill_order
+from ..engine.tier_loads import TierLoads
 from .requests import FinishCause, PrefillRequest, fail
 
 

@@ -95,10 +95,14 @@ class Reserved:
 
     block_ids: where the prefill worker's KV goes, in prompt order: the prompt's blocks
         after the first `num_cached_blocks` (which D already holds); [] for a local prefill.
-    num_cached_blocks: leading full prompt blocks found in D's prefix cache (not sent).
+    num_cached_blocks: leading full prompt blocks found in D's prefix cache, or loaded
+        from its KV tier (not sent).
     local_prefill: D computes the prompt itself; no prefill worker is involved.
+    loading: a tier is loading the blocks after the cache's hit (nothing is expected
+        yet); ask again (DecodeScheduler.reserved) once it is done.
     """
 
     block_ids: list[int]
     num_cached_blocks: int
     local_prefill: bool
+    loading: bool = False

@@ -5,7 +5,10 @@ Lifecycle of a request on a decode worker (pure state; no model, no sockets):
     reserve()            blocks for the prompt's KV only: its leading full blocks shared
         │                from D's own prefix cache where found, the rest allocated
         │                under a lease (deadline); state WAITING_FOR_REMOTE_KV, the
-        │                prefill worker fills only the allocated blocks. Or, when the
+        │                prefill worker fills only the blocks after the cache's hit and
+        │                the next ones a KV tier holds (loaded first: reserved() answers
+        │                once they are; export() lends them to a prefill worker that
+        │                reads them instead of computing them). Or, when the
         │                uncached part is at most local_prefill_max_tokens, WAITING for
         │                a *local prefill* on D (no transfer, see below)
         ▼
@@ -86,9 +89,9 @@ class DecodeScheduler:
         prefill budgets a step) but at least block_size; None: whole prompts.
         schedule_policy: the order of local prefills (engine/schedule_policy.py).
         tiers (engine/kv_tiers.py; with prefix caching): prompt blocks are stored there
-        once cached, and a local prefill loads the tiers' hit past the pool's before it
-        computes the rest, which counts as cached for local_prefill_max_tokens
-        (prompt_cache.py).
+        once cached, and a request loads the tiers' hit past the pool's at reserve: a
+        local prefill computes the rest (the hit counts as cached for
+        local_prefill_max_tokens), a prefill worker fills the rest (prompt_cache.py).
 
         Raises:
             ValueError: an unknown schedule_policy."""
@@ -105,7 +108,8 @@ class DecodeScheduler:
         self._arrived: list[str] = []
         self._batch = RunningBatch(pool, block_size, max_batch_size)   # running, preempted
         self._next_seq = 0
-        self._copied: list[int] = []             # cow sources of the last step's copies
+        self._release_next: list[int] = []       # refs dropped at the next schedule():
+                                                 # last step's cow sources, blocks exported
         self._events: list[TokenEvent] = []      # finishes outside a step (errors, aborts)
         self.num_reclaimed = 0                   # leases expired
         self.num_local_prefills = 0              # requests prefilled on D (no transfer)
@@ -145,13 +149,27 @@ class DecodeScheduler:
                 req = self._new_request(request_id, list(prompt_token_ids), params, lease_s,
                                         prefill_locally)
                 req.grammar = grammar
-            cached = req.num_cached_blocks
-            if req.state == RequestState.WAITING:
-                return Reserved([], cached, True)
-            blocks = req.block_table[cached:blocks_needed(req.prompt_len, self.block_size)]
-            if self.connector is not None:
-                self.connector.expect(request_id, blocks)
-            return Reserved(blocks, cached, False)
+            return self._reserved(req)
+
+    def reserved(self, request_id: str) -> Reserved | None:
+        """reserve()'s answer for a request reserved before, once its tier load is done
+        (Reserved.loading until then); None once it finished or was aborted."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            return None if req is None or req.abort_reason is not None else self._reserved(req)
+
+    def _reserved(self, req: DecodeRequest) -> Reserved:
+        """The reservation of `req` (lock held): a request prefilled elsewhere is
+        expected by the connector once its tier hit is loaded."""
+        cached = req.num_cached_blocks
+        if req.state == RequestState.WAITING:
+            return Reserved([], cached, True)
+        if self.prompt_cache.loading(req):
+            return Reserved([], cached, False, loading=True)
+        blocks = req.block_table[cached:blocks_needed(req.prompt_len, self.block_size)]
+        if self.connector is not None:
+            self.connector.expect(req.request_id, blocks)
+        return Reserved(blocks, cached, False)
 
     def _new_request(self, request_id: str, prompt: list[int], params: SamplingParams,
                      lease_s: float, prefill_locally: bool) -> DecodeRequest:
@@ -180,6 +198,8 @@ class DecodeScheduler:
                 self.prompt_cache.load(req, len(hit), tier_hit)
             else:
                 self._arrived.append(request_id)
+        elif tier_hit:        # the prefill worker fills only the blocks after it
+            self.prompt_cache.load(req, len(hit), tier_hit)
         self._requests[request_id] = req
         return req
 
@@ -200,6 +220,26 @@ class DecodeScheduler:
             else:
                 req.abort_reason = error or "KV transfer failed"
                 req.error = req.abort_reason
+
+    def export(self, request_id: str, first: int, count: int) -> list[int] | None:
+        """Positions first..first+count-1 of the request's block table, prompt blocks
+        whose K/V D holds (cached or loaded from a tier at reserve), for a prefill worker
+        to read (send_prompt_kv); each held once more until end_export(). None when the
+        request is gone or aborted, or holds fewer."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if (req is None or req.abort_reason is not None or self.prompt_cache.loading(req)
+                    or not 0 <= first < first + count <= req.num_cached_blocks):
+                return None
+            blocks = req.block_table[first:first + count]
+            self.pool.incref(blocks)
+            return blocks
+
+    def end_export(self, blocks: list[int]) -> None:
+        """An export's blocks were sent (or failed): their refs go back at the next
+        schedule()."""
+        with self._lock:
+            self._release_next += blocks
 
     def update_from_connector(self) -> None:
         """Poll the connector (step thread): apply transfers done or failed
@@ -250,10 +290,11 @@ class DecodeScheduler:
         from it or without it: prefill_chunk_size alone bounds the step."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            if self._copied:                    # the last step copied them
-                self.pool.free(self._copied)
-                self._copied = []
-            self._arrived += [r.request_id for r in self.prompt_cache.loaded()]
+            if self._release_next:
+                self.pool.free(self._release_next)
+                self._release_next = []
+            self._arrived += [r.request_id for r in self.prompt_cache.loaded()
+                              if not r.remote_kv]
             for rid in self._arrived:           # first: an arrived request has no lease
                 req = self._requests.get(rid)
                 if (req is not None and req.abort_reason is None and req.state in
@@ -264,7 +305,9 @@ class DecodeScheduler:
                         self._check_stop(req)
             self._arrived.clear()
             for req in list(self._requests.values()):
-                if req.abort_reason is not None and not self.prompt_cache.loading(req):
+                if self.prompt_cache.loading(req):
+                    continue                    # a tier writes its blocks: not yet
+                if req.abort_reason is not None:
                     state = RequestState.FINISHED_ERROR if req.error else RequestState.FINISHED_ABORTED
                     self._finish(req, state)
                 elif req.state == RequestState.WAITING_FOR_REMOTE_KV and now > req.lease_deadline:
@@ -274,7 +317,7 @@ class DecodeScheduler:
             self._batch.grow()
             self._batch.resume()
             copies, self._batch.copies = tuple(self._batch.copies), []
-            self._copied = [src for src, _ in copies]
+            self._release_next += [src for src, _ in copies]
             return self._schedule_tokens(self._batch.batch(), now, copies, step_budget)
 
     def update_from_output(self, output: SchedulerOutput, token_ids: list[int | None],
@@ -396,5 +439,5 @@ class DecodeScheduler:
     def has_work(self) -> bool:
         with self._lock:
             return bool(self._arrived or self._events or self._batch.running
-                        or self._batch.preempted or self._copied
+                        or self._batch.preempted or self._release_next
                         or any(r.abort_reason for r in self._requests.values()))

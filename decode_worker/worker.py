@@ -34,6 +34,7 @@ import asyncio
 import functools
 import logging
 import os
+import threading
 import time
 
 import ray
@@ -46,8 +47,8 @@ from ..engine.request import TokenEvent
 from ..engine.sampling_params import SamplingParams
 from ..engine.tp_executor import TPGroupBroken
 from ..engine_actor import EngineActor
-from ..kv_transfer import make_receiver
-from ..messages import DecodeReservation, StepStats, WorkerStatus
+from ..kv_transfer import KVTransferError, make_receiver, make_sender
+from ..messages import DecodeReservation, KVPullOrder, StepStats, WorkerStatus
 from .connector import DecodeKVConnector
 from .outbox import EventOutbox
 from .rank import TPReceiver, rank_addresses
@@ -63,6 +64,7 @@ class StaleEpochError(RuntimeError):
 
 _IDLE_WAIT_S = 0.05   # step thread's wake-up period when idle (lease checks, shutdown)
 _RANK_POLL_S = 0.005  # ... while a tensor-parallel rank's KV may be arriving
+_LOAD_POLL_S = 0.001  # reserve(): how often it looks whether a tier load finished
 
 
 class DecodeWorker(EngineActor):
@@ -79,6 +81,8 @@ class DecodeWorker(EngineActor):
                                       self.epoch, notify=self._wake.set,
                                       host=config.node_host(), secret=config.kv_secret)
         self.kv_address = self.receiver.start()
+        self._pull_sender = None               # to prefill workers' pull receivers (lazily)
+        self._pull_lock = threading.Lock()
         self.kv_rank_addresses: tuple[tuple[str, int], ...] = ()
         if self.tp.size > 1:        # every rank's receiver, news polled by the step loop
             self.kv_rank_addresses = rank_addresses(self._ranks)
@@ -122,7 +126,8 @@ class DecodeWorker(EngineActor):
 
         Returns the DecodeReservation (pdserve/messages.py): where P sends the KV, the
         blocks it fills, the leading prompt blocks D holds already (num_cached_blocks: P
-        skips them), local_prefill when D prefills the prompt itself (then no prefill
+        skips them; with KV tiers, the blocks of a tier hit are loaded before the answer
+        and counted there), local_prefill when D prefills the prompt itself (then no prefill
         worker is called: the first token comes on the stream), D's free blocks. The
         reservation is held under a lease of `lease_s` seconds
         (default config.lease_s; the router passes the request's remaining deadline):
@@ -147,6 +152,11 @@ class DecodeWorker(EngineActor):
         except (NoFreeBlocksError, RequestTooLargeError) as e:
             logger.debug("reserve %s refused: %s", request_id, e)
             return None
+        while r is not None and r.loading:   # a tier loads blocks P then need not send
+            await asyncio.sleep(_LOAD_POLL_S)
+            r = self.scheduler.reserved(request_id)
+        if r is None:                         # aborted meanwhile
+            return None
         if r.local_prefill:
             self._wake.set()
         elif self.tp.size > 1:      # every rank expects it before any prefill rank sends
@@ -154,6 +164,43 @@ class DecodeWorker(EngineActor):
         return DecodeReservation(tuple(self.kv_address), self.epoch, len(r.block_ids),
                                  r.num_cached_blocks, r.local_prefill, self.pool.num_free,
                                  self.kv_rank_addresses, sum(self.scheduler.counts()))
+
+    async def send_prompt_kv(self, order: KVPullOrder) -> int:
+        """Send a prefill worker the K/V of prompt blocks D holds for request
+        `order.request_id` (DecodeScheduler.export), every layer, into its pull
+        receiver, then DONE with no token (prefill_worker/kv_pull.py). Returns the
+        payload bytes sent; 0 when D holds no such blocks or the send failed (then P
+        was sent ABORT where it could be reached, and computes them)."""
+        blocks = self.scheduler.export(order.request_id, order.first_block, order.num_blocks)
+        try:
+            return await asyncio.to_thread(self._send_prompt_kv, order, blocks)
+        finally:
+            if blocks is not None:
+                self.scheduler.end_export(blocks)
+                self._wake.set()
+
+    def _send_prompt_kv(self, order: KVPullOrder, blocks: list[int] | None) -> int:
+        addr, pull_id, epoch = tuple(order.kv_address), order.pull_id, order.epoch
+        num_layers = self.runner.config.num_layers
+        with self._pull_lock:
+            if self._pull_sender is None:
+                self._pull_sender = make_sender(
+                    self.config.transport, self.runner.kv_cache, self.kv_layout,
+                    checksum=self.config.kv_checksum, secret=self.config.kv_secret,
+                    epoch=self.epoch, host=self.config.node_host())
+        sender = self._pull_sender
+        try:
+            if blocks is None:
+                sender.send_abort(addr, pull_id, epoch, "the decode worker no longer "
+                                  f"holds blocks of {order.request_id}")
+                return 0
+            sent = sum(sender.send_layers(addr, pull_id, epoch, i, i + 1, blocks)
+                       for i in range(num_layers))     # a frame a layer, as P sends
+            sender.send_done(addr, pull_id, epoch, None, num_layers)
+            return sent
+        except KVTransferError as e:
+            logger.warning("prompt KV of %s not sent to %s: %s", order.request_id, addr, e)
+            return 0
 
     async def events(self, epoch: int, router: int = 0):
         """Yield lists of TokenEvents, those of every request router replica `router`
@@ -231,6 +278,8 @@ class DecodeWorker(EngineActor):
 
     def _close(self) -> None:
         self.receiver.close()
+        if self._pull_sender is not None:
+            self._pull_sender.close()
         self.step_threads.close()
         if self.tiers is not None:
             self.tiers.close()

@@ -76,6 +76,10 @@ class WorkerConfig:
     kv_disk_cache_dir: str | None = None  # a disk KV tier's directory (with the host
                                      # tier), kept across restarts
     kv_disk_cache_gib: float = 0.0   # ... and its size, GiB
+    kv_pull: bool = False            # prefill: a prompt's leading blocks its decode worker
+                                     # holds (pool, or a tier loaded at reserve) are read
+                                     # from there over the KV transport when the cost model
+                                     # says that beats computing them (prefill_worker/kv_pull.py)
     slo_tpot_ms: float | None = None  # decode: a step with running streams computes no
                                      # more tokens than keep it within this TPOT SLO
                                      # (decode_worker/step_budget.py); None: chunks of
@@ -146,6 +150,9 @@ class WorkerConfig:
         if self.kv_host_cache_gib > 0 and self.tensor_parallel_size > 1:
             raise ValueError("kv_host_cache_gib: KV tiers are for tensor_parallel_size 1 "
                              f"(got {self.tensor_parallel_size})")
+        if self.kv_pull and (self.tensor_parallel_size > 1 or not self.enable_prefix_caching):
+            raise ValueError("kv_pull needs enable_prefix_caching and tensor_parallel_size 1 "
+                             f"(got {self.enable_prefix_caching}, {self.tensor_parallel_size})")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s={self.lease_s}: must be > 0 seconds")
         if self.slo_tpot_ms is not None and not self.slo_tpot_ms > 0:

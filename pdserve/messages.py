@@ -7,6 +7,7 @@ checkers see every field.
     router ── reserve(...) ─────────────────▶ D      ◀── DecodeReservation | None
     router ── prefill(PrefillOrder) ────────▶ P      ◀── first token (int)
     router ── events(epoch) ────────────────▶ D      ◀── [TokenEvent, ...] (engine/request.py)
+    P      ── send_prompt_kv(KVPullOrder) ──▶ D   (kv_pull: D's KV frames to P)
     router ── cache_events(since) ──────────▶ P      ◀── CacheEvents
     router ── status() ─────────────────────▶ P, D   ◀── WorkerStatus
 
@@ -68,7 +69,10 @@ class PrefillOrder:
     """What the router asks a prefill worker to do for one request: compute the KV of
     ``token_ids``, send the blocks past the first ``num_cached_blocks`` into D's
     reservation at ``kv_address`` (D's ``epoch``), and return the first sampled token.
-    A tensor-parallel D's other ranks are ``kv_rank_addresses`` (DecodeReservation)."""
+    A tensor-parallel D's other ranks are ``kv_rank_addresses`` (DecodeReservation).
+    ``kv_source``: D's actor handle when prefill workers pull KV (WorkerConfig.kv_pull):
+    P may then read D's ``num_cached_blocks`` from D instead of computing them
+    (prefill_worker/kv_pull.py)."""
 
     request_id: str
     token_ids: list[int]
@@ -77,6 +81,23 @@ class PrefillOrder:
     epoch: int                 # D's epoch, carried by every KV frame
     num_cached_blocks: int = 0
     kv_rank_addresses: tuple[tuple[str, int], ...] = ()
+    kv_source: object = None   # D's Ray actor handle (kv_pull), or None
+
+
+@dataclass(frozen=True, slots=True)
+class KVPullOrder:
+    """What a prefill worker asks the decode worker holding a prompt's leading blocks to
+    send it: positions ``first_block .. first_block + num_blocks - 1`` of the block
+    table of D's request ``request_id`` (blocks of D's prefix cache, or loaded from its
+    tier, at reserve), every layer, into P's pull receiver at ``kv_address`` (P's
+    ``epoch``) as the transfer ``pull_id``, then DONE with no token."""
+
+    request_id: str
+    pull_id: str
+    first_block: int
+    num_blocks: int
+    kv_address: tuple[str, int]
+    epoch: int                 # P's epoch
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +221,10 @@ class WorkerStatus:
     kv_reservations_reclaimed: int = 0
     preempted_requests: int = 0       # waiting to resume by recompute
     local_prefills: int = 0           # prompts D prefilled itself
+    kv_pulled_blocks: int = 0         # prefill: prompt blocks read from D (kv_pull)
+    kv_pull_bytes: int = 0
+    kv_pull_seconds: float = 0.0      # asked to done, summed over the pulls that succeeded
+    kv_pull_failures: int = 0         # pulls failed or given up (their blocks computed)
 
     def to_proto(self):
         """The public pdserve.v1.WorkerStatus: the fields it has."""

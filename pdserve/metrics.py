@@ -54,6 +54,9 @@ workers (`WorkerMetrics`; values read from the worker at scrape time, plus histo
     pdserve_kv_tier_load_seconds_total            counter: seconds of those loads
     pdserve_kv_tier_dropped_total                 counter: disk entries failing their check
     pdserve_kv_tier_{host,disk}_blocks            gauges: blocks each tier holds
+    pdserve_kv_pulled_blocks_total                counters: prompt blocks (bytes, seconds)
+    pdserve_kv_pull_{bytes,seconds}_total         a prefill worker read from a decode
+    pdserve_kv_pull_failures_total                worker, and pulls failed (kv_pull.py)
 
 Histogram buckets span CPU and GPU speeds: a GPU's TTFT is ~10 ms, a 2-core CPU's
 several seconds.
@@ -281,6 +284,10 @@ class WorkerMetrics:
         "kv_tier_bytes_loaded": "Bytes loaded back from the KV tiers into the pool.",
         "kv_tier_load_seconds": "Seconds of the KV tiers' loads, summed.",
         "kv_tier_dropped": "Disk KV tier entries dropped when their checksum failed.",
+        "kv_pulled_blocks": "Prompt blocks read from a decode worker instead of computed.",
+        "kv_pull_bytes": "K/V bytes read from decode workers (kv_pull).",
+        "kv_pull_seconds": "Seconds of the pulls from decode workers, asked to done, summed.",
+        "kv_pull_failures": "Pulls from a decode worker that failed or were given up.",
     }
 
     def __init__(self, role: str, values: Callable[[], dict[str, float]]):

@@ -82,7 +82,7 @@ def _serve(args) -> int:
             **{k: v for k in ("local_prefill_max_tokens", "max_num_batched_tokens",
                               "prefill_chunk_size",
                               "schedule_policy", "kv_host_cache_gib", "kv_disk_cache_dir",
-                              "kv_disk_cache_gib")
+                              "kv_disk_cache_gib", "kv_pull")
                if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
             router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
                                       "max_tokenize_queue_chars", "max_concurrent_calls",
@@ -334,6 +334,11 @@ def add_serve_parser(sub) -> None:
                         "restarted worker serves its hits (needs pdserve[nixl])")
     s.add_argument("--kv-disk-cache-gib", type=float, default=None,
                    help="the disk KV tier's size in GiB")
+    s.add_argument("--kv-pull", action="store_true", default=None,
+                   help="a prefill worker reads a prompt's leading KV blocks that its "
+                        "decode worker holds (prefix cache, or KV tier) over the KV "
+                        "transport instead of computing them, when its cost model says "
+                        "that is faster (default: off)")
     s.add_argument("--max-migrations", type=int, default=None,
                    help="retries of a request after a worker died or its KV transfer failed; "
                         "each resumes after the tokens already streamed (default 3)")

@@ -37,6 +37,7 @@ from ..engine.outputs import ModelRunnerOutput, SchedulerOutput
 from ..engine.request import RequestState
 from ..engine.schedule_policy import SchedulePolicy, chunk_tokens, prefill_order
 from ..engine.tier_loads import TierLoads
+from .kv_pull import KVPulls
 from .requests import FinishCause, PrefillRequest, fail
 
 
@@ -48,12 +49,14 @@ class PrefillScheduler:
     (engine/kv_tiers.py), the blocks the pool's cache lacks are looked up in the host and
     disk tiers too: a prompt with a tier hit takes its blocks, waits while the tiers
     thread loads the hit into them, then computes the rest; its computed blocks are
-    stored to the tiers once cached (engine/tier_loads.py)."""
+    stored to the tiers once cached (engine/tier_loads.py). With `pulls` (kv_pull.py), the
+    leading blocks the request's decode worker holds past the pool's hit are read from
+    there instead, when they are more than the tiers' and the cost model says so."""
 
     def __init__(self, pool: BlockPool, block_size: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, prefill_chunk_size: int | None = None,
                  schedule_policy: str | SchedulePolicy = SchedulePolicy.FCFS,
-                 tiers: KVTiers | None = None):
+                 tiers: KVTiers | None = None, pulls: KVPulls | None = None):
         if prefill_chunk_size is not None and (
                 prefill_chunk_size < block_size or prefill_chunk_size % block_size
                 or prefill_chunk_size > max_num_batched_tokens):
@@ -66,6 +69,7 @@ class PrefillScheduler:
         self.prefill_chunk_size = prefill_chunk_size
         self.schedule_policy = SchedulePolicy.of(schedule_policy)   # ValueError: unknown
         self.loads = None if tiers is None else TierLoads(tiers, pool, block_size)
+        self.pulls = pulls
         self._partial: deque[PrefillRequest] = deque()   # between chunks, oldest first
         self._dropped: list[PrefillRequest] = []          # aborted between chunks
         self.computed_tokens = self.cached_tokens = 0
@@ -142,17 +146,21 @@ class PrefillScheduler:
         """A waiting prompt's first step (lock held): its prefix-cache hit shared, blocks
         for the rest allocated, PREFILLING. Returns the tokens it computes this step; 0
         (nothing taken) when they do not fit `budget` or the pool lacks blocks; -1 when
-        its blocks are taken and a tier hit loads into them (it computes once loaded)."""
+        its blocks are taken and a tier hit or a pull loads into them (it computes once
+        loaded)."""
         bs, n = self.block_size, req.prompt_len
-        hit, looked_up, tier_hit = [], 0, 0
+        hit, looked_up, tier_hit, pull = [], 0, 0, 0
         if self.enable_prefix_caching and req.params.prompt_logprobs is None:
             if req.block_hashes is None:
                 req.block_hashes = block_hashes(req.prompt_token_ids, bs)
             hit, looked_up = match_prompt_prefix(self.pool, req.block_hashes, n, bs)
             if self.loads is not None:   # the rest of the lookup, never the last block
                 tier_hit = self.loads.lookup(req.block_hashes, len(hit), n)
+            if self.pulls is not None:
+                pull = self.pulls.count(req, len(hit), tier_hit)
+                tier_hit = 0 if pull else tier_hit
         req.num_computed_tokens = len(hit) * bs
-        take = -1 if tier_hit else self._chunk(req, budget, alone)
+        take = -1 if tier_hit or pull else self._chunk(req, budget, alone)
         need = blocks_needed(n, bs) - len(hit)
         if take == 0 or need > self.pool.num_free:
             self.pool.free(hit)
@@ -161,6 +169,8 @@ class PrefillScheduler:
         req.block_table = hit + self.pool.allocate(need)
         if tier_hit:
             self.loads.start(req, len(hit), tier_hit)
+        elif pull:
+            self.pulls.start(req, len(hit), pull)
         req.num_cached = req.num_computed_tokens
         req.state = RequestState.PREFILLING
         self.computed_tokens += max(take, 0)
@@ -170,20 +180,20 @@ class PrefillScheduler:
         return take
 
     def _loads_done(self) -> None:
-        """Prompts whose tier load finished (lock held): the blocks loaded enter the pool's
-        prefix cache and count as computed; the prompt computes the rest from its next
-        chunk on (an aborted one is handed back by take_aborted)."""
-        if self.loads is None:
-            return
-        for req, num_blocks in self.loads.finished():
+        """Prompts whose tier load or pull finished (lock held): the blocks loaded enter
+        the pool's prefix cache and count as computed; the prompt computes the rest from
+        its next chunk on (an aborted one is handed back by take_aborted)."""
+        done = [*(self.loads.finished() if self.loads is not None else ()),
+                *(self.pulls.finished() if self.pulls is not None else ())]
+        for req, num_blocks in done:
             self.cached_tokens += num_blocks * self.block_size - req.num_cached
             req.num_computed_tokens = req.num_cached = num_blocks * self.block_size
             (self._dropped if req.finish is not None else self._partial).append(req)
 
     def loading(self) -> bool:
-        """Whether a tier load is in flight (the step loop waits for it)."""
+        """Whether a tier load or a pull is in flight (the step loop waits for it)."""
         with self._lock:
-            return self.loads is not None and self.loads.loading()
+            return any(x is not None and x.loading() for x in (self.loads, self.pulls))
 
     def _chunk(self, req: PrefillRequest, budget: int, alone: bool) -> int:
         """Tokens `req` computes this step within `budget` (0: none fit). Without

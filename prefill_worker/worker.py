@@ -17,6 +17,10 @@ Request lifecycle here (see scheduler.py):
     step thread:  connector.get_finished(), polled each step and between layers: the
                   request's blocks are released (a failed one's call raises)
 
+With kv_pull, a prompt whose leading blocks its decode worker holds reads them from
+there into its blocks before it computes the rest (kv_pull.py; this worker's pull
+receiver, D's send_prompt_kv).
+
 A transfer failure fails that one request (the router sees KVTransferError); the
 worker keeps serving.
 """
@@ -40,11 +44,12 @@ from ..engine.outputs import SchedulerOutput
 from ..engine.request import RequestState
 from ..engine.tp_executor import TPGroupBroken
 from ..engine_actor import EngineActor
-from ..kv_transfer import KVTransferError, make_sender
+from ..kv_transfer import KVTransferError, make_receiver, make_sender
 from ..kv_transfer.tp_plan import rank_targets
 from ..messages import CacheEvents, PrefillOrder, PrefillResult, StepStats, WorkerStatus
 from ..request_ids import router_of
 from .connector import PrefillKVConnector
+from .kv_pull import KVPulls
 from .rank import PrefillRanks
 from .requests import FinishCause, PrefillAborted, PrefillFailed, PrefillRequest, fail
 from .scheduler import PrefillScheduler
@@ -72,11 +77,20 @@ class PrefillWorker(EngineActor):
         super().__init__(worker_id, config,
                          compile_model=config.compile and not config.enforce_eager)
         self.num_layers = self.runner.config.num_layers
+        self.pull_receiver, self.pulls = None, None
+        if config.kv_pull:     # D's cached prompt blocks read into P's (kv_pull.py)
+            self.pull_receiver = make_receiver(
+                config.transport, self.runner.kv_cache, self.kv_layout, self.epoch,
+                notify=self._wake.set, host=config.node_host(), secret=config.kv_secret)
+            self.pulls = KVPulls(self.pull_receiver, self.pull_receiver.start(), self.epoch,
+                                 self.pool, self.runner.block_size,
+                                 self.kv_layout.payload_bytes(self.num_layers, 1),
+                                 ask=lambda d, order: d.send_prompt_kv.remote(order))
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
                                           config.max_num_batched_tokens,
                                           config.enable_prefix_caching,
                                           config.prefill_chunk_size,
-                                          config.schedule_policy, self.tiers)
+                                          config.schedule_policy, self.tiers, self.pulls)
         self.sender = make_sender(config.transport, self.runner.kv_cache, self.kv_layout,
                                   checksum=config.kv_checksum, secret=config.kv_secret,
                                   epoch=self.epoch, host=config.node_host())
@@ -139,6 +153,7 @@ class PrefillWorker(EngineActor):
                              future=self._loop.create_future(),
                              num_cached_blocks=order.num_cached_blocks,
                              kv_rank_addresses=tuple(map(tuple, order.kv_rank_addresses)),
+                             kv_source=order.kv_source,
                              grammar=grammar)
         self.scheduler.add(req)
         self._wake.set()
@@ -213,7 +228,8 @@ class PrefillWorker(EngineActor):
             prefix_cache_hits=self.scheduler.prefix_hits,
             prefix_cache_blocks=self.pool.num_cached,
             kv_bytes_sent=self.connector.kv_bytes_sent, tensor_parallel_size=self.tp.size,
-            step_stats=self.step_stats, **self._tier_values(status=True))
+            step_stats=self.step_stats, **self._pull_values(),
+            **self._tier_values(status=True))
 
     def _metric_values(self) -> dict[str, float]:
         """Current gauges and counters for /metrics (pdserve/metrics.py), at scrape time."""
@@ -224,10 +240,20 @@ class PrefillWorker(EngineActor):
                 "prefix_cache_hits": self.scheduler.prefix_hits,
                 "kv_transfer_bytes": self.connector.kv_bytes_sent,
                 "kv_transfer_failures": self.connector.kv_send_failures,
-                **self._tier_values()}
+                **self._pull_values(), **self._tier_values()}
+
+    def _pull_values(self) -> dict[str, int]:
+        """kv_pull's counters by WorkerStatus (and /metrics) name; {} without it."""
+        p = self.pulls
+        return {} if p is None else {"kv_pulled_blocks": p.pulled_blocks,
+                                     "kv_pull_bytes": p.bytes_pulled,
+                                     "kv_pull_seconds": p.pull_seconds,
+                                     "kv_pull_failures": p.num_failed}
 
     def _close(self) -> None:
         self.connector.close()
+        if self.pull_receiver is not None:
+            self.pull_receiver.close()
         self._finish_sent()
         if self.tiers is not None:
             self.tiers.close()
@@ -296,8 +322,10 @@ class PrefillWorker(EngineActor):
             result = None
             for r in out.requests:
                 fail(r, FinishCause.MODEL_FAULT, f"prefill failed: {type(e).__name__}: {e}")
-        self.step_stats += StepStats.of(out.total_num_scheduled_tokens,
-                                        time.perf_counter() - t0)
+        step_s = time.perf_counter() - t0
+        self.step_stats += StepStats.of(out.total_num_scheduled_tokens, step_s)
+        if self.pulls is not None:
+            self.pulls.cost.observe_compute(out.total_num_scheduled_tokens, step_s)
         done = self.scheduler.update_from_output(out, result)
         for r, token in done:
             r.state = RequestState.SENDING_KV

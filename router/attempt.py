@@ -136,11 +136,14 @@ class Attempt:
         """
         p, res = held.p, held.res
         sent, queued_on_p = time.monotonic(), p.total_queued_tokens   # this prompt's too
+        # P may read D's cached blocks from D (prefill_worker/kv_pull.py)
+        source = (held.d.handle if self.on.placement.config.prefill.kv_pull
+                  and not res.kv_rank_addresses else None)
         try:
             first: PrefillResult = await asyncio.wait_for(
                 p.handle.prefill.remote(PrefillOrder(
                     self.id, self.ids, self.params, res.kv_address, res.epoch,
-                    res.num_cached_blocks, res.kv_rank_addresses)),
+                    res.num_cached_blocks, res.kv_rank_addresses, source)),
                 timeout=max(self.deadline - time.monotonic(), 0.001))
         except ray.exceptions.RayError as e:
             raise attempt_failed("prefill", p, e) from e

@@ -22,7 +22,12 @@ Arms:
   `--local-prefill-max-tokens local_prefill_max_tokens`: a turn whose uncached part (after
   the decode worker's prefix cache) is at most that is prefilled on the decode worker;
 - `tiers`: the same with `--kv-host-cache-gib host_gib` and a disk tier of `disk_gib`
-  under each worker's pool.
+  under each worker's pool;
+- `pull`: `tiers` with `--kv-pull` and then `pull_args`: a turn sent to the prefill
+  worker reads the history its decode worker holds (pool or tier) instead of computing
+  it (prefill_worker/kv_pull.py).
+
+Every arm runs on a fresh server (and a fresh disk tier).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ARMS = ("vllm", "pdserve", "tiers")
+ARMS = ("vllm", "pdserve", "tiers", "pull")
 
 
 @dataclass
@@ -61,6 +66,11 @@ class MultiTurnConfig:
     # lends it its core), shortest first, in chunks of 256 tokens beside the streams
     local_prefill_max_tokens: int = 2048
     pdserve_args: str = "--schedule-policy sjf --chunked-prefill-size 256"
+    # the pull arm's flags after those, tuned on seed 0 (docs/kv_tiers.md): placement's
+    # defaults (a turn goes to the prefill worker, or to the decode worker when the
+    # prefill worker is idle or backed up); the prefill worker reads the history the
+    # decode worker holds
+    pull_args: str = "--local-prefill-max-tokens 0"
     out_dir: str = "bench/results/multiturn"
     startup_timeout_s: float = 900.0
 
@@ -300,7 +310,9 @@ def add_parser(bsub) -> None:
                    help="pdserve: a turn with at most this many uncached tokens is "
                         "prefilled on the decode worker")
     p.add_argument("--pdserve-args", default=d.pdserve_args,
-                   help="more `pdserve serve` flags for both pdserve arms (one string)")
+                   help="more `pdserve serve` flags for the pdserve arms (one string)")
+    p.add_argument("--pull-args", default=d.pull_args,
+                   help="the pull arm's `pdserve serve` flags after --pdserve-args")
     p.add_argument("--out-dir", default=d.out_dir)
     p.set_defaults(fn=_command)
 
@@ -316,7 +328,8 @@ def _command(args) -> int:
                           decode_pool_gib=args.decode_pool_gib, host_gib=args.host_gib,
                           disk_gib=args.disk_gib,
                           local_prefill_max_tokens=args.local_prefill_max_tokens,
-                          pdserve_args=args.pdserve_args, out_dir=args.out_dir)
+                          pdserve_args=args.pdserve_args, pull_args=args.pull_args,
+                          out_dir=args.out_dir)
     try:
         summaries = run(cfg)
     except (ValueError, RuntimeError) as e:

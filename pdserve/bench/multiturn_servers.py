@@ -33,8 +33,8 @@ def start_arm(arm: str, cfg, model_dir: str, disk_dir: Path, log: Path
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"     # both cores to the engine
         server = Server(cmd, _env(env), log, port, cfg.startup_timeout_s)
         return server, lambda: _vllm_counters(server.url)
-    if arm not in ("pdserve", "tiers"):
-        raise ValueError(f"arm {arm!r}: choose from vllm, pdserve, tiers")
+    if arm not in ("pdserve", "tiers", "pull"):
+        raise ValueError(f"arm {arm!r}: choose from vllm, pdserve, tiers, pull")
     # pdserve's placement defaults; a turn whose uncached part is at most
     # local_prefill_max_tokens (after the decode worker's pool and tiers) is prefilled there
     cmd = [_venv_bin("pdserve"), "serve", "--model", model_dir, "--host", "127.0.0.1",
@@ -43,9 +43,11 @@ def start_arm(arm: str, cfg, model_dir: str, disk_dir: Path, log: Path
            "--kv-cache-memory-bytes", _bytes(cfg.decode_pool_gib),
            "--local-prefill-max-tokens", str(cfg.local_prefill_max_tokens),
            *shlex.split(cfg.pdserve_args)]
-    if arm == "tiers":
+    if arm in ("tiers", "pull"):
         cmd += ["--kv-host-cache-gib", f"{cfg.host_gib:g}", "--kv-disk-cache-dir",
                 str(disk_dir), "--kv-disk-cache-gib", f"{cfg.disk_gib:g}"]
+    if arm == "pull":    # later flags win
+        cmd += ["--kv-pull", *shlex.split(cfg.pull_args)]
     server = Server(cmd, _env({}), log, None, cfg.startup_timeout_s)
     return server, lambda: _pdserve_counters(grpc_address(log))
 
@@ -85,4 +87,7 @@ def _pdserve_counters(address: str) -> dict[str, int]:
                for role, ws in by_role.items()},
             **{f"tier_load_ms_{role}": int(sum(w.kv_tier_load_seconds for w in ws) * 1e3)
                for role, ws in by_role.items()},
-            "local_prefills": sum(w.local_prefills for w in by_role["decode"])}
+            "local_prefills": sum(w.local_prefills for w in by_role["decode"]),
+            "pulled_blocks": sum(w.kv_pulled_blocks for w in workers),
+            "pull_ms": int(sum(w.kv_pull_seconds for w in workers) * 1e3),
+            "pull_failures": sum(w.kv_pull_failures for w in workers)}

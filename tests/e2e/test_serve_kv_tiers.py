@@ -3,7 +3,9 @@
 host tier and the disk tier instead of being computed; the disk tier serves hits after a
 `kill -9` of the worker (a request in flight then is retried, not lost); a damaged disk
 entry is dropped and its tokens computed. On the decode worker, a history its pool
-evicted loads back from its own host tier for a local prefill of the next turn. Every
+evicted loads back from its own host tier for a local prefill of the next turn; with
+kv_pull, a next turn on the prefill worker reads the history from the decode worker
+instead of computing it. Every
 answer is HF's greedy one, and every pool is free at the end (each block a store held
 given back)."""
 
@@ -30,6 +32,15 @@ GIB = 1 << 30
 
 def prompt(k: int) -> list[int]:
     return [100 + (i * 7919 + k * 104729) % 40000 for i in range(FULL_BLOCKS * BLOCK + 3)]
+
+
+def next_turn(k: int) -> list[int]:
+    """prompt(k)'s full blocks and 10 new tokens: a next turn of that history."""
+    return prompt(k)[:FULL_BLOCKS * BLOCK] + [101 + i for i in range(10)]
+
+
+def greedy(served: Served, p: list[int]) -> list[int]:
+    return served.generate(p, max_tokens=MAX_TOKENS, temperature=0)[0]
 
 
 def prefill_status(served: Served):
@@ -113,23 +124,44 @@ def test_a_next_turn_prefilled_on_decode_loads_the_history_from_its_host_tier():
     start_ray()
     served = Served(decode_blocks=20, local_prefill_max_tokens=16,
                     kv_host_cache_gib=32 * BLOCK_BYTES / GIB)
-    history = prompt(0)
-    turn = history[:FULL_BLOCKS * BLOCK] + [101 + i for i in range(10)]
+    history, turn = prompt(0), next_turn(0)
     want = hf_greedy("default", turn, MAX_TOKENS)
-
-    def ask(p: list[int]) -> list[int]:
-        return served.generate(p, max_tokens=MAX_TOKENS, temperature=0)[0]
-
     try:
         for p in (history, prompt(1), prompt(2), prompt(3)):
-            ask(p)
+            greedy(served, p)
         d1, p1 = decode_status(served), prefill_status(served)
         assert d1.kv_tier_host_blocks >= 4 * FULL_BLOCKS and d1.local_prefills == 0, d1
-        assert ask(turn) == want
+        assert greedy(served, turn) == want
         d2, p2 = decode_status(served), prefill_status(served)
         assert d2.local_prefills == 1 and d2.kv_tier_host_hit_blocks == FULL_BLOCKS, d2
         assert d2.prefill_tokens_computed - d1.prefill_tokens_computed == 10, d2
         assert p2.prefill_tokens_computed == p1.prefill_tokens_computed
+    finally:
+        served.stop()
+
+
+def test_a_next_turn_prefilled_on_p_reads_the_history_from_the_decode_worker():
+    """kv_pull: the history is computed on P and its K/V sent to D, which caches it;
+    two other prompts push it out of P's pool (20 blocks). The next turn (history + 10
+    tokens) goes to P (no local prefill): D's reservation holds the history's 8 blocks,
+    P reads them from D over TCP (D to P) and computes the 10 new tokens only."""
+    start_ray()
+    served = Served(prefill_blocks=20, kv_pull=True)
+    history, turn = prompt(0), next_turn(0)
+    want = hf_greedy("default", turn, MAX_TOKENS)
+    try:
+        for p in (history, prompt(1), prompt(2)):
+            greedy(served, p)
+        p1, d1 = prefill_status(served), decode_status(served)
+        assert p1.kv_pulled_blocks == 0 and p1.prefix_cache_blocks < 3 * FULL_BLOCKS, p1
+        assert greedy(served, turn) == want
+        p2, d2 = prefill_status(served), decode_status(served)
+        assert p2.kv_pulled_blocks == FULL_BLOCKS and p2.kv_pull_failures == 0, p2
+        assert p2.kv_pull_bytes == FULL_BLOCKS * BLOCK_BYTES, p2
+        assert p2.prefill_tokens_computed - p1.prefill_tokens_computed == 10, p2
+        assert d2.local_prefills == 0 and d2.prefill_tokens_computed == 0, d2
+        # the one block D lacked went to D: the turn's last block only
+        assert p2.kv_bytes_sent - p1.kv_bytes_sent == BLOCK_BYTES, p2
     finally:
         served.stop()
 

@@ -3,7 +3,8 @@ arrived from a prefill worker is stored to D's host tier; once D's pool evicted 
 longer prompt with that prefix is prefilled on D (the tier's hit counts as cached for
 local_prefill_max_tokens), waits while the hit loads, then computes only its tail; an
 abort while loading finishes the request only after the load. A prompt prefilled
-elsewhere never waits for a load. No model: a cache tensor stands in. Every test ends
+elsewhere has its tier hit loaded before reserve answers, and the prefill worker fills
+only the rest; D lends those blocks (export) to a prefill worker that reads them. No model: a cache tensor stands in. Every test ends
 with the pool free and the tiers idle."""
 
 import threading
@@ -97,14 +98,58 @@ def test_an_abort_while_loading_frees_the_blocks_only_after_the_load():
     assert pool.all_free() and tiers.idle()
 
 
-def test_a_prompt_prefilled_elsewhere_does_not_load_from_the_tiers():
+def wait_loaded(sched, rid):
+    """reserved() of `rid` once its tier load is done (the step thread's schedule()
+    reports loads)."""
+    deadline = time.monotonic() + 5
+    while (r := sched.reserved(rid)).loading:
+        assert time.monotonic() < deadline, "the tier load never finished"
+        sched.schedule()
+        time.sleep(0.005)
+    return r
+
+
+def test_a_prompt_prefilled_elsewhere_loads_the_tier_hit_before_the_answer():
+    pool, tiers, sched = make(local=0)
+    try:
+        KV.normal_()
+        evict_history(sched, tiers)
+        r = reserve(sched, "t2", HISTORY[:6 * BS] + [9, 9])
+        assert not r.local_prefill and r.loading and r.block_ids == []
+        r = wait_loaded(sched, "t2")
+        assert r.num_cached_blocks == 6 and len(r.block_ids) == 1   # P fills the tail only
+        req = sched._requests["t2"]
+        assert req.state == RequestState.WAITING_FOR_REMOTE_KV
+        assert sched.schedule().requests == ()          # loaded, not arrived: not admitted
+        for b in range(6):
+            assert torch.equal(KV[:, :, req.block_table[b]],
+                               tiers.host.slab[tiers.host.index[req.block_hashes[b]]])
+        sched.on_kv_complete("t2", True, 7)
+        assert prefills(sched.schedule()) == () and req.state == RequestState.RUNNING
+        finish_all(sched)
+        settle(tiers)
+    finally:
+        tiers.close()
+    assert pool.all_free() and tiers.idle()
+
+
+def test_exported_blocks_stay_held_until_sent_even_after_the_request_ends():
     pool, tiers, sched = make(local=0)
     try:
         evict_history(sched, tiers)
-        r = reserve(sched, "t2", HISTORY[:6 * BS] + [9, 9])
-        assert not r.local_prefill and not sched.prompt_cache.loads.loading()
-        assert len(r.block_ids) == 7                   # the prefill worker fills them all
-        finish_all(sched)
+        reserve(sched, "t2", HISTORY[:6 * BS] + [9, 9])
+        wait_loaded(sched, "t2")
+        assert sched.export("t2", 0, 7) is None        # the last block is not D's yet
+        assert sched.export("nope", 0, 1) is None
+        blocks = sched.export("t2", 2, 4)
+        assert blocks == sched._requests["t2"].block_table[2:6]
+        finish_all(sched)                              # aborted: its refs dropped
+        assert all(pool.ref_count(b) >= 1 for b in blocks)
+        assert sched.export("t2", 0, 1) is None
+        sched.end_export(blocks)
+        assert sched.has_work()
+        sched.schedule()
+        assert all(pool.ref_count(b) == 0 for b in blocks)
         settle(tiers)
     finally:
         tiers.close()

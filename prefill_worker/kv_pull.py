@@ -1,0 +1,158 @@
+"""Prompt blocks a prefill worker reads from its decode worker instead of computing them.
+
+Every prompt's K/V ends on a decode worker D, so D's prefix cache and KV tiers hold the
+histories of the conversations it serves; a next turn sent to a prefill worker P that
+lacks the history (evicted from P's pool, or computed on D) would compute it again. With
+WorkerConfig.kv_pull, D's reservation names the leading prompt blocks D holds
+(`num_cached_blocks`: its pool's hit and the blocks it loaded from its tier at reserve),
+and P reads those past its own cache's hit over the KV transport, D to P:
+
+    P  PrefillScheduler._admit: D holds blocks [h, c) that P lacks, and the cost model
+       says reading them beats computing them → start(req, h, c - h): P's pull receiver
+       expects the transfer `<request id>/pull` into req.block_table[h:c], and
+       ask(D, KVPullOrder) calls D.send_prompt_kv
+    D  DecodeScheduler.export holds those blocks; D's KV sender sends every layer of
+       them (the frames and CRC32C checks of a prefill's send), then DONE with no
+       token; end_export drops the holds
+    P  finished(): the receiver reports the transfer done → the blocks enter P's prefix
+       cache and count as computed; P computes the rest and sends D only blocks c on
+
+A failed or overdue pull, or one whose request was aborted, is forgotten on the
+receiver; once the receiver reports the blocks released (no write can touch them) the
+request goes on from the blocks it had: a pull costs at most its wait, never a token.
+
+The cost model (PullCost) compares the two times, each from this worker's own history.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..engine.block_pool import BlockPool
+from ..kv_transfer import KVReceiver
+from ..messages import KVPullOrder
+from .requests import PrefillRequest
+
+
+@dataclass(slots=True)
+class PullCost:
+    """Seconds to compute `n` prompt tokens, ``n / tokens_per_s``, against seconds to read
+    `b` bytes of their K/V from a decode worker, ``latency_s + b / bytes_per_s``. Each
+    rate is a running mean (weight `alpha` per observation) of this worker's prefill
+    steps and pulls, starting from these values, measured on the 2-core CPU box (fp32
+    default model, a prefill worker on one core, TCP loopback; docs/kv_tiers.md): steps
+    of 256-1,024 tokens at 330-400 tokens/s, pulls of 4-128 blocks (2.9-94 MB) in
+    7-111 ms. On this box a block (16 tokens, 0.74 MB) reads in 0.5 ms and computes in
+    41: a pull wins from one block on; on a GPU it is the transport that must be fast."""
+
+    tokens_per_s: float = 390.0
+    bytes_per_s: float = 1.4e9
+    latency_s: float = 0.006
+    alpha: float = 0.2
+
+    def worth(self, num_tokens: int, num_bytes: int) -> bool:
+        """Whether reading `num_bytes` beats computing `num_tokens`."""
+        return self.latency_s + num_bytes / self.bytes_per_s < num_tokens / self.tokens_per_s
+
+    def observe_compute(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0 and seconds > 0:
+            self.tokens_per_s += self.alpha * (num_tokens / seconds - self.tokens_per_s)
+
+    def observe_pull(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes > 0 and seconds > self.latency_s:
+            rate = num_bytes / (seconds - self.latency_s)
+            self.bytes_per_s += self.alpha * (rate - self.bytes_per_s)
+
+
+@dataclass(slots=True)
+class _Pull:
+    req: PrefillRequest
+    first: int          # block-table position of its first pulled block
+    count: int
+    started: float      # time.monotonic()
+
+
+class KVPulls:
+    """The pulls in flight of one prefill scheduler (called under its lock, on the step
+    thread); see the module docstring. `receiver`: P's own KV receiver over its cache,
+    started at `address` with P's `epoch`; `ask(source, order)` asks the decode worker
+    `source` (PrefillRequest.kv_source) to send; `block_bytes`: K/V bytes of one block
+    (every layer); a pull not done after `timeout_s` seconds is given up.
+
+    Counters: `pulled_blocks`, `bytes_pulled`, `pull_seconds` (asked to done, summed),
+    `num_failed` (pulls given up or failed)."""
+
+    def __init__(self, receiver: KVReceiver, address: tuple[str, int], epoch: int,
+                 pool: BlockPool, block_size: int, block_bytes: int,
+                 ask: Callable[[object, KVPullOrder], object],
+                 cost: PullCost | None = None, timeout_s: float = 10.0):
+        self.receiver, self.address, self.epoch = receiver, tuple(address), epoch
+        self.pool, self.block_size, self.block_bytes = pool, block_size, block_bytes
+        self.ask, self.cost, self.timeout_s = ask, cost or PullCost(), timeout_s
+        self._pulling: dict[str, _Pull] = {}     # pull id -> in flight
+        self._forgotten: dict[str, _Pull] = {}   # given up, waiting for the release
+        self.pulled_blocks = self.bytes_pulled = self.num_failed = 0
+        self.pull_seconds = 0.0
+
+    def count(self, req: PrefillRequest, num_hit: int, num_local: int) -> int:
+        """Blocks after P's `num_hit` worth reading from req's decode worker: those it
+        holds, when they are more than the `num_local` P's tiers hold and the cost
+        model prefers reading them; else 0."""
+        n = req.num_cached_blocks - num_hit
+        if req.kv_source is None or n <= num_local:
+            return 0
+        return n if self.cost.worth(n * self.block_size, n * self.block_bytes) else 0
+
+    def start(self, req: PrefillRequest, first: int, count: int) -> None:
+        """Read D's blocks at block-table positions first..first+count-1 into req's."""
+        pull_id = f"{req.request_id}/pull"
+        self.receiver.expect(pull_id, req.block_table[first:first + count])
+        self._pulling[pull_id] = _Pull(req, first, count, time.monotonic())
+        self.ask(req.kv_source, KVPullOrder(req.request_id, pull_id, first, count,
+                                            self.address, self.epoch))
+
+    def finished(self) -> list[tuple[PrefillRequest, int]]:
+        """(request, leading blocks holding K/V) of each pull that ended since the last
+        call: done (its blocks cached), or failed, overdue or aborted and released."""
+        now = time.monotonic()
+        for pull_id, p in list(self._pulling.items()):
+            if p.req.finish is not None or now - p.started > self.timeout_s:
+                self._give_up(pull_id)
+        news = self.receiver.get_finished()
+        out = []
+        for c in news.completions:
+            p = self._pulling.pop(c.request_id, None)
+            if p is None:
+                continue
+            if not c.ok:
+                self._forgotten[c.request_id] = p
+                self.num_failed += 1
+            else:
+                end = p.first + p.count
+                self.pool.cache_blocks(p.req.block_table[p.first:end],
+                                       p.req.block_hashes[p.first:end])
+                self.pulled_blocks += p.count
+                self.bytes_pulled += p.count * self.block_bytes
+                self.pull_seconds += now - p.started
+                self.cost.observe_pull(p.count * self.block_bytes, now - p.started)
+                out.append((p.req, end))
+            self.receiver.forget(c.request_id)
+        for pull_id in news.released:
+            p = self._forgotten.pop(pull_id, None)
+            if p is not None:
+                out.append((p.req, p.first))
+        return out
+
+    def _give_up(self, pull_id: str) -> None:
+        self._forgotten[pull_id] = self._pulling.pop(pull_id)
+        self.num_failed += 1
+        self.receiver.forget(pull_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return f"{request_id}/pull" in self._pulling or f"{request_id}/pull" in self._forgotten
+
+    def loading(self) -> bool:
+        """Whether a pull is in flight or waiting for its release."""
+        return bool(self._pulling or self._forgotten)

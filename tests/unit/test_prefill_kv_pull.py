@@ -1,0 +1,171 @@
+"""prefill_worker/kv_pull.py with prefill_worker/scheduler.py, over the real TCP KV
+transport: a prompt whose leading blocks its decode worker holds reads them into its own
+blocks (D's sender → P's pull receiver), caches them and computes only the rest; a pull
+D cannot serve, one never answered, and one whose request is aborted each leave the
+request to compute (or end) once the receiver released its blocks; the cost model
+refuses a pull slower than computing. No model: cache tensors stand in for both
+workers'. Every test ends with P's pool free and the receiver idle."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.request import RequestState
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
+from pdserve.prefill_worker.kv_pull import KVPulls, PullCost
+from pdserve.prefill_worker.requests import PrefillRequest
+from pdserve.prefill_worker.scheduler import PrefillScheduler
+from test_prefill_chunks import advance
+
+BS, POOL, LAYERS, MODEL = 4, 16, 3, "pull-test"
+P_KV = torch.zeros(LAYERS, 2, POOL, 1, BS, 8)
+D_KV = torch.zeros(LAYERS, 2, 32, 1, BS, 8)
+D_BLOCKS = [20, 3, 11, 7, 5]              # where D holds the prompt's first 5 blocks
+PROMPT = list(range(1, 6 * BS + 3))       # 6 full blocks and 2 tokens
+BLOCK_BYTES = LAYERS * 2 * BS * 8 * 4
+
+
+class FakeD:
+    """D's side of send_prompt_kv with a real TCP sender over D's cache (no Ray)."""
+
+    def __init__(self, serve=True):
+        self.sender = make_sender("tcp", D_KV, KVLayout.for_cache(D_KV, MODEL), checksum=True)
+        self.serve, self.orders, self.threads = serve, [], []
+
+    def ask(self, source, order):
+        assert source is self
+        self.orders.append(order)
+        t = threading.Thread(target=self._send, args=(order,))
+        self.threads.append(t)
+        t.start()
+
+    def _send(self, order):
+        addr, pid = order.kv_address, order.pull_id
+        if self.serve is None:
+            return                                           # never answers
+        if not self.serve:
+            self.sender.send_abort(addr, pid, order.epoch, "not held")
+            return
+        blocks = D_BLOCKS[order.first_block:order.first_block + order.num_blocks]
+        for i in range(LAYERS):
+            self.sender.send_layers(addr, pid, order.epoch, i, i + 1, blocks)
+        self.sender.send_done(addr, pid, order.epoch, None, LAYERS)
+
+    def close(self):
+        for t in self.threads:
+            t.join(5)
+        self.sender.close()
+
+
+@pytest.fixture
+def pull():
+    """(pool, scheduler, KVPulls, receiver) around P's cache; the pool and receiver are
+    checked free and idle afterwards."""
+    pool = BlockPool(POOL)
+    rx = make_receiver("tcp", P_KV, KVLayout.for_cache(P_KV, MODEL), 7)
+    pulls = KVPulls(rx, rx.start(), 7, pool, BS, BLOCK_BYTES, ask=None, timeout_s=5.0)
+    yield pool, PrefillScheduler(pool, BS, 64, pulls=pulls), pulls, rx
+    rx.close()
+    assert pool.all_free() and rx.num_active() == 0 and not pulls.loading()
+
+
+def request(d, cached=5):
+    return PrefillRequest("r", list(PROMPT), SamplingParams(), ("127.0.0.1", 1), epoch=1,
+                          num_cached_blocks=cached, kv_source=d)
+
+
+def until_rows(sched, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not (out := sched.schedule()).requests:
+        assert time.monotonic() < deadline, "the pull never ended"
+        time.sleep(0.005)
+    return out
+
+
+def finish(sched, req, out):
+    advance(sched, out)
+    sched.release(req, RequestState.FINISHED_STOPPED)
+
+
+def test_a_prefix_its_decode_worker_holds_is_read_not_computed(pull):
+    pool, sched, pulls, rx = pull
+    d = FakeD()
+    pulls.ask = d.ask
+    try:
+        D_KV.normal_()
+        req = request(d)
+        sched.add(req)
+        assert sched.schedule().requests == ()           # its blocks taken, pulling
+        assert [(o.first_block, o.num_blocks) for o in d.orders] == [(0, 5)]
+        out = until_rows(sched)
+        assert out.requests == (req,) and out.num_scheduled_tokens == (BS + 2,)
+        for i in range(5):                               # D's K/V, every layer, in P's blocks
+            assert torch.equal(P_KV[:, :, req.block_table[i]], D_KV[:, :, D_BLOCKS[i]])
+        assert pulls.pulled_blocks == 5 and pulls.bytes_pulled == 5 * BLOCK_BYTES
+        assert sched.cached_tokens == 5 * BS and sched.computed_tokens == BS + 2
+        assert sched.kv_send_range(req, req.prompt_len) == (5, 7)   # D lacks only these
+        finish(sched, req, out)
+        again = request(None, cached=0)                  # the pulled blocks are P's cache now
+        again.request_id = "r2"
+        sched.add(again)
+        out = sched.schedule()
+        assert again.num_cached == 6 * BS and out.num_scheduled_tokens == (2,)
+        finish(sched, again, out)
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("serve", [False, None], ids=["refused", "never-answered"])
+def test_a_pull_that_fails_leaves_the_prefix_to_compute(pull, serve):
+    pool, sched, pulls, rx = pull
+    d = FakeD(serve)
+    pulls.ask, pulls.timeout_s = d.ask, 0.3
+    try:
+        req = request(d)
+        sched.add(req)
+        out = until_rows(sched)
+        assert out.requests == (req,) and req.num_computed_tokens == 0
+        assert pulls.num_failed == 1 and pulls.pulled_blocks == 0
+        while req.num_computed_tokens + out.num_scheduled_tokens[0] < req.prompt_len:
+            advance(sched, out)
+            out = sched.schedule()
+        finish(sched, req, out)
+    finally:
+        d.close()
+
+
+def test_an_abort_while_pulling_hands_the_request_back_once_released(pull):
+    pool, sched, pulls, rx = pull
+    d = FakeD(serve=None)
+    pulls.ask = d.ask
+    try:
+        req = request(d)
+        sched.add(req)
+        sched.schedule()
+        assert sched.abort("r") is None and req.request_id in pulls
+        deadline = time.monotonic() + 5
+        while not (dropped := sched.take_aborted()):
+            assert time.monotonic() < deadline
+            assert sched.schedule().requests == ()
+            time.sleep(0.005)
+        assert dropped == [req] and not pulls.loading()
+        sched.release(req, RequestState.FINISHED_ABORTED)
+    finally:
+        d.close()
+
+
+def test_the_cost_model_computes_when_reading_is_slower():
+    cost = PullCost(tokens_per_s=1000.0, bytes_per_s=1e6, latency_s=0.004)
+    assert not cost.worth(4, 40_000)          # 0.044 s to read, 0.004 s to compute
+    assert cost.worth(400, 40_000)            # 0.044 s against 0.4 s
+    pool = BlockPool(POOL)
+    pulls = KVPulls(None, ("127.0.0.1", 1), 7, pool, BS, 10_000_000, ask=None, cost=cost)
+    assert pulls.count(request(object()), 0, 0) == 0       # 5 blocks of 10 MB: compute
+    pulls.block_bytes = 100
+    assert pulls.count(request(object()), 0, 0) == 5
+    assert pulls.count(request(object()), 0, 5) == 0       # P's tiers hold as many
+    assert pulls.count(request(None), 0, 0) == 0           # no decode worker to ask

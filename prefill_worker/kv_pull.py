@@ -41,15 +41,16 @@ class PullCost:
     """Seconds to compute `n` prompt tokens, ``n / tokens_per_s``, against seconds to read
     `b` bytes of their K/V from a decode worker, ``latency_s + b / bytes_per_s``. Each
     rate is a running mean (weight `alpha` per observation) of this worker's prefill
-    steps and pulls, starting from these values, measured on the 2-core CPU box (fp32
-    default model, a prefill worker on one core, TCP loopback; docs/kv_tiers.md): steps
-    of 256-1,024 tokens at 330-400 tokens/s, pulls of 4-128 blocks (2.9-94 MB) in
-    7-111 ms. On this box a block (16 tokens, 0.74 MB) reads in 0.5 ms and computes in
-    41: a pull wins from one block on; on a GPU it is the transport that must be fast."""
+    steps and pulls, starting from these values: `pdserve bench pull` on the 2-core CPU
+    box (2026-11-28; fp32 default model, a prefill worker on one core, TCP loopback;
+    bench/results/kv_pull/pull.json): steps of 256-2,048 tokens at 322-403 tokens/s,
+    pulls of 11.8-94.4 MB in 13-52 ms, fitted as 10.8 ms + bytes / 2.14 GB/s. There a
+    block (16 tokens, 0.74 MB) reads in 0.3 ms and computes in 44: a pull wins from one
+    block on; on a GPU it is the transport that must be fast."""
 
-    tokens_per_s: float = 390.0
-    bytes_per_s: float = 1.4e9
-    latency_s: float = 0.006
+    tokens_per_s: float = 360.0
+    bytes_per_s: float = 2.1e9
+    latency_s: float = 0.011
     alpha: float = 0.2
 
     def worth(self, num_tokens: int, num_bytes: int) -> bool:

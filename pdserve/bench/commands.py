@@ -1,6 +1,6 @@
 """`pdserve bench ...`: the benchmark subcommands, each against its baseline in the same
-run (pdserve/cli.py adds them to its parser). The serving benchmarks (ttft, local-prefill,
-serve, planner) are here; peer.py, goodput.py and microbench.py add their own."""
+run (pdserve/cli.py adds them to its parser). The serving benchmarks (ttft, pull,
+local-prefill, serve, planner) are here; peer.py, goodput.py and microbench.py add their own."""
 
 from __future__ import annotations
 
@@ -24,6 +24,19 @@ def _bench_ttft(args) -> int:
           f"(median): prefill alone {r.prefill_s:.3f} s, disaggregated TTFT {r.ttft_s:.3f} s, "
           f"ratio {r.ratio:.3f}")
     write_json(args.json, lambda: ttft.as_json(r))
+    return 0
+
+
+def _bench_pull(args) -> int:
+    from . import kv_pull
+    lengths = [int(x) for x in args.lengths.split(",")]
+    print(f"history lengths {lengths}: next turn's TTFT with the history read from the "
+          f"decode worker vs computed, {args.repeats} repeats each ...", flush=True)
+    points = kv_pull.run(lengths, args.repeats, args.model, args.transport)
+    print(kv_pull.table(points))
+    latency_s, bytes_per_s = kv_pull.fit(points)
+    print(f"pull cost fit: {latency_s * 1e3:.1f} ms + bytes / {bytes_per_s / 1e9:.2f} GB/s")
+    write_json(args.json, lambda: kv_pull.as_json(points, vars(args) | {"fn": None}))
     return 0
 
 
@@ -154,6 +167,14 @@ def add_bench_parser(sub) -> None:
     bf.add_argument("--repeats", type=int, default=5)
     _add_common(bf)
     bf.set_defaults(fn=_bench_ttft)
+    bp = bsub.add_parser("pull", help="a next turn's TTFT with its history read from the "
+                                      "decode worker (--kv-pull) vs computed, and the pull "
+                                      "cost model's rates")
+    bp.add_argument("--lengths", default="256,512,1024,2048",
+                    help="comma-separated history lengths (tokens)")
+    bp.add_argument("--repeats", type=int, default=3)
+    _add_common(bp)
+    bp.set_defaults(fn=_bench_pull)
     bl = bsub.add_parser("local-prefill", help="TTFT and running-stream ITL of prefilling on "
                                                "the decode worker vs a prefill worker, per "
                                                "uncached prompt length (picks the threshold)")

@@ -84,3 +84,20 @@ def test_replay_keeps_clients_in_flight_and_sends_a_users_next_turn_from_the_bac
     assert sorted(sent[:4]) == [(u, 0) for u in range(4)]
     for u in range(4):
         assert [k for v, k in sent if v == u] == [0, 1, 2]
+
+
+def test_the_pull_arm_is_the_tiers_arm_with_kv_pull_and_its_own_flags_last(
+        monkeypatch, tmp_path):
+    from pdserve.bench import multiturn_servers
+    from pdserve.bench.multiturn import MultiTurnConfig
+
+    started = {}
+    monkeypatch.setattr(multiturn_servers, "Server",
+                        lambda cmd, *a: started.setdefault("cmd", cmd))
+    cfg = MultiTurnConfig(pull_args="--local-prefill-max-tokens 0")
+    multiturn_servers.start_arm("pull", cfg, "m", tmp_path, tmp_path / "log")
+    cmd = started["cmd"]
+    assert "--kv-host-cache-gib" in cmd and "--kv-disk-cache-dir" in cmd
+    assert cmd[-3:] == ["--kv-pull", "--local-prefill-max-tokens", "0"]
+    # the later --local-prefill-max-tokens wins over the tiers arm's
+    assert cmd.index("--local-prefill-max-tokens") < len(cmd) - 2

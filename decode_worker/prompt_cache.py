@@ -7,8 +7,9 @@ there, so D's cache holds the histories of the conversations it serves. DecodeSc
     lookup(prompt)     the prompt's block hashes, its leading full blocks D's pool caches
                        (shared, held; never the last token's block) and how many of the
                        next full blocks a tier holds (engine/kv_tiers.py)
-    load(req, ...)     a local prefill's tier hit copied into its blocks by the tiers
-                       thread; the request is admitted once loaded() returns it
+    load(req, ...)     a request's tier hit copied into its blocks by the tiers thread at
+                       reserve; once loaded() returns it, a local prefill is admitted
+                       and a request prefilled elsewhere expects the blocks after it
     cache(req)         the prompt's full blocks registered once their K/V is in place,
                        and stored to the tiers (write-through)
 

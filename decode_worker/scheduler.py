@@ -129,8 +129,10 @@ class DecodeScheduler:
         local_prefill_max_tokens, or with `prefill_locally` (the router's choice), D
         prefills them itself, from its next step on. The prompt
         (`prompt_token_ids`, len == prompt_len) is kept to recompute the KV if the
-        request is preempted; `grammar`, params.structured_outputs compiled, with it. The connector expects a request prefilled elsewhere
-        under the lock, so its lease cannot expire before the receiver expects it.
+        request is preempted; `grammar`, params.structured_outputs compiled, with it. The
+        connector expects a request prefilled elsewhere under the lock (once its tier hit
+        is loaded: Reserved.loading, then reserved()), so its lease cannot expire before
+        the receiver expects it; no lease is applied while a tier loads its blocks.
 
         Raises:
             ValueError: len(prompt_token_ids) != prompt_len.
@@ -228,8 +230,10 @@ class DecodeScheduler:
         request is gone or aborted, or holds fewer."""
         with self._lock:
             req = self._requests.get(request_id)
+            end = first + count
             if (req is None or req.abort_reason is not None or self.prompt_cache.loading(req)
-                    or not 0 <= first < first + count <= req.num_cached_blocks):
+                    or not 0 <= first < end <= req.num_cached_blocks
+                    or end * self.block_size > req.num_computed_tokens):  # preempted
                 return None
             blocks = req.block_table[first:first + count]
             self.pool.incref(blocks)

@@ -47,7 +47,7 @@ from ..engine.request import TokenEvent
 from ..engine.sampling_params import SamplingParams
 from ..engine.tp_executor import TPGroupBroken
 from ..engine_actor import EngineActor
-from ..kv_transfer import KVTransferError, make_receiver, make_sender
+from ..kv_transfer import make_receiver, make_sender
 from ..messages import DecodeReservation, KVPullOrder, StepStats, WorkerStatus
 from .connector import DecodeKVConnector
 from .outbox import EventOutbox
@@ -81,7 +81,7 @@ class DecodeWorker(EngineActor):
                                       self.epoch, notify=self._wake.set,
                                       host=config.node_host(), secret=config.kv_secret)
         self.kv_address = self.receiver.start()
-        self._pull_sender = None               # to prefill workers' pull receivers (lazily)
+        self._pull_tx = None                   # to prefill workers' pull receivers (lazily)
         self._pull_lock = threading.Lock()
         self.kv_rank_addresses: tuple[tuple[str, int], ...] = ()
         if self.tp.size > 1:        # every rank's receiver, news polled by the step loop
@@ -169,38 +169,45 @@ class DecodeWorker(EngineActor):
         """Send a prefill worker the K/V of prompt blocks D holds for request
         `order.request_id` (DecodeScheduler.export), every layer, into its pull
         receiver, then DONE with no token (prefill_worker/kv_pull.py). Returns the
-        payload bytes sent; 0 when D holds no such blocks or the send failed (then P
-        was sent ABORT where it could be reached, and computes them)."""
+        payload bytes sent; 0 when D holds no such blocks or the send failed (P is sent
+        ABORT where it can be reached; P gives up on a 0 either way and computes
+        them)."""
         blocks = self.scheduler.export(order.request_id, order.first_block, order.num_blocks)
-        try:
-            return await asyncio.to_thread(self._send_prompt_kv, order, blocks)
-        finally:
-            if blocks is not None:
-                self.scheduler.end_export(blocks)
-                self._wake.set()
+        return await asyncio.to_thread(self._send_prompt_kv, order, blocks)
 
     def _send_prompt_kv(self, order: KVPullOrder, blocks: list[int] | None) -> int:
         addr, pull_id, epoch = tuple(order.kv_address), order.pull_id, order.epoch
         num_layers = self.runner.config.num_layers
+        reason = f"the decode worker no longer holds those blocks of {order.request_id}"
+        try:
+            sender = self._pull_sender()
+            if blocks is not None:
+                sent = sum(sender.send_layers(addr, pull_id, epoch, i, i + 1, blocks)
+                           for i in range(num_layers))     # a frame a layer, as P sends
+                sender.send_done(addr, pull_id, epoch, None, num_layers)
+                return sent
+        except Exception as e:      # fails this pull, not the worker: P computes them
+            logger.warning("prompt KV of %s not sent to %s: %s", order.request_id, addr, e)
+            reason = f"{type(e).__name__}: {e}"
+        finally:
+            if blocks is not None:
+                self.scheduler.end_export(blocks)
+                self._wake.set()
+        try:
+            self._pull_sender().send_abort(addr, pull_id, epoch, reason)
+        except Exception as e:      # unreachable: P gives up on the 0 this returns
+            logger.debug("ABORT of %s not sent to %s: %s", pull_id, addr, e)
+        return 0
+
+    def _pull_sender(self):
+        """The KV sender to prefill workers' pull receivers, made on first use."""
         with self._pull_lock:
-            if self._pull_sender is None:
-                self._pull_sender = make_sender(
+            if self._pull_tx is None:
+                self._pull_tx = make_sender(
                     self.config.transport, self.runner.kv_cache, self.kv_layout,
                     checksum=self.config.kv_checksum, secret=self.config.kv_secret,
                     epoch=self.epoch, host=self.config.node_host())
-        sender = self._pull_sender
-        try:
-            if blocks is None:
-                sender.send_abort(addr, pull_id, epoch, "the decode worker no longer "
-                                  f"holds blocks of {order.request_id}")
-                return 0
-            sent = sum(sender.send_layers(addr, pull_id, epoch, i, i + 1, blocks)
-                       for i in range(num_layers))     # a frame a layer, as P sends
-            sender.send_done(addr, pull_id, epoch, None, num_layers)
-            return sent
-        except KVTransferError as e:
-            logger.warning("prompt KV of %s not sent to %s: %s", order.request_id, addr, e)
-            return 0
+            return self._pull_tx
 
     async def events(self, epoch: int, router: int = 0):
         """Yield lists of TokenEvents, those of every request router replica `router`
@@ -278,8 +285,8 @@ class DecodeWorker(EngineActor):
 
     def _close(self) -> None:
         self.receiver.close()
-        if self._pull_sender is not None:
-            self._pull_sender.close()
+        if self._pull_tx is not None:
+            self._pull_tx.close()
         self.step_threads.close()
         if self.tiers is not None:
             self.tiers.close()

@@ -1,8 +1,9 @@
 """Prompts waiting while a KV tier loads their prefix hit into their blocks.
 
 Both schedulers (prefill_worker/scheduler.py for every prompt, decode_worker/scheduler.py
-for the prompts a decode worker prefills itself) use one of these on the step thread,
-under their own lock, around a worker's KVTiers (engine/kv_tiers.py):
+for every prompt it reserves) use one of these under their own lock (P on its step
+thread; D looks up and starts in reserve(), on RPC threads), around a worker's KVTiers
+(engine/kv_tiers.py):
 
     lookup(hashes, num_hit, n)   after the pool's prefix match of `num_hit` blocks, how
                                  many of the next full blocks a tier holds (never the

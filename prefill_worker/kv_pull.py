@@ -17,8 +17,8 @@ and P reads those past its own cache's hit over the KV transport, D to P:
     P  finished(): the receiver reports the transfer done → the blocks enter P's prefix
        cache and count as computed; P computes the rest and sends D only blocks c on
 
-A failed or overdue pull, or one whose request was aborted, is forgotten on the
-receiver; once the receiver reports the blocks released (no write can touch them) the
+A failed, refused (D no longer holds the blocks, or died) or overdue pull, or one whose
+request was aborted, is forgotten on the receiver; once the receiver reports the blocks released (no write can touch them) the
 request goes on from the blocks it had: a pull costs at most its wait, never a token.
 
 The cost model (PullCost) compares the two times, each from this worker's own history.
@@ -39,9 +39,10 @@ from .requests import PrefillRequest
 @dataclass(slots=True)
 class PullCost:
     """Seconds to compute `n` prompt tokens, ``n / tokens_per_s``, against seconds to read
-    `b` bytes of their K/V from a decode worker, ``latency_s + b / bytes_per_s``. Each
-    rate is a running mean (weight `alpha` per observation) of this worker's prefill
-    steps and pulls, starting from these values: `pdserve bench pull` on the 2-core CPU
+    `b` bytes of their K/V from a decode worker, ``latency_s + b / bytes_per_s``. The two
+    rates are running means (weight `alpha` per observation) of this worker's prefill
+    steps and of its pulls slower than `latency_s` (which stays fixed), starting from
+    these values: `pdserve bench pull` on the 2-core CPU
     box (2026-11-28; fp32 default model, a prefill worker on one core, TCP loopback;
     bench/results/kv_pull/pull.json): steps of 256-2,048 tokens at 322-403 tokens/s,
     pulls of 11.8-94.4 MB in 13-52 ms, fitted as 10.8 ms + bytes / 2.14 GB/s. There a
@@ -73,14 +74,17 @@ class _Pull:
     first: int          # block-table position of its first pulled block
     count: int
     started: float      # time.monotonic()
+    answer: object      # what ask() returned (refused() reads it)
 
 
 class KVPulls:
     """The pulls in flight of one prefill scheduler (called under its lock, on the step
     thread); see the module docstring. `receiver`: P's own KV receiver over its cache,
     started at `address` with P's `epoch`; `ask(source, order)` asks the decode worker
-    `source` (PrefillRequest.kv_source) to send; `block_bytes`: K/V bytes of one block
-    (every layer); a pull not done after `timeout_s` seconds is given up.
+    `source` (PrefillRequest.kv_source) to send, and `refused(answer)` says from what it
+    returned whether D answered without sending or failed (the pull is given up then);
+    `block_bytes`: K/V bytes of one block (every layer); a pull not done after
+    `timeout_s` seconds is given up.
 
     Counters: `pulled_blocks`, `bytes_pulled`, `pull_seconds` (asked to done, summed),
     `num_failed` (pulls given up or failed)."""
@@ -88,10 +92,12 @@ class KVPulls:
     def __init__(self, receiver: KVReceiver, address: tuple[str, int], epoch: int,
                  pool: BlockPool, block_size: int, block_bytes: int,
                  ask: Callable[[object, KVPullOrder], object],
+                 refused: Callable[[object], bool] = lambda answer: False,
                  cost: PullCost | None = None, timeout_s: float = 10.0):
         self.receiver, self.address, self.epoch = receiver, tuple(address), epoch
         self.pool, self.block_size, self.block_bytes = pool, block_size, block_bytes
-        self.ask, self.cost, self.timeout_s = ask, cost or PullCost(), timeout_s
+        self.ask, self.refused = ask, refused
+        self.cost, self.timeout_s = cost or PullCost(), timeout_s
         self._pulling: dict[str, _Pull] = {}     # pull id -> in flight
         self._forgotten: dict[str, _Pull] = {}   # given up, waiting for the release
         self.pulled_blocks = self.bytes_pulled = self.num_failed = 0
@@ -110,18 +116,16 @@ class KVPulls:
         """Read D's blocks at block-table positions first..first+count-1 into req's."""
         pull_id = f"{req.request_id}/pull"
         self.receiver.expect(pull_id, req.block_table[first:first + count])
-        self._pulling[pull_id] = _Pull(req, first, count, time.monotonic())
-        self.ask(req.kv_source, KVPullOrder(req.request_id, pull_id, first, count,
-                                            self.address, self.epoch))
+        answer = self.ask(req.kv_source, KVPullOrder(req.request_id, pull_id, first, count,
+                                                     self.address, self.epoch))
+        self._pulling[pull_id] = _Pull(req, first, count, time.monotonic(), answer)
 
     def finished(self) -> list[tuple[PrefillRequest, int]]:
         """(request, leading blocks holding K/V) of each pull that ended since the last
-        call: done (its blocks cached), or failed, overdue or aborted and released."""
-        now = time.monotonic()
-        for pull_id, p in list(self._pulling.items()):
-            if p.req.finish is not None or now - p.started > self.timeout_s:
-                self._give_up(pull_id)
+        call: done (its blocks cached), or failed, refused, overdue or aborted and
+        released."""
         news = self.receiver.get_finished()
+        now = time.monotonic()
         out = []
         for c in news.completions:
             p = self._pulling.pop(c.request_id, None)
@@ -140,6 +144,10 @@ class KVPulls:
                 self.cost.observe_pull(p.count * self.block_bytes, now - p.started)
                 out.append((p.req, end))
             self.receiver.forget(c.request_id)
+        for pull_id, p in list(self._pulling.items()):       # still in flight
+            if (p.req.finish is not None or now - p.started > self.timeout_s
+                    or self.refused(p.answer)):
+                self._give_up(pull_id)
         for pull_id in news.released:
             p = self._forgotten.pop(pull_id, None)
             if p is not None:

@@ -191,7 +191,7 @@ class PrefillScheduler:
             (self._dropped if req.finish is not None else self._partial).append(req)
 
     def loading(self) -> bool:
-        """Whether a tier load or a pull is in flight (the step loop waits for it)."""
+        """Whether a tier load or a pull is in flight."""
         with self._lock:
             return any(x is not None and x.loading() for x in (self.loads, self.pulls))
 

@@ -59,6 +59,17 @@ __all__ = ["PrefillAborted", "PrefillFailed", "PrefillWorker"]
 logger = logging.getLogger(__name__)
 
 
+def _refused(answer: ray.ObjectRef) -> bool:
+    """Whether a decode worker's send_prompt_kv answered without sending (0 bytes) or
+    failed (it died); False while it has not answered."""
+    if not ray.wait([answer], timeout=0)[0]:
+        return False
+    try:
+        return ray.get(answer) == 0
+    except ray.exceptions.RayError:
+        return True
+
+
 class PrefillWorker(EngineActor):
     """Ray actor (see cluster.py); methods are called by the router."""
 
@@ -85,7 +96,8 @@ class PrefillWorker(EngineActor):
             self.pulls = KVPulls(self.pull_receiver, self.pull_receiver.start(), self.epoch,
                                  self.pool, self.runner.block_size,
                                  self.kv_layout.payload_bytes(self.num_layers, 1),
-                                 ask=lambda d, order: d.send_prompt_kv.remote(order))
+                                 ask=lambda d, order: d.send_prompt_kv.remote(order),
+                                 refused=_refused)
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
                                           config.max_num_batched_tokens,
                                           config.enable_prefix_caching,

@@ -42,11 +42,12 @@ class FakeD:
         t = threading.Thread(target=self._send, args=(order,))
         self.threads.append(t)
         t.start()
+        return "zero" if self.serve == "zero" else "pending"
 
     def _send(self, order):
         addr, pid = order.kv_address, order.pull_id
-        if self.serve is None:
-            return                                           # never answers
+        if self.serve in (None, "zero"):
+            return                                           # never sends
         if not self.serve:
             self.sender.send_abort(addr, pid, order.epoch, "not held")
             return
@@ -69,8 +70,10 @@ def pull():
     rx = make_receiver("tcp", P_KV, KVLayout.for_cache(P_KV, MODEL), 7)
     pulls = KVPulls(rx, rx.start(), 7, pool, BS, BLOCK_BYTES, ask=None, timeout_s=5.0)
     yield pool, PrefillScheduler(pool, BS, 64, pulls=pulls), pulls, rx
-    rx.close()
-    assert pool.all_free() and rx.num_active() == 0 and not pulls.loading()
+    try:
+        assert pool.all_free() and rx.num_active() == 0 and not pulls.loading()
+    finally:
+        rx.close()
 
 
 def request(d, cached=5):
@@ -119,15 +122,19 @@ def test_a_prefix_its_decode_worker_holds_is_read_not_computed(pull):
         d.close()
 
 
-@pytest.mark.parametrize("serve", [False, None], ids=["refused", "never-answered"])
+@pytest.mark.parametrize("serve", [False, "zero", None],
+                         ids=["aborted", "answered-nothing", "never-answered"])
 def test_a_pull_that_fails_leaves_the_prefix_to_compute(pull, serve):
+    """D sends ABORT, or answers 0 bytes sent (refused: given up at once), or never
+    answers (given up after timeout_s)."""
     pool, sched, pulls, rx = pull
     d = FakeD(serve)
-    pulls.ask, pulls.timeout_s = d.ask, 0.3
+    pulls.ask, pulls.refused = d.ask, lambda answer: answer == "zero"
+    pulls.timeout_s = 0.3 if serve is None else 60.0
     try:
         req = request(d)
         sched.add(req)
-        out = until_rows(sched)
+        out = until_rows(sched, timeout_s=5.0)
         assert out.requests == (req,) and req.num_computed_tokens == 0
         assert pulls.num_failed == 1 and pulls.pulled_blocks == 0
         while req.num_computed_tokens + out.num_scheduled_tokens[0] < req.prompt_len:

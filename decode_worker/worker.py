@@ -34,7 +34,6 @@ import asyncio
 import functools
 import logging
 import os
-import threading
 import time
 
 import ray
@@ -47,7 +46,7 @@ from ..engine.request import TokenEvent
 from ..engine.sampling_params import SamplingParams
 from ..engine.tp_executor import TPGroupBroken
 from ..engine_actor import EngineActor
-from ..kv_transfer import make_receiver, make_sender
+from ..kv_transfer import make_receiver
 from ..messages import DecodeReservation, KVPullOrder, StepStats, WorkerStatus
 from .connector import DecodeKVConnector
 from .outbox import EventOutbox
@@ -81,8 +80,6 @@ class DecodeWorker(EngineActor):
                                       self.epoch, notify=self._wake.set,
                                       host=config.node_host(), secret=config.kv_secret)
         self.kv_address = self.receiver.start()
-        self._pull_tx = None                   # to prefill workers' pull receivers (lazily)
-        self._pull_lock = threading.Lock()
         self.kv_rank_addresses: tuple[tuple[str, int], ...] = ()
         if self.tp.size > 1:        # every rank's receiver, news polled by the step loop
             self.kv_rank_addresses = rank_addresses(self._ranks)
@@ -173,41 +170,11 @@ class DecodeWorker(EngineActor):
         ABORT where it can be reached; P gives up on a 0 either way and computes
         them)."""
         blocks = self.scheduler.export(order.request_id, order.first_block, order.num_blocks)
-        return await asyncio.to_thread(self._send_prompt_kv, order, blocks)
+        return await asyncio.to_thread(self._send_held_kv, order, blocks, self._end_export)
 
-    def _send_prompt_kv(self, order: KVPullOrder, blocks: list[int] | None) -> int:
-        addr, pull_id, epoch = tuple(order.kv_address), order.pull_id, order.epoch
-        num_layers = self.runner.config.num_layers
-        reason = f"the decode worker no longer holds those blocks of {order.request_id}"
-        try:
-            sender = self._pull_sender()
-            if blocks is not None:
-                sent = sum(sender.send_layers(addr, pull_id, epoch, i, i + 1, blocks)
-                           for i in range(num_layers))     # a frame a layer, as P sends
-                sender.send_done(addr, pull_id, epoch, None, num_layers)
-                return sent
-        except Exception as e:      # fails this pull, not the worker: P computes them
-            logger.warning("prompt KV of %s not sent to %s: %s", order.request_id, addr, e)
-            reason = f"{type(e).__name__}: {e}"
-        finally:
-            if blocks is not None:
-                self.scheduler.end_export(blocks)
-                self._wake.set()
-        try:
-            self._pull_sender().send_abort(addr, pull_id, epoch, reason)
-        except Exception as e:      # unreachable: P gives up on the 0 this returns
-            logger.debug("ABORT of %s not sent to %s: %s", pull_id, addr, e)
-        return 0
-
-    def _pull_sender(self):
-        """The KV sender to prefill workers' pull receivers, made on first use."""
-        with self._pull_lock:
-            if self._pull_tx is None:
-                self._pull_tx = make_sender(
-                    self.config.transport, self.runner.kv_cache, self.kv_layout,
-                    checksum=self.config.kv_checksum, secret=self.config.kv_secret,
-                    epoch=self.epoch, host=self.config.node_host())
-            return self._pull_tx
+    def _end_export(self, blocks: list[int]) -> None:
+        self.scheduler.end_export(blocks)
+        self._wake.set()            # their refs go back at the next schedule()
 
     async def events(self, epoch: int, router: int = 0):
         """Yield lists of TokenEvents, those of every request router replica `router`
@@ -285,8 +252,7 @@ class DecodeWorker(EngineActor):
 
     def _close(self) -> None:
         self.receiver.close()
-        if self._pull_tx is not None:
-            self._pull_tx.close()
+        self._close_pull_sender()
         self.step_threads.close()
         if self.tiers is not None:
             self.tiers.close()

@@ -72,10 +72,9 @@ class BlockPool:
         self._block_of: dict[BlockHash, int] = {}             # and back
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, holders 0; LRU first
         self._lock = threading.Lock()
-        # (stored?, hash) per change to the cache, the newest `_event_seq`; bounded: a
-        # reader further behind gets a snapshot instead (cache_events)
-        self._events: deque[tuple[bool, BlockHash]] = deque(maxlen=4 * num_blocks)
-        self._event_seq = 0
+        # (stored?, hash) per change to the cache; a reader further behind than the log
+        # gets a snapshot instead (cache_events)
+        self._events = EventLog(4 * num_blocks)
         self.fresh_from = 0   # blocks from here on were never handed out (_free's order)
         self.on_fresh: Callable[[int], None] | None = None   # fresh_from moved (kv_prefault)
 
@@ -113,7 +112,7 @@ class BlockPool:
                     block, _ = self._evictable.popitem(last=False)
                     h = self._hash_of.pop(block)
                     del self._block_of[h]
-                    self._log(False, h)
+                    self._events.append((False, h))
                     ids.append(block)
             for i in ids:
                 self._ref_count[i] = 1
@@ -150,11 +149,7 @@ class BlockPool:
                     continue
                 self._block_of[h] = block
                 self._hash_of[block] = h
-                self._log(True, h)
-
-    def _log(self, stored: bool, h: BlockHash) -> None:
-        self._events.append((stored, h))
-        self._event_seq += 1
+                self._events.append((True, h))
 
     def cache_events(self, since: int) -> tuple[int, list[tuple[bool, BlockHash]] | None,
                                                  list[BlockHash] | None]:
@@ -164,12 +159,8 @@ class BlockPool:
         the reader is too far behind for the bounded log (or ahead of it: a restarted
         pool). Pass the returned `seq` as the next `since`."""
         with self._lock:
-            seq = self._event_seq
-            behind = seq - since
-            if 0 <= behind <= len(self._events):
-                events = list(self._events)[len(self._events) - behind:] if behind else []
-                return seq, events, None
-            return seq, None, list(self._block_of)
+            events = self._events.since(since)
+            return self._events.seq, events, None if events is not None else list(self._block_of)
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add a holder to blocks already in use."""
@@ -199,6 +190,29 @@ class BlockPool:
         blocks may remain, evictable."""
         with self._lock:
             return self.num_free == self.num_blocks and not any(self._ref_count)
+
+
+class EventLog:
+    """The last `maxlen` changes to a cache, numbered from 1 (`seq`: the newest's), for a
+    reader that polls what changed after the number it last saw. Not thread-safe: the
+    cache's lock guards it."""
+
+    def __init__(self, maxlen: int):
+        self._events: deque = deque(maxlen=maxlen)
+        self.seq = 0
+
+    def append(self, event: object) -> None:
+        self._events.append(event)
+        self.seq += 1
+
+    def since(self, seq: int) -> list | None:
+        """The events after number `seq`, oldest first; None when some of them have left
+        the log, or `seq` is ahead of it (a restarted cache): the reader then needs a
+        snapshot of the whole cache."""
+        behind = self.seq - seq
+        if not 0 <= behind <= len(self._events):
+            return None
+        return list(self._events)[len(self._events) - behind:] if behind else []
 
 
 def match_prompt_prefix(pool: BlockPool, hashes: Sequence[BlockHash], num_tokens: int,

@@ -16,6 +16,7 @@ import os
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,8 +54,9 @@ class DiskTier:
     read back from the slots' headers (those of `fp` only). Reads and writes of block
     bytes go through a NIXL agent with the POSIX backend, between the file and
     registered host buffers. One thread reads and writes; `lock` guards the index
-    against readers on others (KVTiers.lookup). `num_dropped`: entries whose check
-    failed.
+    against readers on others (KVTiers.lookup). `on_change(stored, hash)` is called,
+    under `lock`, for each entry the index gains or loses (those read back included).
+    `num_dropped`: entries whose check failed.
 
     Raises:
         RuntimeError: NIXL (pdserve[nixl]) is not installed, or has no POSIX backend.
@@ -62,7 +64,8 @@ class DiskTier:
     """
 
     def __init__(self, directory: Path, name: str, num_blocks: int, block_bytes: int,
-                 fp: bytes, host_slab: torch.Tensor, lock: threading.Lock):
+                 fp: bytes, host_slab: torch.Tensor, lock: threading.Lock,
+                 on_change: Callable[[bool, BlockHash], None] = lambda stored, h: None):
         from ..kv_transfer.nixl import find_module
         nixl = find_module()
         if nixl is None:
@@ -88,6 +91,7 @@ class DiskTier:
         self.free = set(range(num_blocks))
         self.num_dropped = 0
         self._lock = lock
+        self._on_change = on_change
         self._seq = 0
         self._recover()
 
@@ -108,6 +112,9 @@ class DiskTier:
             self.index[h] = slot
             self.free.discard(slot)
             self._seq = max(self._seq, seq)
+        with self._lock:
+            for h in self.index:
+                self._on_change(True, h)
         if found:
             logger.info("disk KV tier %s: %d blocks back from a previous run", self.path,
                         len(self.index))
@@ -115,22 +122,35 @@ class DiskTier:
     def write(self, h: BlockHash, src: torch.Tensor) -> None:
         """`src` (a host-slab slot, its block's bytes) into a slot under `h`, the least
         recently used entry's when none is free. The header goes last: a write cut short
-        leaves no entry, or one whose checksum fails."""
+        leaves no entry, or one whose checksum fails.
+
+        Raises:
+            OSError: the file or NIXL failed; the slot is free again, `h` not held."""
         from ..kv_transfer.host_io import crc32c, tensor_bytes
         with self._lock:
             if h in self.index:
                 self.index.move_to_end(h)
                 return
-            slot = self.free.pop() if self.free else self.index.popitem(last=False)[1]
+            if self.free:
+                slot = self.free.pop()
+            else:
+                old, slot = self.index.popitem(last=False)
+                self._on_change(False, old)
         base = slot * self.stride
-        os.pwrite(self.fd, bytes(HEADER.size), base)            # the old entry is gone
-        self._xfer("WRITE", src, base + HEADER_BYTES)
-        crc = crc32c([tensor_bytes(src)])
-        self._seq += 1
-        os.pwrite(self.fd, HEADER.pack(MAGIC, self.fp, h, self._seq, crc, self.block_bytes),
-                  base)
+        try:
+            os.pwrite(self.fd, bytes(HEADER.size), base)        # the old entry is gone
+            self._xfer("WRITE", src, base + HEADER_BYTES)
+            crc = crc32c([tensor_bytes(src)])
+            self._seq += 1
+            os.pwrite(self.fd, HEADER.pack(MAGIC, self.fp, h, self._seq, crc,
+                                           self.block_bytes), base)
+        except OSError:
+            with self._lock:
+                self.free.add(slot)
+            raise
         with self._lock:
             self.index[h] = slot
+            self._on_change(True, h)
 
     def read(self, h: BlockHash) -> torch.Tensor | None:
         """The bytes of `h`'s entry in the staging buffer (valid until the next read), or
@@ -158,6 +178,7 @@ class DiskTier:
         with self._lock:
             slot = self.index.pop(h)
             self.free.add(slot)
+            self._on_change(False, h)
         os.pwrite(self.fd, bytes(HEADER.size), slot * self.stride)
 
     def _xfer(self, op: str, buf: torch.Tensor, offset: int) -> None:

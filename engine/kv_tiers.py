@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .block_pool import BlockHash, BlockPool
+from .block_pool import BlockHash, BlockPool, EventLog
 from .kv_disk_tier import HEADER_BYTES, DiskTier, fingerprint
 
 __all__ = ["KVTiers", "LoadDone", "TierStats", "fingerprint"]
@@ -132,11 +132,17 @@ class KVTiers:
                              f"({self.block_bytes} bytes)")
         self.host = HostTier(host_blocks, shape, kv_cache.dtype, kv_cache.device.type == "cuda")
         self.disk = None
-        self._lock = threading.Lock()          # the tiers' indexes, _pending, _stored, _loaded
+        self._lock = threading.Lock()   # the tiers' indexes, events, _pending, _stored, _loaded
+        disk_blocks = 0
         if disk_dir is not None and disk_gib > 0:
-            disk_blocks = int(disk_gib * GIB // (HEADER_BYTES + self.block_bytes))
-            self.disk = DiskTier(Path(disk_dir), name, max(disk_blocks, 1), self.block_bytes,
-                                 fp, self.host.slab, self._lock)
+            disk_blocks = max(int(disk_gib * GIB // (HEADER_BYTES + self.block_bytes)), 1)
+        # (tier, stored?, hash) per change to a tier's index (cache_events)
+        self._events = EventLog(4 * (host_blocks + disk_blocks))
+        if disk_blocks:
+            self.disk = DiskTier(Path(disk_dir), name, disk_blocks, self.block_bytes, fp,
+                                 self.host.slab, self._lock,
+                                 on_change=lambda stored, h: self._events.append(
+                                     ("disk", stored, h)))
         self.stats = TierStats()
         self._notify = notify or (lambda: None)
         self._pending: set[BlockHash] = set()   # queued to store
@@ -185,6 +191,22 @@ class KVTiers:
             self.pool.free(stored)
         return loaded
 
+    def cache_events(self, since: int) -> tuple[int, list[tuple[str, bool, BlockHash]] | None,
+                                                 list[tuple[str, BlockHash]] | None]:
+        """What changed in the tiers' indexes after event number `since`, as
+        BlockPool.cache_events: ``(seq, events, None)`` with events ``(tier, stored, hash)``
+        oldest first (tier "host" or "disk"; stored False: the tier dropped it), or ``(seq,
+        None, snapshot)`` with every ``(tier, hash)`` held when `since` is out of the log.
+        A disk tier's entries read back after a restart are logged as stored."""
+        with self._lock:
+            events = self._events.since(since)
+            if events is not None:
+                return self._events.seq, events, None
+            held = [("host", h) for h in self.host.index]
+            if self.disk is not None:
+                held += [("disk", h) for h in self.disk.index]
+            return self._events.seq, None, held
+
     def close(self) -> None:
         """Stop the tiers thread after what is queued; the disk tier's file stays."""
         self._jobs.put(None)
@@ -226,6 +248,7 @@ class KVTiers:
             self.host.slab[slot].copy_(block_view(self.kv_cache, block))
             with self._lock:
                 self.host.index[h] = slot
+                self._events.append(("host", True, h))
                 self._pending.discard(h)
                 self._stored.append(block)
                 self.stats.stored_host += 1
@@ -237,6 +260,7 @@ class KVTiers:
             if self.host.free:
                 return self.host.free.pop()
             h, slot = self.host.index.popitem(last=False)
+            self._events.append(("host", False, h))
         if self.disk is not None:
             try:
                 self.disk.write(h, self.host.slab[slot])

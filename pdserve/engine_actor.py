@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Callable
 
 import ray
 
@@ -29,8 +30,9 @@ from .engine.engine_thread import EngineThread
 from .engine.kv_prefault import prefault_pool
 from .engine.kv_tiers import KVTiers, fingerprint
 from .engine.outputs import SchedulerOutput
+from .kv_transfer import make_sender
 from .kv_transfer.tp_plan import rank_layout
-from .messages import WorkerInfo
+from .messages import KVPullOrder, WorkerInfo
 from .metrics import WorkerMetrics, serve as serve_metrics
 from .tp_group import worker_runner
 
@@ -68,6 +70,8 @@ class EngineActor(abc.ABC):
         self.kv_layout = rank_layout(self.runner.kv_cache, model.model_id,
                                      model.num_kv_heads, self.tp)
         self.compile_flag = CompileActivity.on(config.core_share_dir, worker_id)
+        self._pull_tx = None             # to prefill workers' pull receivers (lazily)
+        self._pull_lock = threading.Lock()
         self.tiers = None              # host and disk KV tiers below the pool (kv_tiers.py)
         if config.kv_host_cache_gib > 0:
             self.tiers = KVTiers(self.pool, self.runner.kv_cache,
@@ -155,6 +159,53 @@ class EngineActor(abc.ABC):
                   "disk_blocks": 0 if disk is None else len(disk.index)}
         names = _TIER_STATUS_FIELDS if status else {}
         return {"kv_tier_" + names.get(k, k): v for k, v in values.items()}
+
+    def _send_held_kv(self, order: KVPullOrder, blocks: list[int] | None,
+                      release: Callable[[list[int]], None]) -> int:
+        """Send a prefill worker's pull receiver the K/V of `blocks` (held for `order`;
+        None: this worker does not hold them), every layer a frame (the frames and
+        checks of a prefill's send), then DONE with no token; `release(blocks)` once
+        sent or failed. Returns the payload bytes sent; 0 when nothing was sent (the
+        receiver is sent ABORT where it can be reached; the pulling worker gives up on
+        a 0 either way and computes the blocks). Blocking: call it off the event loop.
+        Used by send_prompt_kv of both roles (prefill_worker/kv_pull.py)."""
+        addr, pull_id, epoch = tuple(order.kv_address), order.pull_id, order.epoch
+        num_layers = self.runner.config.num_layers
+        reason = f"{self.worker_id} no longer holds those blocks of {order.request_id}"
+        try:
+            sender = self._pull_sender()
+            if blocks is not None:
+                sent = sum(sender.send_layers(addr, pull_id, epoch, i, i + 1, blocks)
+                           for i in range(num_layers))
+                sender.send_done(addr, pull_id, epoch, None, num_layers)
+                return sent
+        except Exception as e:      # fails this pull, not the worker
+            logger.warning("prompt KV of %s not sent to %s: %s", order.request_id, addr, e)
+            reason = f"{type(e).__name__}: {e}"
+        finally:
+            if blocks is not None:
+                release(blocks)
+        try:
+            self._pull_sender().send_abort(addr, pull_id, epoch, reason)
+        except Exception as e:      # unreachable: the puller gives up on the 0 returned
+            logger.debug("ABORT of %s not sent to %s: %s", pull_id, addr, e)
+        return 0
+
+    def _pull_sender(self):
+        """The KV sender to prefill workers' pull receivers, made on first use (beside
+        a prefill worker's sender to decode workers, used by its step thread)."""
+        with self._pull_lock:
+            if self._pull_tx is None:
+                self._pull_tx = make_sender(
+                    self.config.transport, self.runner.kv_cache, self.kv_layout,
+                    checksum=self.config.kv_checksum, secret=self.config.kv_secret,
+                    epoch=self.epoch, host=self.config.node_host())
+            return self._pull_tx
+
+    def _close_pull_sender(self) -> None:
+        with self._pull_lock:
+            if self._pull_tx is not None:
+                self._pull_tx.close()
 
     def _kv_endpoints(self) -> tuple:
         """(kv_address, kv_rank_addresses) for WorkerInfo: a decode worker's receivers."""

@@ -7,8 +7,8 @@ checkers see every field.
     router ── reserve(...) ─────────────────▶ D      ◀── DecodeReservation | None
     router ── prefill(PrefillOrder) ────────▶ P      ◀── first token (int)
     router ── events(epoch) ────────────────▶ D      ◀── [TokenEvent, ...] (engine/request.py)
-    P      ── send_prompt_kv(KVPullOrder) ──▶ D   (kv_pull: D's KV frames to P)
-    router ── cache_events(since) ──────────▶ P      ◀── CacheEvents
+    P      ── send_prompt_kv(KVPullOrder) ──▶ D, P   (kv_pull: their KV frames to P)
+    router ── cache_events(since, ...) ─────▶ P      ◀── CacheEvents
     router ── status() ─────────────────────▶ P, D   ◀── WorkerStatus
 
 One name per quantity on both sides: the leading prompt blocks D already holds in its
@@ -72,7 +72,9 @@ class PrefillOrder:
     A tensor-parallel D's other ranks are ``kv_rank_addresses`` (DecodeReservation).
     ``kv_source``: D's actor handle when prefill workers pull KV (WorkerConfig.kv_pull):
     P may then read D's ``num_cached_blocks`` from D instead of computing them
-    (prefill_worker/kv_pull.py)."""
+    (prefill_worker/kv_pull.py); or, when ``kv_peer`` (another prefill worker's handle)
+    holds more, the ``peer_blocks`` leading full blocks the router's mirror says that
+    worker's prefix cache holds (routing.PrefillRouter.pull_peer)."""
 
     request_id: str
     token_ids: list[int]
@@ -82,15 +84,19 @@ class PrefillOrder:
     num_cached_blocks: int = 0
     kv_rank_addresses: tuple[tuple[str, int], ...] = ()
     kv_source: object = None   # D's Ray actor handle (kv_pull), or None
+    kv_peer: object = None     # another prefill worker's Ray actor handle (kv_pull), or None
+    peer_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class KVPullOrder:
-    """What a prefill worker asks the decode worker holding a prompt's leading blocks to
-    send it: positions ``first_block .. first_block + num_blocks - 1`` of the block
-    table of D's request ``request_id`` (blocks of D's prefix cache, or loaded from its
-    tier, at reserve), every layer, into P's pull receiver at ``kv_address`` (P's
-    ``epoch``) as the transfer ``pull_id``, then DONE with no token."""
+    """What a prefill worker asks the worker holding a prompt's leading blocks to send
+    it: positions ``first_block .. first_block + num_blocks - 1`` of the prompt, every
+    layer, into P's pull receiver at ``kv_address`` (P's ``epoch``) as the transfer
+    ``pull_id``, then DONE with no token. A decode worker finds them in the block table
+    of its request ``request_id`` (blocks of its prefix cache, or loaded from its tier,
+    at reserve); another prefill worker in its prefix cache by ``block_hashes``, those
+    blocks' hashes (16 bytes each; empty when asking a decode worker)."""
 
     request_id: str
     pull_id: str
@@ -98,6 +104,7 @@ class KVPullOrder:
     num_blocks: int
     kv_address: tuple[str, int]
     epoch: int                 # P's epoch
+    block_hashes: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,13 +125,18 @@ class CacheEvents:
     """A prefill worker's prefix-cache changes after event ``since`` (engine/block_pool.py)
     for the router's mirror (KV-aware routing): ``events`` as (stored, block_hash) in
     order, or, when ``since`` is too old, a full ``snapshot`` of its cached block hashes
-    (16-byte digests of block_size-token blocks). A new ``epoch`` (the worker restarted)
+    (16-byte digests of block_size-token blocks). The same for its KV tiers
+    (engine/kv_tiers.py) after tier event ``tier_since``, each event or entry naming its
+    tier ("host" or "disk"); none without tiers. A new ``epoch`` (the worker restarted)
     means the mirror starts over."""
 
     epoch: int
     seq: int                   # the worker's latest event number
     events: list[tuple[bool, bytes]] | None = None
     snapshot: list[bytes] | None = None
+    tier_seq: int = 0          # the worker's latest tier event number
+    tier_events: list[tuple[str, bool, bytes]] | None = None   # (tier, stored, hash)
+    tier_snapshot: list[tuple[str, bytes]] | None = None       # (tier, hash)
 
 
 @dataclass(frozen=True, slots=True)

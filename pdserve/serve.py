@@ -86,7 +86,9 @@ def _serve(args) -> int:
                if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
             router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
                                       "max_tokenize_queue_chars", "max_concurrent_calls",
-                                      "routing_policy", "metrics_port", "metrics_host",
+                                      "routing_policy", "kv_host_load_cost",
+                                      "kv_disk_load_cost", "kv_pull_load_cost",
+                                      "metrics_port", "metrics_host",
                                       "slo_ttft_ms",
                                       "slo_tpot_ms", "tls_cert_file", "tls_key_file",
                                       "tls_client_ca_file", "api_key", "admin_api_key",
@@ -244,6 +246,15 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--routing-policy", choices=["round_robin", "least_loaded", "kv_aware"],
                    default=None, help="how the router picks a prefill worker (default kv_aware: "
                                       "cached prefix blocks vs queued tokens)")
+    s.add_argument("--kv-host-load-cost", type=float, default=None, metavar="F",
+                   help="kv_aware: what a prompt token a prefill worker loads from its host "
+                        "KV tier costs, as a share of a computed one (default 0.01, measured "
+                        "on a CPU box; set it higher on GPUs, where compute is far faster)")
+    s.add_argument("--kv-disk-load-cost", type=float, default=None, metavar="F",
+                   help="kv_aware: the same for its disk KV tier (default 0.05)")
+    s.add_argument("--kv-pull-load-cost", type=float, default=None, metavar="F",
+                   help="kv_aware with --kv-pull: the same for a token read from another "
+                        "prefill worker's prefix cache (default 0.15)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="router's Prometheus /metrics port (default 9464; workers pick free "
                         "ports, listed by `pdserve status`)")

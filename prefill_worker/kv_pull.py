@@ -1,4 +1,5 @@
-"""Prompt blocks a prefill worker reads from its decode worker instead of computing them.
+"""Prompt blocks a prefill worker reads from its decode worker, or from another prefill
+worker, instead of computing them.
 
 Every prompt's K/V ends on a decode worker D, so D's prefix cache and KV tiers hold the
 histories of the conversations it serves; a next turn sent to a prefill worker P that
@@ -16,6 +17,14 @@ and P reads those past its own cache's hit over the KV transport, D to P:
        token; end_export drops the holds
     P  finished(): the receiver reports the transfer done → the blocks enter P's prefix
        cache and count as computed; P computes the rest and sends D only blocks c on
+
+A prefix D lacks (its pool evicted it, or the turn went to another decode worker) may
+still be in another prefill worker's prefix cache: the router's mirror of every prefill
+worker's cache names the one holding the most (PrefillOrder.kv_peer, peer_blocks), and
+P reads from that worker instead when it holds more than D does. The peer finds the
+blocks by their hashes (KVPullOrder.block_hashes, PrefillScheduler.export) and sends
+them as D would; it sends nothing (and P computes them) when its cache has lost any of
+them since the router's last look.
 
 A failed, refused (D no longer holds the blocks, or died) or overdue pull, or one whose
 request was aborted, is forgotten on the receiver; once the receiver reports the blocks released (no write can touch them) the
@@ -80,11 +89,11 @@ class _Pull:
 class KVPulls:
     """The pulls in flight of one prefill scheduler (called under its lock, on the step
     thread); see the module docstring. `receiver`: P's own KV receiver over its cache,
-    started at `address` with P's `epoch`; `ask(source, order)` asks the decode worker
-    `source` (PrefillRequest.kv_source) to send, and `refused(answer)` says from what it
-    returned whether D answered without sending or failed (the pull is given up then);
-    `block_bytes`: K/V bytes of one block (every layer); a pull not done after
-    `timeout_s` seconds is given up.
+    started at `address` with P's `epoch`; `ask(source, order)` asks the worker `source`
+    (PrefillRequest.kv_source, or kv_peer: see source()) to send, and `refused(answer)`
+    says from what it returned whether it answered without sending or failed (the pull
+    is given up then); `block_bytes`: K/V bytes of one block (every layer); a pull not
+    done after `timeout_s` seconds is given up.
 
     Counters: `pulled_blocks`, `bytes_pulled`, `pull_seconds` (asked to done, summed),
     `num_failed` (pulls given up or failed)."""
@@ -103,21 +112,34 @@ class KVPulls:
         self.pulled_blocks = self.bytes_pulled = self.num_failed = 0
         self.pull_seconds = 0.0
 
+    @staticmethod
+    def source(req: PrefillRequest, num_hit: int) -> tuple[object, int, bool]:
+        """(whom to ask, how many blocks after P's `num_hit` it holds, whether it is a
+        prefill worker): req's decode worker, or the peer the router named when it holds
+        more."""
+        d = req.num_cached_blocks - num_hit if req.kv_source is not None else 0
+        peer = req.peer_blocks - num_hit if req.kv_peer is not None else 0
+        return (req.kv_peer, peer, True) if peer > d else (req.kv_source, d, False)
+
     def count(self, req: PrefillRequest, num_hit: int, num_local: int) -> int:
-        """Blocks after P's `num_hit` worth reading from req's decode worker: those it
-        holds, when they are more than the `num_local` P's tiers hold and the cost
-        model prefers reading them; else 0."""
-        n = req.num_cached_blocks - num_hit
-        if req.kv_source is None or n <= num_local:
+        """Blocks after P's `num_hit` worth reading from req's decode worker or peer
+        (source): those it holds, when they are more than the `num_local` P's tiers hold
+        and the cost model prefers reading them; else 0."""
+        _, n, _ = self.source(req, num_hit)
+        if n <= num_local:
             return 0
         return n if self.cost.worth(n * self.block_size, n * self.block_bytes) else 0
 
     def start(self, req: PrefillRequest, first: int, count: int) -> None:
-        """Read D's blocks at block-table positions first..first+count-1 into req's."""
+        """Read the source's blocks at block-table positions first..first+count-1 into
+        req's (count as count() gave for num_hit `first`)."""
+        source, _, peer = self.source(req, first)
         pull_id = f"{req.request_id}/pull"
-        self.receiver.expect(pull_id, req.block_table[first:first + count])
-        answer = self.ask(req.kv_source, KVPullOrder(req.request_id, pull_id, first, count,
-                                                     self.address, self.epoch))
+        end = first + count
+        self.receiver.expect(pull_id, req.block_table[first:end])
+        answer = self.ask(source, KVPullOrder(
+            req.request_id, pull_id, first, count, self.address, self.epoch,
+            tuple(req.block_hashes[first:end]) if peer else ()))
         self._pulling[pull_id] = _Pull(req, first, count, time.monotonic(), answer)
 
     def finished(self) -> list[tuple[PrefillRequest, int]]:

@@ -75,6 +75,8 @@ class PrefillRequest:
     finish: Finish | None = None         # set once it fails or is aborted (fail())
     kv_rank_addresses: tuple = ()        # a tensor-parallel D's ranks 1..M-1 (messages.py)
     kv_source: Any = None                # D's actor handle: kv_pull reads D's cached blocks
+    kv_peer: Any = None                  # or another prefill worker's, holding
+    peer_blocks: int = 0                 # this many leading full blocks (the router's guess)
     logprobs: TokenLogprobs | None = None  # of the first token, when params.logprobs
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # grows per chunk
     arrived: float = field(default_factory=time.monotonic)   # schedule policy's clock

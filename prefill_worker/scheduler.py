@@ -31,7 +31,8 @@ import threading
 import time
 from collections import deque
 
-from ..engine.block_pool import BlockPool, block_hashes, blocks_needed, match_prompt_prefix
+from ..engine.block_pool import (BlockHash, BlockPool, block_hashes, blocks_needed,
+                                 match_prompt_prefix)
 from ..engine.kv_tiers import KVTiers
 from ..engine.outputs import ModelRunnerOutput, SchedulerOutput
 from ..engine.request import RequestState
@@ -189,6 +190,23 @@ class PrefillScheduler:
             self.cached_tokens += num_blocks * self.block_size - req.num_cached
             req.num_computed_tokens = req.num_cached = num_blocks * self.block_size
             (self._dropped if req.finish is not None else self._partial).append(req)
+
+    def export(self, hashes: list[BlockHash]) -> list[int] | None:
+        """The prefix-cache blocks of `hashes` (chained block hashes of a prompt's full
+        blocks), for another prefill worker to read (kv_pull.py); each held once more
+        until end_export(). None, nothing held, when the cache lacks any of them. Under
+        the lock, so a schedule() counting free blocks is not raced."""
+        with self._lock:
+            blocks = self.pool.match_prefix(hashes)
+            if len(blocks) == len(hashes):
+                return blocks
+            self.pool.free(blocks)
+            return None
+
+    def end_export(self, blocks: list[int]) -> None:
+        """An export's blocks were sent (or failed): their holds go back."""
+        with self._lock:
+            self.pool.free(blocks)
 
     def loading(self) -> bool:
         """Whether a tier load or a pull is in flight."""

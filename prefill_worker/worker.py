@@ -17,9 +17,10 @@ Request lifecycle here (see scheduler.py):
     step thread:  connector.get_finished(), polled each step and between layers: the
                   request's blocks are released (a failed one's call raises)
 
-With kv_pull, a prompt whose leading blocks its decode worker holds reads them from
-there into its blocks before it computes the rest (kv_pull.py; this worker's pull
-receiver, D's send_prompt_kv).
+With kv_pull, a prompt whose leading blocks its decode worker (or another prefill
+worker) holds reads them from there into its blocks before it computes the rest
+(kv_pull.py; this worker's pull receiver, the holder's send_prompt_kv); this worker
+sends another prefill worker the blocks its prefix cache holds (send_prompt_kv).
 
 A transfer failure fails that one request (the router sees KVTransferError); the
 worker keeps serving.
@@ -46,7 +47,8 @@ from ..engine.tp_executor import TPGroupBroken
 from ..engine_actor import EngineActor
 from ..kv_transfer import KVTransferError, make_receiver, make_sender
 from ..kv_transfer.tp_plan import rank_targets
-from ..messages import CacheEvents, PrefillOrder, PrefillResult, StepStats, WorkerStatus
+from ..messages import (CacheEvents, KVPullOrder, PrefillOrder, PrefillResult, StepStats,
+                        WorkerStatus)
 from ..request_ids import router_of
 from .connector import PrefillKVConnector
 from .kv_pull import KVPulls
@@ -165,7 +167,8 @@ class PrefillWorker(EngineActor):
                              future=self._loop.create_future(),
                              num_cached_blocks=order.num_cached_blocks,
                              kv_rank_addresses=tuple(map(tuple, order.kv_rank_addresses)),
-                             kv_source=order.kv_source,
+                             kv_source=order.kv_source, kv_peer=order.kv_peer,
+                             peer_blocks=order.peer_blocks,
                              grammar=grammar)
         self.scheduler.add(req)
         self._wake.set()
@@ -219,11 +222,24 @@ class PrefillWorker(EngineActor):
             self._abort(rid)
         return len(ids)
 
-    async def cache_events(self, since: int) -> CacheEvents:
-        """Prefix-cache changes after event `since` (engine/block_pool.py), or a
-        snapshot when `since` is too old; the router polls it (KV-aware routing)."""
+    async def send_prompt_kv(self, order: KVPullOrder) -> int:
+        """Send another prefill worker the K/V of the prompt blocks `order.block_hashes`
+        this worker holds in its prefix cache (PrefillScheduler.export), every layer,
+        into its pull receiver, then DONE with no token (kv_pull.py). Returns the
+        payload bytes sent; 0 when the cache lacks any of them or the send failed (the
+        puller then computes them)."""
+        blocks = self.scheduler.export(list(order.block_hashes))
+        return await asyncio.to_thread(self._send_held_kv, order, blocks,
+                                       self.scheduler.end_export)
+
+    async def cache_events(self, since: int, tier_since: int = 0) -> CacheEvents:
+        """Prefix-cache changes after event `since` (engine/block_pool.py) and KV-tier
+        changes after tier event `tier_since` (engine/kv_tiers.py), each a snapshot when
+        too old; the router polls it (KV-aware routing)."""
         seq, events, snapshot = self.pool.cache_events(since)
-        return CacheEvents(self.epoch, seq, events, snapshot)
+        if self.tiers is None:
+            return CacheEvents(self.epoch, seq, events, snapshot)
+        return CacheEvents(self.epoch, seq, events, snapshot, *self.tiers.cache_events(tier_since))
 
     async def status(self) -> WorkerStatus:
         running, waiting = self.scheduler.counts()
@@ -266,6 +282,7 @@ class PrefillWorker(EngineActor):
         self.connector.close()
         if self.pull_receiver is not None:
             self.pull_receiver.close()
+        self._close_pull_sender()
         self._finish_sent()
         if self.tiers is not None:
             self.tiers.close()

@@ -90,15 +90,16 @@ async def watch_workers(placement: Placement, interval_s: float) -> None:
 
 
 async def sync_prefix_caches(placement: Placement, interval_s: float) -> None:
-    """Mirror every prefill worker's prefix cache (routing.PrefixIndex) by polling its
-    cache events every `interval_s` (cache_sync_interval_s); a worker that does not
-    answer in time is skipped this round (its mirror just goes stale)."""
+    """Mirror every prefill worker's prefix cache and KV tiers (routing.PrefixIndex) by
+    polling its cache events every `interval_s` (cache_sync_interval_s); a worker that
+    does not answer in time is skipped this round (its mirror just goes stale)."""
     index = placement.prefill_router.index
     while True:
         for w in placement.prefill:
             try:
                 reply = await asyncio.wait_for(
-                    w.handle.cache_events.remote(index.since(w.worker_id)), timeout=5)
+                    w.handle.cache_events.remote(index.since(w.worker_id),
+                                                 index.tier_since(w.worker_id)), timeout=5)
             except Exception as e:  # dead, restarting or slow: try again next round
                 logger.debug("prefix cache of %s not synced: %r", w.worker_id, e)
                 continue

@@ -136,14 +136,19 @@ class Attempt:
         """
         p, res = held.p, held.res
         sent, queued_on_p = time.monotonic(), p.total_queued_tokens   # this prompt's too
-        # P may read D's cached blocks from D (prefill_worker/kv_pull.py)
-        source = (held.d.handle if self.on.placement.config.prefill.kv_pull
-                  and not res.kv_rank_addresses else None)
+        # P may read cached blocks from D, or from another prefill worker holding more
+        # (prefill_worker/kv_pull.py)
+        placement, source, peer, peer_blocks = self.on.placement, None, None, 0
+        if placement.config.prefill.kv_pull:
+            source = held.d.handle if not res.kv_rank_addresses else None
+            peer, peer_blocks = placement.prefill_router.pull_peer(
+                [w for w in placement.prefill if w.alive], p, self.ids)
         try:
             first: PrefillResult = await asyncio.wait_for(
                 p.handle.prefill.remote(PrefillOrder(
                     self.id, self.ids, self.params, res.kv_address, res.epoch,
-                    res.num_cached_blocks, res.kv_rank_addresses, source)),
+                    res.num_cached_blocks, res.kv_rank_addresses, source,
+                    None if peer is None else peer.handle, peer_blocks)),
                 timeout=max(self.deadline - time.monotonic(), 0.001))
         except ray.exceptions.RayError as e:
             raise attempt_failed("prefill", p, e) from e

@@ -37,6 +37,15 @@ class RouterConfig:
                                      # prompts an 8k-token context takes
     routing_policy: str = "kv_aware"  # prefill worker choice: round_robin | least_loaded | kv_aware
     kv_load_weight: float = 1.0      # kv_aware: cost = uncached tokens + weight * queued tokens
+    kv_host_load_cost: float = 0.01  # kv_aware: a prompt token a prefill worker loads from
+                                     # its host KV tier, in computed tokens (2-core CPU, fp32:
+                                     # 0.16 ms a 16-token block loaded vs ~17 ms computed;
+                                     # higher on a GPU, where compute is far faster)
+    kv_disk_load_cost: float = 0.05  # kv_aware: the same from its disk tier (0.7-1.3 ms a
+                                     # block here)
+    kv_pull_load_cost: float = 0.15  # kv_aware with kv_pull: the same read from another
+                                     # prefill worker's prefix cache (under a multi-turn
+                                     # load here, 7 ms a block against ~44 ms computed)
     max_prefill_queue_tokens: int | None = None  # conditional disaggregation: a prompt is
                                      # prefilled on its decode worker instead when every
                                      # prefill worker has more prompt tokens queued than this
@@ -109,8 +118,10 @@ class RouterConfig:
         if self.routing_policy not in POLICIES:
             raise ValueError(f"routing_policy={self.routing_policy!r}: choose one of "
                              f"{list(POLICIES)}")
-        if self.kv_load_weight < 0:
-            raise ValueError(f"kv_load_weight={self.kv_load_weight}: must be >= 0")
+        for name in ("kv_load_weight", "kv_host_load_cost", "kv_disk_load_cost",
+                     "kv_pull_load_cost"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.max_prefill_queue_tokens is not None and self.max_prefill_queue_tokens < 0:
             raise ValueError(f"max_prefill_queue_tokens={self.max_prefill_queue_tokens}: "
                              "must be >= 0 tokens (0: always prefill on a prefill worker)")

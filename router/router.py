@@ -81,8 +81,7 @@ class Router:
         rc = config.router
         self.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
         self.tokenize = TokenizeQueue(rc.max_tokenize_queue_chars)
-        self.prefill_router = PrefillRouter(rc.routing_policy, config.prefill.block_size,
-                                            rc.kv_load_weight)
+        self.prefill_router = PrefillRouter.of(config)
         self.placement = Placement(config, self.prefill_router)   # workers from start() on
         self._cache_sync: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None
@@ -135,7 +134,7 @@ class Router:
         await membership.join(self.placement, (self._prefill_handles, self._decode_handles),
                               self.index, rc.worker_ready_timeout_s if restarted else None)
         loop = asyncio.get_running_loop()
-        if rc.routing_policy == "kv_aware":
+        if rc.routing_policy == "kv_aware" or self.config.prefill.kv_pull:
             self._cache_sync = loop.create_task(admin.sync_prefix_caches(
                 self.placement, rc.cache_sync_interval_s))
         self._watch = loop.create_task(admin.watch_workers(self.placement,

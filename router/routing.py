@@ -3,18 +3,24 @@
 `kv_aware` (the default) scores every prefill worker P by the work the prompt would cost
 there, the cost model of Dynamo's KV router and SGLang's cache-aware router::
 
-    cost(P) = uncached_prefill_tokens(prompt, P) + load_weight * queued_tokens(P)
+    cost(P) = uncached_prefill_tokens(prompt, P)
+              + host_load_cost * host_tier_tokens(prompt, P)
+              + disk_load_cost * disk_tier_tokens(prompt, P)
+              + load_weight * queued_tokens(P)
 
-where the uncached tokens are the prompt's tokens after the longest run of its leading
-full blocks that P holds in its prefix cache (never the block of the last token, which
-P always computes), and queued_tokens are the prompt tokens the router has sent to P
-and not yet got a first token back for. Lowest cost wins; ties go to the less loaded,
-then to the first worker.
+as P itself would serve the prompt: the longest run of its leading full blocks that P
+holds in its prefix cache (never the block of the last token, which P always computes)
+is shared, the run of the next ones its KV tiers hold (engine/kv_tiers.py) is loaded,
+host tier first, and the rest is computed. A loaded token costs a share of a computed
+one: `host_load_cost` and `disk_load_cost` (RouterConfig.kv_host_load_cost,
+kv_disk_load_cost). queued_tokens are the prompt tokens the router has sent to P and not
+yet got a first token back for. Lowest cost wins; ties go to the less loaded, then to
+the first worker.
 
-Which blocks P holds comes from PrefixIndex, a mirror of each P's cache that the router
-refreshes by polling the workers' cache events every `cache_sync_interval_s` (not per
-request), so it may lag by that much: a stale entry costs a wrong guess, never a wrong
-answer (P looks the prefix up itself).
+Which blocks P holds, and where, comes from PrefixIndex, a mirror of each P's cache and
+tiers that the router refreshes by polling the workers' cache events every
+`cache_sync_interval_s` (not per request), so it may lag by that much: a stale entry
+costs a wrong guess, never a wrong answer (P looks the prefix up itself).
 """
 
 from __future__ import annotations
@@ -35,18 +41,26 @@ class PrefillTarget(Protocol):
 
 
 class PrefixIndex:
-    """The block hashes each prefill worker holds, as of its last cache_events reply."""
+    """The block hashes each prefill worker holds in its prefix cache and in each of its
+    KV tiers, as of its last cache_events reply."""
 
     def __init__(self) -> None:
         self._hashes: dict[str, set[BlockHash]] = {}
         self._seq: dict[str, int] = {}
+        self._tiers: dict[str, dict[str, set[BlockHash]]] = {}   # worker -> tier -> hashes
+        self._tier_seq: dict[str, int] = {}
 
     def since(self, worker_id: str) -> int:
         """The event number to ask `worker_id` for changes after."""
         return self._seq.get(worker_id, 0)
 
+    def tier_since(self, worker_id: str) -> int:
+        """The tier event number to ask `worker_id` for changes after."""
+        return self._tier_seq.get(worker_id, 0)
+
     def apply(self, worker_id: str, reply: CacheEvents) -> None:
-        """Fold in a PrefillWorker.cache_events reply: events, or a full snapshot."""
+        """Fold in a PrefillWorker.cache_events reply: events, or a full snapshot, of the
+        prefix cache and of the tiers."""
         held = self._hashes.setdefault(worker_id, set())
         if reply.snapshot is not None:
             held.clear()
@@ -57,53 +71,128 @@ class PrefixIndex:
             else:
                 held.discard(h)
         self._seq[worker_id] = reply.seq
+        tiers = self._tiers.setdefault(worker_id, {})
+        if reply.tier_snapshot is not None:
+            tiers.clear()
+            for tier, h in reply.tier_snapshot:
+                tiers.setdefault(tier, set()).add(h)
+        for tier, stored, h in reply.tier_events or ():
+            if stored:
+                tiers.setdefault(tier, set()).add(h)
+            else:
+                tiers.get(tier, set()).discard(h)
+        self._tier_seq[worker_id] = reply.tier_seq
 
     def forget(self, worker_id: str) -> None:
         """Drop what `worker_id` held (it restarted with an empty cache); its next
         cache_events poll starts from event 0."""
-        self._hashes.pop(worker_id, None)
-        self._seq.pop(worker_id, None)
+        for d in (self._hashes, self._seq, self._tiers, self._tier_seq):
+            d.pop(worker_id, None)
 
     def matched_blocks(self, worker_id: str, hashes: Sequence[BlockHash]) -> int:
         """How many of `hashes`, from the first, `worker_id` holds without a gap."""
+        return self.matched(worker_id, hashes)[0]
+
+    def matched(self, worker_id: str, hashes: Sequence[BlockHash]) -> tuple[int, int, int]:
+        """(pool, host, disk): how many of `hashes`, from the first, `worker_id` holds in
+        its prefix cache without a gap, then how many of the next its host and disk
+        tiers hold (host first, as KVTiers loads), up to the first none holds."""
         held = self._hashes.get(worker_id, ())
         n = 0
-        for h in hashes:
-            if h not in held:
-                break
+        while n < len(hashes) and hashes[n] in held:
             n += 1
-        return n
+        tiers = self._tiers.get(worker_id, {})
+        host, disk = tiers.get("host", ()), tiers.get("disk", ())
+        in_host = in_disk = 0
+        for h in hashes[n:]:
+            if h in host:
+                in_host += 1
+            elif h in disk:
+                in_disk += 1
+            else:
+                break
+        return n, in_host, in_disk
 
 
 class PrefillRouter:
     """Picks the prefill worker for each prompt by `policy` (one of POLICIES).
 
+    load_weight, host_load_cost, disk_load_cost: the cost model's weights (module
+    docstring), in computed prompt tokens per queued or loaded token. pull_cost: the
+    same for a token read from another prefill worker's prefix cache, when prefill
+    workers pull KV (WorkerConfig.kv_pull; pull_peer); None when they do not.
+
     Raises:
-        ValueError: unknown policy, or a negative load_weight.
+        ValueError: unknown policy, or a negative weight.
     """
 
-    def __init__(self, policy: str, block_size: int, load_weight: float = 1.0) -> None:
+    def __init__(self, policy: str, block_size: int, load_weight: float = 1.0,
+                 host_load_cost: float = 0.0, disk_load_cost: float = 0.0,
+                 pull_cost: float | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing_policy={policy!r}: choose one of {list(POLICIES)}")
-        if load_weight < 0:
-            raise ValueError(f"kv_load_weight={load_weight}: must be >= 0")
+        for name, v in (("kv_load_weight", load_weight), ("kv_host_load_cost", host_load_cost),
+                        ("kv_disk_load_cost", disk_load_cost),
+                        ("kv_pull_load_cost", 0.0 if pull_cost is None else pull_cost)):
+            if not v >= 0:
+                raise ValueError(f"{name}={v}: must be >= 0")
         self.policy, self.block_size, self.load_weight = policy, block_size, load_weight
+        self.host_load_cost, self.disk_load_cost = host_load_cost, disk_load_cost
+        self.pull_cost = pull_cost
         self.index = PrefixIndex()
         self._turn = itertools.count()
 
+    @classmethod
+    def of(cls, config) -> PrefillRouter:
+        """The router's, from a ClusterConfig (its router section's policy and weights;
+        pull_cost with the prefill workers' kv_pull)."""
+        rc = config.router
+        return cls(rc.routing_policy, config.prefill.block_size, rc.kv_load_weight,
+                   rc.kv_host_load_cost, rc.kv_disk_load_cost,
+                   rc.kv_pull_load_cost if config.prefill.kv_pull else None)
+
+    def _hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """The hashes of a prompt's full blocks but the one of its last token."""
+        bs = self.block_size
+        return block_hashes(token_ids[: (len(token_ids) - 1) // bs * bs], bs)
+
     def pick(self, workers: Sequence[PrefillTarget], token_ids: Sequence[int]
              ) -> tuple[PrefillTarget, int]:
-        """(worker, prompt tokens it is expected to find cached) for a prompt."""
+        """(worker, prompt tokens it is expected to find in its prefix cache or tiers, or
+        to read from another prefill worker's cache) for a prompt."""
         if self.policy == "round_robin":
             return workers[next(self._turn) % len(workers)], 0
         if self.policy == "least_loaded":
             return min(workers, key=lambda w: w.total_queued_tokens), 0
         n, bs = len(token_ids), self.block_size
-        hashes = block_hashes(token_ids[: (n - 1) // bs * bs], bs)
+        hashes = self._hashes(token_ids)
+        matched = [self.index.matched(w.worker_id, hashes) for w in workers]
         best = None
-        for i, w in enumerate(workers):
-            cached = self.index.matched_blocks(w.worker_id, hashes) * bs
-            key = (n - cached + self.load_weight * w.total_queued_tokens, w.total_queued_tokens, i)
+        for i, (w, (pool, host, disk)) in enumerate(zip(workers, matched)):
+            got = pool + host + disk
+            cost = (n - got * bs + (self.host_load_cost * host + self.disk_load_cost * disk) * bs
+                    + self.load_weight * w.total_queued_tokens)
+            if self.pull_cost is not None:
+                peer = max((m[0] for j, m in enumerate(matched) if j != i), default=0)
+                if peer > got:      # read the rest from the peer's cache (pull_peer)
+                    cost -= (peer - got) * bs * (1 - self.pull_cost)
+                    got = peer
+            key = (cost, w.total_queued_tokens, i)
             if best is None or key < best[0]:
-                best = (key, w, cached)
+                best = (key, w, got * bs)
         return best[1], best[2]
+
+    def pull_peer(self, workers: Sequence[PrefillTarget], chosen: PrefillTarget,
+                  token_ids: Sequence[int]) -> tuple[PrefillTarget | None, int]:
+        """(the worker of `workers`, other than `chosen`, whose prefix cache holds the
+        longest run of the prompt's leading full blocks (never its last token's), that
+        run in blocks) when the run is longer than what `chosen` holds in its cache and
+        tiers; else (None, 0). `chosen` may read those blocks from it (kv_pull), as
+        PrefillOrder.kv_peer and peer_blocks. From the mirror, so a guess: the peer
+        sends nothing when its cache lost any of them since."""
+        hashes = self._hashes(token_ids)
+        best, run = None, sum(self.index.matched(chosen.worker_id, hashes))
+        for w in workers:
+            if w is not chosen and (n := self.index.matched_blocks(w.worker_id, hashes)) > run:
+                best, run = w, n
+        return (best, run) if best is not None else (None, 0)

@@ -51,8 +51,7 @@ def fake_router(prefills: list, decodes: list, **router_kw) -> Router:
     r.tokenize = TokenizeQueue(rc.max_tokenize_queue_chars)
     r.metrics = RouterMetrics(lambda: r.admission.queued_requests)
     r.streams = DecodeStreams(0)
-    r.prefill_router = PrefillRouter(rc.routing_policy, r.config.prefill.block_size,
-                                     rc.kv_load_weight)
+    r.prefill_router = PrefillRouter.of(r.config)
     r.placement = Placement(
         r.config, r.prefill_router,
         prefill=[Worker(actor(p), f"prefill-{i}", 64, 1) for i, p in enumerate(prefills)],

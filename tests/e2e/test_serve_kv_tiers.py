@@ -2,7 +2,8 @@
 (engine/kv_tiers.py): prefix blocks the prefill worker's pool evicted come back from the
 host tier and the disk tier instead of being computed; the disk tier serves hits after a
 `kill -9` of the worker (a request in flight then is retried, not lost); a damaged disk
-entry is dropped and its tokens computed. On the decode worker, a history its pool
+entry is dropped and its tokens computed; the router's KV-aware routing sees which tier
+holds which prefix, across the restart. On the decode worker, a history its pool
 evicted loads back from its own host tier for a local prefill of the next turn; with
 kv_pull, a next turn on the prefill worker reads the history from the decode worker
 instead of computing it. Every
@@ -67,6 +68,23 @@ def restarted(served: Served, pid: int, timeout_s: float = 180.0):
         time.sleep(0.2)
 
 
+def router_sees(served: Served, p: list[int], want: tuple[int, int, int],
+                timeout_s: float = 60.0, worker: int = 0) -> None:
+    """Wait until the router's mirror of prefill worker `worker`'s cache and tiers
+    (routing.PrefixIndex, synced every cache_sync_interval_s) has `p`'s full blocks as
+    `want`: (in its pool, then in its host tier, then on its disk)."""
+    def matched(router):
+        from pdserve.engine.block_pool import block_hashes
+        w = router.placement.prefill[worker]
+        return router.prefill_router.index.matched(w.worker_id, block_hashes(p, BLOCK))
+
+    deadline = time.monotonic() + timeout_s
+    while (got := ray.get(served.cluster.router.__ray_call__.remote(matched), timeout=60)
+           ) != want:
+        assert time.monotonic() < deadline, f"the router sees {got}, not {want}"
+        time.sleep(0.1)
+
+
 def test_evicted_prefix_blocks_load_back_from_host_and_disk_across_a_kill(tmp_path):
     start_ray()
     # the pool holds two prompts; the host tier ten blocks; the disk tier 64
@@ -85,6 +103,8 @@ def test_evicted_prefix_blocks_load_back_from_host_and_disk_across_a_kill(tmp_pa
         assert [ask(p) for p in (a, b, c)] == [want["a"], want["b"], want["c"]]
         s1 = prefill_status(served)
         assert s1.kv_tier_host_blocks == 10 and s1.kv_tier_disk_blocks == 14, s1
+        router_sees(served, a, (0, 0, FULL_BLOCKS))     # KV-aware routing knows the tiers
+        router_sees(served, c, (FULL_BLOCKS, 0, 0))
         assert ask(a) == want["a"]                      # a's 8 blocks from disk
         s2 = prefill_status(served)
         assert s2.kv_tier_disk_hit_blocks - s1.kv_tier_disk_hit_blocks == FULL_BLOCKS
@@ -100,6 +120,7 @@ def test_evicted_prefix_blocks_load_back_from_host_and_disk_across_a_kill(tmp_pa
         t.join(300)
         assert result == {"b": want["b"]}
         assert s3.kv_tier_disk_blocks == 14, s3       # read back from the slab file
+        router_sees(served, a, (0, 0, FULL_BLOCKS))     # and reported to the router
         assert ask(a) == want["a"]
         s4 = prefill_status(served)
         assert s4.kv_tier_disk_hit_blocks >= FULL_BLOCKS, (s3, s4)
@@ -162,6 +183,38 @@ def test_a_next_turn_prefilled_on_p_reads_the_history_from_the_decode_worker():
         assert d2.local_prefills == 0 and d2.prefill_tokens_computed == 0, d2
         # the one block D lacked went to D: the turn's last block only
         assert p2.kv_bytes_sent - p1.kv_bytes_sent == BLOCK_BYTES, p2
+    finally:
+        served.stop()
+
+
+def test_a_next_turn_reads_the_history_from_the_prefill_worker_that_computed_it():
+    """kv_pull across prefill workers, placed round robin: the history is computed on
+    P0; two other prompts (P1, then P0) push it out of D's pool (20 blocks), not out of
+    P0's. The next turn goes to P1, which lacks it, as does D: the router names P0 as
+    the holder (its mirror of P0's cache), P1 reads the 8 blocks from P0 and computes
+    the 10 new tokens only, then sends D every block."""
+    start_ray()
+    served = Served(prefill_workers=2, decode_blocks=20, kv_pull=True,
+                    router_kw={"routing_policy": "round_robin"})
+    history, turn = prompt(0), next_turn(0)
+    want = hf_greedy("default", turn, MAX_TOKENS)
+
+    def status():
+        return ray.get([p.status.remote() for p in served.cluster.prefill], timeout=30)
+
+    try:
+        for p in (history, prompt(1), prompt(2)):
+            greedy(served, p)
+        router_sees(served, history, (FULL_BLOCKS, 0, 0), worker=0)
+        before = status()
+        assert greedy(served, turn) == want
+        p0, p1 = status()
+        assert p1.kv_pulled_blocks == FULL_BLOCKS and p1.kv_pull_failures == 0, p1
+        assert p1.prefill_tokens_computed - before[1].prefill_tokens_computed == 10, p1
+        assert p0.kv_pulled_blocks == 0 and p0.prefill_tokens_computed == \
+            before[0].prefill_tokens_computed, p0
+        # D held none of the turn (every block sent it): the 8 came from P0
+        assert p1.kv_bytes_sent - before[1].kv_bytes_sent == (FULL_BLOCKS + 1) * BLOCK_BYTES
     finally:
         served.stop()
 

@@ -1,7 +1,8 @@
 """engine/kv_tiers.py: blocks stored to the host tier come back byte for byte; a full
 host tier moves its oldest entries to the disk tier, which survives a restart (a new
 KVTiers over the same file); a damaged disk entry is dropped, not served; another
-fingerprint's entries are not read. Every test ends with the pool free and the tiers
+fingerprint's entries are not read; the tiers' cache events tell a reader which tier
+holds each block. Every test ends with the pool free and the tiers
 idle (each block held for a store given back)."""
 
 import time
@@ -11,6 +12,8 @@ import torch
 
 from pdserve.engine.block_pool import BlockPool, block_hashes
 from pdserve.engine.kv_tiers import KVTiers, fingerprint
+from pdserve.messages import CacheEvents
+from pdserve.router.routing import PrefixIndex
 
 pytest.importorskip("nixl_cu12")
 
@@ -126,4 +129,61 @@ def test_a_damaged_disk_entry_is_dropped_not_served(tmp_path):
         assert t.lookup(hashes) == 1
     finally:
         t.close()
+    assert pool.all_free()
+
+
+def mirror(index: PrefixIndex, t: KVTiers) -> None:
+    """Fold `t`'s tier events since the index's last poll into it, as the router does."""
+    seq, events, snapshot = t.cache_events(index.tier_since("p"))
+    index.apply("p", CacheEvents(0, 0, tier_seq=seq, tier_events=events,
+                                 tier_snapshot=snapshot))
+
+
+def held(index: PrefixIndex, hashes) -> list[str]:
+    """Where the mirror has each of `hashes`: "host", "disk" or "-"."""
+    out = []
+    for h in hashes:
+        _, host, disk = index.matched("p", [h])
+        out.append("host" if host else "disk" if disk else "-")
+    return out
+
+
+def test_cache_events_mirror_each_tier_through_moves_drops_and_a_restart(tmp_path):
+    """A reader polling cache_events (routing.PrefixIndex) knows which tier holds each
+    block: host inserts, host-to-disk moves, a disk slot reused, a damaged entry
+    dropped, and the entries a restarted disk tier reads back."""
+    from pdserve.engine.kv_disk_tier import HEADER_BYTES
+    kv, pool = cache(), BlockPool(NUM_BLOCKS)
+    index = PrefixIndex()
+    t = tiers(pool, kv, host_blocks=2, disk_dir=tmp_path, disk_blocks=3)
+    try:
+        a, _ = stored(pool, kv, t, 2, seed=10)
+        mirror(index, t)
+        assert held(index, a) == ["host", "host"]
+        b, _ = stored(pool, kv, t, 3, seed=500)          # a's two and b[0] go to disk
+        mirror(index, t)
+        assert held(index, a + b) == ["disk", "disk", "disk", "host", "host"]
+        c, _ = stored(pool, kv, t, 1, seed=900)          # b[1] to disk: a[0]'s slot reused
+        mirror(index, t)
+        assert held(index, a + b + c) == ["-", "disk", "disk", "disk", "host", "host"]
+        slot = t.disk.index[b[0]]
+        with open(t.disk.path, "r+b") as f:              # damage b[0]'s bytes
+            f.seek(slot * t.disk.stride + HEADER_BYTES + 5)
+            f.write(b"\xff\x00\xff")
+        assert loaded(pool, kv, t, b[:1])[0] == 0
+        mirror(index, t)
+        assert held(index, a + b) == ["-", "disk", "-", "disk", "host"]
+    finally:
+        t.close()
+    again = tiers(pool, kv, host_blocks=2, disk_dir=tmp_path, disk_blocks=3)
+    try:
+        index.forget("p")                                # a new epoch: from event 0
+        mirror(index, again)
+        assert held(index, a + b + c) == ["-", "disk", "-", "disk", "-", "-"]
+        stale = PrefixIndex()                            # ahead of the log: a snapshot
+        stale.apply("p", CacheEvents(0, 0, tier_seq=10**6))
+        mirror(stale, again)
+        assert held(stale, a + b) == held(index, a + b)
+    finally:
+        again.close()
     assert pool.all_free()

@@ -1,10 +1,12 @@
-"""prefill_worker/kv_pull.py with prefill_worker/scheduler.py, over the real TCP KV
-transport: a prompt whose leading blocks its decode worker holds reads them into its own
+"""prefill_worker/kv_pull.py with prefill_worker/scheduler.py, over the real KV
+transports (TCP, and NIXL where it imports): a prompt whose leading blocks its decode worker holds reads them into its own
 blocks (D's sender → P's pull receiver), caches them and computes only the rest; a pull
 D cannot serve, one never answered, and one whose request is aborted each leave the
 request to compute (or end) once the receiver released its blocks; the cost model
-refuses a pull slower than computing. No model: cache tensors stand in for both
-workers'. Every test ends with P's pool free and the receiver idle."""
+refuses a pull slower than computing. Another prefill worker holding more of the prefix
+than the decode worker is read from instead: it finds the blocks in its prefix cache by
+their hashes, and sends nothing when it lost any. No model: cache tensors stand in for
+the workers'. Every test ends with P's pool free and the receiver idle."""
 
 import threading
 import time
@@ -16,6 +18,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import RequestState
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
+from pdserve.kv_transfer.nixl import find_module
 from pdserve.prefill_worker.kv_pull import KVPulls, PullCost
 from pdserve.prefill_worker.requests import PrefillRequest
 from pdserve.prefill_worker.scheduler import PrefillScheduler
@@ -27,13 +30,16 @@ D_KV = torch.zeros(LAYERS, 2, 32, 1, BS, 8)
 D_BLOCKS = [20, 3, 11, 7, 5]              # where D holds the prompt's first 5 blocks
 PROMPT = list(range(1, 6 * BS + 3))       # 6 full blocks and 2 tokens
 BLOCK_BYTES = LAYERS * 2 * BS * 8 * 4
+TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    find_module() is None, reason="NIXL (nixl-cu12) not installed"))]
 
 
 class FakeD:
-    """D's side of send_prompt_kv with a real TCP sender over D's cache (no Ray)."""
+    """D's side of send_prompt_kv with a real sender of transport `kind` over D's cache
+    (no Ray)."""
 
-    def __init__(self, serve=True):
-        self.sender = make_sender("tcp", D_KV, KVLayout.for_cache(D_KV, MODEL), checksum=True)
+    def __init__(self, kind, serve=True):
+        self.sender = make_sender(kind, D_KV, KVLayout.for_cache(D_KV, MODEL), checksum=True)
         self.serve, self.orders, self.threads = serve, [], []
 
     def ask(self, source, order):
@@ -62,14 +68,14 @@ class FakeD:
         self.sender.close()
 
 
-@pytest.fixture
-def pull():
-    """(pool, scheduler, KVPulls, receiver) around P's cache; the pool and receiver are
-    checked free and idle afterwards."""
+@pytest.fixture(params=TRANSPORTS)
+def pull(request):
+    """(pool, scheduler, KVPulls, transport) around P's cache, its receiver of that
+    transport; the pool and receiver are checked free and idle afterwards."""
     pool = BlockPool(POOL)
-    rx = make_receiver("tcp", P_KV, KVLayout.for_cache(P_KV, MODEL), 7)
+    rx = make_receiver(request.param, P_KV, KVLayout.for_cache(P_KV, MODEL), 7)
     pulls = KVPulls(rx, rx.start(), 7, pool, BS, BLOCK_BYTES, ask=None, timeout_s=5.0)
-    yield pool, PrefillScheduler(pool, BS, 64, pulls=pulls), pulls, rx
+    yield pool, PrefillScheduler(pool, BS, 64, pulls=pulls), pulls, request.param
     try:
         assert pool.all_free() and rx.num_active() == 0 and not pulls.loading()
     finally:
@@ -95,8 +101,8 @@ def finish(sched, req, out):
 
 
 def test_a_prefix_its_decode_worker_holds_is_read_not_computed(pull):
-    pool, sched, pulls, rx = pull
-    d = FakeD()
+    pool, sched, pulls, kind = pull
+    d = FakeD(kind)
     pulls.ask = d.ask
     try:
         D_KV.normal_()
@@ -127,8 +133,8 @@ def test_a_prefix_its_decode_worker_holds_is_read_not_computed(pull):
 def test_a_pull_that_fails_leaves_the_prefix_to_compute(pull, serve):
     """D sends ABORT, or answers 0 bytes sent (refused: given up at once), or never
     answers (given up after timeout_s)."""
-    pool, sched, pulls, rx = pull
-    d = FakeD(serve)
+    pool, sched, pulls, kind = pull
+    d = FakeD(kind, serve)
     pulls.ask, pulls.refused = d.ask, lambda answer: answer == "zero"
     pulls.timeout_s = 0.3 if serve is None else 60.0
     try:
@@ -146,8 +152,8 @@ def test_a_pull_that_fails_leaves_the_prefix_to_compute(pull, serve):
 
 
 def test_an_abort_while_pulling_hands_the_request_back_once_released(pull):
-    pool, sched, pulls, rx = pull
-    d = FakeD(serve=None)
+    pool, sched, pulls, kind = pull
+    d = FakeD(kind, serve=None)
     pulls.ask = d.ask
     try:
         req = request(d)
@@ -176,3 +182,84 @@ def test_the_cost_model_computes_when_reading_is_slower():
     assert pulls.count(request(object()), 0, 0) == 5
     assert pulls.count(request(object()), 0, 5) == 0       # P's tiers hold as many
     assert pulls.count(request(None), 0, 0) == 0           # no decode worker to ask
+
+
+class FakePeer(FakeD):
+    """Another prefill worker's side of send_prompt_kv: its real PrefillScheduler, whose
+    prefix cache holds PROMPT's full blocks (computed into D_KV's blocks), exports them
+    by hash and a real sender sends them; end_export gives them back."""
+
+    def __init__(self, kind):
+        super().__init__(kind)
+        self.pool = BlockPool(32)
+        self.sched = PrefillScheduler(self.pool, BS, 64)
+        held = PrefillRequest("peer", list(PROMPT), SamplingParams(), ("127.0.0.1", 1), epoch=1)
+        self.sched.add(held)
+        finish(self.sched, held, self.sched.schedule())       # its 6 full blocks cached
+
+    def _send(self, order):
+        blocks = self.sched.export(list(order.block_hashes))
+        addr, pid = order.kv_address, order.pull_id
+        if blocks is None:
+            self.sender.send_abort(addr, pid, order.epoch, "not held")
+            return
+        try:
+            for i in range(LAYERS):
+                self.sender.send_layers(addr, pid, order.epoch, i, i + 1, blocks)
+            self.sender.send_done(addr, pid, order.epoch, None, LAYERS)
+        finally:
+            self.sched.end_export(blocks)
+
+
+def peer_pull(pull, peer, d_blocks=2):
+    """A request whose decode worker holds `d_blocks` leading blocks and `peer` all 6,
+    added and scheduled (its pull asked); returns it."""
+    pool, sched, pulls, kind = pull
+    pulls.ask = peer.ask
+    req = request(d=object(), cached=d_blocks)
+    req.kv_peer, req.peer_blocks = peer, 6
+    sched.add(req)
+    assert sched.schedule().requests == ()
+    [order] = peer.orders
+    assert (order.first_block, order.num_blocks) == (0, 6)
+    assert list(order.block_hashes) == req.block_hashes[:6]
+    return req
+
+
+def test_a_prefix_another_prefill_worker_holds_is_read_from_it(pull):
+    """D holds 2 leading blocks, the peer 6 (the router's guess, peer_blocks): the
+    peer's 6 are read, found by hash in its prefix cache."""
+    pool, sched, pulls, kind = pull
+    peer = FakePeer(kind)
+    try:
+        D_KV.normal_()
+        req = peer_pull(pull, peer)
+        out = until_rows(sched)
+        assert out.num_scheduled_tokens == (2,) and pulls.pulled_blocks == 6
+        theirs = peer.pool.match_prefix(req.block_hashes[:6])
+        for mine, block in zip(req.block_table[:6], theirs):
+            assert torch.equal(P_KV[:, :, mine], D_KV[:, :, block])
+        peer.pool.free(theirs)
+        finish(sched, req, out)
+        assert peer.pool.all_free()
+    finally:
+        peer.close()
+
+
+def test_a_peer_that_lost_a_block_sends_nothing_and_the_prompt_computes(pull):
+    pool, sched, pulls, kind = pull
+    peer = FakePeer(kind)
+    try:
+        # the peer's pool evicts its least recently used cached block: the prompt's first
+        taken = peer.pool.allocate(peer.pool.num_free - peer.pool.num_cached + 1)
+        peer.pool.free(taken)
+        req = peer_pull(pull, peer)
+        out = until_rows(sched)
+        assert req.num_computed_tokens == 0 and pulls.num_failed == 1
+        while req.num_computed_tokens + out.num_scheduled_tokens[0] < req.prompt_len:
+            advance(sched, out)
+            out = sched.schedule()
+        finish(sched, req, out)
+        assert peer.pool.all_free() and peer.pool.num_cached == 5
+    finally:
+        peer.close()

@@ -68,3 +68,50 @@ def test_prefix_index_follows_events_and_snapshots():
     idx.apply("p", CacheEvents(0, 9, snapshot=[h[2]]))
     assert idx.matched_blocks("p", h) == 0 and idx.matched_blocks("p", h[2:]) == 1
     assert idx.matched_blocks("unknown", h) == 0 and idx.since("unknown") == 0
+
+
+def test_kv_aware_counts_tier_blocks_at_their_load_cost():
+    """Blocks a worker holds in its host or disk tier, after those in its pool, count as
+    cached less their load cost; a tier block after a gap counts for nothing."""
+    r = PrefillRouter("kv_aware", BS, host_load_cost=0.1, disk_load_cost=0.5)
+    a, b, c = W("a"), W("b"), W("c")
+    prompt = list(range(200, 240)) + [1]             # 10 full blocks and 1 token
+    h = block_hashes(prompt, BS)
+    holding(r, "a", prompt[:8])                      # a: 2 in its pool
+    r.index.apply("a", CacheEvents(0, r.index.since("a"), tier_seq=2,
+                                   tier_events=[("host", True, x) for x in h[2:4]]))
+    r.index.apply("b", CacheEvents(0, 0, tier_seq=10, tier_events=[
+        *(("disk", True, x) for x in h[:10]), ("disk", False, h[9])]))
+    r.index.apply("c", CacheEvents(0, 0, tier_snapshot=[("host", x) for x in h[1:10]]))
+    assert r.index.matched("a", h) == (2, 2, 0)
+    assert r.index.matched("b", h) == (0, 0, 9)
+    assert r.index.matched("c", h) == (0, 0, 0)      # no block 0: nothing loads
+    # a: 41 - 16 + 0.1 * 8 = 25.8; b: 41 - 36 + 0.5 * 36 = 23
+    assert r.pick([a, b, c], prompt) == (b, 36)
+    r.disk_load_cost = 0.7                           # b: 5 + 25.2 = 30.2 > 25.8
+    assert r.pick([a, b, c], prompt) == (a, 16)
+    r.index.forget("a")
+    assert r.index.matched("a", h) == (0, 0, 0) and r.index.tier_since("a") == 0
+    with pytest.raises(ValueError, match="kv_disk_load_cost"):
+        PrefillRouter("kv_aware", BS, disk_load_cost=-0.1)
+
+
+def test_with_pulls_an_idle_worker_reads_a_busy_holders_prefix():
+    """With pull_cost (kv_pull), a worker lacking the prefix counts the run another
+    worker's cache holds at that cost: a busy holder's prompt goes to an idle worker,
+    which pull_peer tells where to read it; an idle holder keeps it."""
+    r = PrefillRouter("kv_aware", BS, pull_cost=0.2)
+    a, b = W("a"), W("b")
+    prompt = list(range(300, 340)) + [1]             # 10 full blocks and 1 token
+    holding(r, "b", prompt[:40])
+    assert r.pick([a, b], prompt) == (b, 40)         # 1 < 41 - 40 + 0.2 * 40
+    b.total_queued_tokens = 30                       # b: 1 + 30 > a: 9
+    assert r.pick([a, b], prompt) == (a, 40)
+    assert r.pull_peer([a, b], a, prompt) == (b, 10)
+    assert r.pull_peer([a, b], b, prompt) == (None, 0)         # b holds the most
+    holding(r, "a", prompt[:40])
+    assert r.pull_peer([a, b], a, prompt) == (None, 0)         # a holds as many
+    plain = PrefillRouter("kv_aware", BS)            # no pulls: the holder, however busy
+    holding(plain, "b", prompt[:40])
+    b.total_queued_tokens = 35
+    assert plain.pick([a, b], prompt)[0] is b

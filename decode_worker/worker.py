@@ -38,6 +38,7 @@ import time
 
 import ray
 
+from .. import tracing
 from ..config import WorkerConfig
 from ..core_share import LentThreads, StepThreads
 from ..engine.block_pool import NoFreeBlocksError
@@ -115,7 +116,8 @@ class DecodeWorker(EngineActor):
 
     async def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
                       prompt_token_ids: list[int], lease_s: float | None = None,
-                      prefill_locally: bool = False) -> DecodeReservation | None:
+                      prefill_locally: bool = False, trace_context: dict | None = None
+                      ) -> DecodeReservation | None:
         """Reserve blocks for a request's prompt KV; None when the pool cannot hold it
         now, or ever (prompt + max_tokens beyond the whole pool; the router refuses
         those against the largest decode worker first). `prompt_token_ids` (prompt_len
@@ -132,11 +134,36 @@ class DecodeWorker(EngineActor):
         Idempotent per request_id (a repeated call returns the same reservation).
         `prefill_locally`: the router asks D to prefill the prompt itself whatever its
         length (its prefill workers' queues are long: conditional disaggregation).
+        `trace_context`: the router's reserve span of a traced request; this worker's
+        span of the reservation goes under it (pdserve/tracing.py).
         Raises:
             ValueError: len(prompt_token_ids) != prompt_len, or the structured output's
                 grammar does not compile (compiled here, before the reservation, off the
                 step thread).
         """
+        if trace_context is None:
+            return await self._reserve(request_id, prompt_len, params, prompt_token_ids,
+                                       lease_s, prefill_locally)
+        span = tracing.worker_span("decode_worker.reserve", trace_context,
+                                   {"pdserve.worker_id": self.worker_id})
+        try:
+            res = await self._reserve(request_id, prompt_len, params, prompt_token_ids,
+                                      lease_s, prefill_locally)
+        except BaseException as e:
+            if span is not None:
+                tracing.end(span, error=e)
+            raise
+        if span is not None:
+            tracing.end(span, {"pdserve.reserved": False} if res is None else {
+                "pdserve.reserved": True, "pdserve.blocks": res.num_blocks,
+                "pdserve.cached_blocks": res.num_cached_blocks,
+                "pdserve.local_prefill": res.local_prefill,
+                "pdserve.free_blocks": res.free_blocks})
+        return res
+
+    async def _reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
+                       prompt_token_ids: list[int], lease_s: float | None,
+                       prefill_locally: bool) -> DecodeReservation | None:
         self._loop = self._loop or asyncio.get_running_loop()
         grammar = None
         if params.structured_outputs is not None:

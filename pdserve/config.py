@@ -76,6 +76,9 @@ class WorkerConfig:
     kv_disk_cache_dir: str | None = None  # a disk KV tier's directory (with the host
                                      # tier), kept across restarts
     kv_disk_cache_gib: float = 0.0   # ... and its size, GiB
+    otlp_traces_endpoint: str | None = None  # this worker's spans of traced requests go
+                                     # to this OTLP collector (pdserve/tracing.py); set
+                                     # from RouterConfig.otlp_traces_endpoint by ClusterConfig
     kv_pull: bool = False            # prefill: a prompt's leading blocks its decode worker
                                      # holds (pool, or a tier loaded at reserve) are read
                                      # from there over the KV transport when the cost model
@@ -214,6 +217,11 @@ class ClusterConfig:
                         for w in (self.prefill, self.decode)))
 
     def __post_init__(self):
+        endpoint = self.router.otlp_traces_endpoint     # the workers trace where it does
+        for role in ("prefill", "decode"):
+            if getattr(self, role).otlp_traces_endpoint != endpoint:
+                object.__setattr__(self, role, replace(getattr(self, role),
+                                                       otlp_traces_endpoint=endpoint))
         if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
             raise ValueError("need at least one prefill and one decode worker "
                              f"(got {self.num_prefill_workers} and {self.num_decode_workers})")

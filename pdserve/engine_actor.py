@@ -32,6 +32,7 @@ from .engine.kv_tiers import KVTiers, fingerprint
 from .engine.outputs import SchedulerOutput
 from .kv_transfer import make_sender
 from .kv_transfer.tp_plan import rank_layout
+from . import tracing
 from .messages import KVPullOrder, WorkerInfo
 from .metrics import WorkerMetrics, serve as serve_metrics
 from .tp_group import worker_runner
@@ -53,6 +54,8 @@ class EngineActor(abc.ABC):
     def __init__(self, worker_id: str, config: WorkerConfig, **runner_kw):
         logging.basicConfig(level=config.log_level)
         self.worker_id, self.config = worker_id, config
+        tracing.configure(config.otlp_traces_endpoint, f"pdserve-{self.role}",
+                          attributes={"pdserve.worker_id": worker_id})
         self.epoch = uuid.uuid4().int & (2**63 - 1)   # this incarnation (new on Ray restart)
         self.draining = False            # drain(): no new requests from any router
         self._loop: asyncio.AbstractEventLoop | None = None

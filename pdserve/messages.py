@@ -86,6 +86,8 @@ class PrefillOrder:
     kv_source: object = None   # D's Ray actor handle (kv_pull), or None
     kv_peer: object = None     # another prefill worker's Ray actor handle (kv_pull), or None
     peer_blocks: int = 0
+    trace_context: dict | None = None   # the router's prefill span (W3C traceparent) of a
+                                        # traced request (pdserve/tracing.py), or None
 
 
 @dataclass(frozen=True, slots=True)

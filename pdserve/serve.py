@@ -89,7 +89,8 @@ def _serve(args) -> int:
                                       "routing_policy", "kv_host_load_cost",
                                       "kv_disk_load_cost", "kv_pull_load_cost",
                                       "metrics_port", "metrics_host",
-                                      "slo_ttft_ms",
+                                      "slo_ttft_ms", "otlp_traces_endpoint",
+                                      "otlp_traces_sample_ratio",
                                       "slo_tpot_ms", "tls_cert_file", "tls_key_file",
                                       "tls_client_ca_file", "api_key", "admin_api_key",
                                       "max_workers", "max_request_bytes", "request_timeout_s",
@@ -255,6 +256,13 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--kv-pull-load-cost", type=float, default=None, metavar="F",
                    help="kv_aware with --kv-pull: the same for a token read from another "
                         "prefill worker's prefix cache (default 0.15)")
+    s.add_argument("--otlp-traces-endpoint", default=None, metavar="HOST:PORT",
+                   help="export an OpenTelemetry trace of each request to this OTLP "
+                        "collector (gRPC; $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf "
+                        "for HTTP, then a URL); default off, as vLLM's flag")
+    s.add_argument("--otlp-traces-sample-ratio", type=float, default=None, metavar="F",
+                   help="share of requests traced among those arriving without a sampled "
+                        "W3C traceparent (default 1.0); a sampled one is always traced")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="router's Prometheus /metrics port (default 9464; workers pick free "
                         "ports, listed by `pdserve status`)")

@@ -80,6 +80,7 @@ class PrefillRequest:
     logprobs: TokenLogprobs | None = None  # of the first token, when params.logprobs
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # grows per chunk
     arrived: float = field(default_factory=time.monotonic)   # schedule policy's clock
+    scheduled: float | None = None       # when it first took blocks (time.monotonic())
     grammar: Any = None                  # params.structured_outputs compiled (xgrammar)
     matcher: Any = None                  # of its grammar, at its sampling
 

@@ -174,6 +174,7 @@ class PrefillScheduler:
             self.pulls.start(req, len(hit), pull)
         req.num_cached = req.num_computed_tokens
         req.state = RequestState.PREFILLING
+        req.scheduled = time.monotonic()
         self.computed_tokens += max(take, 0)
         self.cached_tokens += req.num_cached
         self.prefix_queries += looked_up

@@ -37,6 +37,7 @@ import time
 import ray
 import torch
 
+from .. import tracing
 from ..config import WorkerConfig
 from ..core_share import PrefillActivity
 from ..engine.block_pool import blocks_needed
@@ -170,13 +171,37 @@ class PrefillWorker(EngineActor):
                              kv_source=order.kv_source, kv_peer=order.kv_peer,
                              peer_blocks=order.peer_blocks,
                              grammar=grammar)
+        span = None if order.trace_context is None else tracing.worker_span(
+            "prefill_worker", order.trace_context,
+            {"pdserve.worker_id": self.worker_id, "pdserve.prompt_tokens": req.prompt_len})
         self.scheduler.add(req)
         self._wake.set()
         try:
-            return await req.future
+            result = await req.future
         except asyncio.CancelledError:
             self._abort(order.request_id)
+            if span is not None:
+                tracing.end(span, self._span_attributes(req, order))
             raise
+        except BaseException as e:
+            if span is not None:
+                tracing.end(span, self._span_attributes(req, order), e)
+            raise
+        if span is not None:
+            tracing.end(span, self._span_attributes(req, order))
+        return result
+
+    def _span_attributes(self, req: PrefillRequest, order: PrefillOrder) -> dict:
+        """A prompt's prefill in numbers, for its span: seconds queued before it took
+        blocks, tokens found cached and computed, K/V sent (blocks, bytes, layers)."""
+        sent = blocks_needed(req.prompt_len, self.runner.block_size) - order.num_cached_blocks
+        return {"pdserve.queue_s": (req.scheduled or time.monotonic()) - req.arrived,
+                "pdserve.cached_tokens": req.num_cached,
+                "pdserve.computed_tokens": req.prompt_len - req.num_cached,
+                "pdserve.kv.transport": self.config.transport,
+                "pdserve.kv.blocks": sent,
+                "pdserve.kv.bytes": self.kv_layout.payload_bytes(self.num_layers, sent),
+                "pdserve.kv.layers": self.num_layers}
 
     async def _compile(self, so):
         """`so` compiled off the step thread, published meanwhile (core_share: no decode

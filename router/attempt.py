@@ -47,18 +47,19 @@ class Attempts:
         self._pending: set[asyncio.Task] = set()    # fire-and-forget calls in flight
 
     def run(self, rid: str, ids: list[int], params, deadline: float, relays: list[Relay],
-            queued) -> AsyncIterator[pb.GenerateResponse]:
+            queued, trace=None) -> AsyncIterator[pb.GenerateResponse]:
         """Serve `ids` (the prompt, plus the tokens streamed by earlier attempts) to
         `relays` (relays[k] takes sample k of params.num_samples; one relay: params is
         its own) until `deadline` (time.monotonic()). `queued`: the request's admission
-        ticket, released at its first token.
+        ticket, released at its first token. `trace` (pdserve/tracing.py RequestTrace;
+        None: not traced): the attempt's span, with its reservation, prefill and decode.
 
         Raises:
             AttemptFailed: P or D died, or the KV transfer or D failed (retryable).
             RequestError: deadline, capacity, no worker available (final).
         """
         return Attempt(self, attempt_id(rid, self.index), ids, params, deadline, relays,
-                       queued).run()
+                       queued, trace).run()
 
     def send(self, ref) -> None:
         """Fire a call whose result does not matter; its error (the worker is dead or
@@ -82,24 +83,57 @@ class Attempt:
     sample k's id on D is decode_worker/fork.py sample_id(id, k)."""
 
     def __init__(self, on: Attempts, internal_id: str, ids: list[int], params,
-                 deadline: float, relays: list[Relay], queued):
+                 deadline: float, relays: list[Relay], queued, trace=None):
         self.on, self.id, self.ids, self.params = on, internal_id, ids, params
         self.deadline, self.relays, self.queued = deadline, relays, queued
+        self.trace, self.span = trace, None     # the attempt's span, when traced
         self.on_d = {sample_id(internal_id, k): r for k, r in enumerate(relays)}
         # sample 0 ended at P's token by a stop string (n > 1): aborted on D only once a
         # sibling's event shows D forked the prompt (an abort before the fork would
         # leave the siblings unborn)
         self._abort0 = False
 
-    async def run(self) -> AsyncIterator[pb.GenerateResponse]:
-        on = self.on
+    def run(self) -> AsyncIterator[pb.GenerateResponse]:
+        """The attempt's messages (see Attempts.run); in an `attempt` span when traced
+        (no extra generator in between when not)."""
+        return self._run() if self.trace is None else self._traced_run()
+
+    async def _traced_run(self) -> AsyncIterator[pb.GenerateResponse]:
+        trace = self.trace
+        self.span = trace.start("attempt", attributes={
+            "pdserve.attempt_id": self.id, "pdserve.prompt_tokens": len(self.ids)})
+        try:
+            async for msg in self._run():
+                yield msg
+        except GeneratorExit:
+            raise
+        except BaseException as e:
+            trace.end(self.span, error=e)
+            self.span = None
+            raise
+        finally:
+            if self.span is not None:
+                trace.end(self.span)
+
+    async def _run(self) -> AsyncIterator[pb.GenerateResponse]:
+        on, trace = self.on, self.trace
         on.streams.open(self.id, tuple(self.on_d)[1:])  # before D may produce a token
+        span = trace.start("reserve", self.span) if trace is not None else None
         try:
             held = await on.placement.reserve(self.id, len(self.ids), self.params,
-                                              self.deadline, self.ids, len(self.relays))
-        except BaseException:
+                                              self.deadline, self.ids, len(self.relays),
+                                              None if span is None else trace.carrier(span))
+        except BaseException as e:
             on.streams.close(self.id)
+            if span is not None:
+                trace.end(span, error=e)
             raise
+        if span is not None:
+            trace.end(span, {"pdserve.decode_worker": held.d.worker_id,
+                             "pdserve.prefill_worker": "" if held.p is None
+                             else held.p.worker_id,
+                             "pdserve.local_prefill": held.p is None,
+                             "pdserve.cached_blocks": held.res.num_cached_blocks})
         on.metrics.prefills.labels(on="decode_worker" if held.p is None
                                    else "prefill_worker").inc()
         finished = False
@@ -107,11 +141,22 @@ class Attempt:
             try:
                 on.streams.bind(self.id, held.d, held.res.epoch)
                 if held.p is not None:
-                    if (msg := self._first_message(await self._prefill(held))) is not None:
+                    if (msg := self._first_message(await self._traced_prefill(held))
+                            ) is not None:
                         yield msg                   # TTFT
                 self._abort0 = len(self.relays) > 1 and self.relays[0].stopped_here
-                async for msg in self._decode(held):
-                    yield msg
+                span = trace.start("decode", self.span) if trace is not None else None
+                try:
+                    async for msg in self._decode(held):
+                        yield msg
+                except BaseException as e:
+                    if span is not None and not isinstance(e, GeneratorExit):
+                        trace.end(span, error=e)
+                        span = None
+                    raise
+                finally:
+                    if span is not None:
+                        trace.end(span, {"pdserve.decode_worker": held.d.worker_id})
                 finished = not any(r.stopped_here for r in self.relays)  # else D may run
             except asyncio.TimeoutError:
                 raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -126,10 +171,25 @@ class Attempt:
                     on.send(held.d.handle.abort.remote(self.id, "cancelled",
                                                        group=len(self.relays) > 1))
 
-    async def _prefill(self, held: Reservation) -> PrefillResult:
+    async def _traced_prefill(self, held: Reservation) -> PrefillResult:
+        """_prefill, in a span of the attempt's when traced."""
+        if self.trace is None:
+            return await self._prefill(held)
+        span = self.trace.start("prefill", self.span,
+                                {"pdserve.prefill_worker": held.p.worker_id})
+        try:
+            first = await self._prefill(held, self.trace.carrier(span))
+        except BaseException as e:
+            self.trace.end(span, error=e)
+            raise
+        self.trace.end(span)
+        return first
+
+    async def _prefill(self, held: Reservation, trace_context: dict | None = None
+                       ) -> PrefillResult:
         """P's prefill into D's reservation: its first token, once the KV is sent. Its
         time feeds placement.first_token; with replicas, its reported queue P's share
-        of the others.
+        of the others. `trace_context`: the router's prefill span, P's goes under it.
 
         Raises:
             AttemptFailed: P died or failed (retryable). asyncio.TimeoutError: deadline.
@@ -148,7 +208,7 @@ class Attempt:
                 p.handle.prefill.remote(PrefillOrder(
                     self.id, self.ids, self.params, res.kv_address, res.epoch,
                     res.num_cached_blocks, res.kv_rank_addresses, source,
-                    None if peer is None else peer.handle, peer_blocks)),
+                    None if peer is None else peer.handle, peer_blocks, trace_context)),
                 timeout=max(self.deadline - time.monotonic(), 0.001))
         except ray.exceptions.RayError as e:
             raise attempt_failed("prefill", p, e) from e

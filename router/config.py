@@ -87,6 +87,11 @@ class RouterConfig:
                                      # a prompt goes to a decode worker only when no prefill
                                      # worker would give its first token within slo_ttft_ms
                                      # (router/placement.py, prefill_on_decode)
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces of requests to this
+                                     # OTLP collector (host:port for gRPC, or a URL;
+                                     # pdserve/tracing.py); None: off
+    otlp_traces_sample_ratio: float = 1.0  # share of requests traced that arrive without
+                                     # a sampled traceparent
     # Security of the gRPC front (router/security.py). Paths are read where the router
     # runs, when it builds its server, so they are checked there, not here.
     tls_cert_file: str | None = None  # PEM server certificate (chain); with tls_key_file
@@ -125,6 +130,9 @@ class RouterConfig:
         if self.max_prefill_queue_tokens is not None and self.max_prefill_queue_tokens < 0:
             raise ValueError(f"max_prefill_queue_tokens={self.max_prefill_queue_tokens}: "
                              "must be >= 0 tokens (0: always prefill on a prefill worker)")
+        if not 0.0 <= self.otlp_traces_sample_ratio <= 1.0:
+            raise ValueError(f"otlp_traces_sample_ratio={self.otlp_traces_sample_ratio}: "
+                             "must be in [0, 1]")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             v = getattr(self, name)
             if v is not None and not v > 0:

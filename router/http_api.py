@@ -44,6 +44,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import tracing
 from ..engine.sampling_params import InvalidRequestError
 from ..proto import pdserve_pb2 as pb
 from . import openai_protocol as oai
@@ -194,7 +195,8 @@ async def _complete(router, request: Request, body, chat: bool) -> Response:
     created, model = int(time.time()), router.model_name
     tokenizer = getattr(router, "tokenizer", None)   # decodes an echoed token-id prompt
     # No client deadline over HTTP: the router bounds it with request_timeout_s.
-    stream = metered_generate(router, lambda: oai.to_request(body, rid), None)
+    stream = metered_generate(router, lambda: oai.to_request(body, rid), None,
+                              tracing.trace_headers(request.headers.items()))
     try:
         if body.stream:
             first = await _unless_gone(request, _first(stream))

@@ -137,7 +137,8 @@ class Placement:
                                                 "worker's KV pool")
 
     async def reserve(self, rid: str, prompt_len: int, params, deadline: float,
-                      ids: list[int], num_samples: int = 1) -> Reservation:
+                      ids: list[int], num_samples: int = 1,
+                      trace_context: dict | None = None) -> Reservation:
         """Reserve on the best live decode worker with room, waiting for room in arrival
         order (RoomQueue) or for Ray to restart a dead one, until the request's
         deadline (or router.reserve_timeout_s when set), and choose who prefills
@@ -148,7 +149,8 @@ class Placement:
         reservations are in flight, see each other's load (they spread over the
         decode workers). The caller releases it (`with`). Its lease on D ends with the
         request's deadline at the latest, so D reclaims it even if this router goes
-        away.
+        away. `trace_context`: the router's reserve span of a traced request, D's span
+        of the reservation goes under it (pdserve/tracing.py).
 
         Raises:
             RequestError: DEADLINE_EXCEEDED, no room before the deadline;
@@ -157,7 +159,7 @@ class Placement:
         """
         timeout_s = self.config.router.reserve_timeout_s
         give_up = deadline if timeout_s is None else min(deadline, time.monotonic() + timeout_s)
-        args = (rid, prompt_len, params, deadline, ids, num_samples, give_up)
+        args = (rid, prompt_len, params, deadline, ids, num_samples, give_up, trace_context)
         if not len(self.room):       # none waiting: ask at once (a burst's asks overlap)
             held = await self._try_reserve(*args)
             if held is not None:
@@ -183,8 +185,8 @@ class Placement:
                            "waiting for decode KV space")
 
     async def _try_reserve(self, rid: str, prompt_len: int, params, deadline: float,
-                           ids: list[int], num_samples: int, give_up: float
-                           ) -> Reservation | None:
+                           ids: list[int], num_samples: int, give_up: float,
+                           trace_context: dict | None = None) -> Reservation | None:
         """One pass over the live decode workers, best first (waiting for a dead role
         to restart until `give_up`); None when none had room."""
         while True:
@@ -200,8 +202,9 @@ class Placement:
                 held = Reservation(d, p, prompt_len, num_samples, self.room,
                                    lent=self.lends_to(d))
                 try:
-                    res = await d.handle.reserve.remote(rid, prompt_len, params, ids, lease_s,
-                                                        local)
+                    res = await d.handle.reserve.remote(
+                        rid, prompt_len, params, ids, lease_s, local,
+                        **({"trace_context": trace_context} if trace_context else {}))
                 except ray.exceptions.RayActorError:   # dead or restarting: try the next
                     held.refused()
                     d.alive = False

@@ -37,6 +37,7 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.structured_output import Grammars, compile_executor
 from ..metrics import RouterMetrics, serve as serve_metrics
 from ..proto import pdserve_pb2 as pb
+from .. import tracing
 from . import admin, membership, validation
 from .admission import Admission
 from .attempt import Attempts
@@ -67,6 +68,9 @@ class Router:
         logging.basicConfig(level=config.prefill.log_level)
         self.config = config
         self.index = index
+        tracing.configure(config.router.otlp_traces_endpoint, "pdserve-router",
+                          config.router.otlp_traces_sample_ratio,
+                          {"pdserve.router.index": index})
         model_dir = resolve_model(config.prefill.model)
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -193,7 +197,8 @@ class Router:
 
     # --- Generate -------------------------------------------------------------------
 
-    async def generate(self, req: pb.GenerateRequest, deadline_s: float | None
+    async def generate(self, req: pb.GenerateRequest, deadline_s: float | None,
+                       trace: tracing.RequestTrace | None = None
                        ) -> AsyncIterator[pb.GenerateResponse]:
         """Serve one request as a stream of GenerateResponse. With sampling.n > 1 the
         messages of its samples interleave, each naming its sample (`index`); they share
@@ -205,7 +210,8 @@ class Router:
         workers as `prompt + tokens already streamed`, for the rest of max_tokens and
         with the sampler's step continuing (so greedy and seeded outputs equal an
         uninterrupted run's); at most `router.max_migrations` times per request
-        (samples.SampleGroup).
+        (samples.SampleGroup). `trace`: the request's spans (pdserve/tracing.py; None:
+        not traced), under which tokenization and each attempt get theirs.
 
         Raises:
             InvalidRequestError: bad input (→ INVALID_ARGUMENT).
@@ -217,7 +223,7 @@ class Router:
         """
         cfg, rc = self.model_config, self.config.router
         rid = validation.request_id(req) or uuid.uuid4().hex   # the first field checked
-        ids, params = await self._validate(req)
+        ids, params = await self._validate(req, trace)
         deadline = rc.deadline(deadline_s)
         group = SampleGroup(rid, self.tokenizer, ids, params, cfg.eos_token_ids,
                             cfg.max_model_len)
@@ -231,7 +237,7 @@ class Router:
         # timeout, error, client cancel, deadline. release() is idempotent.
         with self.admission.admit(len(ids), max_output) as queued:
             def attempt(ids, params, relays):
-                return self.attempts.run(rid, ids, params, deadline, relays, queued)
+                return self.attempts.run(rid, ids, params, deadline, relays, queued, trace)
 
             async with aclosing(group.serve(attempt, rc.max_migrations, lambda reason:
                                             self.metrics.retries.labels(reason=reason).inc())
@@ -240,7 +246,8 @@ class Router:
                     yield msg
         self.metrics.totals.complete(group.num_tokens, max_output)
 
-    async def _validate(self, req: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    async def _validate(self, req: pb.GenerateRequest, trace: tracing.RequestTrace | None = None
+                        ) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the request's SamplingParams: tokenized off the
         event loop (a long prompt must not stall other streams), shortest first,
         refused at once when the tokenizer's queue is full (tokenize_queue.py); a
@@ -251,9 +258,17 @@ class Router:
         """
         cfg = self.model_config
         self.admission.check_room()            # a full router refuses before any work
-        ids = await self.tokenize.run(
-            validation.prompt_chars(req), validation.prompt_token_ids, req, self.tokenizer,
-            cfg.vocab_size, cfg.max_model_len)
+        span = trace.start("tokenize") if trace is not None else None
+        try:
+            ids = await self.tokenize.run(
+                validation.prompt_chars(req), validation.prompt_token_ids, req,
+                self.tokenizer, cfg.vocab_size, cfg.max_model_len)
+        except BaseException as e:
+            if span is not None:
+                trace.end(span, error=e)
+            raise
+        if span is not None:
+            trace.end(span, {"pdserve.prompt_tokens": len(ids)})
         args = (req, len(ids), cfg.max_model_len, cfg.vocab_size, self.grammars)
         if not req.sampling.HasField("structured_outputs"):
             params = validation.sampling_params(*args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
@@ -14,6 +15,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .. import tracing
 from ..engine.sampling_params import InvalidRequestError
 from ..proto import pdserve_pb2 as pb
 from ..proto import pdserve_pb2_grpc as pb_grpc
@@ -37,8 +39,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def Generate(self, data: bytes, context: grpc.aio.ServicerContext):
         """The request arrives as bytes (see add_generator) and is parsed here."""
         try:
-            async for msg in metered_generate(self.router, lambda: parse_request(data),
-                                              context.time_remaining()):
+            async for msg in metered_generate(
+                    self.router, lambda: parse_request(data), context.time_remaining(),
+                    tracing.trace_headers(context.invocation_metadata() or ())):
                 yield msg
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), ROUTER_STATUS)
@@ -47,13 +50,16 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
 
 async def metered_generate(router, build: Callable[[], pb.GenerateRequest],
-                           deadline_s: float | None) -> AsyncIterator[pb.GenerateResponse]:
+                           deadline_s: float | None, trace_headers: dict | None = None
+                           ) -> AsyncIterator[pb.GenerateResponse]:
     """`router.generate(build(), deadline_s)`, counted in the router's request metrics
     (pdserve/metrics.py): the status is the finish_reason, or the error's gRPC status
     code in lower case; a stream that ends otherwise (the client cancelled or went away,
     or the caller closed this generator) counts as cancelled. `build` runs inside, so a
     request that does not parse counts too. Every front end (gRPC here, HTTP in
-    http_api.py) serves through this, so both count alike.
+    http_api.py) serves through this, so both count alike. With tracing on
+    (pdserve/tracing.py), the request's root span, parented on the client's W3C
+    `trace_headers` when given, wraps it all.
 
     Raises:
         InvalidRequestError: from `build` or the router (bad input).
@@ -63,35 +69,69 @@ async def metered_generate(router, build: Callable[[], pb.GenerateRequest],
     """
     timer = router.metrics.request()
     status, prompt_tokens = "cancelled", 0
-    request = None
+    request = trace = error = None
+    if tracing.enabled():
+        trace = tracing.request_trace("llm_request", trace_headers, {
+            tracing.PROVIDER: "pdserve", tracing.REQUEST_MODEL: router.model_name})
+        started, ttft, output_tokens, finish_reasons = time.monotonic(), None, 0, []
     try:
         request = build()
+        if trace is not None:
+            _request_attributes(trace, request, router.model_name)
         # aclosing: a caller that stops early (an HTTP client gone) closes the router's
         # generator at once, so its `finally` aborts the request on P and D now.
         # watched: a client that stops reading cannot park the request (and its KV)
         # past stream_stall_timeout_s or its deadline (router/stalls.py)
         deadline = router.config.router.deadline(deadline_s)
-        async with aclosing(watched(getattr(router, "stalls", None),
-                                    router.generate(request, deadline_s), deadline)) as stream:
+        generate = (router.generate(request, deadline_s) if trace is None
+                    else router.generate(request, deadline_s, trace))
+        async with aclosing(watched(getattr(router, "stalls", None), generate, deadline)
+                            ) as stream:
             async for msg in stream:
                 timer.tokens(len(msg.token_ids), msg.index)
                 if msg.finish_reason:
                     status, prompt_tokens = msg.finish_reason, msg.usage.prompt_tokens
+                if trace is not None:
+                    if ttft is None and msg.token_ids:
+                        ttft = time.monotonic() - started
+                    output_tokens += len(msg.token_ids)
+                    if msg.finish_reason:
+                        finish_reasons.append(msg.finish_reason)
                 yield msg
-    except InvalidRequestError:
-        status = grpc.StatusCode.INVALID_ARGUMENT.name.lower()
+    except InvalidRequestError as e:
+        status, error = grpc.StatusCode.INVALID_ARGUMENT.name.lower(), e
         raise
     except RequestError as e:
-        status = e.code.name.lower()
+        status, error = e.code.name.lower(), e
         raise
     except asyncio.CancelledError:
         logger.debug("client cancelled %s", getattr(request, "request_id", "") or "<no id>")
         raise
-    except Exception:
-        status = "internal"
+    except Exception as e:
+        status, error = "internal", e
         raise
     finally:
         timer.finish(status, prompt_tokens)
+        if trace is not None:
+            trace.end(trace.root, {
+                "pdserve.status": status, tracing.USAGE_INPUT_TOKENS: prompt_tokens,
+                tracing.USAGE_OUTPUT_TOKENS: output_tokens,
+                tracing.RESPONSE_FINISH_REASONS: finish_reasons,
+                **({tracing.RESPONSE_TTFT: ttft} if ttft is not None else {})}, error)
+
+
+def _request_attributes(trace, request: pb.GenerateRequest, model: str) -> None:
+    """The root span's name and request attributes (GenAI conventions), once parsed."""
+    operation = "chat" if request.WhichOneof("prompt") == "messages" else "text_completion"
+    s = request.sampling
+    trace.root.update_name(f"{operation} {model}")
+    trace.root.set_attributes({
+        tracing.OPERATION: operation,
+        **({tracing.RESPONSE_ID: request.request_id} if request.request_id else {}),
+        **({tracing.REQUEST_MAX_TOKENS: s.max_tokens} if s.HasField("max_tokens") else {}),
+        **({tracing.REQUEST_TEMPERATURE: s.temperature} if s.HasField("temperature") else {}),
+        **({tracing.REQUEST_TOP_P: s.top_p} if s.HasField("top_p") else {}),
+        **({tracing.REQUEST_CHOICES: s.n} if s.HasField("n") and s.n != 1 else {})})
 
 
 def parse_request(data: bytes) -> pb.GenerateRequest:

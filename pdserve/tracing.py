@@ -1,0 +1,173 @@
+"""OpenTelemetry traces of requests: off unless an OTLP endpoint is configured
+(RouterConfig.otlp_traces_endpoint, vLLM's `--otlp-traces-endpoint`).
+
+When on, a process builds its own TracerProvider (never the global one, so libraries
+that trace themselves once a global provider exists stay quiet) with a batching OTLP
+exporter: gRPC by default, HTTP with ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf``
+(the variable vLLM and SGLang read). Sampling is decided once per trace at its root:
+a request that arrives with a W3C ``traceparent`` follows its sampled flag, one without
+is traced with probability `sample_ratio` (ParentBased(TraceIdRatioBased)).
+
+When off, `request_trace` returns None and every caller skips its tracing behind an
+``if trace is not None``: no span, attribute or carrier is built on the request path.
+
+Attribute names follow OpenTelemetry's GenAI semantic conventions (``gen_ai.*``, the
+strings copied here: the conventions package marks them in development); pdserve's own
+are under ``pdserve.``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+logger = logging.getLogger(__name__)
+
+# OpenTelemetry GenAI semantic conventions (semantic-conventions-genai, gen-ai-spans.md)
+OPERATION = "gen_ai.operation.name"
+PROVIDER = "gen_ai.provider.name"
+REQUEST_MODEL = "gen_ai.request.model"
+REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+REQUEST_TOP_P = "gen_ai.request.top_p"
+REQUEST_CHOICES = "gen_ai.request.choice.count"
+RESPONSE_ID = "gen_ai.response.id"
+RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+RESPONSE_TTFT = "gen_ai.response.time_to_first_chunk"      # seconds
+USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+ERROR_TYPE = "error.type"
+
+_W3C = TraceContextTextMapPropagator()   # traceparent / tracestate only, whatever
+                                         # OTEL_PROPAGATORS says
+_provider = None   # this process's TracerProvider, once configure() ran with an endpoint
+_tracer = None
+
+
+def configure(endpoint: str | None, service_name: str, sample_ratio: float = 1.0,
+              attributes: Mapping[str, Any] | None = None) -> bool:
+    """Trace this process's requests to the OTLP collector at `endpoint` (host:port for
+    gRPC, or a URL; None: tracing stays off). `attributes` join the resource's
+    (``service.name`` is `service_name`). Returns whether tracing is on.
+
+    Raises:
+        ValueError: sample_ratio outside [0, 1], or an unknown
+            OTEL_EXPORTER_OTLP_TRACES_PROTOCOL.
+    """
+    global _provider, _tracer
+    if endpoint is None:
+        return False
+    if not 0.0 <= sample_ratio <= 1.0:
+        raise ValueError(f"otlp_traces_sample_ratio={sample_ratio}: must be in [0, 1]")
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service_name, "process.pid": os.getpid(),
+                                  **(attributes or {})}),
+        sampler=ParentBased(TraceIdRatioBased(sample_ratio)))
+    provider.add_span_processor(BatchSpanProcessor(_exporter(endpoint)))
+    _provider, _tracer = provider, provider.get_tracer("pdserve")
+    logger.info("tracing requests to %s (sampled %.3g)", endpoint, sample_ratio)
+    return True
+
+
+def _exporter(endpoint: str):
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        return OTLPSpanExporter(endpoint, insecure=not endpoint.startswith("https://"))
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        return OTLPSpanExporter(endpoint)
+    raise ValueError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={protocol!r}: choose grpc or "
+                     "http/protobuf")
+
+
+def enabled() -> bool:
+    return _tracer is not None
+
+
+def flush(timeout_s: float = 5.0) -> None:
+    """Export the spans ended so far (before a process exits)."""
+    if _provider is not None:
+        _provider.force_flush(int(timeout_s * 1000))
+
+
+class RequestTrace:
+    """The spans of one request in this process: a root span, parented on the W3C
+    context in `carrier` (a client's ``traceparent``/``tracestate`` headers or gRPC
+    metadata), and the spans opened under it. Spans are started and ended explicitly,
+    not made current: a request's code runs in async generators, across yields."""
+
+    def __init__(self, name: str, carrier: Mapping[str, str] | None,
+                 attributes: Mapping[str, Any]):
+        parent = _W3C.extract(dict(carrier)) if carrier else None
+        self.root = _tracer.start_span(name, context=parent, kind=trace.SpanKind.SERVER,
+                                       attributes=dict(attributes))
+
+    def start(self, name: str, parent=None, attributes: Mapping[str, Any] | None = None):
+        """A span named `name` under `parent` (a span; the root when None), started now;
+        end it with `end`."""
+        ctx = trace.set_span_in_context(parent if parent is not None else self.root)
+        return _tracer.start_span(name, context=ctx, attributes=dict(attributes or {}))
+
+    @staticmethod
+    def carrier(span) -> dict[str, str]:
+        """`span`'s W3C context (``traceparent``), for a worker's spans under it
+        (PrefillOrder.trace_context, DecodeWorker.reserve's trace_context)."""
+        out: dict[str, str] = {}
+        _W3C.inject(out, trace.set_span_in_context(span))
+        return out
+
+    @staticmethod
+    def end(span, attributes: Mapping[str, Any] | None = None,
+            error: BaseException | None = None) -> None:
+        end(span, attributes, error)
+
+
+def end(span, attributes: Mapping[str, Any] | None = None,
+        error: BaseException | None = None) -> None:
+    """Set `attributes` on `span`, mark it failed with `error` (its type, the exception
+    recorded), and end it."""
+    if attributes:
+        span.set_attributes(dict(attributes))
+    if error is not None:
+        span.set_attribute(ERROR_TYPE, type(error).__name__)
+        span.record_exception(error)
+        span.set_status(Status(StatusCode.ERROR, str(error)[:200]))
+    span.end()
+
+
+def worker_span(name: str, carrier: Mapping[str, str] | None,
+                attributes: Mapping[str, Any] | None = None):
+    """A span named `name`, started now under the router's span whose W3C context is
+    `carrier` (from a typed message); None when the request is not traced (no
+    carrier) or this process does not trace. End it with `end`."""
+    if _tracer is None or not carrier:
+        return None
+    return _tracer.start_span(name, context=_W3C.extract(dict(carrier)),
+                              attributes=dict(attributes or {}))
+
+
+def request_trace(name: str, carrier: Mapping[str, str] | None,
+                  attributes: Mapping[str, Any]) -> RequestTrace | None:
+    """A RequestTrace, or None when tracing is off (the caller skips every span)."""
+    return None if _tracer is None else RequestTrace(name, carrier, attributes)
+
+
+def trace_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str] | None:
+    """The W3C trace context among a request's (key, value) headers or gRPC metadata
+    (keys matched case-insensitively), or None when it has none or tracing is off."""
+    if _tracer is None:
+        return None
+    found = {k.lower(): v for k, v in headers if k.lower() in ("traceparent", "tracestate")}
+    return found or None

@@ -1,0 +1,199 @@
+"""OpenTelemetry traces of requests (pdserve/tracing.py), exported by the router to a
+real OTLP gRPC collector this test runs (opentelemetry-proto's TraceService over grpc,
+no mock exporter): a request sent with a client's W3C traceparent yields spans in the
+client's trace, under its span: the request's root span with the GenAI attributes, and
+under it tokenization and the attempt with its reservation, prefill and decode, whose
+parents are right and whose durations add up (the TTFT the spans give is within 10% of
+the client's). A request whose decode worker is killed mid-stream shows both attempts
+in its trace, the first failed, the second with its own reservation, prefill and decode.
+Every answer is HF's greedy one and every pool is free at the end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from serving import Served, hf_greedy, start_ray
+
+from pdserve.client import make_request
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [100 + (i * 7919) % 40000 for i in range(200)]
+MAX_TOKENS = 8
+TRACE_ID, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+BLOCKS = 13                           # KV blocks of PROMPT and MAX_TOKENS (16 tokens each)
+BLOCK_BYTES = 30 * 2 * 3 * 16 * 64 * 4   # the model's K/V per block: fp32
+ROOT = "text_completion default"      # the root span: "{gen_ai.operation.name} {model}"
+ERROR = 2                             # opentelemetry.proto Status.STATUS_CODE_ERROR
+
+
+class Collector:
+    """An OTLP trace receiver on a free port of 127.0.0.1: every span exported to it,
+    as dicts (name, ids in hex, start and end in ns, attributes, status code)."""
+
+    def __init__(self):
+        from opentelemetry.proto.collector.trace.v1 import (trace_service_pb2,
+                                                            trace_service_pb2_grpc)
+
+        collector = self
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):
+                with collector.lock:
+                    for rs in request.resource_spans:
+                        for ss in rs.scope_spans:
+                            collector.spans += [_span(s) for s in ss.spans]
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self.lock, self.spans = threading.Lock(), []
+        self.server = grpc.server(futures.ThreadPoolExecutor(2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def wait_for(self, trace_id: str, name: str, timeout_s: float = 60.0) -> list[dict]:
+        """The spans of `trace_id` once one named `name` arrived (the exporter batches
+        every 5 s)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.lock:
+                spans = [s for s in self.spans if s["trace_id"] == trace_id]
+            if any(s["name"] == name for s in spans):
+                return spans
+            assert time.monotonic() < deadline, [s["name"] for s in spans]
+            time.sleep(0.2)
+
+
+def _span(s) -> dict:
+    return {"name": s.name, "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
+            "parent": s.parent_span_id.hex(), "start": s.start_time_unix_nano,
+            "end": s.end_time_unix_nano, "status": s.status.code,
+            "attributes": {kv.key: _value(kv.value) for kv in s.attributes}}
+
+
+def _value(v):
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    """(served, collector): a cluster whose router exports to the collector."""
+    collector = Collector()
+    start_ray()
+    served = Served(router_kw={"otlp_traces_endpoint": f"127.0.0.1:{collector.port}"})
+    try:
+        yield served, collector
+        served.assert_all_free()
+    finally:
+        served.stop()
+        collector.server.stop(0)
+
+
+def stream(served: Served, prompt: list[int], trace_id: str, max_tokens: int,
+           on_token=lambda tokens: None) -> tuple[list[int], float]:
+    """(tokens, TTFT in s) of a greedy Generate sent with a traceparent of `trace_id`
+    under CLIENT_SPAN; `on_token(tokens so far)` after each message."""
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.GeneratorStub(grpc.insecure_channel(served.address))
+    sent, ttft, tokens = time.monotonic(), None, []
+    for msg in stub.Generate(make_request(prompt, max_tokens=max_tokens, temperature=0),
+                             metadata=[("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01")]):
+        if ttft is None and msg.token_ids:
+            ttft = time.monotonic() - sent
+        tokens += msg.token_ids
+        on_token(tokens)
+    return tokens, ttft
+
+
+def by_name(spans: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for s in sorted(spans, key=lambda s: s["start"]):
+        out.setdefault(s["name"], []).append(s)
+    return out
+
+
+def test_a_request_is_one_trace_under_the_clients_span(traced):
+    served, collector = traced
+    tokens, ttft = stream(served, PROMPT, TRACE_ID, MAX_TOKENS)
+    assert tokens == hf_greedy("default", PROMPT, MAX_TOKENS)
+    spans = {s["name"]: s for s in collector.wait_for(TRACE_ID, ROOT)}
+    root = spans[ROOT]
+    assert root["parent"] == CLIENT_SPAN, root            # the client's trace goes on
+    parents = {name: s["parent"] for name, s in spans.items()}
+    attempt = spans["attempt"]["span_id"]
+    assert parents == {"text_completion default": CLIENT_SPAN,
+                       "tokenize": root["span_id"], "attempt": root["span_id"],
+                       "reserve": attempt, "prefill": attempt, "decode": attempt,
+                       # the workers' spans, under the router's that called them
+                       "decode_worker.reserve": spans["reserve"]["span_id"],
+                       "prefill_worker": spans["prefill"]["span_id"]}, parents
+    a = root["attributes"]
+    assert a["gen_ai.operation.name"] == "text_completion"
+    assert a["gen_ai.request.model"] == "default" and a["gen_ai.request.max_tokens"] == 8
+    assert a["gen_ai.usage.input_tokens"] == len(PROMPT)
+    assert a["gen_ai.usage.output_tokens"] == MAX_TOKENS
+    assert a["gen_ai.response.finish_reasons"] == ["length"]
+    r = spans["reserve"]["attributes"]
+    assert r["pdserve.local_prefill"] is False and r["pdserve.prefill_worker"], r
+    d = spans["decode_worker.reserve"]["attributes"]
+    assert d["pdserve.reserved"] and d["pdserve.blocks"] == BLOCKS, d
+    p = spans["prefill_worker"]["attributes"]
+    assert p["pdserve.computed_tokens"] + p["pdserve.cached_tokens"] == len(PROMPT), p
+    assert p["pdserve.kv.transport"] == "tcp" and p["pdserve.kv.layers"] == 30, p
+    assert p["pdserve.kv.bytes"] == p["pdserve.kv.blocks"] * BLOCK_BYTES, p
+    assert p["pdserve.kv.blocks"] == BLOCKS - d["pdserve.cached_blocks"], (p, d)
+    assert 0 <= p["pdserve.queue_s"] < 1e-9 * (spans["prefill_worker"]["end"]
+                                               - spans["prefill_worker"]["start"]), p
+    # durations add up: each child within its parent, the steps in order
+    for name, s in spans.items():
+        up = next((p for p in spans.values() if p["span_id"] == s["parent"]), None)
+        assert up is None or up["start"] <= s["start"] <= s["end"] <= up["end"], name
+    order = [spans[n] for n in ("tokenize", "reserve", "prefill", "decode")]
+    assert all(x["end"] <= y["start"] for x, y in zip(order, order[1:])), order
+    # TTFT from the spans (the root's start to the prefill's end, P's first token)
+    # within 10% of the client's
+    span_ttft = (spans["prefill"]["end"] - root["start"]) / 1e9
+    assert abs(span_ttft - ttft) <= 0.1 * ttft, (span_ttft, ttft)
+    assert abs(a["gen_ai.response.time_to_first_chunk"] - ttft) <= 0.1 * ttft
+
+
+def test_a_decode_worker_killed_mid_stream_shows_the_retry_in_the_same_trace(traced):
+    served, collector = traced
+    trace_id, n = "0af7651916cd43dd8448eb211c80319c", 48
+    pid = served.decode_status()[0].pid
+    killed = []
+
+    def kill_at_the_fourth(tokens):
+        if len(tokens) >= 4 and not killed:
+            os.kill(pid, signal.SIGKILL)             # this test's decode worker, by its pid
+            killed.append(len(tokens))
+
+    tokens, _ = stream(served, PROMPT, trace_id, n, kill_at_the_fourth)
+    assert killed and killed[0] < n
+    assert tokens == hf_greedy("default", PROMPT, n)
+    spans = by_name(collector.wait_for(trace_id, ROOT))
+    [root] = spans[ROOT]
+    first, second = spans["attempt"]
+    assert first["parent"] == second["parent"] == root["span_id"]
+    assert first["status"] == ERROR and first["attributes"]["error.type"] == "AttemptFailed"
+    assert second["status"] != ERROR and first["end"] <= second["start"]
+    # the second attempt's own steps: a new reservation, the retried prompt (the first
+    # attempt's tokens its tail) prefilled again, decoded to the end
+    for name in ("reserve", "prefill", "decode"):
+        assert [s["parent"] for s in spans[name]][-1] == second["span_id"], name
+    # the restarted decode worker's span of the new reservation, and P's of the retry
+    assert spans["decode_worker.reserve"][-1]["parent"] == spans["reserve"][-1]["span_id"]
+    assert spans["prefill_worker"][-1]["parent"] == spans["prefill"][-1]["span_id"]
+    assert second["attributes"]["pdserve.prompt_tokens"] > len(PROMPT)
+    assert root["attributes"]["gen_ai.usage.output_tokens"] == n
+    assert root["attributes"]["gen_ai.response.finish_reasons"] == ["length"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -156,6 +157,17 @@ def worker_span(name: str, carrier: Mapping[str, str] | None,
         return None
     return _tracer.start_span(name, context=_W3C.extract(dict(carrier)),
                               attributes=dict(attributes or {}))
+
+
+def past_span(parent, name: str, start: float, end_: float,
+              attributes: Mapping[str, Any] | None = None) -> None:
+    """A span named `name` under `parent` (a span) that ran from `start` to `end_`
+    (time.perf_counter() seconds), recorded now that it is over."""
+    offset = time.time_ns() - time.perf_counter_ns()
+    span = _tracer.start_span(name, context=trace.set_span_in_context(parent),
+                              attributes=dict(attributes or {}),
+                              start_time=offset + int(start * 1e9))
+    span.end(end_time=offset + int(end_ * 1e9))
 
 
 def request_trace(name: str, carrier: Mapping[str, str] | None,

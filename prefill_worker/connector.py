@@ -128,10 +128,11 @@ class PrefillKVConnector:
                     for address, heads in self._destinations(req):
                         self.sender.send_done(address, req.request_id, req.epoch,
                                               task.first_token, self.num_layers, heads=heads)
+                    req.kv_send_done = time.perf_counter()
                     if self._on_done is not None:
                         self._on_done(req, task.first_token)
                     if req.kv_send_started is not None and self._observe is not None:
-                        self._observe(time.perf_counter() - req.kv_send_started)
+                        self._observe(req.kv_send_done - req.kv_send_started)
             except Exception as e:  # KVTransferError, or a bug: it fails this request only
                 if not isinstance(e, KVTransferError):
                     logger.exception("KV send of %s failed unexpectedly", req.request_id)
@@ -155,9 +156,11 @@ class PrefillKVConnector:
             req.kv_send_started = time.perf_counter()
         lo, hi = task.block_lo, task.block_hi
         for address, heads in self._destinations(req):
-            self.kv_bytes_sent += self.sender.send_layers(
+            sent = self.sender.send_layers(
                 address, req.request_id, req.epoch, task.layer_start, task.layer_end,
                 req.block_table[lo:hi], block_start=lo - req.num_cached_blocks, heads=heads)
+            self.kv_bytes_sent += sent
+            req.kv_bytes_sent += sent
 
     def _destinations(self, req: PrefillRequest) -> list[tuple[tuple[str, int], range | None]]:
         """(decode rank's KV address, KV heads) for each decode rank this rank sends."""

@@ -181,27 +181,31 @@ class PrefillWorker(EngineActor):
         except asyncio.CancelledError:
             self._abort(order.request_id)
             if span is not None:
-                tracing.end(span, self._span_attributes(req, order))
+                self._end_span(span, req, order)
             raise
         except BaseException as e:
             if span is not None:
-                tracing.end(span, self._span_attributes(req, order), e)
+                self._end_span(span, req, order, e)
             raise
         if span is not None:
-            tracing.end(span, self._span_attributes(req, order))
+            self._end_span(span, req, order)
         return result
 
-    def _span_attributes(self, req: PrefillRequest, order: PrefillOrder) -> dict:
-        """A prompt's prefill in numbers, for its span: seconds queued before it took
-        blocks, tokens found cached and computed, K/V sent (blocks, bytes, layers)."""
-        sent = blocks_needed(req.prompt_len, self.runner.block_size) - order.num_cached_blocks
-        return {"pdserve.queue_s": (req.scheduled or time.monotonic()) - req.arrived,
-                "pdserve.cached_tokens": req.num_cached,
-                "pdserve.computed_tokens": req.prompt_len - req.num_cached,
+    def _end_span(self, span, req: PrefillRequest, order: PrefillOrder,
+                  error: BaseException | None = None) -> None:
+        """A traced prompt's span ended with its prefill in numbers: seconds queued
+        before it took blocks, tokens found cached and computed; and its KV transfer as
+        a span under it, from the first frame to DONE (transport, blocks, bytes,
+        layers)."""
+        if req.kv_send_started is not None and req.kv_send_done is not None:
+            tracing.past_span(span, "kv_transfer", req.kv_send_started, req.kv_send_done, {
                 "pdserve.kv.transport": self.config.transport,
-                "pdserve.kv.blocks": sent,
-                "pdserve.kv.bytes": self.kv_layout.payload_bytes(self.num_layers, sent),
-                "pdserve.kv.layers": self.num_layers}
+                "pdserve.kv.blocks": blocks_needed(req.prompt_len, self.runner.block_size)
+                - order.num_cached_blocks,
+                "pdserve.kv.bytes": req.kv_bytes_sent, "pdserve.kv.layers": self.num_layers})
+        tracing.end(span, {"pdserve.queue_s": (req.scheduled or time.monotonic()) - req.arrived,
+                           "pdserve.cached_tokens": req.num_cached,
+                           "pdserve.computed_tokens": req.prompt_len - req.num_cached}, error)
 
     async def _compile(self, so):
         """`so` compiled off the step thread, published meanwhile (core_share: no decode

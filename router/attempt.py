@@ -145,18 +145,12 @@ class Attempt:
                             ) is not None:
                         yield msg                   # TTFT
                 self._abort0 = len(self.relays) > 1 and self.relays[0].stopped_here
-                span = trace.start("decode", self.span) if trace is not None else None
-                try:
+                if trace is None:
                     async for msg in self._decode(held):
                         yield msg
-                except BaseException as e:
-                    if span is not None and not isinstance(e, GeneratorExit):
-                        trace.end(span, error=e)
-                        span = None
-                    raise
-                finally:
-                    if span is not None:
-                        trace.end(span, {"pdserve.decode_worker": held.d.worker_id})
+                else:
+                    async for msg in self._traced_decode(held):
+                        yield msg
                 finished = not any(r.stopped_here for r in self.relays)  # else D may run
             except asyncio.TimeoutError:
                 raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -260,6 +254,33 @@ class Attempt:
         if any(r.finish_reason is None for r in relays):
             raise AttemptFailed("decode", f"decode stream of {d.worker_id} ended "
                                            "without finishing")
+
+    async def _traced_decode(self, held: Reservation) -> AsyncIterator[pb.GenerateResponse]:
+        """_decode in a `decode` span of the attempt's: D's stream, with the tokens it
+        brought, the seconds to its first one (D's first step) and the mean gap between
+        them after that (TPOT)."""
+        span, error = self.trace.start("decode", self.span), None
+        started, first, last, tokens = time.monotonic(), None, None, 0
+        try:
+            async for msg in self._decode(held):
+                if msg.token_ids:
+                    last = time.monotonic()
+                    first = first or last
+                    tokens += len(msg.token_ids)
+                yield msg
+        except GeneratorExit:
+            raise
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            attributes = {"pdserve.decode_worker": held.d.worker_id,
+                          "pdserve.output_tokens": tokens}
+            if first is not None:
+                attributes["pdserve.first_token_s"] = first - started
+            if tokens > 1:
+                attributes["pdserve.tpot_s"] = (last - first) / (tokens - 1)
+            self.trace.end(span, attributes, error)
 
     def _absorb(self, events: list[TokenEvent], held: Reservation
                 ) -> tuple[list[pb.GenerateResponse], str | None]:

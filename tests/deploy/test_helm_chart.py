@@ -57,6 +57,7 @@ def test_gpu_rdma_values_file_turns_everything_on():
     assert v["transport"] == "nixl" and v["rdma"]["enabled"]
     assert v["tls"]["enabled"] and v["apiKey"]["existingSecret"]
     assert v["metrics"]["serviceMonitor"]["enabled"]
+    assert v["tracing"]["otlpEndpoint"] and 0 < v["tracing"]["sampleRatio"] < 1
     for role in ("prefill", "decode"):
         assert _gpus(v[role]["resources"]) >= 1
         assert v[role]["nodeSelector"] and v[role]["tolerations"]
@@ -75,6 +76,7 @@ def test_gpu_rdma_values_file_turns_everything_on():
     {"prefill": {"resources": {"limits": {"cpu": "four"}}}},
     {"drainTimeoutSeconds": "2m"},
     {"rdma": {"enabled": True, "resourceName": "no-slash"}},
+    {"tracing": {"otlpEndpoint": "c:4317", "sampleRatio": 2}},
 ], ids=lambda v: json.dumps(v))
 def test_schema_rejects_bad_values(chart, values):
     with pytest.raises(helm.HelmValuesError, match="schema"):

@@ -2,8 +2,9 @@
 real OTLP gRPC collector this test runs (opentelemetry-proto's TraceService over grpc,
 no mock exporter): a request sent with a client's W3C traceparent yields spans in the
 client's trace, under its span: the request's root span with the GenAI attributes, and
-under it tokenization and the attempt with its reservation, prefill and decode, whose
-parents are right and whose durations add up (the TTFT the spans give is within 10% of
+under it tokenization and the attempt with its reservation, prefill and decode, the
+workers' spans under the router's that called them (D's reservation; P's prefill with its
+KV transfer), whose parents are right and whose durations add up (the TTFT the spans give is within 10% of
 the client's). A request whose decode worker is killed mid-stream shows both attempts
 in its trace, the first failed, the second with its own reservation, prefill and decode.
 Every answer is HF's greedy one and every pool is free at the end."""
@@ -136,7 +137,8 @@ def test_a_request_is_one_trace_under_the_clients_span(traced):
                        "reserve": attempt, "prefill": attempt, "decode": attempt,
                        # the workers' spans, under the router's that called them
                        "decode_worker.reserve": spans["reserve"]["span_id"],
-                       "prefill_worker": spans["prefill"]["span_id"]}, parents
+                       "prefill_worker": spans["prefill"]["span_id"],
+                       "kv_transfer": spans["prefill_worker"]["span_id"]}, parents
     a = root["attributes"]
     assert a["gen_ai.operation.name"] == "text_completion"
     assert a["gen_ai.request.model"] == "default" and a["gen_ai.request.max_tokens"] == 8
@@ -149,11 +151,14 @@ def test_a_request_is_one_trace_under_the_clients_span(traced):
     assert d["pdserve.reserved"] and d["pdserve.blocks"] == BLOCKS, d
     p = spans["prefill_worker"]["attributes"]
     assert p["pdserve.computed_tokens"] + p["pdserve.cached_tokens"] == len(PROMPT), p
-    assert p["pdserve.kv.transport"] == "tcp" and p["pdserve.kv.layers"] == 30, p
-    assert p["pdserve.kv.bytes"] == p["pdserve.kv.blocks"] * BLOCK_BYTES, p
-    assert p["pdserve.kv.blocks"] == BLOCKS - d["pdserve.cached_blocks"], (p, d)
     assert 0 <= p["pdserve.queue_s"] < 1e-9 * (spans["prefill_worker"]["end"]
                                                - spans["prefill_worker"]["start"]), p
+    dec = spans["decode"]["attributes"]             # P's token, then D's
+    assert dec["pdserve.output_tokens"] == MAX_TOKENS - 1 and dec["pdserve.tpot_s"] > 0, dec
+    kv = spans["kv_transfer"]["attributes"]
+    assert kv["pdserve.kv.transport"] == "tcp" and kv["pdserve.kv.layers"] == 30, kv
+    assert kv["pdserve.kv.blocks"] == BLOCKS - d["pdserve.cached_blocks"], (kv, d)
+    assert kv["pdserve.kv.bytes"] == kv["pdserve.kv.blocks"] * BLOCK_BYTES, kv
     # durations add up: each child within its parent, the steps in order
     for name, s in spans.items():
         up = next((p for p in spans.values() if p["span_id"] == s["parent"]), None)

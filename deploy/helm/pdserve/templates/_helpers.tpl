@@ -124,6 +124,10 @@ import ray, sys; ray.init(address="auto", logging_level="ERROR", log_to_driver=F
 {{- $args = concat $args (list "--max-workers" (toString $v.planner.maxWorkers)) }}
 {{- end }}
 {{- end }}
+{{- if $v.tracing.otlpEndpoint }}
+{{- $args = concat $args (list "--otlp-traces-endpoint" $v.tracing.otlpEndpoint
+      "--otlp-traces-sample-ratio" (toString $v.tracing.sampleRatio)) }}
+{{- end }}
 {{- if $v.threadsPerWorker }}
 {{- $args = concat $args (list "--threads-per-worker" (toString $v.threadsPerWorker)) }}
 {{- end }}

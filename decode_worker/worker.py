@@ -53,6 +53,7 @@ from .connector import DecodeKVConnector
 from .outbox import EventOutbox
 from .rank import TPReceiver, rank_addresses
 from .scheduler import DecodeScheduler, RequestTooLargeError
+from .spans import DecodeSpans
 from .step_budget import StepBudget
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class DecodeWorker(EngineActor):
                                       self.epoch, notify=self._wake.set,
                                       host=config.node_host(), secret=config.kv_secret)
         self.kv_address = self.receiver.start()
+        self._spans = DecodeSpans()            # traced requests' spans (tracing on)
         self.kv_rank_addresses: tuple[tuple[str, int], ...] = ()
         if self.tp.size > 1:        # every rank's receiver, news polled by the step loop
             self.kv_rank_addresses = rank_addresses(self._ranks)
@@ -116,8 +118,8 @@ class DecodeWorker(EngineActor):
 
     async def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
                       prompt_token_ids: list[int], lease_s: float | None = None,
-                      prefill_locally: bool = False, trace_context: dict | None = None
-                      ) -> DecodeReservation | None:
+                      prefill_locally: bool = False, trace_context: dict | None = None,
+                      decode_context: dict | None = None) -> DecodeReservation | None:
         """Reserve blocks for a request's prompt KV; None when the pool cannot hold it
         now, or ever (prompt + max_tokens beyond the whole pool; the router refuses
         those against the largest decode worker first). `prompt_token_ids` (prompt_len
@@ -135,7 +137,9 @@ class DecodeWorker(EngineActor):
         `prefill_locally`: the router asks D to prefill the prompt itself whatever its
         length (its prefill workers' queues are long: conditional disaggregation).
         `trace_context`: the router's reserve span of a traced request; this worker's
-        span of the reservation goes under it (pdserve/tracing.py).
+        span of the reservation goes under it (pdserve/tracing.py). `decode_context`:
+        the router's attempt span; this worker's span of the request, from its
+        reservation to its last sample's end, goes under it (DecodeSpans).
         Raises:
             ValueError: len(prompt_token_ids) != prompt_len, or the structured output's
                 grammar does not compile (compiled here, before the reservation, off the
@@ -153,6 +157,8 @@ class DecodeWorker(EngineActor):
             if span is not None:
                 tracing.end(span, error=e)
             raise
+        if res is not None and decode_context is not None:
+            self._spans.start(request_id, params.num_samples, decode_context)
         if span is not None:
             tracing.end(span, {"pdserve.reserved": False} if res is None else {
                 "pdserve.reserved": True, "pdserve.blocks": res.num_blocks,
@@ -287,6 +293,8 @@ class DecodeWorker(EngineActor):
     # --- the step thread ----------------------------------------------------------------
 
     def _publish(self, events: list[TokenEvent]) -> None:
+        if events and self._spans:
+            self._spans.finished(events)
         if events and self._loop is not None:
             self._loop.call_soon_threadsafe(self._outbox.deliver, events)
 
@@ -317,6 +325,8 @@ class DecodeWorker(EngineActor):
                 return self._step_failed(out, e)
             step_s = time.perf_counter() - t0
         self._observe(out, step_s)
+        if self._spans:
+            self._spans.step(out, step_s)
         self._publish(self._update(out, result, step_s))
 
     def _update(self, out: SchedulerOutput, result: ModelRunnerOutput,

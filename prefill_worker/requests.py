@@ -69,6 +69,7 @@ class PrefillRequest:
     kv_send_started: float | None = None  # perf_counter() of its first KV frame (metrics)
     kv_send_done: float | None = None    # perf_counter() once DONE went out (tracing)
     kv_bytes_sent: int = 0               # K/V payload bytes sent to D, every rank of it
+    span: Any = None                     # its span when traced (pdserve/tracing.py)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0                  # leading prompt tokens found in P's prefix cache
     num_computed_tokens: int = 0         # tokens whose K/V is in the blocks (cached included)

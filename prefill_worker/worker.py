@@ -174,6 +174,7 @@ class PrefillWorker(EngineActor):
         span = None if order.trace_context is None else tracing.worker_span(
             "prefill_worker", order.trace_context,
             {"pdserve.worker_id": self.worker_id, "pdserve.prompt_tokens": req.prompt_len})
+        req.span = span
         self.scheduler.add(req)
         self._wake.set()
         try:
@@ -381,6 +382,14 @@ class PrefillWorker(EngineActor):
             for r in out.requests:
                 fail(r, FinishCause.MODEL_FAULT, f"prefill failed: {type(e).__name__}: {e}")
         step_s = time.perf_counter() - t0
+        if tracing.enabled():   # each traced prompt's chunk, with the step it ran in
+            for r, n in zip(out.requests, out.num_scheduled_tokens):
+                if r.span is not None:
+                    r.span.add_event("chunk", {
+                        "pdserve.chunk_start": r.num_computed_tokens,
+                        "pdserve.chunk_tokens": n,
+                        "pdserve.step_tokens": out.total_num_scheduled_tokens,
+                        "pdserve.step_requests": len(out.requests), "pdserve.step_s": step_s})
         self.step_stats += StepStats.of(out.total_num_scheduled_tokens, step_s)
         if self.pulls is not None:
             self.pulls.cost.observe_compute(out.total_num_scheduled_tokens, step_s)

@@ -120,9 +120,11 @@ class Attempt:
         on.streams.open(self.id, tuple(self.on_d)[1:])  # before D may produce a token
         span = trace.start("reserve", self.span) if trace is not None else None
         try:
-            held = await on.placement.reserve(self.id, len(self.ids), self.params,
-                                              self.deadline, self.ids, len(self.relays),
-                                              None if span is None else trace.carrier(span))
+            held = await on.placement.reserve(
+                self.id, len(self.ids), self.params, self.deadline, self.ids,
+                len(self.relays), None if span is None else {
+                    "trace_context": trace.carrier(span),
+                    "decode_context": trace.carrier(self.span)})
         except BaseException as e:
             on.streams.close(self.id)
             if span is not None:

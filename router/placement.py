@@ -138,7 +138,7 @@ class Placement:
 
     async def reserve(self, rid: str, prompt_len: int, params, deadline: float,
                       ids: list[int], num_samples: int = 1,
-                      trace_context: dict | None = None) -> Reservation:
+                      trace: dict | None = None) -> Reservation:
         """Reserve on the best live decode worker with room, waiting for room in arrival
         order (RoomQueue) or for Ray to restart a dead one, until the request's
         deadline (or router.reserve_timeout_s when set), and choose who prefills
@@ -149,8 +149,8 @@ class Placement:
         reservations are in flight, see each other's load (they spread over the
         decode workers). The caller releases it (`with`). Its lease on D ends with the
         request's deadline at the latest, so D reclaims it even if this router goes
-        away. `trace_context`: the router's reserve span of a traced request, D's span
-        of the reservation goes under it (pdserve/tracing.py).
+        away. `trace`: a traced request's W3C contexts for D's spans
+        (DecodeWorker.reserve's trace_context and decode_context; pdserve/tracing.py).
 
         Raises:
             RequestError: DEADLINE_EXCEEDED, no room before the deadline;
@@ -159,7 +159,7 @@ class Placement:
         """
         timeout_s = self.config.router.reserve_timeout_s
         give_up = deadline if timeout_s is None else min(deadline, time.monotonic() + timeout_s)
-        args = (rid, prompt_len, params, deadline, ids, num_samples, give_up, trace_context)
+        args = (rid, prompt_len, params, deadline, ids, num_samples, give_up, trace)
         if not len(self.room):       # none waiting: ask at once (a burst's asks overlap)
             held = await self._try_reserve(*args)
             if held is not None:
@@ -186,7 +186,7 @@ class Placement:
 
     async def _try_reserve(self, rid: str, prompt_len: int, params, deadline: float,
                            ids: list[int], num_samples: int, give_up: float,
-                           trace_context: dict | None = None) -> Reservation | None:
+                           trace: dict | None = None) -> Reservation | None:
         """One pass over the live decode workers, best first (waiting for a dead role
         to restart until `give_up`); None when none had room."""
         while True:
@@ -204,7 +204,7 @@ class Placement:
                 try:
                     res = await d.handle.reserve.remote(
                         rid, prompt_len, params, ids, lease_s, local,
-                        **({"trace_context": trace_context} if trace_context else {}))
+                        **(trace or {}))
                 except ray.exceptions.RayActorError:   # dead or restarting: try the next
                     held.refused()
                     d.alive = False

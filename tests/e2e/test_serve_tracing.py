@@ -75,7 +75,10 @@ def _span(s) -> dict:
     return {"name": s.name, "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
             "parent": s.parent_span_id.hex(), "start": s.start_time_unix_nano,
             "end": s.end_time_unix_nano, "status": s.status.code,
-            "attributes": {kv.key: _value(kv.value) for kv in s.attributes}}
+            "attributes": {kv.key: _value(kv.value) for kv in s.attributes},
+            "events": [{"name": e.name, "attributes": {kv.key: _value(kv.value)
+                                                       for kv in e.attributes}}
+                       for e in s.events]}
 
 
 def _value(v):
@@ -138,7 +141,8 @@ def test_a_request_is_one_trace_under_the_clients_span(traced):
                        # the workers' spans, under the router's that called them
                        "decode_worker.reserve": spans["reserve"]["span_id"],
                        "prefill_worker": spans["prefill"]["span_id"],
-                       "kv_transfer": spans["prefill_worker"]["span_id"]}, parents
+                       "kv_transfer": spans["prefill_worker"]["span_id"],
+                       "decode_worker": attempt}, parents
     a = root["attributes"]
     assert a["gen_ai.operation.name"] == "text_completion"
     assert a["gen_ai.request.model"] == "default" and a["gen_ai.request.max_tokens"] == 8
@@ -153,8 +157,17 @@ def test_a_request_is_one_trace_under_the_clients_span(traced):
     assert p["pdserve.computed_tokens"] + p["pdserve.cached_tokens"] == len(PROMPT), p
     assert 0 <= p["pdserve.queue_s"] < 1e-9 * (spans["prefill_worker"]["end"]
                                                - spans["prefill_worker"]["start"]), p
+    dw = spans["decode_worker"]                     # D's: reservation to the last token
+    assert dw["attributes"]["pdserve.steps"] == MAX_TOKENS - 1, dw   # a step a token
+    assert dw["attributes"]["gen_ai.response.finish_reasons"] == ["length"], dw
+    assert dw["events"][0]["name"] == "step" and dw["events"][0]["attributes"]["pdserve.first"]
     dec = spans["decode"]["attributes"]             # P's token, then D's
     assert dec["pdserve.output_tokens"] == MAX_TOKENS - 1 and dec["pdserve.tpot_s"] > 0, dec
+    chunks = spans["prefill_worker"]["events"]      # each chunk, with the step it ran in
+    assert [e["name"] for e in chunks] == ["chunk"] * len(chunks) and chunks, chunks
+    assert sum(e["attributes"]["pdserve.chunk_tokens"] for e in chunks) == \
+        p["pdserve.computed_tokens"], chunks
+    assert all(e["attributes"]["pdserve.step_s"] > 0 for e in chunks), chunks
     kv = spans["kv_transfer"]["attributes"]
     assert kv["pdserve.kv.transport"] == "tcp" and kv["pdserve.kv.layers"] == 30, kv
     assert kv["pdserve.kv.blocks"] == BLOCKS - d["pdserve.cached_blocks"], (kv, d)
@@ -199,6 +212,7 @@ def test_a_decode_worker_killed_mid_stream_shows_the_retry_in_the_same_trace(tra
     # the restarted decode worker's span of the new reservation, and P's of the retry
     assert spans["decode_worker.reserve"][-1]["parent"] == spans["reserve"][-1]["span_id"]
     assert spans["prefill_worker"][-1]["parent"] == spans["prefill"][-1]["span_id"]
+    assert spans["decode_worker"][-1]["parent"] == second["span_id"]
     assert second["attributes"]["pdserve.prompt_tokens"] > len(PROMPT)
     assert root["attributes"]["gen_ai.usage.output_tokens"] == n
     assert root["attributes"]["gen_ai.response.finish_reasons"] == ["length"]

@@ -27,6 +27,18 @@ def _bench_ttft(args) -> int:
     return 0
 
 
+def _bench_tracing(args) -> int:
+    from . import tracing
+    runs = tracing.run(args.pairs, args.requests, args.concurrency, args.prompt_tokens,
+                       args.max_tokens, args.temperature, args.model, args.transport)
+    s = tracing.summary(runs)
+    print(f"throughput traced / off: median {s['ratio_on_off_median']:.3f} "
+          f"(pairs {', '.join(f'{r:.3f}' for r in s['ratios'])}); "
+          f"{s['spans_per_request']:.1f} spans a request")
+    write_json(args.json, lambda: tracing.as_json(runs, vars(args) | {"fn": None}))
+    return 0
+
+
 def _bench_pull(args) -> int:
     from . import kv_pull
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -175,6 +187,17 @@ def add_bench_parser(sub) -> None:
     bp.add_argument("--repeats", type=int, default=3)
     _add_common(bp)
     bp.set_defaults(fn=_bench_pull)
+    bt = bsub.add_parser("tracing", help="throughput with every request traced "
+                                         "(--otlp-traces-endpoint, sampling 1.0) vs off, "
+                                         "in alternating pairs")
+    bt.add_argument("--pairs", type=int, default=3)
+    bt.add_argument("--requests", type=int, default=48)
+    bt.add_argument("--concurrency", type=int, default=8)
+    bt.add_argument("--prompt-tokens", type=int, default=120)
+    bt.add_argument("--max-tokens", type=int, default=32)
+    bt.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    _add_common(bt)
+    bt.set_defaults(fn=_bench_tracing)
     bl = bsub.add_parser("local-prefill", help="TTFT and running-stream ITL of prefilling on "
                                                "the decode worker vs a prefill worker, per "
                                                "uncached prompt length (picks the threshold)")

@@ -5,7 +5,8 @@ client's trace, under its span: the request's root span with the GenAI attribute
 under it tokenization and the attempt with its reservation, prefill and decode, the
 workers' spans under the router's that called them (D's reservation; P's prefill with its
 KV transfer), whose parents are right and whose durations add up (the TTFT the spans give is within 10% of
-the client's). A request whose decode worker is killed mid-stream shows both attempts
+the client's). The OpenAI API reads the header alike, and an unsampled traceparent is
+not traced. A request whose decode worker is killed mid-stream shows both attempts
 in its trace, the first failed, the second with its own reservation, prefill and decode.
 Every answer is HF's greedy one and every pool is free at the end."""
 
@@ -31,6 +32,8 @@ TRACE_ID, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 BLOCKS = 13                           # KV blocks of PROMPT and MAX_TOKENS (16 tokens each)
 BLOCK_BYTES = 30 * 2 * 3 * 16 * 64 * 4   # the model's K/V per block: fp32
 ROOT = "text_completion default"      # the root span: "{gen_ai.operation.name} {model}"
+SPANS = (ROOT, "tokenize", "attempt", "reserve", "decode_worker.reserve", "prefill",
+         "prefill_worker", "kv_transfer", "decode", "decode_worker")   # one request's
 ERROR = 2                             # opentelemetry.proto Status.STATUS_CODE_ERROR
 
 
@@ -58,16 +61,20 @@ class Collector:
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
 
-    def wait_for(self, trace_id: str, name: str, timeout_s: float = 60.0) -> list[dict]:
-        """The spans of `trace_id` once one named `name` arrived (the exporter batches
-        every 5 s)."""
+    def wait_for(self, trace_id: str, *names: str, timeout_s: float = 60.0,
+                 until=lambda spans: True) -> list[dict]:
+        """The spans of `trace_id` once as many of each of `names` (a name listed twice:
+        two) arrived and `until(spans)` holds: every process exports its own, batched
+        every 5 s."""
+        want = {n: names.count(n) for n in names}
         deadline = time.monotonic() + timeout_s
         while True:
             with self.lock:
                 spans = [s for s in self.spans if s["trace_id"] == trace_id]
-            if any(s["name"] == name for s in spans):
+            got = [s["name"] for s in spans]
+            if all(got.count(n) >= k for n, k in want.items()) and until(spans):
                 return spans
-            assert time.monotonic() < deadline, [s["name"] for s in spans]
+            assert time.monotonic() < deadline, got
             time.sleep(0.2)
 
 
@@ -93,7 +100,8 @@ def traced():
     """(served, collector): a cluster whose router exports to the collector."""
     collector = Collector()
     start_ray()
-    served = Served(router_kw={"otlp_traces_endpoint": f"127.0.0.1:{collector.port}"})
+    served = Served(router_kw={"otlp_traces_endpoint": f"127.0.0.1:{collector.port}",
+                               "http_port": 0})
     try:
         yield served, collector
         served.assert_all_free()
@@ -119,6 +127,11 @@ def stream(served: Served, prompt: list[int], trace_id: str, max_tokens: int,
     return tokens, ttft
 
 
+def spans_of(spans: list[dict], name: str) -> list[dict]:
+    """Those of `spans` named `name`, by start time."""
+    return sorted((s for s in spans if s["name"] == name), key=lambda s: s["start"])
+
+
 def by_name(spans: list[dict]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for s in sorted(spans, key=lambda s: s["start"]):
@@ -130,7 +143,7 @@ def test_a_request_is_one_trace_under_the_clients_span(traced):
     served, collector = traced
     tokens, ttft = stream(served, PROMPT, TRACE_ID, MAX_TOKENS)
     assert tokens == hf_greedy("default", PROMPT, MAX_TOKENS)
-    spans = {s["name"]: s for s in collector.wait_for(TRACE_ID, ROOT)}
+    spans = {s["name"]: s for s in collector.wait_for(TRACE_ID, *SPANS)}
     root = spans[ROOT]
     assert root["parent"] == CLIENT_SPAN, root            # the client's trace goes on
     parents = {name: s["parent"] for name, s in spans.items()}
@@ -185,6 +198,31 @@ def test_a_request_is_one_trace_under_the_clients_span(traced):
     assert abs(a["gen_ai.response.time_to_first_chunk"] - ttft) <= 0.1 * ttft
 
 
+def test_an_http_request_continues_the_clients_trace(traced):
+    """The OpenAI API reads the traceparent header: a chat completion's root span is
+    `chat default`, under the client's span; one sent with an unsampled traceparent
+    (flags 00) is not traced."""
+    import json
+    import urllib.request
+
+    served, collector = traced
+    trace_id, unsampled = "5af7651916cd43dd8448eb211c80319c", "6af7651916cd43dd8448eb211c80319c"
+    for tid, flags in ((unsampled, "00"), (trace_id, "01")):
+        body = json.dumps({"model": "default", "max_tokens": 4, "temperature": 0,
+                           "messages": [{"role": "user", "content": "Hello there"}]}).encode()
+        req = urllib.request.Request(f"{served.http_url}/v1/chat/completions", body, {
+            "Content-Type": "application/json",
+            "traceparent": f"00-{tid}-{CLIENT_SPAN}-{flags}"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert json.loads(r.read())["choices"][0]["finish_reason"] == "length"
+    spans = by_name(collector.wait_for(trace_id, "chat default"))
+    [root] = spans["chat default"]
+    assert root["parent"] == CLIENT_SPAN and root["attributes"]["gen_ai.operation.name"] == "chat"
+    assert root["attributes"]["gen_ai.usage.output_tokens"] == 4
+    with collector.lock:
+        assert not [s for s in collector.spans if s["trace_id"] == unsampled]
+
+
 def test_a_decode_worker_killed_mid_stream_shows_the_retry_in_the_same_trace(traced):
     served, collector = traced
     trace_id, n = "0af7651916cd43dd8448eb211c80319c", 48
@@ -199,7 +237,8 @@ def test_a_decode_worker_killed_mid_stream_shows_the_retry_in_the_same_trace(tra
     tokens, _ = stream(served, PROMPT, trace_id, n, kill_at_the_fourth)
     assert killed and killed[0] < n
     assert tokens == hf_greedy("default", PROMPT, n)
-    spans = by_name(collector.wait_for(trace_id, ROOT))
+    spans = by_name(collector.wait_for(trace_id, ROOT, "attempt", "attempt", "prefill_worker",
+                                       "prefill_worker"))
     [root] = spans[ROOT]
     first, second = spans["attempt"]
     assert first["parent"] == second["parent"] == root["span_id"]
@@ -209,10 +248,12 @@ def test_a_decode_worker_killed_mid_stream_shows_the_retry_in_the_same_trace(tra
     # attempt's tokens its tail) prefilled again, decoded to the end
     for name in ("reserve", "prefill", "decode"):
         assert [s["parent"] for s in spans[name]][-1] == second["span_id"], name
-    # the restarted decode worker's span of the new reservation, and P's of the retry
-    assert spans["decode_worker.reserve"][-1]["parent"] == spans["reserve"][-1]["span_id"]
+    # P's span of the retry; the restarted decode worker's of the new reservation and of
+    # the request (the killed one's died with it, unexported) come, under the second's
     assert spans["prefill_worker"][-1]["parent"] == spans["prefill"][-1]["span_id"]
-    assert spans["decode_worker"][-1]["parent"] == second["span_id"]
+    collector.wait_for(trace_id, until=lambda spans: {
+        ("decode_worker.reserve", spans_of(spans, "reserve")[-1]["span_id"]),
+        ("decode_worker", second["span_id"])} <= {(s["name"], s["parent"]) for s in spans})
     assert second["attributes"]["pdserve.prompt_tokens"] > len(PROMPT)
     assert root["attributes"]["gen_ai.usage.output_tokens"] == n
     assert root["attributes"]["gen_ai.response.finish_reasons"] == ["length"]

@@ -145,11 +145,13 @@ class DecodeWorker(EngineActor):
                 grammar does not compile (compiled here, before the reservation, off the
                 step thread).
         """
+        tracing.set_log_request(request_id, None)
         if trace_context is None:
             return await self._reserve(request_id, prompt_len, params, prompt_token_ids,
                                        lease_s, prefill_locally)
         span = tracing.worker_span("decode_worker.reserve", trace_context,
                                    {"pdserve.worker_id": self.worker_id})
+        tracing.set_log_request(request_id, span)
         try:
             res = await self._reserve(request_id, prompt_len, params, prompt_token_ids,
                                       lease_s, prefill_locally)

@@ -52,7 +52,7 @@ class EngineActor(abc.ABC):
     role = ""     # "prefill" | "decode"
 
     def __init__(self, worker_id: str, config: WorkerConfig, **runner_kw):
-        logging.basicConfig(level=config.log_level)
+        tracing.configure_logging(config.log_level)
         self.worker_id, self.config = worker_id, config
         tracing.configure(config.otlp_traces_endpoint, f"pdserve-{self.role}",
                           attributes={"pdserve.worker_id": worker_id})

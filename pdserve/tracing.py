@@ -18,6 +18,7 @@ are under ``pdserve.``.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import time
@@ -49,6 +50,47 @@ _W3C = TraceContextTextMapPropagator()   # traceparent / tracestate only, whatev
                                          # OTEL_PROPAGATORS says
 _provider = None   # this process's TracerProvider, once configure() ran with an endpoint
 _tracer = None
+
+
+# The request this asyncio task (or thread) serves, for its log records: (request id,
+# trace id in hex or None). Set where a request starts on each process (set_log_request).
+_log_request: contextvars.ContextVar[tuple[str, str | None] | None] = contextvars.ContextVar(
+    "pdserve_log_request", default=None)
+
+
+LOG_FORMAT = "%(levelname)s %(name)s%(request)s: %(message)s"
+
+
+class RequestInLogs(logging.Filter):
+    """Gives every record `request` (" [request <id> trace <hex>]" while a request's
+    code logs, else ""), for the format configure_logging sets."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        current = _log_request.get()
+        if current is None:
+            record.request = ""
+        else:
+            rid, trace_id = current
+            record.request = f" [request {rid}" + (f" trace {trace_id}]" if trace_id else "]")
+        return True
+
+
+def configure_logging(level: str | int) -> None:
+    """This process's logging (logging.basicConfig at `level`), each record naming the
+    request and, when traced, the trace its code serves (set_log_request)."""
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RequestInLogs) for f in handler.filters):
+            handler.addFilter(RequestInLogs())
+
+
+def set_log_request(request_id: str, span=None) -> None:
+    """Name `request_id` (and the trace of `span`, when traced) in the log records of
+    this asyncio task and of the tasks it starts from now on."""
+    trace_id = None
+    if span is not None and span.get_span_context().trace_id:
+        trace_id = format(span.get_span_context().trace_id, "032x")
+    _log_request.set((request_id, trace_id))
 
 
 def configure(endpoint: str | None, service_name: str, sample_ratio: float = 1.0,

@@ -175,6 +175,7 @@ class PrefillWorker(EngineActor):
             "prefill_worker", order.trace_context,
             {"pdserve.worker_id": self.worker_id, "pdserve.prompt_tokens": req.prompt_len})
         req.span = span
+        tracing.set_log_request(order.request_id, span)
         self.scheduler.add(req)
         self._wake.set()
         try:

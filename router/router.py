@@ -65,7 +65,7 @@ class Router:
 
         from ..engine.config import ModelConfig
 
-        logging.basicConfig(level=config.prefill.log_level)
+        tracing.configure_logging(config.prefill.log_level)
         self.config = config
         self.index = index
         tracing.configure(config.router.otlp_traces_endpoint, "pdserve-router",
@@ -223,6 +223,7 @@ class Router:
         """
         cfg, rc = self.model_config, self.config.router
         rid = validation.request_id(req) or uuid.uuid4().hex   # the first field checked
+        tracing.set_log_request(rid, None if trace is None else trace.root)
         ids, params = await self._validate(req, trace)
         deadline = rc.deadline(deadline_s)
         group = SampleGroup(rid, self.tokenizer, ids, params, cfg.eos_token_ids,

@@ -135,7 +135,7 @@ class Attempt:
                              "pdserve.prefill_worker": "" if held.p is None
                              else held.p.worker_id,
                              "pdserve.local_prefill": held.p is None,
-                             "pdserve.cached_blocks": held.res.num_cached_blocks})
+                             "pdserve.cached_blocks": held.res.num_cached_blocks, **held.why})
         on.metrics.prefills.labels(on="decode_worker" if held.p is None
                                    else "prefill_worker").inc()
         finished = False

@@ -197,10 +197,20 @@ class Placement:
                 # choose and charge with no await in between
                 # prompt logprobs come from a prefill worker's pass over the whole prompt
                 local = params.prompt_logprobs is None and self.prefill_on_decode(d, prompt_len)
-                p = None if local else self.prefill_router.pick(
-                    [w for w in live_p if w.available] or live_p, ids)[0]
+                p, p_cached = (None, 0) if local else self.prefill_router.pick(
+                    [w for w in live_p if w.available] or live_p, ids)
                 held = Reservation(d, p, prompt_len, num_samples, self.room,
                                    lent=self.lends_to(d))
+                if trace:      # why these workers, for the attempt's reserve span
+                    held.why = {"pdserve.placement.routing_policy":
+                                self.prefill_router.policy,
+                                "pdserve.placement.decode_streams": d.total_streams,
+                                "pdserve.placement.decode_free_blocks": d.free_blocks,
+                                "pdserve.placement.prefill_on_decode": local}
+                    if p is not None:
+                        held.why |= {"pdserve.placement.prefix_hit_tokens": p_cached,
+                                     "pdserve.placement.prefill_queued_tokens":  # this
+                                     p.total_queued_tokens}                     # one's too
                 try:
                     res = await d.handle.reserve.remote(
                         rid, prompt_len, params, ids, lease_s, local,

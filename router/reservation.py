@@ -38,6 +38,7 @@ class Reservation:
         self.res: DecodeReservation | None = None
         self._queued, self._streams, self._room = prompt_tokens, num_streams, room
         self.first_token_seen = False
+        self.why: dict = {}      # the placement's reasons, when the request is traced
         self.prefiller.queued_tokens += prompt_tokens
         d.streams += num_streams
 

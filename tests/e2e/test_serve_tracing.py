@@ -164,6 +164,10 @@ def test_a_request_is_one_trace_under_the_clients_span(traced):
     assert a["gen_ai.response.finish_reasons"] == ["length"]
     r = spans["reserve"]["attributes"]
     assert r["pdserve.local_prefill"] is False and r["pdserve.prefill_worker"], r
+    assert r["pdserve.placement.routing_policy"] == "kv_aware", r     # and why
+    assert r["pdserve.placement.prefill_on_decode"] is False, r
+    assert r["pdserve.placement.prefill_queued_tokens"] >= len(PROMPT), r
+    assert r["pdserve.placement.prefix_hit_tokens"] % 16 == 0, r
     d = spans["decode_worker.reserve"]["attributes"]
     assert d["pdserve.reserved"] and d["pdserve.blocks"] == BLOCKS, d
     p = spans["prefill_worker"]["attributes"]

@@ -245,17 +245,19 @@ class DecodeScheduler:
         with self._lock:
             self._release_next += blocks
 
-    def update_from_connector(self) -> None:
+    def update_from_connector(self) -> list:
         """Poll the connector (step thread): apply transfers done or failed
         (on_kv_complete), and free the blocks of finished requests that no write can
-        touch any more: the one place blocks of a KV transfer go back."""
+        touch any more: the one place blocks of a KV transfer go back. Returns the
+        transfers that ended (kv_transfer KVCompletion each)."""
         if self.connector is None:
-            return
+            return []
         with self._lock:
             completions, freed = self.connector.get_finished()
             self.pool.free(freed)
         for c in completions:
             self.on_kv_complete(c.request_id, c.ok, c.first_token, c.error)
+        return completions
 
     def abort(self, request_id: str, reason: str = "cancelled", error: str | None = None,
               group: bool = False) -> None:

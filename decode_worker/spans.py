@@ -2,6 +2,11 @@
 from its reservation to the end of its last sample, under the router's attempt span.
 
     start(request, samples, context)   at reserve, when the router traces the request
+    kv_arrived(completions)            its KV transfer ended: a span `kv_arrival` under
+                                       the request's, from the reservation to the last
+                                       frame (ok or not): D's side of the transfer, in
+                                       the trace P's `kv_transfer` is in (the context
+                                       came with the reservation, before any frame)
     step(out, step_s)                  each step (step thread): the request's steps
                                        counted; its first step, and any step slower
                                        than twice the worker's running mean, recorded
@@ -17,6 +22,7 @@ check. Thread-safe: start() runs on the actor's event loop, the rest on the step
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +39,7 @@ ALPHA = 0.1          # the running mean's weight per step
 class _Traced:
     span: Any
     samples: int                     # not finished yet
+    reserved: float = field(default_factory=time.perf_counter)
     steps: int = 0
     step_s: float = 0.0              # summed over its steps
     reasons: list[str] = field(default_factory=list)
@@ -56,6 +63,16 @@ class DecodeSpans:
         with self._lock:
             for k in range(num_samples):
                 self._by_id[sample_id(request_id, k)] = t
+
+    def kv_arrived(self, completions: list) -> None:
+        """Transfers ended (kv_transfer KVCompletion each), on the step thread."""
+        now = time.perf_counter()
+        with self._lock:
+            traced = [(c, t) for c in completions if (t := self._by_id.get(c.request_id))]
+        for c, t in traced:
+            tracing.past_span(t.span, "kv_arrival", t.reserved, now,
+                              {"pdserve.kv.ok": c.ok, **({"error.type": "KVTransferError"}
+                                                         if not c.ok else {})})
 
     def step(self, out: SchedulerOutput, step_s: float) -> None:
         """One step of `out` that took `step_s` seconds."""

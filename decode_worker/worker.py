@@ -301,7 +301,9 @@ class DecodeWorker(EngineActor):
             self._loop.call_soon_threadsafe(self._outbox.deliver, events)
 
     def _schedule(self) -> SchedulerOutput:
-        self.scheduler.update_from_connector()
+        arrived = self.scheduler.update_from_connector()
+        if self._spans and arrived:
+            self._spans.kv_arrived(arrived)
         budget = self.step_budget
         return self.scheduler.schedule(step_budget=None if budget is None else
                                        functools.partial(budget.tokens,

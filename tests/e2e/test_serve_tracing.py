@@ -33,7 +33,7 @@ BLOCKS = 13                           # KV blocks of PROMPT and MAX_TOKENS (16 t
 BLOCK_BYTES = 30 * 2 * 3 * 16 * 64 * 4   # the model's K/V per block: fp32
 ROOT = "text_completion default"      # the root span: "{gen_ai.operation.name} {model}"
 SPANS = (ROOT, "tokenize", "attempt", "reserve", "decode_worker.reserve", "prefill",
-         "prefill_worker", "kv_transfer", "decode", "decode_worker")   # one request's
+         "prefill_worker", "kv_transfer", "decode", "decode_worker", "kv_arrival")
 ERROR = 2                             # opentelemetry.proto Status.STATUS_CODE_ERROR
 
 
@@ -155,7 +155,8 @@ def test_a_request_is_one_trace_under_the_clients_span(traced):
                        "decode_worker.reserve": spans["reserve"]["span_id"],
                        "prefill_worker": spans["prefill"]["span_id"],
                        "kv_transfer": spans["prefill_worker"]["span_id"],
-                       "decode_worker": attempt}, parents
+                       "decode_worker": attempt,
+                       "kv_arrival": spans["decode_worker"]["span_id"]}, parents
     a = root["attributes"]
     assert a["gen_ai.operation.name"] == "text_completion"
     assert a["gen_ai.request.model"] == "default" and a["gen_ai.request.max_tokens"] == 8
@@ -185,6 +186,9 @@ def test_a_request_is_one_trace_under_the_clients_span(traced):
     assert sum(e["attributes"]["pdserve.chunk_tokens"] for e in chunks) == \
         p["pdserve.computed_tokens"], chunks
     assert all(e["attributes"]["pdserve.step_s"] > 0 for e in chunks), chunks
+    # the transfer's two sides in one trace: D saw the last frame after P sent it
+    assert spans["kv_arrival"]["attributes"]["pdserve.kv.ok"] is True
+    assert spans["kv_arrival"]["end"] >= spans["kv_transfer"]["end"]
     kv = spans["kv_transfer"]["attributes"]
     assert kv["pdserve.kv.transport"] == "tcp" and kv["pdserve.kv.layers"] == 30, kv
     assert kv["pdserve.kv.blocks"] == BLOCKS - d["pdserve.cached_blocks"], (kv, d)

@@ -1,5 +1,5 @@
 """decode_worker/spans.py: a traced request's span on the decode worker, under the
-router's span whose context it was given; its first step and a step slower than twice
+router's span whose context it was given; its KV's arrival a span under it; its first step and a step slower than twice
 the running mean recorded as events; ended once its last sample finished. An SDK tracer
 with an in-memory exporter stands in for the OTLP one."""
 
@@ -13,6 +13,7 @@ from pdserve import tracing
 from pdserve.decode_worker.spans import DecodeSpans
 from pdserve.engine.outputs import SchedulerOutput
 from pdserve.engine.request import TokenEvent
+from pdserve.kv_transfer.base import KVCompletion
 
 
 @dataclass
@@ -30,13 +31,16 @@ def test_a_traced_request_s_span_has_its_first_and_slow_steps_and_ends_with_its_
     assert not spans
     spans.start("r", 2, tracing.RequestTrace.carrier(attempt))      # n=2: r and r/1
     out = SchedulerOutput((Row("r"), Row("r/1"), Row("other")), (1, 1, 1))
+    spans.kv_arrived([KVCompletion("other", True, 1, None), KVCompletion("r", True, 5, None)])
     for step_s in (0.010, 0.011, 0.010, 0.009, 0.030, 0.012):
         spans.step(out, step_s)
     spans.finished([TokenEvent("r", (5,), "length"), TokenEvent("other", (5,), "stop")])
-    assert spans and not exporter.get_finished_spans()             # r/1 still decodes
+    assert spans and [s.name for s in exporter.get_finished_spans()] == ["kv_arrival"]
     spans.finished([TokenEvent("r/1", (7,), None), TokenEvent("r/1", (8,), "stop")])
     assert not spans
-    [span] = exporter.get_finished_spans()
+    [arrival, span] = exporter.get_finished_spans()
+    assert arrival.name == "kv_arrival" and arrival.attributes["pdserve.kv.ok"] is True
+    assert arrival.parent.span_id == span.context.span_id
     assert span.name == "decode_worker" and span.parent.span_id == attempt.context.span_id
     assert span.context.trace_id == attempt.context.trace_id
     assert span.attributes["pdserve.steps"] == 6                   # once per step, not per row

@@ -152,15 +152,18 @@ class DecodeWorker(EngineActor):
         span = tracing.worker_span("decode_worker.reserve", trace_context,
                                    {"pdserve.worker_id": self.worker_id})
         tracing.set_log_request(request_id, span)
+        if decode_context is not None:       # before the step thread may run it
+            self._spans.start(request_id, params.num_samples, decode_context)
         try:
             res = await self._reserve(request_id, prompt_len, params, prompt_token_ids,
                                       lease_s, prefill_locally)
         except BaseException as e:
+            self._spans.cancel(request_id)
             if span is not None:
                 tracing.end(span, error=e)
             raise
-        if res is not None and decode_context is not None:
-            self._spans.start(request_id, params.num_samples, decode_context)
+        if res is None:
+            self._spans.cancel(request_id)
         if span is not None:
             tracing.end(span, {"pdserve.reserved": False} if res is None else {
                 "pdserve.reserved": True, "pdserve.blocks": res.num_blocks,

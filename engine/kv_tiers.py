@@ -97,6 +97,7 @@ class HostTier:
 class _Store:
     blocks: list[int]
     hashes: list[BlockHash]
+    done: int = 0             # blocks copied (each handed back through _stored)
 
 
 @dataclass(slots=True)
@@ -233,10 +234,10 @@ class KVTiers:
                     self._load(job)
             except Exception:     # a tier fault costs hits, never a request
                 logger.exception("KV tier %s failed", type(job).__name__)
-                if isinstance(job, _Store):
+                if isinstance(job, _Store):       # the blocks not copied go back too
                     with self._lock:
-                        self._pending.difference_update(job.hashes)
-                        self._stored += job.blocks
+                        self._pending.difference_update(job.hashes[job.done:])
+                        self._stored += job.blocks[job.done:]
                 else:
                     with self._lock:
                         self._loaded.append(LoadDone(job.key, len(job.done)))
@@ -252,6 +253,7 @@ class KVTiers:
                 self._pending.discard(h)
                 self._stored.append(block)
                 self.stats.stored_host += 1
+                job.done += 1
 
     def _host_slot(self) -> int:
         """A free host slot: the least recently used entry's when none is free, moved to

@@ -193,12 +193,13 @@ def end(span, attributes: Mapping[str, Any] | None = None,
 def worker_span(name: str, carrier: Mapping[str, str] | None,
                 attributes: Mapping[str, Any] | None = None):
     """A span named `name`, started now under the router's span whose W3C context is
-    `carrier` (from a typed message); None when the request is not traced (no
-    carrier) or this process does not trace. End it with `end`."""
+    `carrier` (from a typed message); None when the request is not traced (no carrier,
+    or one its sampling left out) or this process does not trace. End it with `end`."""
     if _tracer is None or not carrier:
         return None
-    return _tracer.start_span(name, context=_W3C.extract(dict(carrier)),
+    span = _tracer.start_span(name, context=_W3C.extract(dict(carrier)),
                               attributes=dict(attributes or {}))
+    return span if span.is_recording() else None
 
 
 def past_span(parent, name: str, start: float, end_: float,
@@ -214,8 +215,12 @@ def past_span(parent, name: str, start: float, end_: float,
 
 def request_trace(name: str, carrier: Mapping[str, str] | None,
                   attributes: Mapping[str, Any]) -> RequestTrace | None:
-    """A RequestTrace, or None when tracing is off (the caller skips every span)."""
-    return None if _tracer is None else RequestTrace(name, carrier, attributes)
+    """A RequestTrace, or None when tracing is off or the sampling leaves this request
+    out (the caller then skips every span: no carrier goes to the workers)."""
+    if _tracer is None:
+        return None
+    trace_ = RequestTrace(name, carrier, attributes)
+    return trace_ if trace_.root.is_recording() else None
 
 
 def trace_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str] | None:

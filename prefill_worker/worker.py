@@ -55,6 +55,7 @@ from .connector import PrefillKVConnector
 from .kv_pull import KVPulls
 from .rank import PrefillRanks
 from .requests import FinishCause, PrefillAborted, PrefillFailed, PrefillRequest, fail
+from . import spans
 from .scheduler import PrefillScheduler
 
 __all__ = ["PrefillAborted", "PrefillFailed", "PrefillWorker"]
@@ -171,43 +172,23 @@ class PrefillWorker(EngineActor):
                              kv_source=order.kv_source, kv_peer=order.kv_peer,
                              peer_blocks=order.peer_blocks,
                              grammar=grammar)
-        span = None if order.trace_context is None else tracing.worker_span(
-            "prefill_worker", order.trace_context,
-            {"pdserve.worker_id": self.worker_id, "pdserve.prompt_tokens": req.prompt_len})
-        req.span = span
+        req.span = span = spans.start(self.worker_id, order, req)
         tracing.set_log_request(order.request_id, span)
-        self.scheduler.add(req)
-        self._wake.set()
         try:
+            self.scheduler.add(req)
+            self._wake.set()
             result = await req.future
-        except asyncio.CancelledError:
-            self._abort(order.request_id)
-            if span is not None:
-                self._end_span(span, req, order)
-            raise
         except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                self._abort(order.request_id)
             if span is not None:
-                self._end_span(span, req, order, e)
+                spans.end(span, req, order, self.config.transport, self.runner.block_size,
+                          self.num_layers, None if isinstance(e, asyncio.CancelledError) else e)
             raise
         if span is not None:
-            self._end_span(span, req, order)
+            spans.end(span, req, order, self.config.transport, self.runner.block_size,
+                      self.num_layers)
         return result
-
-    def _end_span(self, span, req: PrefillRequest, order: PrefillOrder,
-                  error: BaseException | None = None) -> None:
-        """A traced prompt's span ended with its prefill in numbers: seconds queued
-        before it took blocks, tokens found cached and computed; and its KV transfer as
-        a span under it, from the first frame to DONE (transport, blocks, bytes,
-        layers)."""
-        if req.kv_send_started is not None and req.kv_send_done is not None:
-            tracing.past_span(span, "kv_transfer", req.kv_send_started, req.kv_send_done, {
-                "pdserve.kv.transport": self.config.transport,
-                "pdserve.kv.blocks": blocks_needed(req.prompt_len, self.runner.block_size)
-                - order.num_cached_blocks,
-                "pdserve.kv.bytes": req.kv_bytes_sent, "pdserve.kv.layers": self.num_layers})
-        tracing.end(span, {"pdserve.queue_s": (req.scheduled or time.monotonic()) - req.arrived,
-                           "pdserve.cached_tokens": req.num_cached,
-                           "pdserve.computed_tokens": req.prompt_len - req.num_cached}, error)
 
     async def _compile(self, so):
         """`so` compiled off the step thread, published meanwhile (core_share: no decode
@@ -260,8 +241,11 @@ class PrefillWorker(EngineActor):
         payload bytes sent; 0 when the cache lacks any of them or the send failed (the
         puller then computes them)."""
         blocks = self.scheduler.export(list(order.block_hashes))
-        return await asyncio.to_thread(self._send_held_kv, order, blocks,
-                                       self.scheduler.end_export)
+        return await asyncio.to_thread(self._send_held_kv, order, blocks, self._end_export)
+
+    def _end_export(self, blocks: list[int]) -> None:
+        self.scheduler.end_export(blocks)
+        self._wake.set()            # a prompt waiting for blocks may take them now
 
     async def cache_events(self, since: int, tier_since: int = 0) -> CacheEvents:
         """Prefix-cache changes after event `since` (engine/block_pool.py) and KV-tier
@@ -384,13 +368,7 @@ class PrefillWorker(EngineActor):
                 fail(r, FinishCause.MODEL_FAULT, f"prefill failed: {type(e).__name__}: {e}")
         step_s = time.perf_counter() - t0
         if tracing.enabled():   # each traced prompt's chunk, with the step it ran in
-            for r, n in zip(out.requests, out.num_scheduled_tokens):
-                if r.span is not None:
-                    r.span.add_event("chunk", {
-                        "pdserve.chunk_start": r.num_computed_tokens,
-                        "pdserve.chunk_tokens": n,
-                        "pdserve.step_tokens": out.total_num_scheduled_tokens,
-                        "pdserve.step_requests": len(out.requests), "pdserve.step_s": step_s})
+            spans.chunks(out, step_s)
         self.step_stats += StepStats.of(out.total_num_scheduled_tokens, step_s)
         if self.pulls is not None:
             self.pulls.cost.observe_compute(out.total_num_scheduled_tokens, step_s)

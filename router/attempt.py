@@ -18,6 +18,7 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 import ray
@@ -103,8 +104,9 @@ class Attempt:
         self.span = trace.start("attempt", attributes={
             "pdserve.attempt_id": self.id, "pdserve.prompt_tokens": len(self.ids)})
         try:
-            async for msg in self._run():
-                yield msg
+            async with aclosing(self._run()) as stream:    # closed with this one, at once
+                async for msg in stream:
+                    yield msg
         except GeneratorExit:
             raise
         except BaseException as e:
@@ -262,14 +264,16 @@ class Attempt:
         brought, the seconds to its first one (D's first step) and the mean gap between
         them after that (TPOT)."""
         span, error = self.trace.start("decode", self.span), None
-        started, first, last, tokens = time.monotonic(), None, None, 0
+        started = time.monotonic()
+        samples: dict[int, list] = {}    # sample index -> [first token's time, last's, tokens]
         try:
-            async for msg in self._decode(held):
-                if msg.token_ids:
-                    last = time.monotonic()
-                    first = first or last
-                    tokens += len(msg.token_ids)
-                yield msg
+            async with aclosing(self._decode(held)) as stream:  # closed with this one
+                async for msg in stream:
+                    if msg.token_ids:
+                        now = time.monotonic()
+                        s = samples.setdefault(msg.index, [now, now, 0])
+                        s[1], s[2] = now, s[2] + len(msg.token_ids)
+                    yield msg
         except GeneratorExit:
             raise
         except BaseException as e:
@@ -277,11 +281,12 @@ class Attempt:
             raise
         finally:
             attributes = {"pdserve.decode_worker": held.d.worker_id,
-                          "pdserve.output_tokens": tokens}
-            if first is not None:
-                attributes["pdserve.first_token_s"] = first - started
-            if tokens > 1:
-                attributes["pdserve.tpot_s"] = (last - first) / (tokens - 1)
+                          "pdserve.output_tokens": sum(s[2] for s in samples.values())}
+            if samples:
+                attributes["pdserve.first_token_s"] = min(s[0] for s in samples.values()) - started
+            gaps = [(last - first) / (n - 1) for first, last, n in samples.values() if n > 1]
+            if gaps:      # each sample's mean gap between tokens after its first, averaged
+                attributes["pdserve.tpot_s"] = sum(gaps) / len(gaps)
             self.trace.end(span, attributes, error)
 
     def _absorb(self, events: list[TokenEvent], held: Reservation

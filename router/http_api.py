@@ -192,6 +192,7 @@ async def _events(first: pb.GenerateResponse, stream: AsyncIterator[pb.GenerateR
 async def _complete(router, request: Request, body, chat: bool) -> Response:
     """Serve one completion (chat or not, streamed or not) through the router."""
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    tracing.set_log_request(rid)     # before the tasks that serve it start (they copy it)
     created, model = int(time.time()), router.model_name
     tokenizer = getattr(router, "tokenizer", None)   # decodes an echoed token-id prompt
     # No client deadline over HTTP: the router bounds it with request_timeout_s.

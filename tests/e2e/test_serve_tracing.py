@@ -143,7 +143,9 @@ def test_a_request_is_one_trace_under_the_clients_span(traced):
     served, collector = traced
     tokens, ttft = stream(served, PROMPT, TRACE_ID, MAX_TOKENS)
     assert tokens == hf_greedy("default", PROMPT, MAX_TOKENS)
-    spans = {s["name"]: s for s in collector.wait_for(TRACE_ID, *SPANS)}
+    named = by_name(collector.wait_for(TRACE_ID, *SPANS))
+    assert {n: len(s) for n, s in named.items()} == {n: 1 for n in SPANS}, named
+    spans = {n: s for n, [s] in named.items()}
     root = spans[ROOT]
     assert root["parent"] == CLIENT_SPAN, root            # the client's trace goes on
     parents = {name: s["parent"] for name, s in spans.items()}
@@ -229,6 +231,30 @@ def test_an_http_request_continues_the_clients_trace(traced):
     assert root["attributes"]["gen_ai.usage.output_tokens"] == 4
     with collector.lock:
         assert not [s for s in collector.spans if s["trace_id"] == unsampled]
+
+
+def test_a_traced_stream_the_client_cancels_frees_its_kv_and_ends_its_spans(traced):
+    """A client that cancels a traced stream mid-way: every KV block is back at once (the
+    attempt's inner generators are closed with it), and the request's spans all end,
+    the root's status `cancelled`."""
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+    served, collector = traced
+    trace_id = "7af7651916cd43dd8448eb211c80319c"
+    stub = pb_grpc.GeneratorStub(grpc.insecure_channel(served.address))
+    call = stub.Generate(make_request(PROMPT, max_tokens=200, temperature=0, ignore_eos=True),
+                         metadata=[("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01")])
+    got = 0
+    for msg in call:
+        got += len(msg.token_ids)
+        if got >= 3:
+            call.cancel()
+            break
+    served.assert_all_free(timeout_s=5)
+    spans = by_name(collector.wait_for(trace_id, ROOT, "attempt", "decode", "decode_worker"))
+    assert spans[ROOT][0]["attributes"]["pdserve.status"] == "cancelled"
+    assert spans["decode_worker"][0]["attributes"]["gen_ai.response.finish_reasons"] == [
+        "cancelled"]
 
 
 def test_a_decode_worker_killed_mid_stream_shows_the_retry_in_the_same_trace(traced):

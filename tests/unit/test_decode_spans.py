@@ -54,3 +54,22 @@ def test_untraced_does_nothing():
     spans = DecodeSpans()
     spans.start("r", 1, {"traceparent": f"00-{'1' * 32}-{'2' * 16}-01"})   # tracing off
     assert not spans
+
+
+def test_a_request_cancelled_before_its_samples_were_forked_ends_its_span(monkeypatch):
+    """n=3, cancelled while its KV was on the way (never forked): sample 0's event ends
+    the span, with nothing left behind; a refused reservation's span ends too."""
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+    carrier = tracing.RequestTrace.carrier(provider.get_tracer("test").start_span("attempt"))
+    spans = DecodeSpans()
+    spans.start("r", 3, carrier)
+    spans.start("r", 3, carrier)                      # a repeated reserve: one span
+    spans.finished([TokenEvent("r", (), "cancelled")])
+    assert not spans
+    spans.start("q", 1, carrier)
+    spans.cancel("q")
+    assert not spans
+    assert [(s.name, s.attributes.get("pdserve.reserved")) for s in
+            exporter.get_finished_spans()] == [("decode_worker", None), ("decode_worker", False)]

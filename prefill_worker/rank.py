@@ -50,6 +50,8 @@ class RankRequest:
     block_table: list[int] = field(default_factory=list)
     finish: Finish | None = None         # set once it fails or is aborted (requests.fail)
     kv_send_started: float | None = None
+    kv_send_done: float | None = None    # the KV connector's, as PrefillRequest's
+    kv_bytes_sent: int = 0
 
 
 class PrefillRankKV:

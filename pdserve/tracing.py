@@ -159,7 +159,7 @@ class RequestTrace:
 
     def start(self, name: str, parent=None, attributes: Mapping[str, Any] | None = None):
         """A span named `name` under `parent` (a span; the root when None), started now;
-        end it with `end`."""
+        end it with tracing.end."""
         ctx = trace.set_span_in_context(parent if parent is not None else self.root)
         return _tracer.start_span(name, context=ctx, attributes=dict(attributes or {}))
 
@@ -170,11 +170,6 @@ class RequestTrace:
         out: dict[str, str] = {}
         _W3C.inject(out, trace.set_span_in_context(span))
         return out
-
-    @staticmethod
-    def end(span, attributes: Mapping[str, Any] | None = None,
-            error: BaseException | None = None) -> None:
-        end(span, attributes, error)
 
 
 def end(span, attributes: Mapping[str, Any] | None = None,

@@ -23,6 +23,7 @@ from contextlib import aclosing
 import grpc
 import ray
 
+from .. import tracing
 from ..decode_worker.fork import sample_id
 from ..engine.request import TokenEvent
 from ..messages import PrefillOrder, PrefillResult
@@ -110,12 +111,12 @@ class Attempt:
         except GeneratorExit:
             raise
         except BaseException as e:
-            trace.end(self.span, error=e)
+            tracing.end(self.span, error=e)
             self.span = None
             raise
         finally:
             if self.span is not None:
-                trace.end(self.span)
+                tracing.end(self.span)
 
     async def _run(self) -> AsyncIterator[pb.GenerateResponse]:
         on, trace = self.on, self.trace
@@ -130,10 +131,10 @@ class Attempt:
         except BaseException as e:
             on.streams.close(self.id)
             if span is not None:
-                trace.end(span, error=e)
+                tracing.end(span, error=e)
             raise
         if span is not None:
-            trace.end(span, {"pdserve.decode_worker": held.d.worker_id,
+            tracing.end(span, {"pdserve.decode_worker": held.d.worker_id,
                              "pdserve.prefill_worker": "" if held.p is None
                              else held.p.worker_id,
                              "pdserve.local_prefill": held.p is None,
@@ -178,9 +179,9 @@ class Attempt:
         try:
             first = await self._prefill(held, self.trace.carrier(span))
         except BaseException as e:
-            self.trace.end(span, error=e)
+            tracing.end(span, error=e)
             raise
-        self.trace.end(span)
+        tracing.end(span)
         return first
 
     async def _prefill(self, held: Reservation, trace_context: dict | None = None
@@ -287,7 +288,7 @@ class Attempt:
             gaps = [(last - first) / (n - 1) for first, last, n in samples.values() if n > 1]
             if gaps:      # each sample's mean gap between tokens after its first, averaged
                 attributes["pdserve.tpot_s"] = sum(gaps) / len(gaps)
-            self.trace.end(span, attributes, error)
+            tracing.end(span, attributes, error)
 
     def _absorb(self, events: list[TokenEvent], held: Reservation
                 ) -> tuple[list[pb.GenerateResponse], str | None]:

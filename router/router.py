@@ -266,10 +266,10 @@ class Router:
                 self.tokenizer, cfg.vocab_size, cfg.max_model_len)
         except BaseException as e:
             if span is not None:
-                trace.end(span, error=e)
+                tracing.end(span, error=e)
             raise
         if span is not None:
-            trace.end(span, {"pdserve.prompt_tokens": len(ids)})
+            tracing.end(span, {"pdserve.prompt_tokens": len(ids)})
         args = (req, len(ids), cfg.max_model_len, cfg.vocab_size, self.grammars)
         if not req.sampling.HasField("structured_outputs"):
             params = validation.sampling_params(*args)

@@ -113,7 +113,7 @@ async def metered_generate(router, build: Callable[[], pb.GenerateRequest],
     finally:
         timer.finish(status, prompt_tokens)
         if trace is not None:
-            trace.end(trace.root, {
+            tracing.end(trace.root, {
                 "pdserve.status": status, tracing.USAGE_INPUT_TOKENS: prompt_tokens,
                 tracing.USAGE_OUTPUT_TOKENS: output_tokens,
                 tracing.RESPONSE_FINISH_REASONS: finish_reasons,

@@ -103,6 +103,7 @@ def traced():
     served = Served(router_kw={"otlp_traces_endpoint": f"127.0.0.1:{collector.port}",
                                "http_port": 0})
     try:
+        served.generate([7] * 20, max_tokens=2)   # warm (no block shared with PROMPT)
         yield served, collector
         served.assert_all_free()
     finally:
@@ -116,7 +117,9 @@ def stream(served: Served, prompt: list[int], trace_id: str, max_tokens: int,
     under CLIENT_SPAN; `on_token(tokens so far)` after each message."""
     from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
-    stub = pb_grpc.GeneratorStub(grpc.insecure_channel(served.address))
+    channel = grpc.insecure_channel(served.address)
+    grpc.channel_ready_future(channel).result(timeout=60)   # TTFT without the connect
+    stub = pb_grpc.GeneratorStub(channel)
     sent, ttft, tokens = time.monotonic(), None, []
     for msg in stub.Generate(make_request(prompt, max_tokens=max_tokens, temperature=0),
                              metadata=[("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01")]):

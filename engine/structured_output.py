@@ -13,11 +13,13 @@ first (engine/logits_processors.py); the sampled token is then accepted. Once th
 grammar is complete only its stop tokens (the model's EOS) are allowed, so the request
 ends there. JSON is compact (xgrammar's any_whitespace=False: no whitespace between
 tokens), as small models otherwise tend to emit whitespace without end. The router
-compiles too, to refuse a grammar xgrammar cannot compile with
-400 / INVALID_ARGUMENT before any worker sees it.
+builds the grammar from its text (`grammar`, no vocabulary: milliseconds) to refuse
+one xgrammar cannot parse with 400 / INVALID_ARGUMENT before any worker sees it; it
+does not compile it (vLLM's frontend validates the same way).
 
-Compiling a large schema takes seconds of one core (a 60 KB one: 1.3 s with the default
-model's 49k-token vocabulary). Each process compiles on one thread of its own
+Compiling a large schema takes seconds of one core (a 60 KB one: 1.3-2.3 s with the
+default model's 49k-token vocabulary on this project's 2-core test box, by load). Each
+worker compiles on one thread of its own
 (`compile_executor`, niced); where CPU workers lend idle cores (pdserve/core_share.py),
 a process compiling says so on its node, and no decode worker there runs its steps on
 lent threads meanwhile: an OpenMP team sharing a core with a compile slows several-fold
@@ -38,7 +40,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -122,21 +124,11 @@ class Grammars:
         return cls(AutoTokenizer.from_pretrained(model_dir), vocab_size)
 
     def compile(self, so: StructuredOutput) -> Any:
-        """The compiled grammar. Raises ValueError naming what xgrammar refused."""
-        c = self._compiler
-        try:
-            with self._lock:
-                if so.kind in ("json", "json_object"):   # compact: no free whitespace
-                    return c.compile_json_schema(so.spec or '{"type": "object"}',
-                                                 any_whitespace=False, strict_mode=True)
-                if so.kind == "regex":
-                    return c.compile_regex(so.spec)
-                if so.kind == "choice":
-                    return c.compile_grammar(_choice_grammar(so.spec))
-                return c.compile_grammar(so.spec)
-        except (RuntimeError, ValueError, TypeError) as e:
-            why = re.sub(r"^\[[^]]*\] \S+:\d+: ", "", str(e).splitlines()[-1])  # xgrammar's prefix
-            raise ValueError(f"{so.kind} does not compile: {why[:300]}") from None
+        """The compiled grammar (seconds of one core for a large schema). Raises
+        ValueError naming what xgrammar refused."""
+        g = grammar(so)
+        with self._lock:
+            return _refusing(so, lambda: self._compiler.compile_grammar(g))
 
     def matcher(self, so: StructuredOutput, accepted: list[int], compiled: Any = None) -> Any:
         """A GrammarMatcher that has accepted ``accepted`` (the tokens generated so far),
@@ -169,6 +161,33 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     ``bitmask`` [batch, ceil(vocab / 32)] int32 is clear."""
     import xgrammar as xgr
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+
+
+def grammar(so: StructuredOutput) -> Any:
+    """``so`` as an xgrammar Grammar, built from its text alone: no vocabulary, so
+    milliseconds where compiling takes seconds (a 60 KB schema: ~20 ms against ~2 s).
+    What the router checks before any worker compiles (vLLM validates the same way).
+    Raises ValueError naming what xgrammar refused."""
+    import xgrammar as xgr
+
+    def build() -> Any:
+        if so.kind in ("json", "json_object"):      # compact: no free whitespace
+            return xgr.Grammar.from_json_schema(so.spec or '{"type": "object"}',
+                                                any_whitespace=False, strict_mode=True)
+        if so.kind == "regex":
+            return xgr.Grammar.from_regex(so.spec)
+        return xgr.Grammar.from_ebnf(_choice_grammar(so.spec) if so.kind == "choice"
+                                     else so.spec)
+    return _refusing(so, build)
+
+
+def _refusing(so: StructuredOutput, build: Callable[[], Any]) -> Any:
+    """build(), xgrammar's errors as a ValueError naming ``so``'s kind."""
+    try:
+        return build()
+    except (RuntimeError, ValueError, TypeError) as e:
+        why = re.sub(r"^\[[^]]*\] \S+:\d+: ", "", str(e).splitlines()[-1])  # xgrammar's prefix
+        raise ValueError(f"{so.kind} does not compile: {why[:300]}") from None
 
 
 def _choice_grammar(spec: str) -> str:

@@ -15,8 +15,8 @@ worker checks between layers), since two OpenMP teams on one core slow both seve
 req/s, docs/performance.md section 15).
 
 A grammar compile (structured outputs: seconds of one core for a large schema) on the
-node stops the lending too: every process that compiles (the router replicas, the prefill
-and decode workers) publishes a 1-byte `<owner>.compiling` file, nonzero while it
+node stops the lending too: every process that compiles or parses one (the prefill and
+decode workers; the router replicas, which only parse) publishes a 1-byte `<owner>.compiling` file, nonzero while it
 compiles, and while any is nonzero a decode worker runs on its own threads alone. An
 OpenMP team sharing a core with the compile thread slowed a running stream's token gaps
 from ~35 ms to ~300 ms; its own threads, beside the compile, by a few milliseconds

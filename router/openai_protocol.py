@@ -194,7 +194,7 @@ def _set_token_lists(s: pb.SamplingParams, body) -> None:
 
 def _set_structured(so: pb.StructuredOutputs, body) -> None:
     """The request's structured output, from whichever parameter names it (at most one;
-    the router compiles it and refuses what does not compile)."""
+    the router parses its grammar and refuses what does not parse)."""
     asked = {}           # parameter -> (kind, value)
     rf = body.response_format
     if rf is not None:

@@ -10,7 +10,7 @@ import json
 import math
 
 from ..engine.sampling_params import DEFAULT_MAX_TOKENS, InvalidRequestError, SamplingParams
-from ..engine.structured_output import Grammars, StructuredOutput
+from ..engine.structured_output import StructuredOutput, grammar
 
 MAX_PROMPT_CHARS = 1 << 20      # characters of text/messages accepted before tokenizing
 # ... and at most this many per token of the model's context. English averages ~4
@@ -117,13 +117,14 @@ def prompt_token_ids(req, tokenizer, vocab_size: int, max_model_len: int) -> lis
 
 
 def sampling_params(req, prompt_len: int, max_model_len: int,
-                    vocab_size: int | None = None, grammars: Grammars | None = None
+                    vocab_size: int | None = None, check_grammar: bool = False
                     ) -> SamplingParams:
     """SamplingParams from the request's `sampling` message (defaults as in vLLM).
 
     max_tokens defaults to min(256, room left in the context); an explicit value that does
     not fit is an error, not a silent cut. With `vocab_size`, logit_bias token ids must
-    be in [0, vocab_size); with `grammars`, structured_outputs must compile.
+    be in [0, vocab_size); with `check_grammar`, structured_outputs' grammar must parse
+    (structured_output.grammar: milliseconds, no vocabulary; workers compile it).
     Raises:
         InvalidRequestError: a parameter out of range (message names it and the limit).
     """
@@ -157,12 +158,12 @@ def sampling_params(req, prompt_len: int, max_model_len: int,
         logit_bias=tuple(sorted(s.logit_bias.items())),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
-        structured_outputs=_structured(s, grammars),
+        structured_outputs=_structured(s, check_grammar),
         n=s.n if s.HasField("n") else 1, best_of=s.best_of if s.HasField("best_of") else None,
         **floats)
 
 
-def _structured(s, grammars: Grammars | None) -> StructuredOutput | None:
+def _structured(s, check_grammar: bool) -> StructuredOutput | None:
     kind = s.structured_outputs.WhichOneof("kind") if s.HasField("structured_outputs") else None
     if kind is None:
         return None
@@ -170,9 +171,9 @@ def _structured(s, grammars: Grammars | None) -> StructuredOutput | None:
     spec = ("" if kind == "json_object" else json.dumps(list(value.choices)) if kind == "choice"
             else value)
     so = StructuredOutput(kind, spec)
-    if grammars is not None:
+    if check_grammar:
         try:
-            grammars.compile(so)
+            grammar(so)
         except ValueError as e:
             raise InvalidRequestError("sampling.structured_outputs", str(e)) from None
     return so

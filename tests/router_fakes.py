@@ -44,7 +44,6 @@ def fake_router(prefills: list, decodes: list, **router_kw) -> Router:
     r.index = 0
     r.model_config = SimpleNamespace(vocab_size=VOCAB, max_model_len=256, eos_token_ids=(EOS,))
     r.tokenizer = SimpleNamespace(backend_tokenizer=TOKENIZER)
-    r.grammars = None                     # structured outputs: not compiled by the fakes
     r.compile_flag = CompileActivity(None, "router")
     rc = r.config.router
     r.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)

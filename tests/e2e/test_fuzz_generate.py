@@ -17,7 +17,6 @@ served, and 256 default tokens ~2 s, hence the default is drawn rarely.
 from __future__ import annotations
 
 import collections
-import functools
 
 import grpc
 import pytest
@@ -27,7 +26,6 @@ from serving import Served, start_ray
 from tiny_models import tiny_model_dir
 
 from pdserve.engine.sampling_params import InvalidRequestError
-from pdserve.engine.structured_output import Grammars
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router import validation
@@ -59,18 +57,13 @@ def served(model):
     s.stop()           # every KV pool free and the router's queue empty
 
 
-@functools.cache
-def _grammars(tokenizer, vocab_size: int) -> Grammars:
-    return Grammars(tokenizer, vocab_size)
-
-
 def _expected_error(req, tokenizer, cfg) -> str | None:
     """The INVALID_ARGUMENT message the router's validation gives `req`, or None."""
     try:
         validation.request_id(req)
         ids = validation.prompt_token_ids(req, tokenizer, cfg.vocab_size, cfg.max_model_len)
         validation.sampling_params(req, len(ids), cfg.max_model_len, cfg.vocab_size,
-                                   _grammars(tokenizer, cfg.vocab_size))
+                                   check_grammar=True)
     except InvalidRequestError as e:
         return str(e)
     return None

@@ -1,5 +1,6 @@
 """engine/structured_output.py with a real tokenizer (the tiny llama's): each kind of
-grammar compiles (cached), a bad one is a ValueError naming the problem, the sampler
+grammar compiles (cached), a bad one is a ValueError naming the problem (the same from
+the router's parse without a vocabulary as from a worker's compile), the sampler
 under a grammar's bitmask only ever picks allowed tokens, and greedy decoding under a
 JSON schema walks to a complete, valid object however the logits push elsewhere."""
 
@@ -9,11 +10,13 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_models import VOCAB_SIZE, tiny_model_dir
 
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from pdserve.engine.structured_output import MAX_SPEC_CHARS, Grammars, apply_bitmask
+from pdserve.engine.structured_output import MAX_SPEC_CHARS, Grammars, apply_bitmask, grammar
 from pdserve.engine.structured_output import StructuredOutput as SO
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
@@ -58,8 +61,32 @@ def test_every_kind_compiles_and_its_mask_constrains_the_first_token(grammars, s
     (SO("grammar", "root ::= "), "grammar does not compile"),
 ])
 def test_a_bad_grammar_is_a_value_error_naming_it(grammars, so, says):
+    """The same error from the router's parse (no vocabulary) and a worker's compile."""
+    with pytest.raises(ValueError, match=says):
+        grammar(so)
     with pytest.raises(ValueError, match=says):
         grammars[0].compile(so)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(kind=st.sampled_from(["json", "regex", "grammar", "choice"]),
+       spec=st.one_of(st.text(max_size=24), st.sampled_from([
+           '{"type": "array", "items": {"type": "string"}, "minItems": 2}',
+           '{"type": "string", "pattern": "^[a-z]+$"}', '{"enum": [1, "a", null]}',
+           '{"$ref": "#/$defs/a", "$defs": {"a": {"type": "integer"}}}',
+           '[a-z]{2,4}@[0-9]+', 'root ::= "x" root | ""', 'root ::= [^"]*', '["a", "b"]'])))
+def test_what_the_router_s_parse_accepts_a_worker_compiles(grammars, kind, spec):
+    """grammar() (the router's check) and Grammars.compile (each worker's) agree: a
+    spec either parses and compiles, or both refuse it with the same message."""
+    so = SO(kind, spec)
+    try:
+        grammar(so)
+    except ValueError as e:
+        with pytest.raises(ValueError) as compiled:
+            grammars[0].compile(so)
+        assert str(compiled.value) == str(e)
+        return
+    assert grammars[0].compile(so) is not None
 
 
 def test_params_check_kind_and_size():

@@ -7,7 +7,6 @@ validation.max_prompt_chars(max_model_len) characters."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -23,7 +22,6 @@ from pdserve.engine.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     InvalidRequestError,
 )
-from pdserve.engine.structured_output import Grammars
 from pdserve.kv_transfer.base import MAX_REQUEST_ID_BYTES as KV_FRAME_REQUEST_ID_BYTES
 from pdserve.router import validation
 
@@ -68,12 +66,7 @@ def _validate(req, tokenizer, cfg):
     assert rid is None or 0 < len(rid.encode()) + 9 <= KV_FRAME_REQUEST_ID_BYTES, rid
     ids = validation.prompt_token_ids(req, tokenizer, cfg.vocab_size, cfg.max_model_len)
     return ids, validation.sampling_params(req, len(ids), cfg.max_model_len, cfg.vocab_size,
-                                           _grammars(tokenizer._tok, cfg.vocab_size))
-
-
-@functools.cache
-def _grammars(tokenizer, vocab_size: int) -> Grammars:
-    return Grammars(tokenizer, vocab_size)
+                                           check_grammar=True)
 
 
 @settings(max_examples=1000, deadline=None, derandomize=True, database=None,

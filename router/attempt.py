@@ -138,7 +138,8 @@ class Attempt:
                              "pdserve.prefill_worker": "" if held.p is None
                              else held.p.worker_id,
                              "pdserve.local_prefill": held.p is None,
-                             "pdserve.cached_blocks": held.res.num_cached_blocks, **held.why})
+                             "pdserve.cached_blocks": held.res.num_cached_blocks,
+                             **(held.why.attributes() if held.why is not None else {})})
         on.metrics.prefills.labels(on="decode_worker" if held.p is None
                                    else "prefill_worker").inc()
         finished = False

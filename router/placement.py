@@ -23,7 +23,7 @@ from ..engine.block_pool import blocks_needed
 from ..engine.sampling_params import InvalidRequestError
 from ..messages import StepStats
 from .errors import RequestError
-from .reservation import Reservation, RoomQueue
+from .reservation import PlacementWhy, Reservation, RoomQueue
 from .routing import PrefillRouter
 from .workers import Worker
 
@@ -202,15 +202,9 @@ class Placement:
                 held = Reservation(d, p, prompt_len, num_samples, self.room,
                                    lent=self.lends_to(d))
                 if trace:      # why these workers, for the attempt's reserve span
-                    held.why = {"pdserve.placement.routing_policy":
-                                self.prefill_router.policy,
-                                "pdserve.placement.decode_streams": d.total_streams,
-                                "pdserve.placement.decode_free_blocks": d.free_blocks,
-                                "pdserve.placement.prefill_on_decode": local}
-                    if p is not None:
-                        held.why |= {"pdserve.placement.prefix_hit_tokens": p_cached,
-                                     "pdserve.placement.prefill_queued_tokens":  # this
-                                     p.total_queued_tokens}                     # one's too
+                    held.why = PlacementWhy(
+                        self.prefill_router.policy, d.total_streams, d.free_blocks, local,
+                        *((None, None) if p is None else (p_cached, p.total_queued_tokens)))
                 try:
                     res = await d.handle.reserve.remote(
                         rid, prompt_len, params, ids, lease_s, local,

@@ -18,9 +18,32 @@ import asyncio
 import collections
 import contextlib
 import time
+from dataclasses import dataclass
 
 from ..messages import DecodeReservation
 from .workers import Worker
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementWhy:
+    """Why placement chose an attempt's workers, for its reserve span (traced requests
+    only): the prefill routing policy, the decode worker's load when chosen (streams,
+    free KV blocks), whether it prefills the prompt itself, and, when a prefill worker
+    does, the prompt tokens that worker was expected to find cached (prefix cache, tiers
+    or a peer's cache) and its queued prompt tokens (this prompt's included)."""
+
+    routing_policy: str
+    decode_streams: int
+    decode_free_blocks: int
+    prefill_on_decode: bool
+    prefix_hit_tokens: int | None = None
+    prefill_queued_tokens: int | None = None
+
+    def attributes(self) -> dict[str, str | int | bool]:
+        """As span attributes, `pdserve.placement.<field>` (fields that are None left
+        out)."""
+        return {f"pdserve.placement.{name}": v for name in self.__slots__
+                if (v := getattr(self, name)) is not None}
 
 
 class Reservation:
@@ -38,7 +61,7 @@ class Reservation:
         self.res: DecodeReservation | None = None
         self._queued, self._streams, self._room = prompt_tokens, num_streams, room
         self.first_token_seen = False
-        self.why: dict = {}      # the placement's reasons, when the request is traced
+        self.why: PlacementWhy | None = None      # set when the request is traced
         self.prefiller.queued_tokens += prompt_tokens
         d.streams += num_streams
 

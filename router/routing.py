@@ -13,7 +13,12 @@ holds in its prefix cache (never the block of the last token, which P always com
 is shared, the run of the next ones its KV tiers hold (engine/kv_tiers.py) is loaded,
 host tier first, and the rest is computed. A loaded token costs a share of a computed
 one: `host_load_cost` and `disk_load_cost` (RouterConfig.kv_host_load_cost,
-kv_disk_load_cost). queued_tokens are the prompt tokens the router has sent to P and not
+kv_disk_load_cost). Where prefill workers pull KV (`pull_cost`), a longer run that
+another prefill worker's prefix cache holds is read from it instead, every block past
+P's own cache at `pull_cost` (its tiers' blocks too, as P then reads those as well):
+
+    cost(P) = uncached_prefill_tokens(prompt, peer) + pull_cost * (peer_run - P's run)
+              + load_weight * queued_tokens(P) queued_tokens are the prompt tokens the router has sent to P and not
 yet got a first token back for. Lowest cost wins; ties go to the less loaded, then to
 the first worker.
 
@@ -170,13 +175,13 @@ class PrefillRouter:
         best = None
         for i, (w, (pool, host, disk)) in enumerate(zip(workers, matched)):
             got = pool + host + disk
-            cost = (n - got * bs + (self.host_load_cost * host + self.disk_load_cost * disk) * bs
-                    + self.load_weight * w.total_queued_tokens)
+            loaded = (self.host_load_cost * host + self.disk_load_cost * disk) * bs
             if self.pull_cost is not None:
                 peer = max((m[0] for j, m in enumerate(matched) if j != i), default=0)
-                if peer > got:      # read the rest from the peer's cache (pull_peer)
-                    cost -= (peer - got) * bs * (1 - self.pull_cost)
-                    got = peer
+                if peer > got:      # P reads every block past its own cache from the
+                    # peer (pull_peer), its tiers' too (prefill_worker/scheduler.py)
+                    got, loaded = peer, self.pull_cost * (peer - pool) * bs
+            cost = n - got * bs + loaded + self.load_weight * w.total_queued_tokens
             key = (cost, w.total_queued_tokens, i)
             if best is None or key < best[0]:
                 best = (key, w, got * bs)

@@ -131,7 +131,22 @@ class OpenAIPenalties:
 def hf_greedy(model: str, prompt_ids: list[int], max_new_tokens: int,
               ignore_eos: bool = False, **kw) -> list[int]:
     """HF transformers greedy `generate` on the same weights (fp32, CPU): the oracle.
-    ``kw`` goes to `generate` (repetition_penalty=, logits_processor=, ...)."""
+    ``kw`` goes to `generate` (repetition_penalty=, logits_processor=, ...). Without
+    ``kw``, computed once per session for each (model, prompt, length, ignore_eos): a
+    module's tests over each KV transport ask for the same references."""
+    if not kw:
+        return list(_hf_greedy_once(model, tuple(prompt_ids), max_new_tokens, ignore_eos))
+    return _hf_greedy(model, prompt_ids, max_new_tokens, ignore_eos, **kw)
+
+
+@functools.cache
+def _hf_greedy_once(model: str, prompt_ids: tuple[int, ...], max_new_tokens: int,
+                    ignore_eos: bool) -> tuple[int, ...]:
+    return tuple(_hf_greedy(model, list(prompt_ids), max_new_tokens, ignore_eos))
+
+
+def _hf_greedy(model: str, prompt_ids: list[int], max_new_tokens: int,
+               ignore_eos: bool = False, **kw) -> list[int]:
     hf = _hf_model(str(resolve_model(model)))
     if ignore_eos:
         kw["min_new_tokens"] = max_new_tokens
@@ -189,7 +204,14 @@ def start_load_then_streams(loops: list, streams: list, log: list, streamed: dic
 
 
 def hf_greedy_logprobs(model: str, prompt_ids: list[int], max_new_tokens: int):
-    """HF greedy `generate` with each step's raw logits: (tokens, log_softmax [n, vocab])."""
+    """HF greedy `generate` with each step's raw logits: (tokens, log_softmax [n, vocab]),
+    computed once per session for each (model, prompt, length)."""
+    tokens, logprobs = _hf_greedy_logprobs(model, tuple(prompt_ids), max_new_tokens)
+    return list(tokens), logprobs.clone()
+
+
+@functools.cache
+def _hf_greedy_logprobs(model: str, prompt_ids: tuple[int, ...], max_new_tokens: int):
     hf = _hf_model(str(resolve_model(model)))
     with torch.inference_mode():
         out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,

@@ -29,6 +29,8 @@ def _bench_ttft(args) -> int:
 
 def _bench_tracing(args) -> int:
     from . import tracing
+    if args.peer:
+        return _bench_tracing_peer(args)
     runs = tracing.run(args.pairs, args.requests, args.concurrency, args.prompt_tokens,
                        args.max_tokens, args.temperature, args.model, args.transport)
     s = tracing.summary(runs)
@@ -36,6 +38,40 @@ def _bench_tracing(args) -> int:
           f"(pairs {', '.join(f'{r:.3f}' for r in s['ratios'])}); "
           f"{s['spans_per_request']:.1f} spans a request")
     write_json(args.json, lambda: tracing.as_json(runs, vars(args) | {"fn": None}))
+    return 0
+
+
+def _bench_tracing_peer(args) -> int:
+    import json
+    import time
+    from pathlib import Path
+
+    from . import tracing
+    from .servers import vllm_bin
+    if not Path(vllm_bin()).exists():
+        print(f"pdserve bench tracing: no vLLM client at {vllm_bin()} (make bench-vllm "
+              "builds .venv-vllm; $VLLM names another)", file=sys.stderr)
+        return 2
+    if args.before_bin and not Path(args.before_bin).is_file():
+        print(f"pdserve bench tracing: --before-bin {args.before_bin}: no such file",
+              file=sys.stderr)
+        return 2
+    temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    records = tracing.run_peer(args.pairs, args.num_prompts, args.output_len, temperatures,
+                               args.dtype, args.before_bin, args.model, args.out_dir,
+                               lambda line: print(line, flush=True))
+    s = tracing.peer_summary(records)
+    for cell, figures in s.items():
+        if cell != "spans_per_request":
+            print(cell + ": " + "; ".join(
+                f"{name.replace('_', ' / ')} median {f['median']:.3f} "
+                f"({f['min']:.3f}-{f['max']:.3f})" for name, f in figures.items()))
+    print(f"{s['spans_per_request']:.1f} spans a request")
+    out = Path(args.out_dir) / f"peer_{args.dtype}.json"
+    out.write_text(json.dumps({"config": vars(args) | {"fn": None},
+                               "date": time.strftime("%Y-%m-%d"), "summary": s,
+                               "sessions": [{k: v for k, v in r.items() if k != "runs"}
+                                            for r in records]}, indent=2))
     return 0
 
 
@@ -196,6 +232,18 @@ def add_bench_parser(sub) -> None:
     bt.add_argument("--prompt-tokens", type=int, default=120)
     bt.add_argument("--max-tokens", type=int, default=32)
     bt.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    bt.add_argument("--peer", action="store_true",
+                    help="on the peer harness instead: vLLM's client (`vllm bench serve`, "
+                         "ShareGPT) against `pdserve serve` processes, tracing off and on")
+    bt.add_argument("--before-bin", default=None,
+                    help="--peer: another build's `pdserve` executable as a third arm (the "
+                         "code before tracing: what tracing off costs)")
+    bt.add_argument("--num-prompts", type=int, default=64, help="--peer: each burst's")
+    bt.add_argument("--output-len", type=int, default=128, help="--peer: tokens a request")
+    bt.add_argument("--temperatures", default="0,1", help="--peer: one cell each")
+    bt.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="--peer")
+    bt.add_argument("--out-dir", default="bench/results/tracing/peer",
+                    help="--peer: logs, each run's result and peer_<dtype>.json")
     _add_common(bt)
     bt.set_defaults(fn=_bench_tracing)
     bl = bsub.add_parser("local-prefill", help="TTFT and running-stream ITL of prefilling on "

@@ -61,6 +61,8 @@ class PeerConfig:
                                       # killer ends in the first burst on a 24 GiB box)
     max_model_len: int = 2048
     pdserve_args: tuple[str, ...] = ()
+    pdserve_bin: str | None = None    # the `pdserve` that serves (another build's, to
+                                      # compare two); None: this environment's
     vllm: dict[str, VllmSetting] = field(default_factory=dict)   # dtype -> setting
     out_dir: str = "bench/results/peer"
     startup_timeout_s: float = 900.0

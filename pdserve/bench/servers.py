@@ -155,8 +155,8 @@ def start_vllm(cfg: PeerConfig, model_dir: str, dtype: str, setting: VllmSetting
 
 
 def start_pdserve(cfg: PeerConfig, model_dir: str, dtype: str, log: Path) -> Server:
-    cmd = [_venv_bin("pdserve"), "serve", "--model", model_dir, "--host", "127.0.0.1",
-           "--port", "0", "--metrics-port", "0", "--http-port", "0",
+    cmd = [cfg.pdserve_bin or _venv_bin("pdserve"), "serve", "--model", model_dir,
+           "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--http-port", "0",
            "--dtype", DTYPES[dtype], *cfg.pdserve_args]
     if cfg.kv == "equal":
         cmd += ["--kv-cache-memory-bytes", f"{int(cfg.kv_gib * 2**30)}"]

@@ -7,6 +7,14 @@ of the pairs' ratios with their spread.
 The load: `requests` prompts of `prompt_tokens` random tokens, `concurrency` in flight
 at once (a closed loop), each generating `max_tokens` tokens (ignore_eos), greedy or
 sampled; a warm-up round of `concurrency` requests first on each cluster.
+
+`run_peer` measures on the peer harness instead (`pdserve bench tracing --peer`): vLLM's
+own client (`vllm bench serve`: ShareGPT V3, a burst of `num_prompts` requests of
+`output_len` tokens, ignore_eos; peer.py's sessions, each a fresh `pdserve serve`
+warmed up, then every temperature on its own prompt sample) against tracing off, on
+(sampling 1.0), and, given `before_bin`, another build's `pdserve serve`: the code
+before tracing, to tell whether tracing off costs anything. The arms' order rotates
+each pair; each figure is the median of the pairs' ratios with their min and max.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import statistics
 import threading
 import time
 from concurrent import futures
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import grpc
 import torch
@@ -136,3 +144,69 @@ def summary(runs: list[TracingRun]) -> dict:
 
 def as_json(runs: list[TracingRun], config: dict) -> dict:
     return {"config": config, "runs": [asdict(r) for r in runs], "summary": summary(runs)}
+
+
+ARMS = ("off", "on", "before")
+
+
+def run_peer(pairs: int = 3, num_prompts: int = 64, output_len: int = 128,
+             temperatures: tuple[float, ...] = (0.0, 1.0), dtype: str = "fp32",
+             before_bin: str | None = None, model: str = "default",
+             out_dir: str = "bench/results/tracing/peer", progress=print) -> list[dict]:
+    """One record per (pair, arm): {"pair", "arm", "spans", "runs": {cell: vllm bench
+    serve's result}}; arms "off", "on" and, with `before_bin` (a `pdserve` executable of
+    another build), "before", in an order that rotates each pair. Logs and each run's
+    result under `out_dir`.
+
+    Raises:
+        RuntimeError: a server did not start, or vLLM's client failed.
+    """
+    from ..engine.loader import resolve_model
+    from .peer import PeerConfig, session
+    from .servers import sharegpt_json
+
+    model_dir = str(resolve_model(model))
+    sharegpt_json()
+    base = PeerConfig(model=model, num_prompts=num_prompts, output_len=output_len,
+                      dtypes=(dtype,), temperatures=temperatures, samples=1, pairs=pairs,
+                      out_dir=out_dir)
+    cells = [(t, base.seeds(i)[0]) for i, t in enumerate(temperatures)]
+    arms = ARMS if before_bin else ARMS[:2]
+    counter, records = SpanCounter(), []
+    configs = {"off": base, "before": replace(base, pdserve_bin=before_bin),
+               "on": replace(base, pdserve_args=("--otlp-traces-endpoint",
+                                                 f"127.0.0.1:{counter.port}"))}
+    try:
+        for pair in range(pairs):
+            order = arms[pair % len(arms):] + arms[:pair % len(arms)]
+            progress(f"pair {pair + 1}/{pairs}: {' then '.join(order)}")
+            for arm in order:
+                before = counter.count()
+                got = session(configs[arm], model_dir, "pdserve", dtype, f"pair{pair}_{arm}",
+                              cells, None, progress)
+                if arm == "on":
+                    time.sleep(6.0)          # the exporters' last batch (every 5 s)
+                records.append({"pair": pair, "arm": arm, "spans": counter.count() - before,
+                                **got})
+    finally:
+        counter.close()
+    return records
+
+
+def peer_summary(records: list[dict]) -> dict:
+    """Per temperature cell: output throughput on ÷ off and off ÷ before, each pair's,
+    with the median, min and max; spans per request of the traced runs."""
+    by = {(r["pair"], r["arm"]): r for r in records}
+    out: dict = {}
+    for cell in sorted(records[0]["runs"]):
+        for name, num, den in (("on_off", "on", "off"), ("off_before", "off", "before")):
+            rs = [by[p, num]["runs"][cell]["output_throughput"]
+                  / by[p, den]["runs"][cell]["output_throughput"]
+                  for p in sorted({r["pair"] for r in records}) if (p, den) in by]
+            if rs:
+                out.setdefault(cell, {})[name] = {"median": statistics.median(rs),
+                                                  "min": min(rs), "max": max(rs), "pairs": rs}
+    traced = [r for r in records if r["arm"] == "on"]
+    served = [sum(res["completed"] for res in r["runs"].values()) + 1 for r in traced]  # +warm-up
+    out["spans_per_request"] = statistics.median(r["spans"] / n for r, n in zip(traced, served))
+    return out

@@ -5,16 +5,19 @@ D cannot serve, one never answered, and one whose request is aborted each leave 
 request to compute (or end) once the receiver released its blocks; the cost model
 refuses a pull slower than computing. Another prefill worker holding more of the prefix
 than the decode worker is read from instead: it finds the blocks in its prefix cache by
-their hashes, and sends nothing when it lost any. No model: cache tensors stand in for
+their hashes (only those past P's own prefix cache), with the send both roles run
+(EngineActor._send_held_kv), and sends nothing when it lost any. No model: cache tensors stand in for
 the workers'. Every test ends with P's pool free and the receiver idle."""
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine_actor import EngineActor
 from pdserve.engine.request import RequestState
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
@@ -187,7 +190,8 @@ def test_the_cost_model_computes_when_reading_is_slower():
 class FakePeer(FakeD):
     """Another prefill worker's side of send_prompt_kv: its real PrefillScheduler, whose
     prefix cache holds PROMPT's full blocks (computed into D_KV's blocks), exports them
-    by hash and a real sender sends them; end_export gives them back."""
+    by hash, and EngineActor._send_held_kv (what both roles' send_prompt_kv run) sends
+    them with a real sender and gives them back (end_export)."""
 
     def __init__(self, kind):
         super().__init__(kind)
@@ -196,24 +200,20 @@ class FakePeer(FakeD):
         held = PrefillRequest("peer", list(PROMPT), SamplingParams(), ("127.0.0.1", 1), epoch=1)
         self.sched.add(held)
         finish(self.sched, held, self.sched.schedule())       # its 6 full blocks cached
+        self.actor = SimpleNamespace(worker_id="prefill-1", _pull_sender=lambda: self.sender,
+                                     runner=SimpleNamespace(config=SimpleNamespace(
+                                         num_layers=LAYERS)))
+        self.sent: list[int] = []
 
     def _send(self, order):
         blocks = self.sched.export(list(order.block_hashes))
-        addr, pid = order.kv_address, order.pull_id
-        if blocks is None:
-            self.sender.send_abort(addr, pid, order.epoch, "not held")
-            return
-        try:
-            for i in range(LAYERS):
-                self.sender.send_layers(addr, pid, order.epoch, i, i + 1, blocks)
-            self.sender.send_done(addr, pid, order.epoch, None, LAYERS)
-        finally:
-            self.sched.end_export(blocks)
+        self.sent.append(EngineActor._send_held_kv(self.actor, order, blocks,
+                                                   self.sched.end_export))
 
 
-def peer_pull(pull, peer, d_blocks=2):
+def peer_pull(pull, peer, d_blocks=2, first=0):
     """A request whose decode worker holds `d_blocks` leading blocks and `peer` all 6,
-    added and scheduled (its pull asked); returns it."""
+    P itself the first `first`, added and scheduled (its pull asked); returns it."""
     pool, sched, pulls, kind = pull
     pulls.ask = peer.ask
     req = request(d=object(), cached=d_blocks)
@@ -221,8 +221,8 @@ def peer_pull(pull, peer, d_blocks=2):
     sched.add(req)
     assert sched.schedule().requests == ()
     [order] = peer.orders
-    assert (order.first_block, order.num_blocks) == (0, 6)
-    assert list(order.block_hashes) == req.block_hashes[:6]
+    assert (order.first_block, order.num_blocks) == (first, 6 - first)
+    assert list(order.block_hashes) == req.block_hashes[first:6]
     return req
 
 
@@ -241,7 +241,34 @@ def test_a_prefix_another_prefill_worker_holds_is_read_from_it(pull):
             assert torch.equal(P_KV[:, :, mine], D_KV[:, :, block])
         peer.pool.free(theirs)
         finish(sched, req, out)
-        assert peer.pool.all_free()
+        assert peer.pool.all_free() and peer.sent == [6 * BLOCK_BYTES]
+    finally:
+        peer.close()
+
+
+def test_only_the_blocks_past_its_own_prefix_cache_are_read_from_another_worker(pull):
+    """P's prefix cache holds the prompt's first 2 blocks already: the peer is asked for
+    blocks 2-5 only, by their hashes, and P's first 2 stay its own."""
+    pool, sched, pulls, kind = pull
+    peer = FakePeer(kind)
+    try:
+        D_KV.normal_()
+        P_KV.zero_()
+        mine = PrefillRequest("mine", list(PROMPT[:2 * BS + 1]), SamplingParams(),
+                              ("127.0.0.1", 1), epoch=1)
+        sched.add(mine)
+        finish(sched, mine, sched.schedule())             # 2 full blocks cached, zeros
+        req = peer_pull(pull, peer, first=2)
+        out = until_rows(sched)
+        assert out.num_scheduled_tokens == (2,) and pulls.pulled_blocks == 4
+        assert sched.cached_tokens == 6 * BS
+        theirs = peer.pool.match_prefix(req.block_hashes[:6])
+        for i, (block, their) in enumerate(zip(req.block_table[:6], theirs)):
+            assert torch.equal(P_KV[:, :, block], D_KV[:, :, their] if i >= 2
+                               else torch.zeros_like(P_KV[:, :, block]))
+        peer.pool.free(theirs)
+        finish(sched, req, out)
+        assert peer.pool.all_free() and peer.sent == [4 * BLOCK_BYTES]
     finally:
         peer.close()
 
@@ -260,6 +287,6 @@ def test_a_peer_that_lost_a_block_sends_nothing_and_the_prompt_computes(pull):
             advance(sched, out)
             out = sched.schedule()
         finish(sched, req, out)
-        assert peer.pool.all_free() and peer.pool.num_cached == 5
+        assert peer.pool.all_free() and peer.pool.num_cached == 5 and peer.sent == [0]
     finally:
         peer.close()

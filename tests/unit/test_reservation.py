@@ -1,10 +1,10 @@
 """router/reservation.py Reservation: the load one attempt charges on the router's view
 of its workers, each part released exactly once: the prompt's tokens at the first
 token, the streams when the attempt ends (the `with`), and D's own choice of who
-prefills moving the prompt's charge."""
+prefills moving the prompt's charge; the placement's reasons as span attributes."""
 
 from pdserve.messages import DecodeReservation
-from pdserve.router.reservation import Reservation
+from pdserve.router.reservation import PlacementWhy, Reservation
 from pdserve.router.workers import Worker
 
 
@@ -54,3 +54,14 @@ def test_a_refused_reservation_takes_its_charge_back_and_frees_nothing():
     assert (d.queued_tokens, d.streams) == (40, 3)
     held.refused()
     assert (d.queued_tokens, d.streams, p.queued_tokens, room.freed_calls) == (0, 0, 0, 0)
+
+
+def test_placement_reasons_become_span_attributes_without_the_missing_ones():
+    local = PlacementWhy("kv_aware", 3, 120, True)
+    assert local.attributes() == {"pdserve.placement.routing_policy": "kv_aware",
+                                  "pdserve.placement.decode_streams": 3,
+                                  "pdserve.placement.decode_free_blocks": 120,
+                                  "pdserve.placement.prefill_on_decode": True}
+    remote = PlacementWhy("kv_aware", 3, 120, False, 64, 0)
+    assert remote.attributes()["pdserve.placement.prefix_hit_tokens"] == 64
+    assert remote.attributes()["pdserve.placement.prefill_queued_tokens"] == 0

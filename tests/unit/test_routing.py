@@ -99,7 +99,8 @@ def test_kv_aware_counts_tier_blocks_at_their_load_cost():
 def test_with_pulls_an_idle_worker_reads_a_busy_holders_prefix():
     """With pull_cost (kv_pull), a worker lacking the prefix counts the run another
     worker's cache holds at that cost: a busy holder's prompt goes to an idle worker,
-    which pull_peer tells where to read it; an idle holder keeps it."""
+    which pull_peer tells where to read it; an idle holder keeps it. A worker that
+    would read it counts its own tier blocks at that cost too (it reads them as well)."""
     r = PrefillRouter("kv_aware", BS, pull_cost=0.2)
     a, b = W("a"), W("b")
     prompt = list(range(300, 340)) + [1]             # 10 full blocks and 1 token
@@ -111,6 +112,16 @@ def test_with_pulls_an_idle_worker_reads_a_busy_holders_prefix():
     assert r.pull_peer([a, b], b, prompt) == (None, 0)         # b holds the most
     holding(r, "a", prompt[:40])
     assert r.pull_peer([a, b], a, prompt) == (None, 0)         # a holds as many
+    r.index.forget("a")
+    r.index.apply("a", CacheEvents(0, 0, tier_snapshot=[("disk", x) for x in
+                                                       block_hashes(prompt[:24], BS)]))
+    # a's disk tier holds 6 blocks, but a reads all 10 from b, those 6 too: a costs
+    # 1 + 0.2 * 40 = 9 (not 1 + 0.2 * 16 + 0 * 24 = 4.2); b costs 1 + its queue
+    b.total_queued_tokens = 6
+    assert r.index.matched("a", block_hashes(prompt[:40], BS)) == (0, 0, 6)
+    assert r.pick([a, b], prompt) == (b, 40)
+    b.total_queued_tokens = 8.5
+    assert r.pick([a, b], prompt) == (a, 40)
     plain = PrefillRouter("kv_aware", BS)            # no pulls: the holder, however busy
     holding(plain, "b", prompt[:40])
     b.total_queued_tokens = 35

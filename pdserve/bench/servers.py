@@ -69,7 +69,7 @@ class Server:
     `log`; stopped with SIGTERM to the group, then SIGKILL."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], log: Path, port: int | None,
-                 timeout_s: float):
+                 timeout_s: float, cwd: str | None = None):
         """`port` None: the server picks one and prints it in its ready line (pdserve
         serve --http-port 0), which closes the race of a port chosen free here and
         taken by another process (Ray's) before the server binds it."""
@@ -78,7 +78,7 @@ class Server:
         self._log = open(log, "w")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
         while not ((self.port is not None or self._find_port()) and self._healthy()):
             if self.proc.poll() is not None:
                 self.stop()
@@ -160,7 +160,10 @@ def start_pdserve(cfg: PeerConfig, model_dir: str, dtype: str, log: Path) -> Ser
            "--dtype", DTYPES[dtype], *cfg.pdserve_args]
     if cfg.kv == "equal":
         cmd += ["--kv-cache-memory-bytes", f"{int(cfg.kv_gib * 2**30)}"]
-    return Server(cmd, _env({}), log, None, cfg.startup_timeout_s)
+    # another build runs where this checkout's packages are not on its path (`serve`
+    # starts `python -m pdserve.cli` processes, which would import them from the cwd)
+    cwd = str(Path(cfg.pdserve_bin).resolve().parent) if cfg.pdserve_bin else None
+    return Server(cmd, _env({}), log, None, cfg.startup_timeout_s, cwd)
 
 
 def resolved_config(system: str, server: Server) -> dict:

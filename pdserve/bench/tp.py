@@ -119,7 +119,10 @@ def _rank(rank: int, size: int, port: int, cfg: dict, out) -> None:
     if rank > 0:
         follow(runner, tp)
         dist.destroy_process_group()
-        return
+        # nothing left to flush; torch's teardown at this spawned process's exit aborts
+        # ("terminate called without an active exception") unless torch._dynamo was
+        # imported, which loading the model no longer does
+        os._exit(0)
     rng = random.Random(0)
     ids = list(range(num_blocks))
     rng.shuffle(ids)

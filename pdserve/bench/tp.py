@@ -119,10 +119,7 @@ def _rank(rank: int, size: int, port: int, cfg: dict, out) -> None:
     if rank > 0:
         follow(runner, tp)
         dist.destroy_process_group()
-        # nothing left to flush; torch's teardown at this spawned process's exit aborts
-        # ("terminate called without an active exception") unless torch._dynamo was
-        # imported, which loading the model no longer does
-        os._exit(0)
+        return
     rng = random.Random(0)
     ids = list(range(num_blocks))
     rng.shuffle(ids)

@@ -124,11 +124,20 @@ class Grammars:
         return cls(AutoTokenizer.from_pretrained(model_dir), vocab_size)
 
     def compile(self, so: StructuredOutput) -> Any:
-        """The compiled grammar (seconds of one core for a large schema). Raises
-        ValueError naming what xgrammar refused."""
-        g = grammar(so)
+        """The compiled grammar (seconds of one core for a large schema; a repeat is
+        a cache lookup by its text). Raises ValueError naming what xgrammar refused."""
+        c = self._compiler
+
+        def build() -> Any:
+            if so.kind in ("json", "json_object"):   # compact: no free whitespace
+                return c.compile_json_schema(so.spec or '{"type": "object"}',
+                                             any_whitespace=False, strict_mode=True)
+            if so.kind == "regex":
+                return c.compile_regex(so.spec)
+            return c.compile_grammar(_choice_grammar(so.spec) if so.kind == "choice"
+                                     else so.spec)
         with self._lock:
-            return _refusing(so, lambda: self._compiler.compile_grammar(g))
+            return _refusing(so, build)
 
     def matcher(self, so: StructuredOutput, accepted: list[int], compiled: Any = None) -> Any:
         """A GrammarMatcher that has accepted ``accepted`` (the tokens generated so far),

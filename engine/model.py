@@ -255,7 +255,11 @@ class DecoderLayer(nn.Module):
 class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size // tp.size, cfg.hidden_size)
+        # the weight given: no random init (under the loader's meta device, nn.init's
+        # normal_ would import torch._dynamo, ~1 s of a worker's start)
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size // tp.size, cfg.hidden_size,
+            _weight=torch.empty(cfg.vocab_size // tp.size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

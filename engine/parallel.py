@@ -23,8 +23,10 @@ lazy slices in model_runner.load_model), never the whole of it.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -147,3 +149,24 @@ def kv_head_range(num_kv_heads: int, size: int, rank: int) -> range:
 
 
 SINGLE = TensorParallel()
+
+
+def exit_process(code: int = 0) -> NoReturn:
+    """End a process that has left its gloo group (after `destroy_process_group`)
+    without the interpreter's normal exit: stdout and stderr are flushed, then
+    `os._exit(code)`; atexit handlers do not run.
+
+    Why: a gloo worker thread drops its last reference to a finished collective's
+    tensors after the collective's waiter has returned, and that decref needs the GIL.
+    Destroying the group does not join those threads, and a thread that asks for the GIL
+    while CPython 3.11 finalizes is ended by `pthread_exit` inside a noexcept
+    destructor: std::terminate, SIGABRT ("terminate called without an active
+    exception"). A rank pinned to one CPU hits it whenever its main thread reaches
+    finalization before that thread is scheduled. Ray actor ranks are killed, never
+    exited, so only processes that end on their own (spawned ranks) need this."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):   # closed or replaced streams
+            pass
+    os._exit(code)

@@ -84,7 +84,7 @@ def _rank(rank: int, size: int, port: int, cfg: dict, out) -> None:
 
     from pdserve.engine.config import CacheConfig
     from pdserve.engine.model_runner import DecodeSeq, ModelRunner, PrefillSeq
-    from pdserve.engine.parallel import TensorParallel
+    from pdserve.engine.parallel import TensorParallel, exit_process
     from pdserve.engine.tp_executor import TPLeader, follow
 
     cuda = cfg["device"] == "cuda"
@@ -119,7 +119,7 @@ def _rank(rank: int, size: int, port: int, cfg: dict, out) -> None:
     if rank > 0:
         follow(runner, tp)
         dist.destroy_process_group()
-        return
+        exit_process(0)
     rng = random.Random(0)
     ids = list(range(num_blocks))
     rng.shuffle(ids)
@@ -136,6 +136,7 @@ def _rank(rank: int, size: int, port: int, cfg: dict, out) -> None:
                    runner.config.num_layers))
     if size > 1:
         dist.destroy_process_group()
+        exit_process(0)
 
 
 def _free_port() -> int:

@@ -32,7 +32,7 @@ from test_fidelity import _engine_generate, _make_pool  # noqa: E402
 
 from pdserve.engine.config import CacheConfig  # noqa: E402
 from pdserve.engine.model_runner import DecodeSeq, ModelRunner, PrefillSeq  # noqa: E402
-from pdserve.engine.parallel import TensorParallel  # noqa: E402
+from pdserve.engine.parallel import TensorParallel, exit_process  # noqa: E402
 from pdserve.engine.tp_executor import TPLeader, follow  # noqa: E402
 
 
@@ -84,3 +84,4 @@ def _other_calls(leader, prompts, tokens) -> dict:
 if __name__ == "__main__":
     r, n, init, model, io, new = sys.argv[1:]
     main(int(r), int(n), init, model, io, int(new))
+    exit_process(0)     # not the interpreter's exit: see exit_process

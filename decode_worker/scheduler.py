@@ -75,7 +75,7 @@ class DecodeScheduler:
                  enable_prefix_caching: bool = False, local_prefill_max_tokens: int = 0,
                  prefill_chunk_size: int | None = None,
                  schedule_policy: str | SchedulePolicy = SchedulePolicy.FCFS,
-                 tiers: KVTiers | None = None):
+                 tiers: KVTiers | None = None, on_loaded: Callable[[], None] | None = None):
         """connector: the KV receiver's side (decode_worker/connector.py) that fills the
         blocks of requests prefilled elsewhere; their blocks go back to the pool only
         once it reports them released (update_from_connector). None (tests, a
@@ -92,11 +92,14 @@ class DecodeScheduler:
         once cached, and a request loads the tiers' hit past the pool's at reserve: a
         local prefill computes the rest (the hit counts as cached for
         local_prefill_max_tokens), a prefill worker fills the rest (prompt_cache.py).
+        on_loaded: called from schedule() (step thread, lock held) when tier loads
+        finished: reserve()'s callers waiting on reserved() look again.
 
         Raises:
             ValueError: an unknown schedule_policy."""
         self.pool, self.block_size, self.max_model_len = pool, block_size, max_model_len
         self.prompt_cache = PromptCache(pool, block_size, enable_prefix_caching, tiers)
+        self._on_loaded = on_loaded
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.prefill_chunk_size = prefill_chunk_size
         self._budget_waits = 0      # steps in a row a TPOT budget left the prefills out
@@ -299,8 +302,10 @@ class DecodeScheduler:
             if self._release_next:
                 self.pool.free(self._release_next)
                 self._release_next = []
-            self._arrived += [r.request_id for r in self.prompt_cache.loaded()
-                              if not r.remote_kv]
+            loaded = self.prompt_cache.loaded()
+            self._arrived += [r.request_id for r in loaded if not r.remote_kv]
+            if loaded and self._on_loaded is not None:
+                self._on_loaded()
             for rid in self._arrived:           # first: an arrived request has no lease
                 req = self._requests.get(rid)
                 if (req is not None and req.abort_reason is None and req.state in

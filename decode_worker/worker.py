@@ -65,7 +65,8 @@ class StaleEpochError(RuntimeError):
 
 _IDLE_WAIT_S = 0.05   # step thread's wake-up period when idle (lease checks, shutdown)
 _RANK_POLL_S = 0.005  # ... while a tensor-parallel rank's KV may be arriving
-_LOAD_POLL_S = 0.001  # reserve(): how often it looks whether a tier load finished
+_LOAD_RECHECK_S = 0.05  # reserve(): looks again this often while a tier loads, woken
+                       # at once when loads finish (an abort meanwhile is seen by then)
 
 
 class DecodeWorker(EngineActor):
@@ -95,7 +96,9 @@ class DecodeWorker(EngineActor):
             enable_prefix_caching=config.enable_prefix_caching,
             local_prefill_max_tokens=config.local_prefill_max_tokens,
             prefill_chunk_size=config.prefill_chunk_size,
-            schedule_policy=config.schedule_policy, tiers=self.tiers)
+            schedule_policy=config.schedule_policy, tiers=self.tiers,
+            on_loaded=self._tier_loads_done)
+        self._loaded = asyncio.Event()   # set (then replaced) when tier loads finished
         self._outbox = EventOutbox()                 # events not yet streamed, per router
         # threads of idle prefill workers on this node, borrowed step by step (core_share)
         lent = None
@@ -188,7 +191,11 @@ class DecodeWorker(EngineActor):
             logger.debug("reserve %s refused: %s", request_id, e)
             return None
         while r is not None and r.loading:   # a tier loads blocks P then need not send
-            await asyncio.sleep(_LOAD_POLL_S)
+            loaded = self._loaded                # replaced once set: no wake is missed
+            try:
+                await asyncio.wait_for(loaded.wait(), _LOAD_RECHECK_S)
+            except TimeoutError:
+                pass
             r = self.scheduler.reserved(request_id)
         if r is None:                         # aborted meanwhile
             return None
@@ -199,6 +206,16 @@ class DecodeWorker(EngineActor):
         return DecodeReservation(tuple(self.kv_address), self.epoch, len(r.block_ids),
                                  r.num_cached_blocks, r.local_prefill, self.pool.num_free,
                                  self.kv_rank_addresses, sum(self.scheduler.counts()))
+
+    def _tier_loads_done(self) -> None:
+        """Step thread (DecodeScheduler.schedule): tier loads finished; reserve() calls
+        waiting on them look again, on the event loop."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake_reserves)
+
+    def _wake_reserves(self) -> None:
+        self._loaded.set()
+        self._loaded = asyncio.Event()
 
     async def send_prompt_kv(self, order: KVPullOrder) -> int:
         """Send a prefill worker the K/V of prompt blocks D holds for request

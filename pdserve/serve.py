@@ -255,7 +255,7 @@ def add_serve_parser(sub) -> None:
                    help="kv_aware: the same for its disk KV tier (default 0.05)")
     s.add_argument("--kv-pull-load-cost", type=float, default=None, metavar="F",
                    help="kv_aware with --kv-pull: the same for a token read from another "
-                        "prefill worker's prefix cache (default 0.15)")
+                        "prefill worker's prefix cache or tiers (default 0.15)")
     s.add_argument("--otlp-traces-endpoint", default=None, metavar="HOST:PORT",
                    help="export an OpenTelemetry trace of each request to this OTLP "
                         "collector (gRPC; $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf "

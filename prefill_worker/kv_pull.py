@@ -19,12 +19,13 @@ and P reads those past its own cache's hit over the KV transport, D to P:
        cache and count as computed; P computes the rest and sends D only blocks c on
 
 A prefix D lacks (its pool evicted it, or the turn went to another decode worker) may
-still be in another prefill worker's prefix cache: the router's mirror of every prefill
-worker's cache names the one holding the most (PrefillOrder.kv_peer, peer_blocks), and
-P reads from that worker instead when it holds more than D does. The peer finds the
-blocks by their hashes (KVPullOrder.block_hashes, PrefillScheduler.export) and sends
-them as D would; it sends nothing (and P computes them) when its cache has lost any of
-them since the router's last look.
+still be in another prefill worker's prefix cache or tiers: the router's mirror of every
+prefill worker's cache and tiers names the one holding the most (PrefillOrder.kv_peer,
+peer_blocks), and P reads from that worker instead when it holds more than D does. The
+peer finds the blocks by their hashes (KVPullOrder.block_hashes,
+PrefillScheduler.export), loads those only its tiers hold into its pool, and sends them
+as D would; it sends nothing (and P computes them) when it has lost any of them since
+the router's last look.
 
 A failed, refused (D no longer holds the blocks, or died) or overdue pull, or one whose
 request was aborted, is forgotten on the receiver; once the receiver reports the blocks released (no write can touch them) the

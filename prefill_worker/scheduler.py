@@ -27,9 +27,12 @@ No model and no sockets here: the worker (worker.py) drives it.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 from ..engine.block_pool import (BlockHash, BlockPool, block_hashes, blocks_needed,
                                  match_prompt_prefix)
@@ -40,6 +43,17 @@ from ..engine.schedule_policy import SchedulePolicy, chunk_tokens, prefill_order
 from ..engine.tier_loads import TierLoads
 from .kv_pull import KVPulls
 from .requests import FinishCause, PrefillRequest, fail
+
+
+@dataclass(slots=True)
+class _Export:
+    """Blocks another prefill worker reads (export): `block_hashes`' blocks, the tail of
+    `block_table` being loaded from the tiers (TierLoads takes it as a request)."""
+
+    request_id: str
+    block_table: list[int]
+    block_hashes: list[BlockHash]
+    blocks: Future
 
 
 class PrefillScheduler:
@@ -78,6 +92,7 @@ class PrefillScheduler:
         self._lock = threading.Lock()
         self._waiting: deque[PrefillRequest] = deque()
         self._active: dict[str, PrefillRequest] = {}
+        self._export_ids = itertools.count()
 
     def add(self, req: PrefillRequest) -> None:
         """Queue a request.
@@ -188,21 +203,47 @@ class PrefillScheduler:
         done = [*(self.loads.finished() if self.loads is not None else ()),
                 *(self.pulls.finished() if self.pulls is not None else ())]
         for req, num_blocks in done:
+            if isinstance(req, _Export):
+                self._exported(req, num_blocks)
+                continue
             self.cached_tokens += num_blocks * self.block_size - req.num_cached
             req.num_computed_tokens = req.num_cached = num_blocks * self.block_size
             (self._dropped if req.finish is not None else self._partial).append(req)
 
-    def export(self, hashes: list[BlockHash]) -> list[int] | None:
-        """The prefix-cache blocks of `hashes` (chained block hashes of a prompt's full
-        blocks), for another prefill worker to read (kv_pull.py); each held once more
-        until end_export(). None, nothing held, when the cache lacks any of them. Under
-        the lock, so a schedule() counting free blocks is not raced."""
+    def export(self, hashes: list[BlockHash]) -> Future:
+        """The blocks holding `hashes` (chained block hashes of a prompt's full blocks),
+        for another prefill worker to read (kv_pull.py): a Future of the block ids, each
+        held once more until end_export(), or of None (nothing held) when this worker
+        lacks any of them. Resolved at once when the prefix cache holds them all. When
+        it holds a leading run and the KV tiers hold the rest, blocks are taken for the
+        rest and the tiers thread loads them (engine/tier_loads.py); the step thread's
+        next schedule() after the load resolves it, the loaded blocks then in the prefix
+        cache (None when an entry was missing or damaged by then). Under the lock, so a
+        schedule() counting free blocks is not raced."""
+        out: Future = Future()
         with self._lock:
             blocks = self.pool.match_prefix(hashes)
-            if len(blocks) == len(hashes):
-                return blocks
-            self.pool.free(blocks)
-            return None
+            rest = len(hashes) - len(blocks)
+            if not rest:
+                out.set_result(blocks)
+            elif (self.loads is not None and self.loads.tiers.lookup(hashes[len(blocks):])
+                  == rest and self.pool.num_free >= rest):
+                export = _Export(f"export-{next(self._export_ids)}",
+                                 blocks + self.pool.allocate(rest), list(hashes), out)
+                self.loads.start(export, len(blocks), rest)
+            else:
+                self.pool.free(blocks)
+                out.set_result(None)
+        return out
+
+    def _exported(self, export: _Export, num_blocks: int) -> None:
+        """An export's tier load finished (lock held) with `num_blocks` leading blocks
+        holding K/V: the blocks go to the reader, or back when any is missing."""
+        if num_blocks == len(export.block_hashes):
+            export.blocks.set_result(export.block_table)
+        else:
+            self.pool.free(export.block_table)
+            export.blocks.set_result(None)
 
     def end_export(self, blocks: list[int]) -> None:
         """An export's blocks were sent (or failed): their holds go back."""

@@ -236,11 +236,12 @@ class PrefillWorker(EngineActor):
 
     async def send_prompt_kv(self, order: KVPullOrder) -> int:
         """Send another prefill worker the K/V of the prompt blocks `order.block_hashes`
-        this worker holds in its prefix cache (PrefillScheduler.export), every layer,
-        into its pull receiver, then DONE with no token (kv_pull.py). Returns the
-        payload bytes sent; 0 when the cache lacks any of them or the send failed (the
+        this worker holds in its prefix cache, or in its KV tiers past a leading run
+        its cache holds (loaded into its pool first: PrefillScheduler.export), every
+        layer, into its pull receiver, then DONE with no token (kv_pull.py). Returns the
+        payload bytes sent; 0 when this worker lacks any of them or the send failed (the
         puller then computes them)."""
-        blocks = self.scheduler.export(list(order.block_hashes))
+        blocks = await asyncio.wrap_future(self.scheduler.export(list(order.block_hashes)))
         return await asyncio.to_thread(self._send_held_kv, order, blocks, self._end_export)
 
     def _end_export(self, blocks: list[int]) -> None:

@@ -14,11 +14,15 @@ is shared, the run of the next ones its KV tiers hold (engine/kv_tiers.py) is lo
 host tier first, and the rest is computed. A loaded token costs a share of a computed
 one: `host_load_cost` and `disk_load_cost` (RouterConfig.kv_host_load_cost,
 kv_disk_load_cost). Where prefill workers pull KV (`pull_cost`), a longer run that
-another prefill worker's prefix cache holds is read from it instead, every block past
-P's own cache at `pull_cost` (its tiers' blocks too, as P then reads those as well):
+another prefill worker's prefix cache and tiers hold is read from it instead, every
+block past P's own cache at `pull_cost` (its tiers' blocks too, as P then reads those as
+well), the peer's tier blocks also at their load cost (the peer loads them to send):
 
     cost(P) = uncached_prefill_tokens(prompt, peer) + pull_cost * (peer_run - P's run)
-              + load_weight * queued_tokens(P) queued_tokens are the prompt tokens the router has sent to P and not
+              + host_load_cost * peer_host_tokens + disk_load_cost * peer_disk_tokens
+              + load_weight * queued_tokens(P)
+
+queued_tokens are the prompt tokens the router has sent to P and not
 yet got a first token back for. Lowest cost wins; ties go to the less loaded, then to
 the first worker.
 
@@ -124,7 +128,7 @@ class PrefillRouter:
 
     load_weight, host_load_cost, disk_load_cost: the cost model's weights (module
     docstring), in computed prompt tokens per queued or loaded token. pull_cost: the
-    same for a token read from another prefill worker's prefix cache, when prefill
+    same for a token read from another prefill worker's prefix cache or tiers, when prefill
     workers pull KV (WorkerConfig.kv_pull; pull_peer); None when they do not.
 
     Raises:
@@ -177,10 +181,14 @@ class PrefillRouter:
             got = pool + host + disk
             loaded = (self.host_load_cost * host + self.disk_load_cost * disk) * bs
             if self.pull_cost is not None:
-                peer = max((m[0] for j, m in enumerate(matched) if j != i), default=0)
-                if peer > got:      # P reads every block past its own cache from the
-                    # peer (pull_peer), its tiers' too (prefill_worker/scheduler.py)
-                    got, loaded = peer, self.pull_cost * (peer - pool) * bs
+                peer = max((m for j, m in enumerate(matched) if j != i), key=sum,
+                           default=(0, 0, 0))
+                if sum(peer) > got:  # P reads every block past its own cache from the
+                    # peer (pull_peer), its tiers' too (prefill_worker/scheduler.py);
+                    # the peer loads those its tiers hold first
+                    got = sum(peer)
+                    loaded = (self.pull_cost * (got - pool) + self.host_load_cost * peer[1]
+                              + self.disk_load_cost * peer[2]) * bs
             cost = n - got * bs + loaded + self.load_weight * w.total_queued_tokens
             key = (cost, w.total_queued_tokens, i)
             if best is None or key < best[0]:
@@ -189,15 +197,16 @@ class PrefillRouter:
 
     def pull_peer(self, workers: Sequence[PrefillTarget], chosen: PrefillTarget,
                   token_ids: Sequence[int]) -> tuple[PrefillTarget | None, int]:
-        """(the worker of `workers`, other than `chosen`, whose prefix cache holds the
-        longest run of the prompt's leading full blocks (never its last token's), that
-        run in blocks) when the run is longer than what `chosen` holds in its cache and
-        tiers; else (None, 0). `chosen` may read those blocks from it (kv_pull), as
-        PrefillOrder.kv_peer and peer_blocks. From the mirror, so a guess: the peer
-        sends nothing when its cache lost any of them since."""
+        """(the worker of `workers`, other than `chosen`, whose prefix cache and KV tiers
+        hold the longest run of the prompt's leading full blocks (never its last
+        token's), that run in blocks) when the run is longer than what `chosen` holds in
+        its cache and tiers; else (None, 0). `chosen` may read those blocks from it
+        (kv_pull), as PrefillOrder.kv_peer and peer_blocks; the peer loads the run's
+        tier blocks into its pool first. From the mirror, so a guess: the peer sends
+        nothing when it lost any of them since."""
         hashes = self._hashes(token_ids)
         best, run = None, sum(self.index.matched(chosen.worker_id, hashes))
         for w in workers:
-            if w is not chosen and (n := self.index.matched_blocks(w.worker_id, hashes)) > run:
+            if w is not chosen and (n := sum(self.index.matched(w.worker_id, hashes))) > run:
                 best, run = w, n
         return (best, run) if best is not None else (None, 0)

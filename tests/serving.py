@@ -37,9 +37,11 @@ class Served:
     """A running cluster with a client; `stop()` checks every KV pool is free first."""
 
     def __init__(self, model: str = "default", client_kw: dict | None = None,
-                 num_routers: int = 1, **kw):
+                 num_routers: int = 1, decode_kw: dict | None = None, **kw):
         """`client_kw` goes to the Client (TLS files, api_key of a secured cluster);
-        `num_routers` to ClusterConfig; the rest of the keywords to ClusterConfig.local."""
+        `num_routers` to ClusterConfig; `decode_kw` overrides the decode workers'
+        WorkerConfig fields (ClusterConfig.local gives both roles the same); the rest of
+        the keywords to ClusterConfig.local."""
         kw.setdefault("prefill_blocks", 256)
         kw.setdefault("decode_blocks", 256)
         # Tests follow the prefill worker's path (its transfers, its faults) unless they
@@ -47,8 +49,9 @@ class Served:
         # local_prefill_when_prefill_idle, on for `pdserve serve`; tested in
         # tests/e2e/test_serve_local_prefill.py and by the CLI tests).
         kw["router_kw"] = {"local_prefill_when_prefill_idle": False} | (kw.get("router_kw") or {})
-        self.cluster = Cluster(replace(ClusterConfig.local(model, port=0, **kw),
-                                       num_routers=num_routers))
+        config = ClusterConfig.local(model, port=0, **kw)
+        self.cluster = Cluster(replace(config, num_routers=num_routers,
+                                       decode=replace(config.decode, **(decode_kw or {}))))
         self.port = self.cluster.start()
         self.address = f"127.0.0.1:{self.port}"
         # the OpenAI-compatible HTTP API's base URL, with router_kw={"http_port": 0}

@@ -5,10 +5,10 @@ host tier and the disk tier instead of being computed; the disk tier serves hits
 entry is dropped and its tokens computed; the router's KV-aware routing sees which tier
 holds which prefix, across the restart. On the decode worker, a history its pool
 evicted loads back from its own host tier for a local prefill of the next turn; with
-kv_pull, a next turn on the prefill worker reads the history from the decode worker
-instead of computing it. Every
-answer is HF's greedy one, and every pool is free at the end (each block a store held
-given back)."""
+kv_pull, a next turn on the prefill worker reads the history from the decode worker,
+or over NIXL from the prefill worker whose host tier holds it, instead of computing it.
+Every answer is HF's greedy one, and every pool is free at the end (each block a store
+held given back)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ import ray
 from serving import Served, hf_greedy, start_ray
 
 pytestmark = pytest.mark.slow
+NIXL = pytest.mark.skipif(
+    __import__("pdserve.kv_transfer.nixl", fromlist=["x"]).find_module() is None,
+    reason="NIXL (nixl-cu12) not installed")
 
 BLOCK = 16
 FULL_BLOCKS = 8                    # per prompt, and 3 tokens in a ninth
@@ -187,14 +190,18 @@ def test_a_next_turn_prefilled_on_p_reads_the_history_from_the_decode_worker():
         served.stop()
 
 
+@NIXL
 def test_a_next_turn_reads_the_history_from_the_prefill_worker_that_computed_it():
-    """kv_pull across prefill workers, placed round robin: the history is computed on
-    P0; two other prompts (P1, then P0) push it out of D's pool (20 blocks), not out of
-    P0's. The next turn goes to P1, which lacks it, as does D: the router names P0 as
-    the holder (its mirror of P0's cache), P1 reads the 8 blocks from P0 and computes
-    the 10 new tokens only, then sends D every block."""
+    """kv_pull across prefill workers over NIXL, placed round robin: the history is
+    computed on P0 and stored to its host tier; four other prompts (P1, P0, P1, P0) push
+    it out of D's pool (20 blocks, no tier) and its first blocks out of P0's (20
+    blocks). The next turn goes to P1, which lacks it, as does D: the router names P0
+    as the holder (its mirror of P0's host tier), P0 loads the 8 blocks from its host
+    tier and sends them, P1 computes the 10 new tokens only, then sends D every block."""
     start_ray()
-    served = Served(prefill_workers=2, decode_blocks=20, kv_pull=True,
+    served = Served(prefill_workers=2, prefill_blocks=20, decode_blocks=20, kv_pull=True,
+                    transport="nixl", kv_host_cache_gib=32 * BLOCK_BYTES / GIB,
+                    decode_kw={"kv_host_cache_gib": 0.0},
                     router_kw={"routing_policy": "round_robin"})
     history, turn = prompt(0), next_turn(0)
     want = hf_greedy("default", turn, MAX_TOKENS)
@@ -203,9 +210,9 @@ def test_a_next_turn_reads_the_history_from_the_prefill_worker_that_computed_it(
         return ray.get([p.status.remote() for p in served.cluster.prefill], timeout=30)
 
     try:
-        for p in (history, prompt(1), prompt(2)):
+        for p in (history, prompt(1), prompt(2), prompt(3), prompt(4)):
             greedy(served, p)
-        router_sees(served, history, (FULL_BLOCKS, 0, 0), worker=0)
+        router_sees(served, history, (0, FULL_BLOCKS, 0), worker=0)
         before = status()
         assert greedy(served, turn) == want
         p0, p1 = status()
@@ -213,6 +220,8 @@ def test_a_next_turn_reads_the_history_from_the_prefill_worker_that_computed_it(
         assert p1.prefill_tokens_computed - before[1].prefill_tokens_computed == 10, p1
         assert p0.kv_pulled_blocks == 0 and p0.prefill_tokens_computed == \
             before[0].prefill_tokens_computed, p0
+        assert p0.kv_tier_host_hit_blocks - before[0].kv_tier_host_hit_blocks == \
+            FULL_BLOCKS, p0
         # D held none of the turn (every block sent it): the 8 came from P0
         assert p1.kv_bytes_sent - before[1].kv_bytes_sent == (FULL_BLOCKS + 1) * BLOCK_BYTES
     finally:

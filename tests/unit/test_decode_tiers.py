@@ -25,11 +25,12 @@ BLOCK_BYTES = 2 * 2 * 1 * BS * 8 * 4
 HISTORY = list(range(100, 100 + 6 * BS + 1))       # 6 full blocks and 1 token
 
 
-def make(local=8):
+def make(local=8, on_loaded=None):
     pool = BlockPool(POOL)
     tiers = KVTiers(pool, KV, fingerprint("m", KV), 32 * BLOCK_BYTES / (1 << 30))
     return pool, tiers, DecodeScheduler(pool, BS, 128, (EOS,), enable_prefix_caching=True,
-                                        local_prefill_max_tokens=local, tiers=tiers)
+                                        local_prefill_max_tokens=local, tiers=tiers,
+                                        on_loaded=on_loaded)
 
 
 def evict_history(sched, tiers):
@@ -110,13 +111,19 @@ def wait_loaded(sched, rid):
 
 
 def test_a_prompt_prefilled_elsewhere_loads_the_tier_hit_before_the_answer():
-    pool, tiers, sched = make(local=0)
+    """...and the schedule() that sees the load done calls on_loaded (the worker's
+    reserve() waits on it)."""
+    woken = []                                 # under the scheduler's lock: no reserved()
+    pool, tiers, sched = make(local=0, on_loaded=lambda: woken.append(
+        sched.prompt_cache.loading(sched._requests["t2"])))
     try:
         KV.normal_()
         evict_history(sched, tiers)
+        assert woken == []                     # the history's own blocks loaded nothing
         r = reserve(sched, "t2", HISTORY[:6 * BS] + [9, 9])
         assert not r.local_prefill and r.loading and r.block_ids == []
         r = wait_loaded(sched, "t2")
+        assert woken == [False]                # once, with the load done
         assert r.num_cached_blocks == 6 and len(r.block_ids) == 1   # P fills the tail only
         req = sched._requests["t2"]
         assert req.state == RequestState.WAITING_FOR_REMOTE_KV

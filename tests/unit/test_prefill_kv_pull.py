@@ -5,7 +5,8 @@ D cannot serve, one never answered, and one whose request is aborted each leave 
 request to compute (or end) once the receiver released its blocks; the cost model
 refuses a pull slower than computing. Another prefill worker holding more of the prefix
 than the decode worker is read from instead: it finds the blocks in its prefix cache by
-their hashes (only those past P's own prefix cache), with the send both roles run
+their hashes (only those past P's own prefix cache), loads those its pool evicted from
+its host tier first, sends them with the send both roles run
 (EngineActor._send_held_kv), and sends nothing when it lost any. No model: cache tensors stand in for
 the workers'. Every test ends with P's pool free and the receiver idle."""
 
@@ -16,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.block_pool import BlockPool, block_hashes
+from pdserve.engine.kv_tiers import KVTiers, fingerprint
 from pdserve.engine_actor import EngineActor
 from pdserve.engine.request import RequestState
 from pdserve.engine.sampling_params import SamplingParams
@@ -26,6 +28,7 @@ from pdserve.prefill_worker.kv_pull import KVPulls, PullCost
 from pdserve.prefill_worker.requests import PrefillRequest
 from pdserve.prefill_worker.scheduler import PrefillScheduler
 from test_prefill_chunks import advance
+from test_prefill_tiers import settle
 
 BS, POOL, LAYERS, MODEL = 4, 16, 3, "pull-test"
 P_KV = torch.zeros(LAYERS, 2, POOL, 1, BS, 8)
@@ -65,9 +68,14 @@ class FakeD:
             self.sender.send_layers(addr, pid, order.epoch, i, i + 1, blocks)
         self.sender.send_done(addr, pid, order.epoch, None, LAYERS)
 
-    def close(self):
+    def join(self):
+        """Every send returned (its blocks given back)."""
         for t in self.threads:
             t.join(5)
+            assert not t.is_alive(), "a send never returned"
+
+    def close(self):
+        self.join()
         self.sender.close()
 
 
@@ -191,24 +199,42 @@ class FakePeer(FakeD):
     """Another prefill worker's side of send_prompt_kv: its real PrefillScheduler, whose
     prefix cache holds PROMPT's full blocks (computed into D_KV's blocks), exports them
     by hash, and EngineActor._send_held_kv (what both roles' send_prompt_kv run) sends
-    them with a real sender and gives them back (end_export)."""
+    them with a real sender and gives them back (end_export). With `tiers`, a host tier
+    under its pool holds them too (stored as they were cached); the test's thread runs
+    the peer's schedule() as its step thread would, until an export's load is done."""
 
-    def __init__(self, kind):
+    def __init__(self, kind, tiers=False):
         super().__init__(kind)
         self.pool = BlockPool(32)
-        self.sched = PrefillScheduler(self.pool, BS, 64)
+        self.tiers = (KVTiers(self.pool, D_KV, fingerprint("m", D_KV),
+                              32 * BLOCK_BYTES / (1 << 30)) if tiers else None)
+        self.sched = PrefillScheduler(self.pool, BS, 64, tiers=self.tiers)
         held = PrefillRequest("peer", list(PROMPT), SamplingParams(), ("127.0.0.1", 1), epoch=1)
         self.sched.add(held)
         finish(self.sched, held, self.sched.schedule())       # its 6 full blocks cached
+        if self.tiers is not None:
+            settle(self.tiers)
+            assert self.tiers.stats.stored_host == 6
         self.actor = SimpleNamespace(worker_id="prefill-1", _pull_sender=lambda: self.sender,
                                      runner=SimpleNamespace(config=SimpleNamespace(
                                          num_layers=LAYERS)))
         self.sent: list[int] = []
 
     def _send(self, order):
-        blocks = self.sched.export(list(order.block_hashes))
-        self.sent.append(EngineActor._send_held_kv(self.actor, order, blocks,
+        exported = self.sched.export(list(order.block_hashes))
+        deadline = time.monotonic() + 5
+        while not exported.done():                        # a tier load: the step thread
+            assert time.monotonic() < deadline, "the export's tier load never ended"
+            self.sched.schedule()
+            time.sleep(0.002)
+        self.sent.append(EngineActor._send_held_kv(self.actor, order, exported.result(),
                                                    self.sched.end_export))
+
+    def close(self):
+        super().close()
+        if self.tiers is not None:
+            assert self.tiers.idle() and not self.sched.loading()
+            self.tiers.close()
 
 
 def peer_pull(pull, peer, d_blocks=2, first=0):
@@ -241,6 +267,7 @@ def test_a_prefix_another_prefill_worker_holds_is_read_from_it(pull):
             assert torch.equal(P_KV[:, :, mine], D_KV[:, :, block])
         peer.pool.free(theirs)
         finish(sched, req, out)
+        peer.join()      # the puller is done before the peer's send returns
         assert peer.pool.all_free() and peer.sent == [6 * BLOCK_BYTES]
     finally:
         peer.close()
@@ -268,7 +295,39 @@ def test_only_the_blocks_past_its_own_prefix_cache_are_read_from_another_worker(
                                else torch.zeros_like(P_KV[:, :, block]))
         peer.pool.free(theirs)
         finish(sched, req, out)
+        peer.join()      # the puller is done before the peer's send returns
         assert peer.pool.all_free() and peer.sent == [4 * BLOCK_BYTES]
+    finally:
+        peer.close()
+
+
+def test_a_peer_loads_what_its_pool_evicted_from_its_host_tier_then_sends_it(pull):
+    """The peer's prefix cache keeps the prompt's first 2 blocks, its host tier all 6:
+    it takes blocks for the other 4, loads them from the tier (the cache tensor's old
+    copies zeroed first, so the bytes sent are the tier's), then sends the 6; the 4 are
+    in its prefix cache afterwards."""
+    pool, sched, pulls, kind = pull
+    D_KV.normal_()
+    peer = FakePeer(kind, tiers=True)
+    try:
+        hashes = block_hashes(PROMPT, BS)[:6]
+        cached = peer.pool.match_prefix(hashes)
+        want = [D_KV[:, :, b].clone() for b in cached]
+        peer.pool.free(cached[2:])
+        peer.pool.free(cached[:2])                # the first 2 used last: kept
+        taken = peer.pool.allocate(peer.pool.num_free - peer.pool.num_cached + 4)
+        peer.pool.free(taken)
+        assert peer.pool.num_cached == 2 and peer.tiers.lookup(hashes) == 6
+        D_KV[:, :, [b for b in range(D_KV.shape[2]) if b not in cached[:2]]] = 0
+        req = peer_pull(pull, peer)
+        out = until_rows(sched)
+        assert out.num_scheduled_tokens == (2,) and pulls.pulled_blocks == 6
+        for got, block in zip(want, req.block_table[:6]):
+            assert torch.equal(P_KV[:, :, block], got)
+        assert peer.tiers.stats.host_hits == 4 and peer.pool.num_cached == 6
+        finish(sched, req, out)
+        peer.join()      # the puller is done before the peer's send returns
+        assert peer.pool.all_free() and peer.sent == [6 * BLOCK_BYTES]
     finally:
         peer.close()
 
@@ -287,6 +346,7 @@ def test_a_peer_that_lost_a_block_sends_nothing_and_the_prompt_computes(pull):
             advance(sched, out)
             out = sched.schedule()
         finish(sched, req, out)
+        peer.join()      # the puller is done before the peer's send returns
         assert peer.pool.all_free() and peer.pool.num_cached == 5 and peer.sent == [0]
     finally:
         peer.close()

@@ -126,3 +126,24 @@ def test_with_pulls_an_idle_worker_reads_a_busy_holders_prefix():
     holding(plain, "b", prompt[:40])
     b.total_queued_tokens = 35
     assert plain.pick([a, b], prompt)[0] is b
+
+
+def test_with_pulls_a_peer_s_tier_blocks_count_in_its_run_at_their_load_cost_too():
+    """A peer holding 4 blocks in its pool and the next 6 in its host tier holds a run of
+    10 (it loads the 6 to send them): pull_peer names it, and a worker reading from it
+    counts the pull and the peer's loads."""
+    r = PrefillRouter("kv_aware", BS, host_load_cost=0.05, pull_cost=0.2)
+    a, b = W("a"), W("b", total_queued_tokens=30)
+    prompt = list(range(400, 440)) + [1]             # 10 full blocks and 1 token
+    h = block_hashes(prompt, BS)
+    holding(r, "b", prompt[:16])
+    r.index.apply("b", CacheEvents(0, r.index.since("b"), tier_snapshot=[
+        ("host", x) for x in h[4:10]]))
+    assert r.index.matched("b", h) == (4, 6, 0)
+    assert r.pull_peer([a, b], a, prompt) == (b, 10)
+    # a: 1 + 0.2 * 40 + 0.05 * 24 = 10.2; b: 1 + 0.05 * 24 + 30 = 32.2
+    assert r.pick([a, b], prompt) == (a, 40)
+    b.total_queued_tokens = 9                        # b: 11.2 > a: 10.2
+    assert r.pick([a, b], prompt) == (a, 40)
+    b.total_queued_tokens = 7                        # b: 9.2 < a: 10.2
+    assert r.pick([a, b], prompt) == (b, 40)

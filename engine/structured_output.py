@@ -48,7 +48,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-COMPILE_NICE = 19                 # the compile thread's niceness: the lowest priority
+LOWEST_NICE = 19                  # the compile thread's niceness: the lowest priority
 MAX_SPEC_CHARS = 64 * 1024        # a schema, regex or grammar's text
 CACHE_LIMIT_BYTES = 256 << 20     # compiled grammars kept per process (vLLM's cap: 512 MiB)
 
@@ -57,25 +57,27 @@ _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
 
 
-def _lowest_priority() -> None:
-    """This thread (Linux: its native id is its tid) at niceness COMPILE_NICE. Not
-    SCHED_IDLE: a compile thread starved while it holds the GIL (briefly, at a
-    compile's start and end) would stall every thread of its process."""
+def lowest_priority() -> None:
+    """This thread (Linux: its native id is its tid) at niceness LOWEST_NICE: for work
+    that yields the cores it shares to model steps (a grammar compile here, the
+    router's tokenizer). Not SCHED_IDLE: a thread starved while it holds the GIL
+    (briefly, around a compile or a tokenization) would stall every thread of its
+    process."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_NICE)
     except (AttributeError, OSError) as e:
-        logger.debug("grammar thread keeps its priority: %r", e)
+        logger.debug("%s keeps its priority: %r", threading.current_thread().name, e)
 
 
 def compile_executor() -> ThreadPoolExecutor:
     """This process's grammar-compiling thread: one, at the lowest niceness
-    (_lowest_priority), so where it shares a core with a step thread of its process
+    (lowest_priority), so where it shares a core with a step thread of its process
     the step keeps most of it (created on first use)."""
     global _executor
     with _executor_lock:
         if _executor is None:
             _executor = ThreadPoolExecutor(1, thread_name_prefix="grammar",
-                                           initializer=_lowest_priority)
+                                           initializer=lowest_priority)
         return _executor
 
 

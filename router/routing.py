@@ -22,9 +22,8 @@ well), the peer's tier blocks also at their load cost (the peer loads them to se
               + host_load_cost * peer_host_tokens + disk_load_cost * peer_disk_tokens
               + load_weight * queued_tokens(P)
 
-queued_tokens are the prompt tokens the router has sent to P and not
-yet got a first token back for. Lowest cost wins; ties go to the less loaded, then to
-the first worker.
+queued_tokens are the prompt tokens the router has sent to P and not yet got a first
+token back for. Lowest cost wins; ties go to the less loaded, then to the first worker.
 
 Which blocks P holds, and where, comes from PrefixIndex, a mirror of each P's cache and
 tiers that the router refreshes by polling the workers' cache events every
@@ -128,8 +127,8 @@ class PrefillRouter:
 
     load_weight, host_load_cost, disk_load_cost: the cost model's weights (module
     docstring), in computed prompt tokens per queued or loaded token. pull_cost: the
-    same for a token read from another prefill worker's prefix cache or tiers, when prefill
-    workers pull KV (WorkerConfig.kv_pull; pull_peer); None when they do not.
+    same for a token read from another prefill worker's prefix cache or tiers, when
+    prefill workers pull KV (WorkerConfig.kv_pull; pull_peer); None when they do not.
 
     Raises:
         ValueError: unknown policy, or a negative weight.

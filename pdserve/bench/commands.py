@@ -43,7 +43,6 @@ def _bench_tracing(args) -> int:
 
 def _bench_tracing_peer(args) -> int:
     import json
-    import time
     from pathlib import Path
 
     from . import tracing
@@ -68,10 +67,8 @@ def _bench_tracing_peer(args) -> int:
                 f"({f['min']:.3f}-{f['max']:.3f})" for name, f in figures.items()))
     print(f"{s['spans_per_request']:.1f} spans a request")
     out = Path(args.out_dir) / f"peer_{args.dtype}.json"
-    out.write_text(json.dumps({"config": vars(args) | {"fn": None},
-                               "date": time.strftime("%Y-%m-%d"), "summary": s,
-                               "sessions": [{k: v for k, v in r.items() if k != "runs"}
-                                            for r in records]}, indent=2))
+    out.write_text(json.dumps(tracing.peer_as_json(records, vars(args) | {"fn": None}),
+                              indent=2))
     return 0
 
 

@@ -210,3 +210,11 @@ def peer_summary(records: list[dict]) -> dict:
     served = [sum(res["completed"] for res in r["runs"].values()) + 1 for r in traced]  # +warm-up
     out["spans_per_request"] = statistics.median(r["spans"] / n for r, n in zip(traced, served))
     return out
+
+
+def peer_as_json(records: list[dict], config: dict) -> dict:
+    """What `bench tracing --peer` writes: its config, the date, peer_summary, and each
+    session's record without the client's per-run results."""
+    return {"config": config, "date": time.strftime("%Y-%m-%d"),
+            "summary": peer_summary(records),
+            "sessions": [{k: v for k, v in r.items() if k != "runs"} for r in records]}

@@ -3,7 +3,8 @@ ran first, their median and range, and the spans a traced request exported."""
 
 import pytest
 
-from pdserve.bench.tracing import TracingRun, as_json, peer_summary, ratios, summary
+from pdserve.bench.tracing import (TracingRun, as_json, peer_as_json, peer_summary, ratios,
+                                   summary)
 
 
 def test_pairs_compare_on_with_off_whichever_ran_first():
@@ -36,6 +37,9 @@ def test_the_peer_harness_compares_on_with_off_and_off_with_the_build_before():
     assert s["t1_s101"]["off_before"]["median"] == pytest.approx((50 / 52 + 48 / 50) / 2)
     assert (s["t1_s101"]["on_off"]["min"], s["t1_s101"]["on_off"]["max"]) == (1.0, 1.0)
     assert s["spans_per_request"] == pytest.approx((10 + 9) / 2)     # 129 requests each
+    out = peer_as_json(records, {"pairs": 2})
+    assert out["summary"] == s and out["config"] == {"pairs": 2}
+    assert out["sessions"][1] == {"pair": 0, "arm": "on", "spans": 1290}   # no client runs
 
 
 def test_without_a_build_before_only_on_and_off_are_compared():

@@ -129,17 +129,8 @@ class Grammars:
         """The compiled grammar (seconds of one core for a large schema; a repeat is
         a cache lookup by its text). Raises ValueError naming what xgrammar refused."""
         c = self._compiler
-
-        def build() -> Any:
-            if so.kind in ("json", "json_object"):   # compact: no free whitespace
-                return c.compile_json_schema(so.spec or '{"type": "object"}',
-                                             any_whitespace=False, strict_mode=True)
-            if so.kind == "regex":
-                return c.compile_regex(so.spec)
-            return c.compile_grammar(_choice_grammar(so.spec) if so.kind == "choice"
-                                     else so.spec)
         with self._lock:
-            return _refusing(so, build)
+            return _by_kind(so, c.compile_json_schema, c.compile_regex, c.compile_grammar)
 
     def matcher(self, so: StructuredOutput, accepted: list[int], compiled: Any = None) -> Any:
         """A GrammarMatcher that has accepted ``accepted`` (the tokens generated so far),
@@ -180,22 +171,25 @@ def grammar(so: StructuredOutput) -> Any:
     What the router checks before any worker compiles (vLLM validates the same way).
     Raises ValueError naming what xgrammar refused."""
     import xgrammar as xgr
-
-    def build() -> Any:
-        if so.kind in ("json", "json_object"):      # compact: no free whitespace
-            return xgr.Grammar.from_json_schema(so.spec or '{"type": "object"}',
-                                                any_whitespace=False, strict_mode=True)
-        if so.kind == "regex":
-            return xgr.Grammar.from_regex(so.spec)
-        return xgr.Grammar.from_ebnf(_choice_grammar(so.spec) if so.kind == "choice"
-                                     else so.spec)
-    return _refusing(so, build)
+    return _by_kind(so, xgr.Grammar.from_json_schema, xgr.Grammar.from_regex,
+                    xgr.Grammar.from_ebnf)
 
 
-def _refusing(so: StructuredOutput, build: Callable[[], Any]) -> Any:
-    """build(), xgrammar's errors as a ValueError naming ``so``'s kind."""
+def _by_kind(so: StructuredOutput, json_schema: Callable[..., Any],
+             regex: Callable[[str], Any], ebnf: Callable[[str], Any]) -> Any:
+    """``so`` through the builder of its kind: xgrammar's Grammar.from_json_schema /
+    from_regex / from_ebnf (grammar) or a GrammarCompiler's compile_json_schema /
+    compile_regex / compile_grammar (Grammars.compile), the same arguments to each
+    pair, so the router's parse and a worker's compile accept and refuse alike; a
+    choice is an EBNF of its strings. xgrammar's errors are raised as a ValueError
+    naming ``so``'s kind."""
     try:
-        return build()
+        if so.kind in ("json", "json_object"):      # compact: no free whitespace
+            return json_schema(so.spec or '{"type": "object"}', any_whitespace=False,
+                               strict_mode=True)
+        if so.kind == "regex":
+            return regex(so.spec)
+        return ebnf(_choice_grammar(so.spec) if so.kind == "choice" else so.spec)
     except (RuntimeError, ValueError, TypeError) as e:
         why = re.sub(r"^\[[^]]*\] \S+:\d+: ", "", str(e).splitlines()[-1])  # xgrammar's prefix
         raise ValueError(f"{so.kind} does not compile: {why[:300]}") from None

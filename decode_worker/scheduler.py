@@ -56,7 +56,7 @@ from ..engine.block_pool import BlockPool, NoFreeBlocksError, blocks_needed
 from ..engine.kv_tiers import KVTiers
 from ..engine.outputs import SchedulerOutput
 from ..engine.request import RequestState, TokenEvent
-from ..engine.schedule_policy import SchedulePolicy, step_tokens
+from ..engine.schedule_policy import SchedulePolicy
 from ..engine.sampling_params import SamplingParams
 from ..engine.stop import stop_state
 from ..request_ids import router_of
@@ -65,7 +65,7 @@ from .connector import DecodeKVConnector
 from .fork import drop_cow_src, fork
 from .prompt_cache import PromptCache
 from .requests import DecodeRequest, RequestTooLargeError, Reserved
-from .step_budget import MAX_BUDGET_WAITS
+from .step_budget import StepTokens
 
 
 class DecodeScheduler:
@@ -101,9 +101,7 @@ class DecodeScheduler:
         self.prompt_cache = PromptCache(pool, block_size, enable_prefix_caching, tiers)
         self._on_loaded = on_loaded
         self.local_prefill_max_tokens = local_prefill_max_tokens
-        self.prefill_chunk_size = prefill_chunk_size
-        self._budget_waits = 0      # steps in a row a TPOT budget left the prefills out
-        self.schedule_policy = SchedulePolicy.of(schedule_policy)
+        self.step_tokens = StepTokens(block_size, prefill_chunk_size, schedule_policy)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.connector = connector
         self._lock = threading.Lock()
@@ -329,7 +327,10 @@ class DecodeScheduler:
             self._batch.resume()
             copies, self._batch.copies = tuple(self._batch.copies), []
             self._release_next += [src for src, _ in copies]
-            return self._schedule_tokens(self._batch.batch(), now, copies, step_budget)
+            batch = self._batch.batch()
+            counts = self.step_tokens.counts(batch, now, step_budget)
+            rows = [(r, n) for r, n in zip(batch, counts) if n]   # the others sit it out
+            return SchedulerOutput(tuple(r for r, _ in rows), tuple(n for _, n in rows), copies)
 
     def update_from_output(self, output: SchedulerOutput, token_ids: list[int | None],
                            step_s: float = 0.0) -> list[TokenEvent]:
@@ -367,35 +368,6 @@ class DecodeScheduler:
         return events
 
     # --- helpers (lock held) ------------------------------------------------------
-
-    def _schedule_tokens(self, batch: list[DecodeRequest], now: float,
-                         copies: tuple[tuple[int, int], ...],
-                         step_budget=None) -> SchedulerOutput:
-        """Tokens each row computes this step (engine/schedule_policy.py
-        step_tokens); a row left without budget sits this step out (keeps its blocks).
-        Under a TPOT budget that leaves the prefills less than a block beside the decode
-        rows, they sit the step out while the streams bank time (steps faster than the
-        SLO), at most MAX_BUDGET_WAITS steps in a row; then a block runs anyway, so a
-        prefill always progresses."""
-        chunk, least = self.prefill_chunk_size, self.block_size
-        streams = [(len(r.output_ids), r.itl_s,
-                    max(r.params.max_tokens - len(r.output_ids) - 1, 0)) for r in batch
-                   if r.num_tokens - r.num_computed_tokens == 1]
-        if step_budget is not None and streams and any(   # prefills beside streams
-                r.num_tokens - r.num_computed_tokens > 1 for r in batch):
-            cap = step_budget(streams)
-            if cap is not None:
-                if cap - len(streams) < self.block_size and self._budget_waits < MAX_BUDGET_WAITS:
-                    self._budget_waits += 1
-                    cap, least = len(streams), 0         # decode rows only this step
-                else:
-                    self._budget_waits = 0
-                chunk = cap if chunk is None else min(chunk, cap)
-        counts = step_tokens(batch, lambda r: r.num_tokens - r.num_computed_tokens,
-                             lambda r: r.arrived, self.schedule_policy, now,
-                             chunk, least, lambda r: r.num_computed_tokens, self.block_size)
-        rows = [(r, n) for r, n in zip(batch, counts) if n]
-        return SchedulerOutput(tuple(r for r, _ in rows), tuple(n for _, n in rows), copies)
 
     def _fork(self, req: DecodeRequest) -> None:
         """With sampling n > 1, the prompt's K/V now complete: its other samples."""

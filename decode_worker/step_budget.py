@@ -25,6 +25,9 @@ prefills at its smallest chunk beside decode rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
+from ..engine.schedule_policy import SchedulePolicy, step_tokens
 from ..messages import StepStats
 
 DECAY = 0.98          # a step's weight against the next one's (~50 steps remembered)
@@ -64,3 +67,47 @@ class StepBudget:
         allowed = min((self.target_s * k - itl + min(left, BORROW_TOKENS) * spare
                        for k, itl, left in streams), default=self.target_s)
         return max(int((allowed - a) / b), 1)
+
+
+class StepTokens:
+    """Tokens each row of a decode worker's batch computes in one step: a decode row its
+    next token; a prefill (a local prefill, a resumed preemption) a chunk of at most
+    `prefill_chunk_size` tokens (None: no bound), ending on a block boundary, in
+    `schedule_policy`'s order (engine/schedule_policy.py step_tokens), under a TPOT
+    budget (StepBudget.tokens) when the step has one. A budget that leaves the prefills
+    less than a block beside the decode rows has them sit the step out while the
+    streams bank time (steps faster than the SLO), at most MAX_BUDGET_WAITS steps in a
+    row; then a block runs anyway, so a prefill always progresses.
+
+    Raises:
+        ValueError: an unknown schedule_policy."""
+
+    def __init__(self, block_size: int, prefill_chunk_size: int | None,
+                 schedule_policy: str | SchedulePolicy):
+        self.block_size, self.prefill_chunk_size = block_size, prefill_chunk_size
+        self.schedule_policy = SchedulePolicy.of(schedule_policy)
+        self._budget_waits = 0      # steps in a row a TPOT budget left the prefills out
+
+    def counts(self, batch: Sequence, now: float,
+               step_budget: Callable[[list[tuple[int, float, int]]], int | None] | None = None
+               ) -> list[int]:
+        """Per row of `batch` (DecodeRequests, oldest first), the tokens it computes this
+        step; 0: it sits the step out (keeps its blocks). `step_budget` as
+        DecodeScheduler.schedule's."""
+        chunk, least = self.prefill_chunk_size, self.block_size
+        streams = [(len(r.output_ids), r.itl_s,
+                    max(r.params.max_tokens - len(r.output_ids) - 1, 0)) for r in batch
+                   if r.num_tokens - r.num_computed_tokens == 1]
+        if step_budget is not None and streams and any(   # prefills beside streams
+                r.num_tokens - r.num_computed_tokens > 1 for r in batch):
+            cap = step_budget(streams)
+            if cap is not None:
+                if cap - len(streams) < self.block_size and self._budget_waits < MAX_BUDGET_WAITS:
+                    self._budget_waits += 1
+                    cap, least = len(streams), 0         # decode rows only this step
+                else:
+                    self._budget_waits = 0
+                chunk = cap if chunk is None else min(chunk, cap)
+        return step_tokens(batch, lambda r: r.num_tokens - r.num_computed_tokens,
+                           lambda r: r.arrived, self.schedule_policy, now,
+                           chunk, least, lambda r: r.num_computed_tokens, self.block_size)

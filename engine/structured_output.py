@@ -59,10 +59,9 @@ _executor_lock = threading.Lock()
 
 def lowest_priority() -> None:
     """This thread (Linux: its native id is its tid) at niceness LOWEST_NICE: for work
-    that yields the cores it shares to model steps (a grammar compile here, the
-    router's tokenizer). Not SCHED_IDLE: a thread starved while it holds the GIL
-    (briefly, around a compile or a tokenization) would stall every thread of its
-    process."""
+    that yields the cores it shares to model steps (a grammar compile). Not SCHED_IDLE:
+    a thread starved while it holds the GIL (briefly, at a compile's start and end)
+    would stall every thread of its process."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_NICE)
     except (AttributeError, OSError) as e:

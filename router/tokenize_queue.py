@@ -7,11 +7,7 @@ is refused before any work (RESOURCE_EXHAUSTED) instead of queueing; a short req
 never refused for the long ones waiting. A refusal is answered once the work ahead of
 it would have run (learned seconds per character, at most MAX_REFUSAL_DELAY_S): a client
 that loops on refusals goes at the tokenizer's pace, not at the router's, so its
-requests do not take the event loop from everyone else's. The thread runs at the lowest
-priority (niceness 19): where the router shares a box's cores with workers, a flood's
-tokenizing yields them to model steps (on this 2-core box, a short request's time to
-first token under a flood of refused maximum-size prompts went from ~1.8x to ~1.5x its
-unloaded value, tests/e2e/test_serve_refused_flood.py). vLLM's API server tokenizes
+requests do not take the event loop from everyone else's. vLLM's API server tokenizes
 on a thread pool too (AsyncMicrobatchTokenizer); the order and the bound are pdserve's.
 
 Runs on the router's event loop (no locks: the queue is only touched there).
@@ -29,7 +25,6 @@ from typing import Any
 
 import grpc
 
-from ..engine.structured_output import lowest_priority
 from .errors import RequestError
 
 
@@ -57,8 +52,7 @@ class TokenizeQueue:
         self._heap: list[tuple[int, int, asyncio.Future, Callable, tuple]] = []
         self._seq = itertools.count()
         self._busy = False
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize",
-                                        initializer=lowest_priority)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def run(self, chars: int, fn: Callable[..., Any], *args) -> Any:
         """fn(*args) on the tokenizer thread, after every waiting call with fewer

@@ -82,7 +82,9 @@ class Router:
         self._server_port = 0
         rc = config.router
         self.admission = Admission(rc.max_queued_requests, rc.max_queued_tokens)
-        self.tokenize = TokenizeQueue(rc.max_tokenize_queue_chars)
+        self.tokenize = TokenizeQueue(
+            rc.max_tokenize_queue_chars,
+            validation.PREFIX_CHARS_PER_TOKEN * self.model_config.max_model_len)
         self.prefill_router = PrefillRouter.of(config)
         self.placement = Placement(config, self.prefill_router)   # workers from start() on
         self._cache_sync: asyncio.Task | None = None

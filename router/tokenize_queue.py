@@ -10,6 +10,17 @@ that loops on refusals goes at the tokenizer's pace, not at the router's, so its
 requests do not take the event loop from everyone else's. vLLM's API server tokenizes
 on a thread pool too (AsyncMicrobatchTokenizer); the order and the bound are pdserve's.
 
+Long inputs (over `long_chars`: for the router, more characters than
+validation.PREFIX_CHARS_PER_TOKEN per token of the context, prompts that are nearly
+always over it) share at most LONG_SHARE of the thread's time, a token bucket of
+seconds (LONG_BURST_S deep, refilled at LONG_SHARE a second): one arriving while the
+bucket is empty is refused (RESOURCE_EXHAUSTED) once it would have refilled, at most
+MAX_REFUSAL_DELAY_S later. Clients looping on such prompts, however many, then keep
+the thread busy a quarter of the time, not all of it: where the router shares a box's
+cores with workers, the rest is theirs (on this 2-core box, 16 clients looping refused
+maximum-size prompts cost a short request ~1.8x its unloaded time to first token
+without the share, 0.8-1.4x with it: tests/e2e/test_serve_refused_flood.py).
+
 Runs on the router's event loop (no locks: the queue is only touched there).
 """
 
@@ -29,6 +40,8 @@ from .errors import RequestError
 
 
 MAX_REFUSAL_DELAY_S = 1.0
+LONG_SHARE = 0.25       # of the tokenizer thread's time, for long inputs together
+LONG_BURST_S = 1.0      # seconds of long inputs' tokenizing let in at once
 _DECAY = 0.9            # a tokenization's weight in the seconds-per-character estimate
 
 
@@ -39,11 +52,16 @@ class TokenizeQueue:
         max_queued_chars: most characters of input a call may find ahead of it, its own
             included (RouterConfig.max_tokenize_queue_chars); a call with nothing ahead
             is always let in.
+        long_chars: a call of more characters is long: long calls share LONG_SHARE of
+            the thread's time (the module docstring); None: no share.
     """
 
-    def __init__(self, max_queued_chars: int):
+    def __init__(self, max_queued_chars: int, long_chars: int | None = None):
         assert max_queued_chars >= 1, max_queued_chars
         self.max_queued_chars = max_queued_chars
+        self.long_chars = long_chars
+        self._long_credit_s = LONG_BURST_S   # the long calls' bucket (may go below 0)
+        self._long_refilled = time.monotonic()
         self.queued_chars = 0             # waiting or in progress
         self.refused = 0
         self._running_chars = 0
@@ -63,6 +81,20 @@ class TokenizeQueue:
                 than max_queued_chars with this one (nothing ran; raised after the
                 refusal delay). What fn raises.
         """
+        if self.long_chars is not None and chars > self.long_chars:
+            now = time.monotonic()
+            self._long_credit_s = min(LONG_BURST_S, self._long_credit_s
+                                      + LONG_SHARE * (now - self._long_refilled))
+            self._long_refilled = now
+            if self._long_credit_s <= 0:
+                self.refused += 1
+                await asyncio.sleep(min(-self._long_credit_s / LONG_SHARE + 1e-3,
+                                        MAX_REFUSAL_DELAY_S))
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"server overloaded: prompts of over {self.long_chars} "
+                                   f"characters (this one has {chars}) have used their "
+                                   f"share ({LONG_SHARE:.0%}) of the router's tokenizer; "
+                                   "retry later")
         ahead = self._running_chars + sum(c for c, _, fut, _, _ in self._heap
                                           if c <= chars and not fut.done())
         if ahead and ahead + chars > self.max_queued_chars:
@@ -92,6 +124,8 @@ class TokenizeQueue:
             job.add_done_callback(lambda j, fut=fut: self._finished(j, fut))
 
     def _finished(self, job: asyncio.Future, fut: asyncio.Future) -> None:
+        if self.long_chars is not None and self._running_chars > self.long_chars:
+            self._long_credit_s -= time.perf_counter() - self._started
         if self._running_chars:
             took = (time.perf_counter() - self._started) / self._running_chars
             self.seconds_per_char = (took if not self.seconds_per_char else

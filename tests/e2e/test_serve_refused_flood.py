@@ -2,8 +2,8 @@
 characters the model's context allows, far more tokens than it holds), each refused,
 do not raise a short probe request's time to first token above twice its unloaded
 value: the router tokenizes shortest first and by prefixes (a refused prompt costs
-about one context's tokens), and refuses what its tokenizer queue cannot hold before
-any work. The flood's clients run in a process of their own, as another machine's
+about one context's tokens), refuses what its tokenizer queue cannot hold before any
+work, and gives prompts this long a quarter of its tokenizer's time. The flood's clients run in a process of their own, as another machine's
 would, at the server's priority (Ray runs its workers niced): as threads of the test's
 process they would hold the probe's client up on its GIL, and at the test's priority
 take the box's cores from the server first, neither a cost the router imposes. Every

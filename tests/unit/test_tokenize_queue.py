@@ -77,3 +77,37 @@ def test_a_full_router_refuses_before_tokenizing():
         return r
 
     assert queue(asyncio.run(main())) == (0, 0)
+
+
+def test_long_inputs_share_a_quarter_of_the_thread_and_short_ones_pass_meanwhile(
+        monkeypatch):
+    """Calls over long_chars spend a bucket of LONG_BURST_S seconds (0.2 here) refilled
+    at LONG_SHARE a second: once spent, the next long one is refused
+    (RESOURCE_EXHAUSTED, once its share would have refilled) without running, and a
+    short one still runs at once."""
+    from pdserve.router import tokenize_queue as tq
+    monkeypatch.setattr(tq, "LONG_BURST_S", 0.2)
+
+    async def main():
+        q = TokenizeQueue(max_queued_chars=10_000, long_chars=100)
+        ran = []
+
+        def job(name, seconds):
+            time.sleep(seconds)
+            ran.append(name)
+            return name
+
+        # 0.2 s of credit, 0.4 s spent: -0.2, and +0.1 refilled meanwhile
+        assert await q.run(500, job, "long-1", 0.4) == "long-1"
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as e:
+            await q.run(500, job, "long-2", 0.0)
+        waited = time.monotonic() - t0
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "share (25%)" in str(e.value) and "over 100 characters" in str(e.value)
+        assert 0.2 < waited < 0.4 / tq.LONG_SHARE          # ~0.1 s of credit at 0.25/s
+        assert await q.run(10, job, "short", 0.0) == "short"
+        assert ran == ["long-1", "short"] and q.refused == 1
+        assert await q.run(500, job, "long-3", 0.0) == "long-3"   # refilled while refused
+
+    asyncio.run(main())

@@ -6,11 +6,12 @@ import argparse
 import os
 import signal
 import sys
-import threading
+import time
 
 from .kv_memory import parse_bytes
 
 _SERVE_CHILD_ENV = "PDSERVE_SERVE_CHILD"
+STOP_POLL_S = 0.2       # how often the serving process looks for a stop signal
 
 
 def _supervise(argv: list[str]) -> int:
@@ -117,9 +118,12 @@ def _serve(args) -> int:
     except ValueError as e:   # a setting out of range: the message names it
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
-    stop = threading.Event()
+    # The handler takes no lock: it runs in the main thread between two bytecodes, maybe
+    # inside the lock of what that thread waits on (a threading.Event's set() from a
+    # handler that interrupted the same Event's wait() hangs the process for good).
+    signalled: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _: signalled.append(signum))
     cluster = Cluster(cfg)
     try:
         try:
@@ -140,7 +144,8 @@ def _serve(args) -> int:
         print(f"pdserve ready: gRPC on {args.host}:{port}{http} ({args.prefill_workers} "
               f"prefill, {args.decode_workers} decode, {cfg.prefill.transport} KV transport, "
               f"{security})", flush=True)
-        stop.wait()
+        while not signalled:
+            time.sleep(STOP_POLL_S)      # seen within this long of the signal
         print("pdserve: shutting down", flush=True)
     finally:
         cluster.stop()

@@ -32,7 +32,7 @@ import itertools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -77,34 +77,28 @@ class TokenizeQueue:
         `chars` (the input's size, in characters).
 
         Raises:
-            RequestError: RESOURCE_EXHAUSTED, the calls that would run first hold more
-                than max_queued_chars with this one (nothing ran; raised after the
-                refusal delay). What fn raises.
+            RequestError: RESOURCE_EXHAUSTED (nothing ran; raised after the refusal
+                delay), when the calls that would run first hold more than
+                max_queued_chars with this one, or when this call is long and the long
+                calls' share is spent. What fn raises.
         """
         if self.long_chars is not None and chars > self.long_chars:
             now = time.monotonic()
             self._long_credit_s = min(LONG_BURST_S, self._long_credit_s
                                       + LONG_SHARE * (now - self._long_refilled))
             self._long_refilled = now
-            if self._long_credit_s <= 0:
-                self.refused += 1
-                await asyncio.sleep(min(-self._long_credit_s / LONG_SHARE + 1e-3,
-                                        MAX_REFUSAL_DELAY_S))
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"server overloaded: prompts of over {self.long_chars} "
-                                   f"characters (this one has {chars}) have used their "
-                                   f"share ({LONG_SHARE:.0%}) of the router's tokenizer; "
-                                   "retry later")
+            if self._long_credit_s <= 0:     # refused once the share has refilled
+                await self._refuse(-self._long_credit_s / LONG_SHARE + 1e-3,
+                                   f"prompts of over {self.long_chars} characters (this one "
+                                   f"has {chars}) have used their share ({LONG_SHARE:.0%}) "
+                                   "of the router's tokenizer")
         ahead = self._running_chars + sum(c for c, _, fut, _, _ in self._heap
                                           if c <= chars and not fut.done())
         if ahead and ahead + chars > self.max_queued_chars:
-            self.refused += 1
-            await asyncio.sleep(min(ahead * self.seconds_per_char, MAX_REFUSAL_DELAY_S))
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"server overloaded: {ahead} characters wait for the router's "
-                               f"tokenizer ahead of this request's {chars}, over "
-                               f"max_tokenize_queue_chars={self.max_queued_chars} with it; "
-                               "retry later")
+            await self._refuse(ahead * self.seconds_per_char,
+                               f"{ahead} characters wait for the router's tokenizer ahead "
+                               f"of this request's {chars}, over max_tokenize_queue_chars="
+                               f"{self.max_queued_chars} with it")
         fut = asyncio.get_running_loop().create_future()
         heapq.heappush(self._heap, (chars, next(self._seq), fut, fn, args))
         self.queued_chars += chars
@@ -113,6 +107,14 @@ class TokenizeQueue:
             return await fut
         finally:          # done, failed, or cancelled while waiting (then skipped)
             self.queued_chars -= chars
+
+    async def _refuse(self, delay_s: float, why: str) -> NoReturn:
+        """RESOURCE_EXHAUSTED "server overloaded: `why`; retry later", raised after
+        `delay_s` seconds (at most MAX_REFUSAL_DELAY_S)."""
+        self.refused += 1
+        await asyncio.sleep(min(delay_s, MAX_REFUSAL_DELAY_S))
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"server overloaded: {why}; retry later")
 
     def _start_next(self) -> None:
         while self._heap and not self._busy:

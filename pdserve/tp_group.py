@@ -25,7 +25,6 @@ import datetime
 import functools
 import logging
 import os
-import socket
 
 import ray
 import torch
@@ -67,14 +66,34 @@ def in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrateg
                                             placement_group_capture_child_tasks=False)
 
 
-def join(rank: int, size: int, init_method: str, device: str) -> TensorParallel:
-    """Join the worker's group as `rank`; blocks until every rank has joined."""
+def open_store(size: int) -> torch.distributed.TCPStore:
+    """Rank 0's TCP store for a group of `size` ranks, listening on a loopback port the
+    kernel picks (`.port`), open before any other rank starts: a port probed free and
+    bound later can be taken in between (EADDRINUSE, and the other ranks wait out
+    GROUP_TIMEOUT_S on a store that never opened)."""
+    return torch.distributed.TCPStore("127.0.0.1", 0, size, is_master=True,
+                                      timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+                                      wait_for_workers=False)
+
+
+def join(rank: int, size: int, store_port: int, device: str,
+         store: torch.distributed.TCPStore | None = None) -> TensorParallel:
+    """Join the worker's group as `rank` through rank 0's store on loopback port
+    `store_port` (rank 0 passes the `store` itself, from open_store); blocks until every
+    rank has joined.
+
+    Raises:
+        torch.distributed.DistError: the group did not form within GROUP_TIMEOUT_S.
+    """
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "gloo":   # every rank is on this node (STRICT_PACK): loopback, not the
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # hostname's address (a netns)
-    torch.distributed.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=size,
-        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    if store is None:
+        store = torch.distributed.TCPStore("127.0.0.1", store_port, size, is_master=False,
+                                           timeout=timeout)
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                         timeout=timeout)
     return TensorParallel(rank, size, torch.distributed.group.WORLD)
 
 
@@ -92,7 +111,7 @@ class TPRank:
     rank 0's step orders (tp_executor.follow) on a thread until rank 0 stops them; if
     the group breaks (rank 0 died), the process exits."""
 
-    def __init__(self, worker_id: str, rank: int, size: int, init_method: str,
+    def __init__(self, worker_id: str, rank: int, size: int, store_port: int,
                  config: WorkerConfig, role: str | None = None, epoch: int = 0):
         from .engine.engine_thread import EngineThread
         from .engine.model_runner import ModelRunner
@@ -100,7 +119,7 @@ class TPRank:
         logging.basicConfig(level=config.log_level)
         self.worker_id, self.rank = worker_id, rank
         _cap(worker_id, config)
-        self.tp = join(rank, size, init_method, config.device)
+        self.tp = join(rank, size, store_port, config.device)
         # built and stepped on one thread (engine/engine_thread.py)
         self.engine = EngineThread(f"tp-rank-{rank}")
         self.runner = self.engine.call(ModelRunner, config.model, config.cache_config(),
@@ -216,14 +235,13 @@ def start_ranks(worker_id: str, config: WorkerConfig, pg: PlacementGroup | None 
     if pg is None or len(pg.bundle_specs) != size:
         raise RuntimeError(f"{worker_id}: tensor_parallel_size={size} needs the worker in a "
                            f"placement group of {size} bundles (tp_group.placement_group)")
-    with socket.socket() as s:         # the store rank 0 opens at join; every rank is here
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    store = open_store(size)           # every rank is on this node
     gpus = 1 if config.device.startswith("cuda") else 0      # placement_group(num_gpus=1)
     ranks = [ray.remote(TPRank).options(num_cpus=0, max_restarts=0, num_gpus=gpus,
                                         scheduling_strategy=in_bundle(pg, r))
-             .remote(worker_id, r, size, init, config, role, epoch) for r in range(1, size)]
-    tp = join(0, size, init, config.device)
+             .remote(worker_id, r, size, store.port, config, role, epoch)
+             for r in range(1, size)]
+    tp = join(0, size, store.port, config.device, store=store)
     logger.info("%s: tensor-parallel group of %d ranks joined", worker_id, size)
     return tp, ranks
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -78,7 +77,7 @@ def _collective_s(op, repeats: int, group, sync) -> float:
     return statistics.median(times)
 
 
-def _rank(rank: int, size: int, port: int, cfg: dict, out) -> None:
+def _rank(rank: int, size: int, init_file: str, cfg: dict, out) -> None:
     """One rank of a TP-`size` run (a spawned process); rank 0 puts its TPStep in `out`."""
     import torch.distributed as dist
 
@@ -97,7 +96,7 @@ def _rank(rank: int, size: int, port: int, cfg: dict, out) -> None:
         torch.cuda.set_device(rank)
     tp = TensorParallel()
     if size > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}",
                                 rank=rank, world_size=size)
         tp = TensorParallel(rank, size, dist.group.WORLD)
     bs, batch, context, n_prefill = 16, cfg["batch"], cfg["context"], cfg["prefill_tokens"]
@@ -139,12 +138,6 @@ def _rank(rank: int, size: int, port: int, cfg: dict, out) -> None:
         exit_process(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(model: str, sizes: list[int], batch: int, context: int, prefill_tokens: int,
         repeats: int, dtype: str = "float32", device: str = "cpu") -> list[TPStep]:
     """A TPStep per size, each run with the box's CPUs split over its ranks (on CUDA,
@@ -174,8 +167,10 @@ def run(model: str, sizes: list[int], batch: int, context: int, prefill_tokens: 
         out = ctx.SimpleQueue()
         cfg = dict(model=model, batch=batch, context=context, prefill_tokens=prefill_tokens,
                    repeats=repeats, dtype=dtype, device=device, threads=max(cpus // size, 1))
-        mp.start_processes(_rank, args=(size, _free_port(), cfg, out), nprocs=size,
-                           start_method="spawn")
+        with tempfile.TemporaryDirectory(prefix="pdserve-bench-tp-") as tmp:
+            # a file rendezvous: nothing to bind, so no port another process can take
+            mp.start_processes(_rank, args=(size, f"{tmp}/rendezvous", cfg, out),
+                               nprocs=size, start_method="spawn")
         results.append(out.get())
     return results
 

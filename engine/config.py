@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib.metadata
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,8 +30,11 @@ class UnsupportedModelError(ValueError):
 class ModelConfig:
     """What engine/model.py needs to build a LLaMA-family decoder.
 
-    Read from the HF config with `from_hf`; `hf_config` keeps the original for RoPE
-    initialisation through transformers (llama3, linear, yarn, ... scaling).
+    Read from the HF config with `from_hf`, or from a model directory with `of` (which
+    keeps what transformers parsed, so a process that needs no tokenizer starts
+    without importing transformers). `rope_parameters` is the config's RoPE dict
+    (`rope_type`, `rope_theta`, any scaling's own keys); `hf()` is the transformers
+    config itself, for RoPE scaling through transformers (llama3, linear, yarn, ...).
     """
 
     architecture: str            # key of SUPPORTED_ARCHITECTURES' values: llama|mistral|qwen2|qwen3
@@ -46,7 +53,62 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None   # tokens; only checked, see from_hf
     model_id: str                # sha256 of the config JSON: pairs P and D on one model
-    hf_config: object = field(repr=False, compare=False, hash=False)
+    rope_parameters: dict = field(repr=False, compare=False, hash=False)
+    model_dir: str | None = field(default=None, repr=False, compare=False, hash=False)
+    hf_config: object = field(default=None, repr=False, compare=False, hash=False)
+
+    @classmethod
+    def of(cls, model_dir: str | os.PathLike) -> "ModelConfig":
+        """The ModelConfig of HF model directory `model_dir` (its config.json), parsed by
+        transformers (`from_hf`) once per config content, transformers version and
+        version of this module; its fields are then kept as JSON under the cache dir
+        (engine/loader.cache_dir, `model-configs/`), which later calls read without
+        importing transformers (~1.7 s of CPU in each worker process's start).
+
+        Raises:
+            UnsupportedModelError: as from_hf.
+            OSError: config.json is unreadable.
+        """
+        from .loader import cache_dir
+
+        model_dir = Path(model_dir)
+        raw = (model_dir / "config.json").read_bytes()
+        # what parsed it: transformers' version and this file (from_hf, the fields)
+        key = hashlib.sha256(raw + importlib.metadata.version("transformers").encode()
+                             + Path(__file__).read_bytes())
+        path = cache_dir() / "model-configs" / f"{key.hexdigest()[:24]}.json"
+        try:
+            kept = json.loads(path.read_text())
+        except (OSError, ValueError):
+            kept = None
+        if kept is not None:
+            kept["eos_token_ids"] = tuple(kept["eos_token_ids"])
+            return cls(**kept, model_dir=str(model_dir))
+        from transformers import AutoConfig
+
+        cfg = cls.from_hf(AutoConfig.from_pretrained(model_dir), model_dir)
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)
+                  if f.name not in ("model_dir", "hf_config")}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
+            json.dump(fields, f)           # a whole file or none: concurrent workers race
+        os.replace(f.name, path)
+        return cfg
+
+    def hf(self):
+        """The transformers config (`transformers.PretrainedConfig`): the one parsed, or
+        read again from `model_dir` (importing transformers) when built by `of` from
+        its kept fields.
+
+        Raises:
+            ValueError: neither is there.
+        """
+        if self.hf_config is None:
+            if self.model_dir is None:
+                raise ValueError("ModelConfig without its transformers config or directory")
+            from transformers import AutoConfig
+            object.__setattr__(self, "hf_config", AutoConfig.from_pretrained(self.model_dir))
+        return self.hf_config
 
     @classmethod
     def from_hf(cls, hf_config, model_dir: Path | None = None) -> "ModelConfig":
@@ -77,6 +139,9 @@ class ModelConfig:
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         blob = json.dumps(hf_config.to_dict(), sort_keys=True, default=str)
+        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         return cls(
             architecture=arch,
             vocab_size=hf_config.vocab_size,
@@ -94,6 +159,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=sliding,
             model_id=hashlib.sha256(blob.encode()).hexdigest()[:16],
+            rope_parameters=json.loads(json.dumps(rope, default=str)),
+            model_dir=None if model_dir is None else str(model_dir),
             hf_config=hf_config,
         )
 

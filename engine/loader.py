@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -99,13 +100,27 @@ def _converted_gguf(gguf: Path) -> Path:
 
 @functools.lru_cache(maxsize=8)
 def _content_key(path: str, size: int, mtime_ns: int) -> str:
-    """12 hex digits of the file's sha256 (~0.2 s for the default model's 90 MB, once
-    per process and file version)."""
+    """12 hex digits of the file's sha256 (~0.2 s of CPU for the default model's 90
+    MB), computed once per file version (path, size, mtime) and kept under the cache
+    dir (`gguf-keys/`), so the processes of later starts read it."""
+    stamp = (cache_dir() / "gguf-keys"
+             / hashlib.sha256(f"{path}\0{size}\0{mtime_ns}".encode()).hexdigest()[:24])
+    try:
+        key = stamp.read_text()
+        if len(key) == 12:
+            return key
+    except OSError:
+        pass
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
-    return h.hexdigest()[:12]
+    key = h.hexdigest()[:12]
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=stamp.parent, delete=False) as out:
+        out.write(key)                 # a whole key or none: concurrent workers race
+    os.replace(out.name, stamp)
+    return key
 
 
 def _convert(gguf: Path, out: Path) -> None:
@@ -130,9 +145,10 @@ def _convert(gguf: Path, out: Path) -> None:
 
 def load_model(model: str | Path | None, dtype: "torch.dtype | None" = None,
                device: "str | torch.device" = "cpu", tp: "TensorParallel | None" = None):
-    """Load (ModelConfig, CausalLM, tokenizer, model_dir) through transformers, in
-    `dtype` (default float32) on `device`; with `tp`, only this rank's shard of each
-    tensor is read (safetensors' lazy slices).
+    """Load (ModelConfig, CausalLM, model_dir) in `dtype` (default float32) on
+    `device`: the config as transformers parses it (ModelConfig.of), the weights from
+    the directory's safetensors; with `tp`, only this rank's shard of each tensor is
+    read (safetensors' lazy slices). The tokenizer is `load_tokenizer(model_dir)`.
 
     Raises:
         ModelNotFoundError, UnsupportedModelError, ValueError (weights do not match, or
@@ -140,7 +156,6 @@ def load_model(model: str | Path | None, dtype: "torch.dtype | None" = None,
     """
     import torch
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoTokenizer
 
     from .config import ModelConfig
     from .model import CausalLM
@@ -150,7 +165,7 @@ def load_model(model: str | Path | None, dtype: "torch.dtype | None" = None,
     dtype = torch.float32 if dtype is None else dtype
 
     model_dir = resolve_model(model)
-    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), model_dir)
+    cfg = ModelConfig.of(model_dir)
     device = torch.device(device)
     with torch.device("meta"):
         net = CausalLM(cfg, device, tp)
@@ -169,5 +184,10 @@ def load_model(model: str | Path | None, dtype: "torch.dtype | None" = None,
         raise ValueError(f"{model_dir} has no *.safetensors weights")
     net.load_weights(state)
     net.eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return cfg, net, tokenizer, model_dir
+    return cfg, net, model_dir
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """transformers' tokenizer of HF model directory `model_dir` (AutoTokenizer)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)

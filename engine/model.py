@@ -114,10 +114,8 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def _tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: [max_model_len, head_dim] float32 (attention scaling folded in)."""
-        hf = cfg.hf_config
-        params = getattr(hf, "rope_parameters", None) or {}
-        rope_type = params.get("rope_type", "default")
-        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        params = cfg.rope_parameters
+        rope_type, theta = params["rope_type"], params["rope_theta"]
         if rope_type == "default":
             inv_freq = 1.0 / theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
             scaling = 1.0
@@ -126,7 +124,7 @@ class RotaryEmbedding(nn.Module):
             if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
                 raise ValueError(f"rope_type={rope_type!r} is not supported (position-independent "
                                  f"types only: {sorted(set(ROPE_INIT_FUNCTIONS) - {'dynamic'})})")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg.hf(), torch.device("cpu"))
         pos = torch.arange(cfg.max_model_len, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq.float())                    # (max_len, d/2)
         emb = torch.cat((freqs, freqs), dim=-1)                        # (max_len, d)

@@ -69,7 +69,7 @@ class ModelRunner:
                            "GEMMs in float32 arithmetic, slower than --dtype float32 (which "
                            "is also what HF's fidelity is checked on)")
         self.tp = tp
-        self.config, self.model, self.tokenizer, self.model_dir = load_model(
+        self.config, self.model, self.model_dir = load_model(
             model, cache.dtype, self.device, tp)
         if tp.size > 1 and (compile_model or (not enforce_eager and self.device.type == "cuda")):
             logger.warning("tensor-parallel rank: eager (CUDA graphs and torch.compile are "
@@ -148,6 +148,13 @@ class ModelRunner:
         rows = [t[:-(-n // bs)] for t, n in zip(tables, num_tokens)]
         width = max(2, max(len(r) for r in rows))
         return torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+
+    @functools.cached_property
+    def tokenizer(self):
+        """transformers' tokenizer of the model, loaded on first use (the step never
+        needs it; only `grammars` does)."""
+        from .loader import load_tokenizer
+        return load_tokenizer(self.model_dir)
 
     @functools.cached_property
     def grammars(self) -> Grammars:

@@ -200,13 +200,10 @@ def _handler(role: str | None, runner, tp: TensorParallel, config: WorkerConfig,
 def model_config(model: str):
     """The engine's ModelConfig of `model` (a name, directory or .gguf), from its HF
     config alone (no weights loaded)."""
-    from transformers import AutoConfig
-
     from .engine.config import ModelConfig
     from .engine.loader import resolve_model
 
-    model_dir = resolve_model(model)
-    return ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir), model_dir)
+    return ModelConfig.of(resolve_model(model))
 
 
 def check_model(model: str, size: int) -> None:

@@ -45,11 +45,9 @@ class Geometry:
     @classmethod
     def of_model(cls, model: str, block_size: int, dtype: str = "float32",
                  device: str = "cpu") -> "Geometry":
-        from transformers import AutoConfig
-
         from ..engine.config import ModelConfig
         from ..engine.loader import resolve_model
-        c = ModelConfig.from_hf(AutoConfig.from_pretrained(resolve_model(model)))
+        c = ModelConfig.of(resolve_model(model))
         return cls(c.num_layers, c.num_kv_heads, c.head_dim, block_size, dtype, c.model_id,
                    device)
 

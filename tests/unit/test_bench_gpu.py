@@ -51,7 +51,7 @@ def test_units():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_weight_params_match_the_real_model(family):
     """decode_weight_params is every parameter but an untied input embedding."""
-    cfg, net, _, _ = load_model(tiny_model_dir(family))
+    cfg, net, _ = load_model(tiny_model_dir(family))
     shape = ModelShape.of(cfg)
     total = sum(p.numel() for p in net.parameters())                # tied counted once
     embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size

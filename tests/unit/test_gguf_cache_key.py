@@ -27,3 +27,19 @@ def test_the_environment_can_name_the_default_model(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_DEFAULT_MODEL", str(tmp_path))
     assert loader.resolve_model("default") == tmp_path
     assert loader.resolve_model(None) == tmp_path
+
+
+def test_a_files_key_is_hashed_once_per_version(tmp_path, monkeypatch):
+    """The key is kept per (path, size, mtime): another process reads it, a new
+    version of the file is hashed again."""
+    monkeypatch.setattr(loader, "cache_dir", lambda: tmp_path / "cache")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" * 1000)
+    st = gguf.stat()
+    key = loader._content_key(str(gguf), st.st_size, st.st_mtime_ns)
+    loader._content_key.cache_clear()           # as in another process
+    gguf.write_bytes(b"FUGG" * 1000)            # same size; the old mtime put back
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert loader._content_key(str(gguf), st.st_size, st.st_mtime_ns) == key   # kept
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 1))   # a new version
+    assert loader._content_key(str(gguf), st.st_size, st.st_mtime_ns + 1) != key

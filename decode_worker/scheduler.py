@@ -292,9 +292,10 @@ class DecodeScheduler:
         requests while the pool is short; then resume preempted requests that fit
         again (oldest first). Returns the next batch. `step_budget` (a TPOT SLO's,
         decode_worker/step_budget.py): given the step's decode rows as (tokens so far,
-        DecodeRequest.itl_s, tokens max_tokens leaves after the step's), the most tokens the step may compute, rows and prefill
-        chunks together, prefills getting at least block_size (so they progress); None
-        from it or without it: prefill_chunk_size alone bounds the step."""
+        DecodeRequest.itl_s, tokens max_tokens leaves after the step's), the most
+        tokens the step may compute, rows and prefill chunks together, prefills getting
+        at least block_size (so they progress); None from it or without it:
+        prefill_chunk_size alone bounds the step."""
         now = time.monotonic() if now is None else now
         with self._lock:
             if self._release_next:

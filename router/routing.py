@@ -97,10 +97,6 @@ class PrefixIndex:
         for d in (self._hashes, self._seq, self._tiers, self._tier_seq):
             d.pop(worker_id, None)
 
-    def matched_blocks(self, worker_id: str, hashes: Sequence[BlockHash]) -> int:
-        """How many of `hashes`, from the first, `worker_id` holds without a gap."""
-        return self.matched(worker_id, hashes)[0]
-
     def matched(self, worker_id: str, hashes: Sequence[BlockHash]) -> tuple[int, int, int]:
         """(pool, host, disk): how many of `hashes`, from the first, `worker_id` holds in
         its prefix cache without a gap, then how many of the next its host and disk

@@ -2,8 +2,9 @@
 then short prompts with long answers, on the default model with 1..2 workers per role
 and 3 in all. The planner moves the split prefill-heavy (2P+1D) in the first phase and
 decode-heavy (1P+2D) in the second, holds each split while its phase lasts (no swing
-back and forth), never leaves the bounds; no request is refused or lost, the retired
-workers' actors are gone, every KV pool is free.
+back and forth), never leaves the bounds; no request is refused or lost (those in
+flight when a phase ends are cancelled, their KV freed), the retired workers' actors
+are gone, every KV pool is free.
 
 The load is a closed loop (a fixed number of clients, each sending its next request
 when the last one ends), so it saturates the role each phase stresses on a box of any
@@ -44,7 +45,8 @@ def test_planner_moves_the_split_the_right_way():
     from transformers import AutoTokenizer
 
     from pdserve.bench.planner import PlannerBenchConfig, trace
-    from pdserve.bench.serve import _grpc_stream, _send
+    from pdserve.bench.serve import _send
+    from pdserve.client import make_request
     from pdserve.engine.loader import resolve_model
 
     start_ray()
@@ -61,11 +63,32 @@ def test_planner_moves_the_split_the_right_way():
     results, lock = [], threading.Lock()
     t0 = time.perf_counter()
 
+    calls: set = set()                            # streams in flight, cancelled at a
+                                                  # phase's end (its split is checked)
+
     def loop(pool, k: int, stop: threading.Event) -> None:
         while not stop.is_set():
             req = pool[k % len(pool)]
             k += 7
-            r = _send(req, 0.0, 0.0, _grpc_stream(served.client, req), (grpc.RpcError,))
+
+            def stream(times: list[float], sent: float, req=req) -> None:
+                call = served.client.stream(make_request(
+                    req.prompt_token_ids, max_tokens=req.max_tokens, temperature=0,
+                    ignore_eos=True))
+                with lock:
+                    calls.add(call)
+                try:
+                    if stop.is_set():             # sent as the phase ended
+                        call.cancel()
+                    for msg in call:
+                        times += [time.perf_counter() - sent] * len(msg.token_ids)
+                finally:
+                    with lock:
+                        calls.discard(call)
+
+            r = _send(req, 0.0, 0.0, stream, (grpc.RpcError,))
+            if stop.is_set() and r.error.startswith("CANCELLED"):
+                continue                          # cut short by the phase's end
             with lock:
                 results.append(r)
 
@@ -91,6 +114,9 @@ def test_planner_moves_the_split_the_right_way():
                 time.sleep(0.5)
         finally:
             stop.set()
+            with lock:
+                for call in calls:
+                    call.cancel()
             for t in threads:
                 t.join(300)
 

@@ -22,8 +22,8 @@ def _same(a: ModelConfig, b: ModelConfig) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_kept_config_equals_the_transformers_parse(family, tmp_path, monkeypatch):
-    monkeypatch.setattr(loader, "cache_dir", lambda: tmp_path)
-    d = tiny_model_dir(family)
+    d = tiny_model_dir(family)       # before the cache moves: it reads the default model's
+    monkeypatch.setattr(loader, "cache_dir", lambda: tmp_path)     # conversion there
     parsed = ModelConfig.from_hf(AutoConfig.from_pretrained(d))
     first = ModelConfig.of(d)                  # parsed by transformers, then kept
     kept = ModelConfig.of(d)                   # read from what was kept
@@ -47,8 +47,8 @@ def test_another_process_reads_the_kept_config_without_transformers(tmp_path):
 
 
 def test_a_changed_config_is_parsed_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(loader, "cache_dir", lambda: tmp_path / "cache")
     d = make_tiny_model("llama", tmp_path / "m")
+    monkeypatch.setattr(loader, "cache_dir", lambda: tmp_path / "cache")
     before = ModelConfig.of(d)
     cfg = json.loads((d / "config.json").read_text())
     cfg["rms_norm_eps"] = 1e-3

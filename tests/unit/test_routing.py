@@ -62,12 +62,12 @@ def test_prefix_index_follows_events_and_snapshots():
     idx = PrefixIndex()
     h = block_hashes(list(range(12)), BS)
     idx.apply("p", CacheEvents(0, 3, events=[(True, x) for x in h]))
-    assert idx.since("p") == 3 and idx.matched_blocks("p", h) == 3
+    assert idx.since("p") == 3 and idx.matched("p", h) == (3, 0, 0)
     idx.apply("p", CacheEvents(0, 4, events=[(False, h[1])]))
-    assert idx.matched_blocks("p", h) == 1                # a gap ends the run
+    assert idx.matched("p", h) == (1, 0, 0)                # a gap ends the run
     idx.apply("p", CacheEvents(0, 9, snapshot=[h[2]]))
-    assert idx.matched_blocks("p", h) == 0 and idx.matched_blocks("p", h[2:]) == 1
-    assert idx.matched_blocks("unknown", h) == 0 and idx.since("unknown") == 0
+    assert idx.matched("p", h) == (0, 0, 0) and idx.matched("p", h[2:]) == (1, 0, 0)
+    assert idx.matched("unknown", h) == (0, 0, 0) and idx.since("unknown") == 0
 
 
 def test_kv_aware_counts_tier_blocks_at_their_load_cost():

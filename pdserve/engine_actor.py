@@ -33,7 +33,7 @@ from .engine.outputs import SchedulerOutput
 from .kv_transfer import make_sender
 from .kv_transfer.tp_plan import rank_layout
 from . import tracing
-from .messages import KVPullOrder, WorkerInfo
+from .messages import CacheEvents, KVPullOrder, WorkerInfo
 from .metrics import WorkerMetrics, serve as serve_metrics
 from .tp_group import worker_runner
 
@@ -91,6 +91,16 @@ class EngineActor(abc.ABC):
             self.metrics.registry, self.config.node_host(), self.config.metrics_port)
 
     # --- RPCs -------------------------------------------------------------------------
+
+    async def cache_events(self, since: int, tier_since: int = 0) -> CacheEvents:
+        """Prefix-cache changes after event `since` (engine/block_pool.py) and KV-tier
+        changes after tier event `tier_since` (engine/kv_tiers.py), each a snapshot when
+        too old; the router polls it (routing.py: kv_aware and kv_pull over prefill
+        workers, cache_aware over decode workers)."""
+        seq, events, snapshot = self.pool.cache_events(since)
+        if self.tiers is None:
+            return CacheEvents(self.epoch, seq, events, snapshot)
+        return CacheEvents(self.epoch, seq, events, snapshot, *self.tiers.cache_events(tier_since))
 
     async def ready(self) -> WorkerInfo:
         self._loop = asyncio.get_running_loop()

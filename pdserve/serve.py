@@ -88,6 +88,8 @@ def _serve(args) -> int:
             router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
                                       "max_tokenize_queue_chars", "max_concurrent_calls",
                                       "routing_policy", "kv_host_load_cost",
+                                      "decode_routing_policy", "cache_threshold",
+                                      "balance_abs_threshold", "balance_rel_threshold",
                                       "kv_disk_load_cost", "kv_pull_load_cost",
                                       "metrics_port", "metrics_host",
                                       "slo_ttft_ms", "otlp_traces_endpoint",
@@ -261,6 +263,16 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--kv-pull-load-cost", type=float, default=None, metavar="F",
                    help="kv_aware with --kv-pull: the same for a token read from another "
                         "prefill worker's prefix cache or tiers (default 0.15)")
+    s.add_argument("--decode-routing-policy", choices=["least_loaded", "cache_aware"],
+                   help="how the router picks a decode worker (default least_loaded; "
+                        "cache_aware: SGLang's rule over the decode prefix caches)")
+    for flag, kind, meaning in (
+            ("--cache-threshold", float, "least share of the prompt's blocks the best "
+             "decode worker must hold (default 0.3)"),
+            ("--balance-abs-threshold", int, "loads are unbalanced past this many more "
+             "streams on the busiest decode worker (default 64) ..."),
+            ("--balance-rel-threshold", float, "... and this many times (default 1.5)")):
+        s.add_argument(flag, type=kind, metavar="X", help=f"cache_aware: {meaning}")
     s.add_argument("--otlp-traces-endpoint", default=None, metavar="HOST:PORT",
                    help="export an OpenTelemetry trace of each request to this OTLP "
                         "collector (gRPC; $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf "

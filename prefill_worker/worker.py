@@ -48,7 +48,7 @@ from ..engine.tp_executor import TPGroupBroken
 from ..engine_actor import EngineActor
 from ..kv_transfer import KVTransferError, make_receiver, make_sender
 from ..kv_transfer.tp_plan import rank_targets
-from ..messages import (CacheEvents, KVPullOrder, PrefillOrder, PrefillResult, StepStats,
+from ..messages import (KVPullOrder, PrefillOrder, PrefillResult, StepStats,
                         WorkerStatus)
 from ..request_ids import router_of
 from .connector import PrefillKVConnector
@@ -247,15 +247,6 @@ class PrefillWorker(EngineActor):
     def _end_export(self, blocks: list[int]) -> None:
         self.scheduler.end_export(blocks)
         self._wake.set()            # a prompt waiting for blocks may take them now
-
-    async def cache_events(self, since: int, tier_since: int = 0) -> CacheEvents:
-        """Prefix-cache changes after event `since` (engine/block_pool.py) and KV-tier
-        changes after tier event `tier_since` (engine/kv_tiers.py), each a snapshot when
-        too old; the router polls it (KV-aware routing)."""
-        seq, events, snapshot = self.pool.cache_events(since)
-        if self.tiers is None:
-            return CacheEvents(self.epoch, seq, events, snapshot)
-        return CacheEvents(self.epoch, seq, events, snapshot, *self.tiers.cache_events(tier_since))
 
     async def status(self) -> WorkerStatus:
         running, waiting = self.scheduler.counts()

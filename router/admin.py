@@ -90,22 +90,26 @@ async def watch_workers(placement: Placement, interval_s: float) -> None:
 
 
 async def sync_prefix_caches(placement: Placement, interval_s: float) -> None:
-    """Mirror every prefill worker's prefix cache and KV tiers (routing.PrefixIndex) by
-    polling its cache events every `interval_s` (cache_sync_interval_s); a worker that
-    does not answer in time is skipped this round (its mirror just goes stale)."""
-    index = placement.prefill_router.index
+    """Mirror the prefix caches and KV tiers (routing.PrefixIndex) of the workers
+    Placement.mirrored names by polling their cache events every `interval_s`
+    (cache_sync_interval_s); a worker that does not answer in time is skipped this
+    round (its mirror just goes stale). A worker of a new epoch (Ray restarted it)
+    starts its mirror again: its events restart from 0."""
+    epochs: dict[tuple[int, str], int] = {}      # the incarnation each mirror follows
     while True:
-        for w in placement.prefill:
-            try:
-                reply = await asyncio.wait_for(
-                    w.handle.cache_events.remote(index.since(w.worker_id),
-                                                 index.tier_since(w.worker_id)), timeout=5)
-            except Exception as e:  # dead, restarting or slow: try again next round
-                logger.debug("prefix cache of %s not synced: %r", w.worker_id, e)
-                continue
-            if reply.epoch != w.epoch:   # restarted: its events restart from 0
-                index.forget(w.worker_id)
-                w.epoch = reply.epoch
-                continue
-            index.apply(w.worker_id, reply)
+        for index, workers in placement.mirrored():
+            for w in list(workers):
+                try:
+                    reply = await asyncio.wait_for(
+                        w.handle.cache_events.remote(index.since(w.worker_id),
+                                                     index.tier_since(w.worker_id)),
+                        timeout=5)
+                except Exception as e:  # dead, restarting or slow: try again next round
+                    logger.debug("prefix cache of %s not synced: %r", w.worker_id, e)
+                    continue
+                if epochs.setdefault((id(index), w.worker_id), reply.epoch) != reply.epoch:
+                    index.forget(w.worker_id)
+                    epochs[id(index), w.worker_id] = reply.epoch
+                    continue
+                index.apply(w.worker_id, reply)
         await asyncio.sleep(interval_s)

@@ -64,7 +64,23 @@ class RouterConfig:
                                      # gets both cores of a 2-core box (0.5 req/s fp32: mean
                                      # TTFT 316 -> 188 ms, docs/performance.md section 15).
                                      # No effect without lending (pinned, GPU, other nodes)
-    cache_sync_interval_s: float = 0.1  # kv_aware: how often prefill caches are mirrored
+    decode_routing_policy: str = "least_loaded"  # decode worker choice: least_loaded
+                                     # (fewest streams, then most free KV blocks) |
+                                     # cache_aware (SGLang's cache-aware rule over the decode
+                                     # workers' mirrored prefix caches and KV tiers: the one
+                                     # holding the longest run of the prompt's leading
+                                     # blocks, while the loads are balanced; needs decode
+                                     # prefix caching). Not yet measured against
+                                     # least_loaded on a multi-decode-worker load
+    cache_threshold: float = 0.3     # cache_aware: least share of the prompt's blocks the
+                                     # best decode worker must hold for the prefix to choose
+                                     # (SGLang's --cache-threshold)
+    balance_abs_threshold: int = 64  # cache_aware: the loads are unbalanced, and the least
+    balance_rel_threshold: float = 1.5  # loaded decode worker is chosen, when the most
+                                     # streams exceed the fewest by more than the first and
+                                     # more than this many times (SGLang's --balance-*)
+    cache_sync_interval_s: float = 0.1  # kv_aware, kv_pull, cache_aware: how often the
+                                     # workers' prefix caches are mirrored
     max_migrations: int = 3          # retries of a request after a worker died or its KV
                                      # transfer failed (each resumes after the tokens sent)
     rebalance_on_scale_up: bool = False  # decode workers that join (Admin.Scale, the
@@ -119,10 +135,21 @@ class RouterConfig:
         if not self.stream_stall_timeout_s > 0:
             raise ValueError(f"stream_stall_timeout_s={self.stream_stall_timeout_s}: must be "
                              "> 0 seconds")
-        from .routing import POLICIES
+        from .routing import DECODE_POLICIES, POLICIES
         if self.routing_policy not in POLICIES:
             raise ValueError(f"routing_policy={self.routing_policy!r}: choose one of "
                              f"{list(POLICIES)}")
+        if self.decode_routing_policy not in DECODE_POLICIES:
+            raise ValueError(f"decode_routing_policy={self.decode_routing_policy!r}: choose "
+                             f"one of {list(DECODE_POLICIES)}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold={self.cache_threshold}: must be in [0, 1]")
+        if self.balance_abs_threshold < 0:
+            raise ValueError(f"balance_abs_threshold={self.balance_abs_threshold}: must be "
+                             ">= 0 streams")
+        if not self.balance_rel_threshold >= 1.0:
+            raise ValueError(f"balance_rel_threshold={self.balance_rel_threshold}: must be "
+                             ">= 1")
         for name in ("kv_load_weight", "kv_host_load_cost", "kv_disk_load_cost",
                      "kv_pull_load_cost"):
             if not getattr(self, name) >= 0:

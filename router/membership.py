@@ -94,9 +94,10 @@ async def sync_members(placement) -> tuple[list[str], list[str]]:
                 have[wid].draining = True
         gone = sorted(set(have) - set(named))
         setattr(placement, role, [w for wid, w in have.items() if wid not in gone] + new)
-        if role == "prefill":
-            for wid in gone:
-                placement.prefill_router.index.forget(wid)
+        index = (placement.prefill_router.index if role == "prefill"
+                 else placement.decode_index)
+        for wid in gone if index is not None else ():
+            index.forget(wid)
         joined += [w.worker_id for w in new]
         left += gone
     if joined:

@@ -24,7 +24,7 @@ from ..engine.sampling_params import InvalidRequestError
 from ..messages import StepStats
 from .errors import RequestError
 from .reservation import PlacementWhy, Reservation, RoomQueue
-from .routing import PrefillRouter
+from .routing import PrefillRouter, PrefixIndex, decode_order
 from .workers import Worker
 
 logger = logging.getLogger(__name__)
@@ -83,8 +83,23 @@ class Placement:
         self.prefill_router = prefill_router
         self.prefill: list[Worker] = prefill or []
         self.decode: list[Worker] = decode or []
+        rc = config.router
+        # the decode workers' prefix caches and tiers, mirrored (routing.decode_order)
+        self.decode_index = (PrefixIndex() if rc.decode_routing_policy == "cache_aware"
+                             else None)
         self.room = RoomQueue()
         self.first_token = FirstTokenTimes()    # of the prefill workers (SLO placement)
+
+    def mirrored(self) -> list[tuple[PrefixIndex, list[Worker]]]:
+        """(index, workers) per role whose prefix caches the router mirrors
+        (admin.sync_prefix_caches): the prefill workers' for kv_aware or kv_pull, the
+        decode workers' for cache_aware when there is more than one to choose from."""
+        rc, out = self.config.router, []
+        if rc.routing_policy == "kv_aware" or self.config.prefill.kv_pull:
+            out.append((self.prefill_router.index, self.prefill))
+        if self.decode_index is not None and len(self.decode) > 1:
+            out.append((self.decode_index, self.decode))
+        return out
 
     async def available(self, workers: list[Worker], role: str, deadline: float
                          ) -> list[Worker]:
@@ -120,7 +135,9 @@ class Placement:
             logger.warning("%s restarted on %s (epoch %x -> %x)", w.worker_id, info.node_ip,
                            w.epoch, info.epoch)
             w.epoch, w.node_ip, w.draining = info.epoch, info.node_ip, False
-            self.prefill_router.index.forget(w.worker_id)
+            for index in (self.prefill_router.index, self.decode_index):
+                if index is not None:
+                    index.forget(w.worker_id)
             self.first_token.forget(w.worker_id)
         w.alive = True
 
@@ -193,7 +210,10 @@ class Placement:
             live = await self.available(self.decode, "decode", give_up)
             live_p = await self.available(self.prefill, "prefill", deadline)
             lease_s = min(self.config.decode.lease_s, max(deadline - time.monotonic(), 0.001))
-            for d in sorted(live, key=lambda w: (w.total_streams, -w.free_blocks)):
+            rc = self.config.router
+            for d in decode_order(live, self.decode_index, ids, self.config.decode.block_size,
+                                  rc.cache_threshold, rc.balance_abs_threshold,
+                                  rc.balance_rel_threshold):
                 # choose and charge with no await in between
                 # prompt logprobs come from a prefill worker's pass over the whole prompt
                 local = params.prompt_logprobs is None and self.prefill_on_decode(d, prompt_len)

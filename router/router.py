@@ -138,7 +138,8 @@ class Router:
         await membership.join(self.placement, (self._prefill_handles, self._decode_handles),
                               self.index, rc.worker_ready_timeout_s if restarted else None)
         loop = asyncio.get_running_loop()
-        if rc.routing_policy == "kv_aware" or self.config.prefill.kv_pull:
+        if (rc.routing_policy == "kv_aware" or self.config.prefill.kv_pull
+                or rc.decode_routing_policy == "cache_aware"):
             self._cache_sync = loop.create_task(admin.sync_prefix_caches(
                 self.placement, rc.cache_sync_interval_s))
         self._watch = loop.create_task(admin.watch_workers(self.placement,

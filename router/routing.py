@@ -29,6 +29,12 @@ Which blocks P holds, and where, comes from PrefixIndex, a mirror of each P's ca
 tiers that the router refreshes by polling the workers' cache events every
 `cache_sync_interval_s` (not per request), so it may lag by that much: a stale entry
 costs a wrong guess, never a wrong answer (P looks the prefix up itself).
+
+The decode worker D is chosen by `decode_order`: `least_loaded` (fewest streams, then
+most free KV blocks), or `cache_aware`, SGLang's cache-aware rule over a PrefixIndex of
+the decode workers' prefix caches and tiers (a conversation's next turn finds its history
+where its last turn ran): while the loads are balanced, the D holding the longest run of
+the prompt's leading blocks, when that run is at least `cache_threshold` of them.
 """
 
 from __future__ import annotations
@@ -41,6 +47,41 @@ from ..engine.block_pool import BlockHash, block_hashes
 from ..messages import CacheEvents
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
+DECODE_POLICIES = ("least_loaded", "cache_aware")
+
+
+class DecodeTarget(Protocol):
+    worker_id: str
+    total_streams: int       # this router's streams on it + other replicas' reported
+    free_blocks: int
+
+
+def decode_order(workers: Sequence[DecodeTarget], index: PrefixIndex | None = None,
+                 token_ids: Sequence[int] = (), block_size: int = 16,
+                 cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
+                 balance_rel_threshold: float = 1.5) -> list[DecodeTarget]:
+    """`workers`, best first for a prompt's reservation: by fewest streams, then most
+    free blocks (least_loaded); with `index` (cache_aware, a mirror of the decode
+    workers' prefix caches and tiers) SGLang's cache-aware rule (sgl-model-gateway
+    `cache_aware`): when the loads are balanced (most streams - fewest <=
+    balance_abs_threshold, or most <= fewest * balance_rel_threshold) and the worker
+    holding the longest run of the prompt's leading full blocks (pool, then host and
+    disk tiers) holds at least `cache_threshold` of them, it comes first, the rest in
+    load order."""
+    by_load = sorted(workers, key=lambda w: (w.total_streams, -w.free_blocks))
+    if index is None or len(by_load) < 2:
+        return by_load
+    fewest, most = by_load[0].total_streams, max(w.total_streams for w in by_load)
+    if most - fewest > balance_abs_threshold and most > fewest * balance_rel_threshold:
+        return by_load
+    hashes = block_hashes(token_ids, block_size)
+    if not hashes:
+        return by_load
+    runs = [sum(index.matched(w.worker_id, hashes)) for w in by_load]
+    best = max(range(len(by_load)), key=lambda i: (runs[i], -i))   # ties: the less loaded
+    if runs[best] < cache_threshold * len(hashes) or runs[best] == 0:
+        return by_load
+    return [by_load[best]] + by_load[:best] + by_load[best + 1:]
 
 
 class PrefillTarget(Protocol):

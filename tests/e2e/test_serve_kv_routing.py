@@ -1,5 +1,7 @@
 """KV-aware routing through the real server: with two prefill workers, a prompt that
-repeats a cached prefix goes to the worker holding it (not to the idle one)."""
+repeats a cached prefix goes to the worker holding it (not to the idle one); with two
+decode workers and decode_routing_policy cache_aware, a next turn goes to the decode
+worker holding its history, though the other has fewer streams."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import time
 
 import pytest
 import ray
-from serving import Served, start_ray
+from serving import Served, hf_greedy, start_ray
 
 from pdserve.client import make_request
 
@@ -50,4 +52,40 @@ def test_repeat_goes_to_the_prefill_worker_holding_its_prefix():
             assert gained[holder[name]] == 480 // 16 * 16, (name, gained, holder)
             assert sum(gained.values()) == gained[holder[name]]
     finally:
+        served.stop()
+
+
+def test_a_next_turn_goes_to_the_decode_worker_holding_its_history():
+    start_ray()
+    served = Served(prefill_workers=1, decode_workers=2, local_prefill_max_tokens=0,
+                    router_kw={"decode_routing_policy": "cache_aware"})
+    stream = None
+    try:
+        history = _prompt("trains", 480, "first?")
+        served.generate(history, max_tokens=2, temperature=0)
+
+        def decode_status():
+            return {s.worker_id: s for s in served.decode_status()}
+
+        [holder] = [w for w, s in decode_status().items() if s.prefix_cache_blocks]
+        time.sleep(0.5)                                       # > cache_sync_interval_s
+        # a long stream of another turn on the holder (where its history is): by load
+        # alone, the next turn would go to the other decode worker
+        stream = served.client.stream(make_request(history + [4000] * 8, max_tokens=3000,
+                                                   temperature=0, ignore_eos=True))
+        next(iter(stream))
+        running = {w: s.running_requests for w, s in decode_status().items()}
+        assert running[holder] == 1 and sum(running.values()) == 1, running
+        time.sleep(0.5)                                       # > cache_sync_interval_s
+        before = decode_status()
+        turn = history + [5000 + i for i in range(20)]
+        got = served.generate(turn, max_tokens=4, temperature=0)
+        after = decode_status()
+        gained = {w: after[w].prefix_cache_hit_tokens - before[w].prefix_cache_hit_tokens
+                  for w in after}
+        assert gained == {w: 480 if w == holder else 0 for w in after}, (gained, holder)
+        assert got[0] == hf_greedy("default", turn, 4)
+    finally:
+        if stream is not None:
+            stream.cancel()
         served.stop()

@@ -1,4 +1,5 @@
-"""router/routing.py: prefill worker choice by policy, and the prefix-cache mirror."""
+"""router/routing.py: prefill worker choice by policy, decode worker order
+(least_loaded, cache_aware), and the prefix-cache mirror."""
 
 from dataclasses import dataclass
 
@@ -6,7 +7,7 @@ import pytest
 
 from pdserve.engine.block_pool import BlockPool, block_hashes
 from pdserve.messages import CacheEvents
-from pdserve.router.routing import PrefillRouter, PrefixIndex
+from pdserve.router.routing import PrefillRouter, PrefixIndex, decode_order
 
 BS = 4
 
@@ -147,3 +148,39 @@ def test_with_pulls_a_peer_s_tier_blocks_count_in_its_run_at_their_load_cost_too
     assert r.pick([a, b], prompt) == (a, 40)
     b.total_queued_tokens = 7                        # b: 9.2 < a: 10.2
     assert r.pick([a, b], prompt) == (b, 40)
+
+
+@dataclass
+class D:
+    worker_id: str
+    total_streams: int = 0
+    free_blocks: int = 100
+
+
+def test_decode_order_least_loaded_then_cache_aware():
+    """least_loaded: fewest streams, then most free blocks. cache_aware: the decode
+    worker holding the prompt's leading blocks first while the loads are balanced
+    (SGLang's thresholds), else the load order; a run under cache_threshold of the
+    prompt's blocks does not choose."""
+    prompt = list(range(40))                                   # 10 full blocks
+    d0, d1, d2 = D("d0", 3), D("d1", 1, 50), D("d2", 1, 80)
+    assert [d.worker_id for d in decode_order([d0, d1, d2])] == ["d2", "d1", "d0"]
+    index = PrefixIndex()
+    pool = BlockPool(64)
+    hashes = block_hashes(prompt[:24], BS)                      # 6 of the 10 blocks
+    pool.cache_blocks(pool.allocate(len(hashes)), hashes)
+    seq, events, _ = pool.cache_events(0)
+    index.apply("d0", CacheEvents(0, seq, events=events))
+
+    def order(**kw):
+        return [d.worker_id for d in decode_order([d0, d1, d2], index, prompt, BS, **kw)]
+
+    assert order() == ["d0", "d2", "d1"]                        # 3 vs 1 streams: balanced
+    assert order(cache_threshold=0.7) == ["d2", "d1", "d0"]     # 6 of 10 blocks: too few
+    d0.total_streams = 70                                       # 70 vs 1: unbalanced
+    assert order() == ["d2", "d1", "d0"]
+    assert order(balance_abs_threshold=80) == ["d0", "d2", "d1"]
+    assert order(balance_rel_threshold=100.0) == ["d0", "d2", "d1"]
+    d0.total_streams = 3
+    assert [d.worker_id for d in decode_order([d0, d1, d2], index, [7] * 40, BS)] == [
+        "d2", "d1", "d0"]                                       # held by none

@@ -70,8 +70,8 @@ class RouterConfig:
                                      # workers' mirrored prefix caches and KV tiers: the one
                                      # holding the longest run of the prompt's leading
                                      # blocks, while the loads are balanced; needs decode
-                                     # prefix caching). Not yet measured against
-                                     # least_loaded on a multi-decode-worker load
+                                     # prefix caching). Measured slower than least_loaded
+                                     # on two decode workers here (docs/kv_tiers.md)
     cache_threshold: float = 0.3     # cache_aware: least share of the prompt's blocks the
                                      # best decode worker must hold for the prefix to choose
                                      # (SGLang's --cache-threshold)

@@ -7,7 +7,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,7 +68,7 @@ class ModelConfig:
             UnsupportedModelError: as from_hf.
             OSError: config.json is unreadable.
         """
-        from .loader import cache_dir
+        from .loader import cache_dir, write_whole
 
         model_dir = Path(model_dir)
         raw = (model_dir / "config.json").read_bytes()
@@ -89,10 +88,7 @@ class ModelConfig:
         cfg = cls.from_hf(AutoConfig.from_pretrained(model_dir), model_dir)
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)
                   if f.name not in ("model_dir", "hf_config")}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
-            json.dump(fields, f)           # a whole file or none: concurrent workers race
-        os.replace(f.name, path)
+        write_whole(path, json.dumps(fields))     # workers of one start race to write it
         return cfg
 
     def hf(self):

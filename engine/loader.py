@@ -116,11 +116,18 @@ def _content_key(path: str, size: int, mtime_ns: int) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     key = h.hexdigest()[:12]
-    stamp.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=stamp.parent, delete=False) as out:
-        out.write(key)                 # a whole key or none: concurrent workers race
-    os.replace(out.name, stamp)
+    write_whole(stamp, key)
     return key
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write `text` to `path` (its directory made) as a whole file or none: through a
+    temporary file renamed over it, so processes racing to write it, or reading it
+    meanwhile, never see a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as out:
+        out.write(text)
+    os.replace(out.name, path)
 
 
 def _convert(gguf: Path, out: Path) -> None:

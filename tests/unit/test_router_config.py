@@ -140,3 +140,21 @@ def test_admin_key_worker_bound_and_metrics_host_flags(recording, monkeypatch):
     assert cli.main(["serve"]) == 1
     rc = recording[1].router
     assert (rc.admin_api_key, rc.max_workers, rc.metrics_host) == (None, 16, None)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"decode_routing_policy": "random"}, "^decode_routing_policy='random': choose one of"),
+    ({"cache_threshold": 1.5}, r"^cache_threshold=1.5: must be in \[0, 1\]"),
+    ({"balance_abs_threshold": -1}, "^balance_abs_threshold=-1: must be >= 0 streams"),
+    ({"balance_rel_threshold": 0.5}, "^balance_rel_threshold=0.5: must be >= 1")])
+def test_decode_routing_settings_are_checked_naming_the_field(kw, message):
+    with pytest.raises(ValueError, match=message):
+        RouterConfig(**kw)
+
+
+def test_serve_passes_the_decode_routing_flags(recording):
+    assert cli.main(["serve", "--decode-routing-policy", "cache_aware", "--cache-threshold",
+                     "0.5", "--balance-abs-threshold", "8", "--balance-rel-threshold", "2"]) == 1
+    rc = recording[0].router
+    assert (rc.decode_routing_policy, rc.cache_threshold, rc.balance_abs_threshold,
+            rc.balance_rel_threshold) == ("cache_aware", 0.5, 8, 2.0)

@@ -333,7 +333,7 @@ class DecodeWorker(EngineActor):
         self._publish(self.scheduler.drain_events())
         # a TP worker's ranks report arrivals only when polled (rank.py)
         self._wake.wait(_RANK_POLL_S if getattr(self.receiver, "wants_poll", False)
-                        else _IDLE_WAIT_S)
+                        or self.tiers is not None and self.tiers.wants_poll else _IDLE_WAIT_S)
         self._wake.clear()
 
     def _step(self, out: SchedulerOutput) -> None:

@@ -16,7 +16,7 @@ import os
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -31,14 +31,15 @@ HEADER_BYTES = 4096      # a slot's header region; the block's bytes follow, pag
 
 
 def fingerprint(model_id: str, kv_cache: torch.Tensor, model_dir: Path | None = None,
-                tp_rank: int = 0) -> bytes:
+                tp_rank: int = 0, tp_size: int = 1, kv_heads: Sequence[int] = ()) -> bytes:
     """32 bytes naming what a block's bytes mean: the model (its config's `model_id`, and
     with `model_dir` its weights: each *.safetensors file's name, size and first and last
     MiB, so a fine-tune of the same shape differs), the cache's dtype and block layout
-    [num_layers, 2, num_kv_heads, block_size, head_dim], the TP rank."""
+    [num_layers, 2, num_kv_heads, block_size, head_dim], the TP rank and size and the
+    model's KV heads this rank's cache holds (`kv_heads`; at TP 1, all of them)."""
     shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
-    h = hashlib.blake2b(f"{model_id}|{kv_cache.dtype}|{tuple(shape)}|rank{tp_rank}".encode(),
-                        digest_size=32)
+    h = hashlib.blake2b(f"{model_id}|{kv_cache.dtype}|{tuple(shape)}|rank{tp_rank}/{tp_size}|"
+                        f"heads{tuple(kv_heads)}".encode(), digest_size=32)
     for f in sorted(Path(model_dir).glob("*.safetensors")) if model_dir is not None else ():
         size = f.stat().st_size
         h.update(f"|{f.name}|{size}|".encode())

@@ -101,6 +101,11 @@ class _Store:
 
 
 @dataclass(slots=True)
+class _Forget:
+    hashes: list[BlockHash]
+
+
+@dataclass(slots=True)
 class _Load:
     key: str
     hashes: list[BlockHash]
@@ -115,13 +120,16 @@ class KVTiers:
     tier's directory and size (None / 0: no disk tier); name: the worker's, naming its
     slab file (one per worker and fingerprint, so a restart finds its own). `notify`
     wakes the step loop when a load or store finishes. store, lookup, load and poll are
-    called from the step thread.
+    called from the step thread. `pool` None: a tensor-parallel follower rank's tiers,
+    whose blocks rank 0 holds and frees (store_exactly, take_finished; tp_tiers.py).
 
     Raises:
         ValueError: host_gib holds no block.
         RuntimeError, OSError: as DiskTier."""
 
-    def __init__(self, pool: BlockPool, kv_cache: torch.Tensor, fp: bytes, host_gib: float,
+    wants_poll = False      # a tensor-parallel worker's ranks cannot wake the step loop
+
+    def __init__(self, pool: BlockPool | None, kv_cache: torch.Tensor, fp: bytes, host_gib: float,
                  disk_dir: str | Path | None = None, disk_gib: float = 0.0,
                  name: str = "worker", notify: Callable[[], None] | None = None):
         self.pool, self.kv_cache = pool, kv_cache
@@ -155,17 +163,32 @@ class KVTiers:
 
     # --- the step thread --------------------------------------------------------------
 
-    def store(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+    def store(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]
+              ) -> tuple[list[int], list[BlockHash]]:
         """Copy the blocks (held, computed, registered under `hashes` pairwise) to the
-        host tier, those of hashes no tier holds; each held once more until copied."""
+        host tier, those of hashes no tier holds nor has queued; each held once more
+        until copied. Returns those taken: (block ids, hashes)."""
         with self._lock:
             new = [(b, h) for b, h in zip(block_ids, hashes) if not self._holds(h)
                    and h not in self._pending]
             self._pending.update(h for _, h in new)
+        blocks, taken = [b for b, _ in new], [h for _, h in new]
         if new:
-            blocks = [b for b, _ in new]
+            self._queue_store(blocks, taken)
+        return blocks, taken
+
+    def store_exactly(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+        """Copy these blocks to the host tier, each hash's entry once (a follower rank's
+        store: rank 0 chose them, engine/tp_tiers.py); one already in the host tier is
+        only made most recently used."""
+        with self._lock:
+            self._pending.update(hashes)
+        self._queue_store(list(block_ids), list(hashes))
+
+    def _queue_store(self, blocks: list[int], hashes: list[BlockHash]) -> None:
+        if self.pool is not None:
             self.pool.incref(blocks)
-            self._jobs.put(_Store(blocks, [h for _, h in new]))
+        self._jobs.put(_Store(blocks, hashes))
 
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading `hashes` a tier holds now."""
@@ -185,12 +208,29 @@ class KVTiers:
     def poll(self) -> list[LoadDone]:
         """The loads finished since the last call; the blocks whose copy to the host tier
         finished go back to the pool (one ref each)."""
-        with self._lock:
-            stored, self._stored = self._stored, []
-            loaded, self._loaded = self._loaded, []
+        stored, loaded = self.take_finished()
         if stored:
             self.pool.free(stored)
         return loaded
+
+    def take_finished(self) -> tuple[list[int], list[LoadDone]]:
+        """(the blocks whose copy to the host tier finished, the loads finished) since
+        the last call; poll() without giving the blocks back (a follower rank's, whose
+        blocks are rank 0's to free)."""
+        with self._lock:
+            stored, self._stored = self._stored, []
+            loaded, self._loaded = self._loaded, []
+        return stored, loaded
+
+    def forget(self, hashes: Sequence[BlockHash]) -> None:
+        """Drop the entries of `hashes` from both tiers (those held), on the tiers thread
+        after what is queued: a tensor-parallel worker's entry that some rank lacks."""
+        self._jobs.put(_Forget(list(hashes)))
+
+    def held(self) -> set[BlockHash]:
+        """Every hash a tier holds now."""
+        with self._lock:
+            return set(self.host.index) | (set() if self.disk is None else set(self.disk.index))
 
     def cache_events(self, since: int) -> tuple[int, list[tuple[str, bool, BlockHash]] | None,
                                                  list[tuple[str, BlockHash]] | None]:
@@ -230,6 +270,8 @@ class KVTiers:
             try:
                 if isinstance(job, _Store):
                     self._store(job)
+                elif isinstance(job, _Forget):
+                    self._forget(job)
                 else:
                     self._load(job)
             except Exception:     # a tier fault costs hits, never a request
@@ -238,22 +280,36 @@ class KVTiers:
                     with self._lock:
                         self._pending.difference_update(job.hashes[job.done:])
                         self._stored += job.blocks[job.done:]
-                else:
+                elif isinstance(job, _Load):
                     with self._lock:
                         self._loaded.append(LoadDone(job.key, len(job.done)))
             self._notify()
 
     def _store(self, job: _Store) -> None:
         for block, h in zip(job.blocks, job.hashes):
-            slot = self._host_slot()
-            self.host.slab[slot].copy_(block_view(self.kv_cache, block))
             with self._lock:
-                self.host.index[h] = slot
-                self._events.append(("host", True, h))
+                held = self.host.slot_of(h) is not None      # store_exactly's only
+            if not held:
+                slot = self._host_slot()
+                self.host.slab[slot].copy_(block_view(self.kv_cache, block))
+            with self._lock:
+                if not held:
+                    self.host.index[h] = slot
+                    self._events.append(("host", True, h))
                 self._pending.discard(h)
                 self._stored.append(block)
                 self.stats.stored_host += 1
                 job.done += 1
+
+    def _forget(self, job: _Forget) -> None:
+        for h in job.hashes:
+            with self._lock:
+                slot = self.host.index.pop(h, None)
+                if slot is not None:
+                    self.host.free.append(slot)
+                    self._events.append(("host", False, h))
+            if self.disk is not None and h in self.disk.index:
+                self.disk.drop(h)
 
     def _host_slot(self) -> int:
         """A free host slot: the least recently used entry's when none is free, moved to

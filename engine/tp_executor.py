@@ -15,7 +15,7 @@ rank's KV cache holds the same blocks (its own KV heads of them). A callback suc
 each rank passes its own (`follow(..., on_layer_done=)`), the leader's to its calls.
 Work of a follower beside the model (a prefill rank sending its KV heads to the decode
 worker) comes as orders of its own (`TPLeader.order`), run by the follower's
-`handler` in the same sequence as the step calls.
+handlers in the same sequence as the step calls.
 
 An idle leader sends a heartbeat order every `heartbeat_s`, so followers waiting for
 the next order never reach the group's collective timeout while rank 0 is alive; a
@@ -162,14 +162,18 @@ def _run(fn, kwargs: dict, on_layer_done: Callable[[int], None] | None):
 
 
 def follow(runner, tp: TensorParallel,
-           on_layer_done: Callable[[int], None] | None = None, handler: Any = None) -> int:
+           on_layer_done: Callable[[int], None] | None = None, handlers: tuple = ()) -> int:
     """Run rank 0's calls on this rank's `runner` until its stop(); returns the number of
     step calls run. An order that is not a step call (TPLeader.order) runs as
-    ``handler.<name>(**kwargs)``, one of the names in ``handler.ORDERS``; one of its
-    ``GATHERS`` (TPLeader.gather) also sends what it returns to rank 0. Raises what a
-    call or the group raises (a rank gone), which ends this rank: its worker is
-    restarted as a whole."""
+    ``handler.<name>(**kwargs)`` of the one of `handlers` (None entries skipped) whose
+    ``ORDERS`` name it; one of its ``GATHERS`` (TPLeader.gather) also sends what it
+    returns to rank 0. Raises what a call or the group raises (a rank gone), which ends
+    this rank: its worker is restarted as a whole."""
     assert tp.rank > 0, tp
+    orders, gathers = {}, {}
+    for handler in (h for h in handlers if h is not None):
+        orders |= {name: getattr(handler, name) for name in handler.ORDERS}
+        gathers |= {name: getattr(handler, name) for name in handler.GATHERS}
     calls = 0
     while True:
         order: list = [None, None]
@@ -179,11 +183,11 @@ def follow(runner, tp: TensorParallel,
             return calls
         if name == _PING:
             continue
-        if handler is not None and name in handler.ORDERS:
-            getattr(handler, name)(**kwargs)
+        if name in orders:
+            orders[name](**kwargs)
             continue
-        if handler is not None and name in handler.GATHERS:
-            torch.distributed.gather_object(getattr(handler, name)(**kwargs), None, dst=0,
+        if name in gathers:
+            torch.distributed.gather_object(gathers[name](**kwargs), None, dst=0,
                                             group=tp.group)
             continue
         if name not in STEP_CALLS:

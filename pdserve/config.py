@@ -150,9 +150,6 @@ class WorkerConfig:
                                                        and self.kv_disk_cache_gib > 0):
             raise ValueError("kv_disk_cache_dir needs kv_disk_cache_gib > 0 and a host tier "
                              "(kv_host_cache_gib > 0): blocks reach the disk through it")
-        if self.kv_host_cache_gib > 0 and self.tensor_parallel_size > 1:
-            raise ValueError("kv_host_cache_gib: KV tiers are for tensor_parallel_size 1 "
-                             f"(got {self.tensor_parallel_size})")
         if self.kv_pull and (self.tensor_parallel_size > 1 or not self.enable_prefix_caching):
             raise ValueError("kv_pull needs enable_prefix_caching and tensor_parallel_size 1 "
                              f"(got {self.enable_prefix_caching}, {self.tensor_parallel_size})")

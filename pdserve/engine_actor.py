@@ -28,14 +28,14 @@ from .core_share import CompileActivity
 from .engine.block_pool import BlockPool
 from .engine.engine_thread import EngineThread
 from .engine.kv_prefault import prefault_pool
-from .engine.kv_tiers import KVTiers, fingerprint
+from .engine.tp_tiers import TPTiers
 from .engine.outputs import SchedulerOutput
 from .kv_transfer import make_sender
 from .kv_transfer.tp_plan import rank_layout
 from . import tracing
 from .messages import CacheEvents, KVPullOrder, WorkerInfo
 from .metrics import WorkerMetrics, serve as serve_metrics
-from .tp_group import worker_runner
+from .tp_group import worker_runner, worker_tiers
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +77,11 @@ class EngineActor(abc.ABC):
         self._pull_lock = threading.Lock()
         self.tiers = None              # host and disk KV tiers below the pool (kv_tiers.py)
         if config.kv_host_cache_gib > 0:
-            self.tiers = KVTiers(self.pool, self.runner.kv_cache,
-                                 fingerprint(model.model_id, self.runner.kv_cache,
-                                             self.runner.model_dir),
-                                 config.kv_host_cache_gib, config.kv_disk_cache_dir,
-                                 config.kv_disk_cache_gib, name=worker_id,
-                                 notify=self._wake.set)
+            self.tiers = worker_tiers(worker_id, config, self.runner, self.tp, self.pool,
+                                      self._wake.set)
+            if self.tp.size > 1:       # the ranks' tiers follow rank 0's (tp_tiers.py)
+                self.tiers = TPTiers(self.tiers, self.runner, self.tp.size,
+                                     self._group_broken, self._wake.set)
 
     def _serve_metrics(self) -> None:
         """/metrics of this worker (pdserve/metrics.py), its values from _metric_values."""

@@ -126,20 +126,25 @@ class TPRank:
                                        config.num_threads, rank_cpus(config.cpus, size, rank),
                                        tp=self.tp)
         self.handler = _handler(role, self.runner, self.tp, config, epoch)
+        self.tiers = None      # this rank's KV heads of rank 0's tier entries (tp_tiers.py)
+        if config.kv_host_cache_gib > 0:
+            from .engine.tp_tiers import RankTiers
+            self.tiers = RankTiers(worker_tiers(worker_id, config, self.runner, self.tp, None))
         self.calls = 0
         self.engine.start(self._follow)
 
     def _follow(self) -> None:
         from .engine.tp_executor import follow
         try:
-            self.calls = follow(self.runner, self.tp, handler=self.handler,
+            self.calls = follow(self.runner, self.tp, handlers=(self.handler, self.tiers),
                                 on_layer_done=getattr(self.handler, "on_layer_done", None))
         except Exception as e:            # rank 0 gone, or a step failed here
             logger.error("%s rank %d: its group broke (%r); exiting", self.worker_id,
                          self.rank, e)
             os._exit(1)
-        if self.handler is not None:
-            self.handler.close()
+        for handler in (self.handler, self.tiers):
+            if handler is not None:
+                handler.close()
         torch.distributed.destroy_process_group()
 
     def ready(self) -> dict:
@@ -195,6 +200,21 @@ def _handler(role: str | None, runner, tp: TensorParallel, config: WorkerConfig,
                          host=config.node_host())
     return PrefillRankKV(sender, model.num_layers,
                          functools.partial(rank_targets, model.num_kv_heads, tp.size, tp.rank))
+
+
+def worker_tiers(worker_id: str, config: WorkerConfig, runner, tp: TensorParallel, pool,
+                 notify=None):
+    """This rank's KV tiers under its cache (engine/kv_tiers.py): config's host and disk
+    sizes split evenly over the tp.size ranks (each holds its KV heads of every entry);
+    `pool`: rank 0's block pool, None on a follower rank. Raises what KVTiers raises."""
+    from .engine.kv_tiers import KVTiers, fingerprint
+
+    model = runner.config
+    fp = fingerprint(model.model_id, runner.kv_cache, runner.model_dir, tp.rank, tp.size,
+                     tp.kv_heads(model))
+    return KVTiers(pool, runner.kv_cache, fp, config.kv_host_cache_gib / tp.size,
+                   config.kv_disk_cache_dir, config.kv_disk_cache_gib / tp.size,
+                   name=worker_id, notify=notify)
 
 
 def model_config(model: str):

@@ -330,7 +330,8 @@ class PrefillWorker(EngineActor):
     def _idle(self) -> None:
         if self.tp_ranks is not None:
             self.tp_ranks.poll()
-        self._wake.wait(0.05)
+        # a TP worker's ranks report tier copies only when polled (engine/tp_tiers.py)
+        self._wake.wait(0.005 if self.tiers is not None and self.tiers.wants_poll else 0.05)
         self._wake.clear()
 
     def _step(self, out: SchedulerOutput) -> None:

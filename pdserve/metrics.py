@@ -162,6 +162,17 @@ class RouterMetrics:
                                 "disaggregation, router/placement.py).", ["on"], registry=r)
         for on in ("prefill_worker", "decode_worker"):
             self.prefills.labels(on=on)   # exported at 0 from the start
+        self.decode_placements = Counter(
+            p + "decode_placements", "Request attempts by why the decode worker that took "
+            "them was asked: by='cache', it came first for holding the longest run of the "
+            "prompt's blocks (--decode-routing-policy cache_aware); by='load', by its load "
+            "(fewest streams; or the next after one that refused).", ["by"], registry=r)
+        for by in ("cache", "load"):
+            self.decode_placements.labels(by=by)
+        self.decode_refusals = Counter(
+            p + "decode_refusals", "Reservations a decode worker refused for want of free KV "
+            "blocks (or could not take, dead), the next in decode_order asked instead.",
+            registry=r)
         self.stalled = Counter(p + "streams_stalled",
                                "Streams aborted because their client read nothing for "
                                "stream_stall_timeout_s.", registry=r)

@@ -142,6 +142,8 @@ class Attempt:
                              **(held.why.attributes() if held.why is not None else {})})
         on.metrics.prefills.labels(on="decode_worker" if held.p is None
                                    else "prefill_worker").inc()
+        on.metrics.decode_placements.labels(by="cache" if held.by_cache else "load").inc()
+        on.metrics.decode_refusals.inc(held.refusals)
         finished = False
         with held:
             try:

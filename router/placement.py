@@ -211,9 +211,11 @@ class Placement:
             live_p = await self.available(self.prefill, "prefill", deadline)
             lease_s = min(self.config.decode.lease_s, max(deadline - time.monotonic(), 0.001))
             rc = self.config.router
-            for d in decode_order(live, self.decode_index, ids, self.config.decode.block_size,
-                                  rc.cache_threshold, rc.balance_abs_threshold,
-                                  rc.balance_rel_threshold):
+            order = decode_order(live, self.decode_index, ids, self.config.decode.block_size,
+                                 rc.cache_threshold, rc.balance_abs_threshold,
+                                 rc.balance_rel_threshold)
+            refusals = 0
+            for d in order.workers:
                 # choose and charge with no await in between
                 # prompt logprobs come from a prefill worker's pass over the whole prompt
                 local = params.prompt_logprobs is None and self.prefill_on_decode(d, prompt_len)
@@ -221,10 +223,12 @@ class Placement:
                     [w for w in live_p if w.available] or live_p, ids)
                 held = Reservation(d, p, prompt_len, num_samples, self.room,
                                    lent=self.lends_to(d))
+                held.by_cache = order.cached_blocks is not None and d is order.workers[0]
                 if trace:      # why these workers, for the attempt's reserve span
                     held.why = PlacementWhy(
                         self.prefill_router.policy, d.total_streams, d.free_blocks, local,
-                        *((None, None) if p is None else (p_cached, p.total_queued_tokens)))
+                        *((None, None) if p is None else (p_cached, p.total_queued_tokens)),
+                        decode_cached_blocks=order.cached_blocks if held.by_cache else None)
                 try:
                     res = await d.handle.reserve.remote(
                         rid, prompt_len, params, ids, lease_s, local,
@@ -232,13 +236,16 @@ class Placement:
                 except ray.exceptions.RayActorError:   # dead or restarting: try the next
                     held.refused()
                     d.alive = False
+                    refusals += 1
                     continue
                 except BaseException:
                     held.refused()
                     raise
                 if res is None:
                     held.refused()
+                    refusals += 1
                     continue
+                held.refusals = refusals
                 d.free_blocks = res.free_blocks
                 if self.config.num_routers > 1:    # the others' share, as D counts it
                     d.reported_streams(res.num_requests)

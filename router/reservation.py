@@ -30,7 +30,9 @@ class PlacementWhy:
     only): the prefill routing policy, the decode worker's load when chosen (streams,
     free KV blocks), whether it prefills the prompt itself, and, when a prefill worker
     does, the prompt tokens that worker was expected to find cached (prefix cache, tiers
-    or a peer's cache) and its queued prompt tokens (this prompt's included)."""
+    or a peer's cache) and its queued prompt tokens (this prompt's included). With
+    cache_aware decode routing, `decode_cached_blocks`: the run of the prompt's blocks
+    the decode worker held when it came first for holding them (routing.DecodeOrder)."""
 
     routing_policy: str
     decode_streams: int
@@ -38,6 +40,7 @@ class PlacementWhy:
     prefill_on_decode: bool
     prefix_hit_tokens: int | None = None
     prefill_queued_tokens: int | None = None
+    decode_cached_blocks: int | None = None
 
     def attributes(self) -> dict[str, str | int | bool]:
         """As span attributes, `pdserve.placement.<field>` (fields that are None left
@@ -62,6 +65,8 @@ class Reservation:
         self._queued, self._streams, self._room = prompt_tokens, num_streams, room
         self.first_token_seen = False
         self.why: PlacementWhy | None = None      # set when the request is traced
+        self.by_cache = False      # D came first for holding the prompt's blocks (cache_aware)
+        self.refusals = 0          # decode workers that refused it before D took it
         self.prefiller.queued_tokens += prompt_tokens
         d.streams += num_streams
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from ..engine.block_pool import BlockHash, block_hashes
@@ -56,10 +57,20 @@ class DecodeTarget(Protocol):
     free_blocks: int
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeOrder:
+    """The decode workers in the order a reservation asks them; `cached_blocks`: the run
+    of the prompt's leading blocks the first holds when it comes first for holding them
+    (cache_aware), None when the order is by load."""
+
+    workers: list
+    cached_blocks: int | None = None
+
+
 def decode_order(workers: Sequence[DecodeTarget], index: PrefixIndex | None = None,
                  token_ids: Sequence[int] = (), block_size: int = 16,
                  cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5) -> list[DecodeTarget]:
+                 balance_rel_threshold: float = 1.5) -> DecodeOrder:
     """`workers`, best first for a prompt's reservation: by fewest streams, then most
     free blocks (least_loaded); with `index` (cache_aware, a mirror of the decode
     workers' prefix caches and tiers) SGLang's cache-aware rule (sgl-model-gateway
@@ -70,18 +81,18 @@ def decode_order(workers: Sequence[DecodeTarget], index: PrefixIndex | None = No
     load order."""
     by_load = sorted(workers, key=lambda w: (w.total_streams, -w.free_blocks))
     if index is None or len(by_load) < 2:
-        return by_load
+        return DecodeOrder(by_load)
     fewest, most = by_load[0].total_streams, max(w.total_streams for w in by_load)
     if most - fewest > balance_abs_threshold and most > fewest * balance_rel_threshold:
-        return by_load
+        return DecodeOrder(by_load)
     hashes = block_hashes(token_ids, block_size)
     if not hashes:
-        return by_load
+        return DecodeOrder(by_load)
     runs = [sum(index.matched(w.worker_id, hashes)) for w in by_load]
     best = max(range(len(by_load)), key=lambda i: (runs[i], -i))   # ties: the less loaded
     if runs[best] < cache_threshold * len(hashes) or runs[best] == 0:
-        return by_load
-    return [by_load[best]] + by_load[:best] + by_load[best + 1:]
+        return DecodeOrder(by_load)
+    return DecodeOrder([by_load[best]] + by_load[:best] + by_load[best + 1:], runs[best])
 
 
 class PrefillTarget(Protocol):

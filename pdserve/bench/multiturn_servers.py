@@ -58,15 +58,13 @@ def _bytes(gib: float) -> str:
 
 def _vllm_counters(url: str) -> dict[str, int]:
     """vLLM's /metrics: prompt tokens less those its prefix cache served."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    total = {"vllm:prompt_tokens_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in total:
-            total[name] += float(line.rsplit(" ", 1)[1])
-    return {"computed": int(total["vllm:prompt_tokens_total"]
-                            - total["vllm:prefix_cache_hits_total"])}
+    samples = _prometheus(url + "/metrics")
+
+    def total(name: str) -> float:
+        return sum(v for (n, _), v in samples.items() if n == name)
+
+    return {"computed": int(total("vllm:prompt_tokens_total")
+                            - total("vllm:prefix_cache_hits_total"))}
 
 
 def _pdserve_counters(address: str) -> dict[str, int]:
@@ -76,9 +74,11 @@ def _pdserve_counters(address: str) -> dict[str, int]:
 
     client = Client(address, timeout_s=60)
     try:
-        workers = client.status().workers
+        status = client.status()
     finally:
         client.close()
+    workers = status.workers
+    router = _prometheus(f"http://{status.metrics_address}/metrics")
     by_role = {role: [w for w in workers if w.role == role] for role in ("prefill", "decode")}
     return {"computed": sum(w.prefill_tokens_computed for w in workers),
             "host": sum(w.kv_tier_host_hit_blocks for w in workers),
@@ -90,4 +90,18 @@ def _pdserve_counters(address: str) -> dict[str, int]:
             "local_prefills": sum(w.local_prefills for w in by_role["decode"]),
             "pulled_blocks": sum(w.kv_pulled_blocks for w in workers),
             "pull_ms": int(sum(w.kv_pull_seconds for w in workers) * 1e3),
-            "pull_failures": sum(w.kv_pull_failures for w in workers)}
+            "pull_failures": sum(w.kv_pull_failures for w in workers),
+            "decode_by_cache": int(router.get(("pdserve_decode_placements_total",
+                                               (("by", "cache"),)), 0)),
+            "decode_refusals": int(router.get(("pdserve_decode_refusals_total", ()), 0))}
+
+
+def _prometheus(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a Prometheus /metrics page, by (name, its labels as sorted
+    (label, value) pairs)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=30) as r:
+        text = r.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}

@@ -85,6 +85,12 @@ def test_a_next_turn_goes_to_the_decode_worker_holding_its_history():
                   for w in after}
         assert gained == {w: 480 if w == holder else 0 for w in after}, (gained, holder)
         assert got[0] == hf_greedy("default", turn, 4)
+        # the router's count: the stream and the next turn went to the holder for its
+        # cache, the history (held by none) by load
+        from pdserve.bench.multiturn_servers import _prometheus
+        router = _prometheus(f"http://{served.client.status().metrics_address}/metrics")
+        assert [router[("pdserve_decode_placements_total", (("by", by),))]
+                for by in ("cache", "load")] == [2, 1], router
     finally:
         if stream is not None:
             stream.cancel()

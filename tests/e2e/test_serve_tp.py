@@ -85,21 +85,28 @@ def test_a_size_the_model_cannot_split_fails_the_start_naming_the_field():
 
 
 def test_a_killed_rank_takes_its_worker_down_and_no_request_is_lost():
-    """kill -9 of prefill rank 1: rank 0's next step order fails, rank 0 exits, Ray
-    restarts the worker (new epoch) with new ranks, and the router's failover
-    serves every request in flight, equal to HF; every pool free after."""
+    """kill -9 of prefill rank 1, its host KV tier holding blocks: rank 0's next step
+    order fails, rank 0 exits, Ray restarts the worker (new epoch) with new ranks, and
+    the router's failover serves every request in flight, equal to HF (the tiers' hits
+    are gone with the processes: misses, not errors); every pool free after."""
     import os
     import signal
     import threading
+    import time
 
     import ray
 
     start_ray()
     model = str(tiny_model_dir("llama"))
-    served = Served(model, decode_blocks=64, prefill_blocks=64, prefill_tp=2)
+    served = Served(model, decode_blocks=64, prefill_blocks=64, prefill_tp=2,
+                    kv_host_cache_gib=1 / 1024)
     try:
         p = served.cluster.prefill[0]
-        before = ray.get(p.status.remote())
+        served.generate(PROMPTS[2], max_tokens=1, temperature=0)   # its 2 full blocks stored
+        deadline = time.monotonic() + 30        # by every rank's tiers thread
+        while (before := ray.get(p.status.remote())).kv_tier_host_blocks < 2:
+            assert time.monotonic() < deadline, before
+            time.sleep(0.05)
         [rank1] = ray.get(p.ranks.remote())
         os.kill(rank1["pid"], signal.SIGKILL)       # this test's own rank, by its pid
         results = [None] * len(PROMPTS)

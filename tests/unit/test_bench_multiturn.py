@@ -101,3 +101,42 @@ def test_the_pull_arm_is_the_tiers_arm_with_kv_pull_and_its_own_flags_last(
     assert cmd[-3:] == ["--kv-pull", "--local-prefill-max-tokens", "0"]
     # the later --local-prefill-max-tokens wins over the tiers arm's
     assert cmd.index("--local-prefill-max-tokens") < len(cmd) - 2
+
+
+def test_the_servers_counters_are_read_from_their_prometheus_pages():
+    """vLLM's computed tokens (prompt tokens less prefix-cache hits, summed over label
+    sets) and the router's decode placement counters, from /metrics pages served here."""
+    import http.server
+    import threading
+
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from pdserve.bench.multiturn_servers import _prometheus, _vllm_counters
+
+    r = CollectorRegistry()
+    prompt = Counter("vllm:prompt_tokens", "", ["model_name"], registry=r)
+    prompt.labels(model_name="a").inc(100)
+    prompt.labels(model_name="b").inc(20)
+    Counter("vllm:prefix_cache_hits", "", registry=r).inc(30)
+    Counter("pdserve_decode_placements", "", ["by"], registry=r).labels(by="cache").inc(3)
+    page = generate_latest(r)
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert _vllm_counters(url) == {"computed": 90}
+        got = _prometheus(url + "/metrics")
+        assert got[("pdserve_decode_placements_total", (("by", "cache"),))] == 3
+    finally:
+        server.shutdown()
+        server.server_close()

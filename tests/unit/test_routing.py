@@ -164,7 +164,7 @@ def test_decode_order_least_loaded_then_cache_aware():
     prompt's blocks does not choose."""
     prompt = list(range(40))                                   # 10 full blocks
     d0, d1, d2 = D("d0", 3), D("d1", 1, 50), D("d2", 1, 80)
-    assert [d.worker_id for d in decode_order([d0, d1, d2])] == ["d2", "d1", "d0"]
+    assert [d.worker_id for d in decode_order([d0, d1, d2]).workers] == ["d2", "d1", "d0"]
     index = PrefixIndex()
     pool = BlockPool(64)
     hashes = block_hashes(prompt[:24], BS)                      # 6 of the 10 blocks
@@ -173,14 +173,17 @@ def test_decode_order_least_loaded_then_cache_aware():
     index.apply("d0", CacheEvents(0, seq, events=events))
 
     def order(**kw):
-        return [d.worker_id for d in decode_order([d0, d1, d2], index, prompt, BS, **kw)]
+        return [d.worker_id for d in decode_order([d0, d1, d2], index, prompt, BS, **kw).workers]
 
     assert order() == ["d0", "d2", "d1"]                        # 3 vs 1 streams: balanced
+    assert decode_order([d0, d1, d2], index, prompt, BS).cached_blocks == 6
+    assert decode_order([d0, d1, d2], index, prompt, BS, cache_threshold=0.7
+                        ).cached_blocks is None                 # by load
     assert order(cache_threshold=0.7) == ["d2", "d1", "d0"]     # 6 of 10 blocks: too few
     d0.total_streams = 70                                       # 70 vs 1: unbalanced
     assert order() == ["d2", "d1", "d0"]
     assert order(balance_abs_threshold=80) == ["d0", "d2", "d1"]
     assert order(balance_rel_threshold=100.0) == ["d0", "d2", "d1"]
     d0.total_streams = 3
-    assert [d.worker_id for d in decode_order([d0, d1, d2], index, [7] * 40, BS)] == [
+    assert [d.worker_id for d in decode_order([d0, d1, d2], index, [7] * 40, BS).workers] == [
         "d2", "d1", "d0"]                                       # held by none

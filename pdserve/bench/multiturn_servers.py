@@ -88,6 +88,8 @@ def _pdserve_counters(address: str) -> dict[str, int]:
             **{f"tier_load_ms_{role}": int(sum(w.kv_tier_load_seconds for w in ws) * 1e3)
                for role, ws in by_role.items()},
             "local_prefills": sum(w.local_prefills for w in by_role["decode"]),
+            **({f"computed_{w.worker_id}": w.prefill_tokens_computed for w in by_role["decode"]}
+               if len(by_role["decode"]) > 1 else {}),
             "pulled_blocks": sum(w.kv_pulled_blocks for w in workers),
             "pull_ms": int(sum(w.kv_pull_seconds for w in workers) * 1e3),
             "pull_failures": sum(w.kv_pull_failures for w in workers),

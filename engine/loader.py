@@ -16,6 +16,7 @@ import fcntl
 import functools
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import tempfile
@@ -194,7 +195,28 @@ def load_model(model: str | Path | None, dtype: "torch.dtype | None" = None,
     return cfg, net, model_dir
 
 
+# config.json model types whose tokenizer AutoTokenizer loads as the generic fast class
+# when tokenizer_config.json names that class (transformers 5: no model-specific class
+# overrides it; tests/unit/test_load_tokenizer.py checks the two loads agree)
+_GENERIC_TOKENIZER_MODELS = frozenset({"llama"})
+_GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
 def load_tokenizer(model_dir: str | os.PathLike):
-    """transformers' tokenizer of HF model directory `model_dir` (AutoTokenizer)."""
+    """transformers' tokenizer of HF model directory `model_dir`: the class AutoTokenizer
+    picks. Where that is the generic fast class (a Llama whose tokenizer_config.json
+    names it, with no auto_map), it is loaded directly: AutoTokenizer's import alone
+    imports torch (~2 s of a router's start, and 3 s more to resolve the class)."""
+    d = Path(model_dir)
+    try:
+        model_type = json.loads((d / "config.json").read_text()).get("model_type")
+        tok_config = json.loads((d / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        model_type, tok_config = None, {}
+    if (model_type in _GENERIC_TOKENIZER_MODELS and "auto_map" not in tok_config
+            and tok_config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
+            and (d / "tokenizer.json").is_file()):
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(model_dir)

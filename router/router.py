@@ -61,9 +61,8 @@ class Router:
 
     def __init__(self, config: ClusterConfig, prefill: list, decode: list, index: int = 0):
         """`index`: this replica's, of config.num_routers (pdserve/request_ids.py)."""
-        from transformers import AutoTokenizer
-
         from ..engine.config import ModelConfig
+        from ..engine.loader import load_tokenizer
 
         tracing.configure_logging(config.prefill.log_level)
         self.config = config
@@ -73,7 +72,7 @@ class Router:
                           {"pdserve.router.index": index})
         model_dir = resolve_model(config.prefill.model)
         self.model_config = ModelConfig.of(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         self.model_name = str(config.prefill.model)
         self.compile_flag = CompileActivity.on(config.decode.core_share_dir,
                                                f"router-{index}")

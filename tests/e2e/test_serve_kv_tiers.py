@@ -231,27 +231,28 @@ def test_a_next_turn_reads_the_history_from_the_prefill_worker_that_computed_it(
 def test_tensor_parallel_workers_keep_their_kv_heads_in_their_own_tiers(tmp_path):
     """Workers of two ranks (tiny Llama, 2 KV heads: one per rank), each rank with its
     own host tier and disk slab (engine/tp_tiers.py), sized as the first test's in
-    blocks. A prefill worker of two ranks: its pool evicts a's blocks, which come back
-    from both ranks' disks. A decode worker of two ranks: a next turn of a history its
-    pool evicted loads it from both ranks' host tiers and is prefilled there. Answers
-    are HF's greedy ones (up to a TP near-tie) and the answers computed whole."""
+    blocks. A prefill worker of two ranks computes a, b, c, its pool evicting a's
+    blocks; restarted (the cluster), it serves a's blocks from both ranks' disk slabs.
+    A decode worker of two ranks: a next turn of a history its pool evicted loads it
+    from both ranks' host tiers and is prefilled there. Answers are HF's greedy ones
+    (up to a TP near-tie) and the answers computed whole."""
     from serving import assert_greedy_equals_hf
     from tiny_models import tiny_model_dir
 
     start_ray()
     model = str(tiny_model_dir("llama"))
     block_bytes = 3 * 2 * 2 * BLOCK * 16 * 4        # 3 layers, K/V, 2 KV heads, 16 dims
-    tiers = dict(kv_host_cache_gib=10 * block_bytes / GIB,
-                 kv_disk_cache_dir=str(tmp_path / "tier"),
-                 kv_disk_cache_gib=2 * 64 * (4096 + block_bytes // 2) / GIB)
-    no_tiers = dict(kv_host_cache_gib=0, kv_disk_cache_dir=None, kv_disk_cache_gib=0)
+    p_tiers = dict(kv_host_cache_gib=10 * block_bytes / GIB,
+                   kv_disk_cache_dir=str(tmp_path / "tier"),
+                   kv_disk_cache_gib=2 * 64 * (4096 + block_bytes // 2) / GIB)
     a, b, c = prompt(0), prompt(1), prompt(2)
 
     def ask(served: Served, p: list[int]) -> list[int]:
         return served.generate(p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)[0]
 
-    served = Served(model, prefill_tp=2, prefill_blocks=20, decode_blocks=64, **tiers,
-                    decode_kw=no_tiers)
+    served = Served(model, prefill_tp=2, prefill_blocks=20, decode_blocks=64, **p_tiers,
+                    decode_kw=dict(kv_host_cache_gib=0, kv_disk_cache_dir=None,
+                                   kv_disk_cache_gib=0))
     try:
         first = {k: ask(served, p) for k, p in (("a", a), ("b", b), ("c", c))}
         for k, p in (("a", a), ("b", b), ("c", c)):
@@ -259,9 +260,15 @@ def test_tensor_parallel_workers_keep_their_kv_heads_in_their_own_tiers(tmp_path
         s1 = prefill_status(served)
         assert s1.tensor_parallel_size == 2
         assert s1.kv_tier_host_blocks == 10 and s1.kv_tier_disk_blocks == 14, s1
-        served.stop()           # a's blocks gone with the decode worker's pool too
-        served = Served(model, prefill_tp=2, prefill_blocks=20, decode_blocks=64, **tiers,
-                        decode_kw=no_tiers)
+    finally:
+        served.stop()
+    # the same prefill worker again, now beside a decode worker of two ranks with a host
+    # tier of 32 blocks (each rank its own) and a pool of 20
+    served = Served(model, prefill_tp=2, prefill_blocks=20, decode_tp=2, decode_blocks=20,
+                    local_prefill_max_tokens=16, **p_tiers,
+                    decode_kw=dict(kv_host_cache_gib=32 * block_bytes / GIB,
+                                   kv_disk_cache_dir=None, kv_disk_cache_gib=0))
+    try:
         s2 = prefill_status(served)
         assert s2.kv_tier_disk_blocks == 14, s2       # both ranks' slabs read back
         assert ask(served, a) == first["a"]           # a's 8 blocks from both ranks' disks
@@ -269,21 +276,16 @@ def test_tensor_parallel_workers_keep_their_kv_heads_in_their_own_tiers(tmp_path
         assert s3.kv_tier_disk_hit_blocks == FULL_BLOCKS, s3
         assert s3.prefill_tokens_computed == 3, s3     # the tail
         assert len(list((tmp_path / "tier").iterdir())) == 2   # a slab per rank
-    finally:
-        served.stop()
-    served = Served(model, decode_tp=2, decode_blocks=20, local_prefill_max_tokens=16,
-                    decode_kw=tiers | {"kv_disk_cache_dir": None, "kv_disk_cache_gib": 0,
-                                       "kv_host_cache_gib": 32 * block_bytes / GIB})
-    turn = next_turn(0)
-    try:
-        for p in (a, b, c, prompt(3)):
+        for p in (b, c, prompt(3)):                    # a leaves D's pool, stays in its tiers
             ask(served, p)
         d1, p1 = decode_status(served), prefill_status(served)
         assert d1.tensor_parallel_size == 2 and d1.local_prefills == 0, d1
+        turn = next_turn(0)
         got = ask(served, turn)
         assert_greedy_equals_hf(model, turn, got)
         d2 = decode_status(served)
-        assert d2.local_prefills == 1 and d2.kv_tier_host_hit_blocks == FULL_BLOCKS, d2
+        assert d2.local_prefills == 1, d2
+        assert d2.kv_tier_host_hit_blocks - d1.kv_tier_host_hit_blocks == FULL_BLOCKS, d2
         assert d2.prefill_tokens_computed - d1.prefill_tokens_computed == 10, d2
         assert prefill_status(served).prefill_tokens_computed == p1.prefill_tokens_computed
     finally:

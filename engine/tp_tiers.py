@@ -78,10 +78,6 @@ class TPTiers:
 
     # KVTiers' read side: rank 0's index, counters and tiers
     @property
-    def pool(self):
-        return self.local.pool
-
-    @property
     def host(self):
         return self.local.host
 

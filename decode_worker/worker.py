@@ -48,10 +48,11 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.tp_executor import TPGroupBroken
 from ..engine_actor import EngineActor
 from ..kv_transfer import make_receiver
+from ..kv_transfer.tp_receiver import TPReceiver
 from ..messages import DecodeReservation, KVPullOrder, StepStats, WorkerStatus
+from ..tp_group import rank_addresses
 from .connector import DecodeKVConnector
 from .outbox import EventOutbox
-from .rank import TPReceiver, rank_addresses
 from .scheduler import DecodeScheduler, RequestTooLargeError
 from .spans import DecodeSpans
 from .step_budget import StepBudget
@@ -225,7 +226,7 @@ class DecodeWorker(EngineActor):
         ABORT where it can be reached; P gives up on a 0 either way and computes
         them)."""
         blocks = self.scheduler.export(order.request_id, order.first_block, order.num_blocks)
-        return await asyncio.to_thread(self._send_held_kv, order, blocks, self._end_export)
+        return await self._send_held_kv(order, blocks, self._end_export)
 
     def _end_export(self, blocks: list[int]) -> None:
         self.scheduler.end_export(blocks)

@@ -150,9 +150,9 @@ class WorkerConfig:
                                                        and self.kv_disk_cache_gib > 0):
             raise ValueError("kv_disk_cache_dir needs kv_disk_cache_gib > 0 and a host tier "
                              "(kv_host_cache_gib > 0): blocks reach the disk through it")
-        if self.kv_pull and (self.tensor_parallel_size > 1 or not self.enable_prefix_caching):
-            raise ValueError("kv_pull needs enable_prefix_caching and tensor_parallel_size 1 "
-                             f"(got {self.enable_prefix_caching}, {self.tensor_parallel_size})")
+        if self.kv_pull and not self.enable_prefix_caching:
+            raise ValueError("kv_pull needs enable_prefix_caching: pulled blocks enter the "
+                             "prefix cache")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s={self.lease_s}: must be > 0 seconds")
         if self.slo_tpot_ms is not None and not self.slo_tpot_ms > 0:

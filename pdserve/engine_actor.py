@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -31,9 +32,10 @@ from .engine.kv_prefault import prefault_pool
 from .engine.tp_tiers import TPTiers
 from .engine.outputs import SchedulerOutput
 from .kv_transfer import make_sender
-from .kv_transfer.tp_plan import rank_layout
+from .kv_transfer.tp_plan import rank_layout, rank_targets
 from . import tracing
 from .messages import CacheEvents, KVPullOrder, WorkerInfo
+from .prefill_worker.kv_pull import send_held_blocks
 from .metrics import WorkerMetrics, serve as serve_metrics
 from .tp_group import worker_runner, worker_tiers
 
@@ -74,6 +76,8 @@ class EngineActor(abc.ABC):
                                      model.num_kv_heads, self.tp)
         self.compile_flag = CompileActivity.on(config.core_share_dir, worker_id)
         self._pull_tx = None             # to prefill workers' pull receivers (lazily)
+        self._pull_targets = functools.partial(rank_targets, model.num_kv_heads,
+                                               self.tp.size, 0)
         self._pull_lock = threading.Lock()
         self.tiers = None              # host and disk KV tiers below the pool (kv_tiers.py)
         if config.kv_host_cache_gib > 0:
@@ -172,33 +176,35 @@ class EngineActor(abc.ABC):
         names = _TIER_STATUS_FIELDS if status else {}
         return {"kv_tier_" + names.get(k, k): v for k, v in values.items()}
 
-    def _send_held_kv(self, order: KVPullOrder, blocks: list[int] | None,
-                      release: Callable[[list[int]], None]) -> int:
-        """Send a prefill worker's pull receiver the K/V of `blocks` (held for `order`;
-        None: this worker does not hold them), every layer a frame (the frames and
-        checks of a prefill's send), then DONE with no token; `release(blocks)` once
-        sent or failed. Returns the payload bytes sent; 0 when nothing was sent (the
-        receiver is sent ABORT where it can be reached; the pulling worker gives up on
-        a 0 either way and computes the blocks). Blocking: call it off the event loop.
-        Used by send_prompt_kv of both roles (prefill_worker/kv_pull.py)."""
+    async def _send_held_kv(self, order: KVPullOrder, blocks: list[int] | None,
+                            release: Callable[[list[int]], None]) -> int:
+        """Send a prefill worker's pull receivers the K/V of `blocks` (held for `order`;
+        None: this worker does not hold them), every layer, then DONE with no token
+        (prefill_worker/kv_pull.py send_held_blocks: the frames and checks of a
+        prefill's send; a tensor-parallel worker's every rank its KV heads, at once);
+        `release(blocks)` once every rank sent or failed. Returns the payload bytes
+        sent; 0 when nothing was sent or a rank failed (P's rank 0 is sent ABORT where
+        it can be reached; the pulling worker gives up on a 0 either way and computes
+        the blocks). Used by send_prompt_kv of both roles."""
         addr, pull_id, epoch = tuple(order.kv_address), order.pull_id, order.epoch
-        num_layers = self.runner.config.num_layers
         reason = f"{self.worker_id} no longer holds those blocks of {order.request_id}"
-        try:
-            sender = self._pull_sender()
-            if blocks is not None:
-                sent = sum(sender.send_layers(addr, pull_id, epoch, i, i + 1, blocks)
-                           for i in range(num_layers))
-                sender.send_done(addr, pull_id, epoch, None, num_layers)
-                return sent
-        except Exception as e:      # fails this pull, not the worker
-            logger.warning("prompt KV of %s not sent to %s: %s", order.request_id, addr, e)
-            reason = f"{type(e).__name__}: {e}"
-        finally:
-            if blocks is not None:
+        if blocks is not None:
+            try:
+                shares = await asyncio.gather(
+                    asyncio.to_thread(lambda: send_held_blocks(
+                        self._pull_sender(), order, blocks, self.runner.config.num_layers,
+                        self._pull_targets)),
+                    *(r.send_held_kv.remote(order, blocks) for r in self._ranks),
+                    return_exceptions=True)
+            finally:
                 release(blocks)
+            errors = [(rank, e) for rank, e in enumerate(shares) if isinstance(e, BaseException)]
+            if not errors:
+                return sum(shares)
+            reason = "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in errors)
+            logger.warning("prompt KV of %s not sent to %s: %s", order.request_id, addr, reason)
         try:
-            self._pull_sender().send_abort(addr, pull_id, epoch, reason)
+            await asyncio.to_thread(self._pull_sender().send_abort, addr, pull_id, epoch, reason)
         except Exception as e:      # unreachable: the puller gives up on the 0 returned
             logger.debug("ABORT of %s not sent to %s: %s", pull_id, addr, e)
         return 0

@@ -94,7 +94,8 @@ class PrefillOrder:
 class KVPullOrder:
     """What a prefill worker asks the worker holding a prompt's leading blocks to send
     it: positions ``first_block .. first_block + num_blocks - 1`` of the prompt, every
-    layer, into P's pull receiver at ``kv_address`` (P's ``epoch``) as the transfer
+    layer, into P's pull receiver at ``kv_address`` (P's ``epoch``; a tensor-parallel P's
+    ranks 1..N-1 at ``kv_rank_addresses``, each sent its KV heads) as the transfer
     ``pull_id``, then DONE with no token. A decode worker finds them in the block table
     of its request ``request_id`` (blocks of its prefix cache, or loaded from its tier,
     at reserve); another prefill worker in its prefix cache by ``block_hashes``, those
@@ -107,6 +108,7 @@ class KVPullOrder:
     kv_address: tuple[str, int]
     epoch: int                 # P's epoch
     block_hashes: tuple[bytes, ...] = ()
+    kv_rank_addresses: tuple = ()          # P ranks 1..N-1's pull receivers
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ import datetime
 import functools
 import logging
 import os
+import threading
 
 import ray
 import torch
@@ -33,6 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .config import WorkerConfig
 from .engine.parallel import TensorParallel
+from .kv_transfer.tp_plan import rank_layout, rank_targets
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +127,16 @@ class TPRank:
         self.runner = self.engine.call(ModelRunner, config.model, config.cache_config(),
                                        config.num_threads, rank_cpus(config.cpus, size, rank),
                                        tp=self.tp)
+        self.config, self.epoch = config, epoch
         self.handler = _handler(role, self.runner, self.tp, config, epoch)
+        self.targets = functools.partial(rank_targets, self.runner.config.num_kv_heads,
+                                         size, rank)
+        self.pull = None       # a prefill rank's pull receiver (kv_pull)
+        if role == "prefill" and config.kv_pull:
+            from .kv_transfer.tp_receiver import RankPullReceiver
+            self.pull = RankPullReceiver(_receiver(config, self.runner, self.tp, epoch))
+        self._pull_tx = None   # to pulling prefill workers' ranks (send_held_kv), lazily
+        self._pull_lock = threading.Lock()
         self.tiers = None      # this rank's KV heads of rank 0's tier entries (tp_tiers.py)
         if config.kv_host_cache_gib > 0:
             from .engine.tp_tiers import RankTiers
@@ -136,30 +147,38 @@ class TPRank:
     def _follow(self) -> None:
         from .engine.tp_executor import follow
         try:
-            self.calls = follow(self.runner, self.tp, handlers=(self.handler, self.tiers),
+            self.calls = follow(self.runner, self.tp,
+                                handlers=(self.handler, self.tiers, self.pull),
                                 on_layer_done=getattr(self.handler, "on_layer_done", None))
         except Exception as e:            # rank 0 gone, or a step failed here
             logger.error("%s rank %d: its group broke (%r); exiting", self.worker_id,
                          self.rank, e)
             os._exit(1)
-        for handler in (self.handler, self.tiers):
+        for handler in (self.handler, self.tiers, self.pull):
             if handler is not None:
                 handler.close()
+        with self._pull_lock:
+            if self._pull_tx is not None:
+                self._pull_tx.close()
         torch.distributed.destroy_process_group()
 
     def ready(self) -> dict:
         """pid, node, the KV heads this rank's cache holds; a decode rank's KV receiver
-        address and its reservations still open (0 when idle)."""
+        address and its reservations still open (0 when idle); a prefill rank's pull
+        receiver address and its pulls still open (with kv_pull)."""
         out = {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
                "kv_heads": tuple(self.tp.kv_heads(self.runner.config)),
                "kv_cache_shape": tuple(self.runner.kv_cache.shape)}
         if hasattr(self.handler, "receiver"):
             out |= {"kv_address": self.handler.address,
                     "kv_reservations": self.handler.receiver.num_active()}
+        if self.pull is not None:
+            out |= {"pull_address": self.pull.address,
+                    "pulls": self.pull.receiver.num_active()}
         return out
 
     def kv_address(self) -> tuple[str, int]:
-        """A decode rank's KV receiver (decode_worker/rank.py)."""
+        """A decode rank's KV receiver (kv_transfer/tp_receiver.py)."""
         return self.handler.address
 
     def kv_expect(self, request_id: str, block_ids: list[int], seq: int) -> None:
@@ -167,6 +186,32 @@ class TPRank:
 
     def kv_forget(self, request_id: str, seq: int) -> None:
         self.handler.kv_forget(request_id, seq)
+
+    def pull_address(self) -> tuple[str, int]:
+        """A prefill rank's pull receiver (kv_pull)."""
+        return self.pull.address
+
+    def pull_expect(self, request_id: str, block_ids: list[int], seq: int) -> None:
+        self.pull.kv_expect(request_id, block_ids, seq)
+
+    def pull_forget(self, request_id: str, seq: int) -> None:
+        self.pull.kv_forget(request_id, seq)
+
+    @ray.method(concurrency_group="kv_pull")
+    def send_held_kv(self, order, blocks: list[int]) -> int:
+        """Send a pulling prefill worker's ranks this rank's KV heads of `blocks`, which
+        rank 0 holds for `order` (a KVPullOrder) until this returns: every layer, then
+        DONE for those heads (prefill_worker/kv_pull.py send_held_blocks). Returns the
+        payload bytes sent. Raises what the sender raised (the ranks it sends to were
+        sent ABORT where they could be reached). Runs beside the step orders (its own
+        concurrency group): the blocks are held, no step writes them."""
+        from .prefill_worker.kv_pull import send_held_blocks
+
+        with self._pull_lock:
+            if self._pull_tx is None:
+                self._pull_tx = _sender(self.config, self.runner, self.tp, self.epoch)
+        return send_held_blocks(self._pull_tx, order, blocks, self.runner.config.num_layers,
+                                self.targets)
 
     def stopped(self, timeout_s: float = 10.0) -> int:
         """Wait for the step-order loop to end (rank 0's stop()); the calls it ran."""
@@ -178,28 +223,46 @@ def _handler(role: str | None, runner, tp: TensorParallel, config: WorkerConfig,
              epoch: int):
     """What a follower runs beside the model for its worker's `role`: a prefill rank
     sends its KV heads (prefill_worker/rank.py), a decode rank receives them
-    (decode_worker/rank.py); None: the model calls only."""
+    (kv_transfer/tp_receiver.py); None: the model calls only."""
     if role is None:
         return None
-    from .kv_transfer import make_receiver, make_sender
-    from .kv_transfer.tp_plan import rank_layout, rank_targets
-
-    model = runner.config
     if role == "decode":
-        from .decode_worker.rank import DecodeRankKV
+        from .kv_transfer.tp_receiver import RankReceiver
 
-        return DecodeRankKV(make_receiver(
-            config.transport, runner.kv_cache,
-            rank_layout(runner.kv_cache, model.model_id, model.num_kv_heads, tp), epoch,
-            host=config.node_host(), secret=config.kv_secret))
+        return RankReceiver(_receiver(config, runner, tp, epoch))
     from .prefill_worker.rank import PrefillRankKV
 
-    sender = make_sender(config.transport, runner.kv_cache,
-                         rank_layout(runner.kv_cache, model.model_id, model.num_kv_heads, tp),
-                         checksum=config.kv_checksum, secret=config.kv_secret, epoch=epoch,
-                         host=config.node_host())
-    return PrefillRankKV(sender, model.num_layers,
-                         functools.partial(rank_targets, model.num_kv_heads, tp.size, tp.rank))
+    return PrefillRankKV(_sender(config, runner, tp, epoch), runner.config.num_layers,
+                         functools.partial(rank_targets, runner.config.num_kv_heads,
+                                           tp.size, tp.rank))
+
+
+def _receiver(config: WorkerConfig, runner, tp: TensorParallel, epoch: int):
+    """A KV receiver over this rank's cache (its layout: its KV heads), not started."""
+    from .kv_transfer import make_receiver
+
+    model = runner.config
+    return make_receiver(
+        config.transport, runner.kv_cache,
+        rank_layout(runner.kv_cache, model.model_id, model.num_kv_heads, tp), epoch,
+        host=config.node_host(), secret=config.kv_secret)
+
+
+def _sender(config: WorkerConfig, runner, tp: TensorParallel, epoch: int):
+    """A KV sender over this rank's cache (its layout: its KV heads)."""
+    from .kv_transfer import make_sender
+
+    model = runner.config
+    return make_sender(config.transport, runner.kv_cache,
+                       rank_layout(runner.kv_cache, model.model_id, model.num_kv_heads, tp),
+                       checksum=config.kv_checksum, secret=config.kv_secret, epoch=epoch,
+                       host=config.node_host())
+
+
+def rank_addresses(ranks, method: str = "kv_address") -> tuple[tuple[str, int], ...]:
+    """The KV receivers' addresses of ranks 1..N-1 (TPRank.kv_address, or
+    TPRank.pull_address: a prefill rank's pull receiver)."""
+    return tuple(tuple(a) for a in ray.get([getattr(r, method).remote() for r in ranks]))
 
 
 def worker_tiers(worker_id: str, config: WorkerConfig, runner, tp: TensorParallel, pool,
@@ -254,8 +317,10 @@ def start_ranks(worker_id: str, config: WorkerConfig, pg: PlacementGroup | None 
                            f"placement group of {size} bundles (tp_group.placement_group)")
     store = open_store(size)           # every rank is on this node
     gpus = 1 if config.device.startswith("cuda") else 0      # placement_group(num_gpus=1)
-    ranks = [ray.remote(TPRank).options(num_cpus=0, max_restarts=0, num_gpus=gpus,
-                                        scheduling_strategy=in_bundle(pg, r))
+    # send_held_kv in a group of its own: a pull's send never waits behind kv_expect
+    actor = ray.remote(concurrency_groups={"kv_pull": 2})(TPRank)
+    ranks = [actor.options(num_cpus=0, max_restarts=0, num_gpus=gpus,
+                           scheduling_strategy=in_bundle(pg, r))
              .remote(worker_id, r, size, store.port, config, role, epoch)
              for r in range(1, size)]
     tp = join(0, size, store.port, config.device, store=store)

@@ -31,19 +31,31 @@ A failed, refused (D no longer holds the blocks, or died) or overdue pull, or on
 request was aborted, is forgotten on the receiver; once the receiver reports the blocks released (no write can touch them) the
 request goes on from the blocks it had: a pull costs at most its wait, never a token.
 
+Tensor-parallel workers, on either side, of any sizes the model's KV heads allow: every
+rank holds its KV heads of each block (engine/parallel.py), so a pull runs as a P→D
+transfer does, the holder in the prefill's place. P's ranks each have a pull receiver
+(kv_transfer/tp_receiver.py: rank 0 expects on them all before it asks the holder, and
+the pull is done once every rank's share is); the order carries every P rank's address
+(KVPullOrder.kv_rank_addresses); each holder rank sends the heads it holds to the P
+ranks that hold them (send_held_blocks, kv_transfer/tp_plan.py rank_targets with the
+holder as the sender), then a DONE for those heads, while rank 0 holds the blocks.
+
 The cost model (PullCost) compares the two times, each from this worker's own history.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..engine.block_pool import BlockPool
-from ..kv_transfer import KVReceiver
+from ..kv_transfer import KVReceiver, KVSender
 from ..messages import KVPullOrder
 from .requests import PrefillRequest
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -103,8 +115,10 @@ class KVPulls:
                  pool: BlockPool, block_size: int, block_bytes: int,
                  ask: Callable[[object, KVPullOrder], object],
                  refused: Callable[[object], bool] = lambda answer: False,
-                 cost: PullCost | None = None, timeout_s: float = 10.0):
+                 cost: PullCost | None = None, timeout_s: float = 10.0,
+                 rank_addresses: Sequence[tuple[str, int]] = ()):
         self.receiver, self.address, self.epoch = receiver, tuple(address), epoch
+        self.rank_addresses = tuple(tuple(a) for a in rank_addresses)
         self.pool, self.block_size, self.block_bytes = pool, block_size, block_bytes
         self.ask, self.refused = ask, refused
         self.cost, self.timeout_s = cost or PullCost(), timeout_s
@@ -140,7 +154,7 @@ class KVPulls:
         self.receiver.expect(pull_id, req.block_table[first:end])
         answer = self.ask(source, KVPullOrder(
             req.request_id, pull_id, first, count, self.address, self.epoch,
-            tuple(req.block_hashes[first:end]) if peer else ()))
+            tuple(req.block_hashes[first:end]) if peer else (), self.rank_addresses))
         self._pulling[pull_id] = _Pull(req, first, count, time.monotonic(), answer)
 
     def finished(self) -> list[tuple[PrefillRequest, int]]:
@@ -188,3 +202,35 @@ class KVPulls:
     def loading(self) -> bool:
         """Whether a pull is in flight or waiting for its release."""
         return bool(self._pulling or self._forgotten)
+
+
+def send_held_blocks(sender: KVSender, order: KVPullOrder, blocks: Sequence[int],
+                     num_layers: int,
+                     targets: Callable[[int], Sequence[tuple[int, range | None]]]) -> int:
+    """One holder rank's share of a pull: send the pulling prefill worker's ranks
+    (order.kv_address, then order.kv_rank_addresses) the K/V of `blocks` (this rank's
+    cache; positions order.first_block.. of the prompt) every layer a frame per P rank,
+    then DONE with no token. `targets(n)`: (P rank, KV heads or None for all) pairs
+    for a puller of n ranks (tp_plan.rank_targets with this rank as the sender). Returns
+    the payload bytes sent (0 when every head this rank holds reaches P from another).
+
+    Raises what the sender raises (KVTransferError, KVLayoutMismatch, KVAuthError),
+    after sending ABORT to every P rank it sends to that can be reached."""
+    addresses = (tuple(order.kv_address), *(tuple(a) for a in order.kv_rank_addresses))
+    dests = [(addresses[r], heads) for r, heads in targets(len(addresses))]
+    try:
+        sent = 0
+        for layer in range(num_layers):
+            for addr, heads in dests:
+                sent += sender.send_layers(addr, order.pull_id, order.epoch, layer, layer + 1,
+                                           blocks, heads=heads)
+        for addr, heads in dests:
+            sender.send_done(addr, order.pull_id, order.epoch, None, num_layers, heads=heads)
+        return sent
+    except Exception as e:
+        for addr, _ in dests:
+            try:
+                sender.send_abort(addr, order.pull_id, order.epoch, f"{type(e).__name__}: {e}")
+            except Exception as abort_error:      # unreachable: P's pull times out
+                logger.debug("ABORT of %s not sent to %s: %s", order.pull_id, addr, abort_error)
+        raise

@@ -29,6 +29,7 @@ worker keeps serving.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import os
@@ -48,9 +49,11 @@ from ..engine.tp_executor import TPGroupBroken
 from ..engine_actor import EngineActor
 from ..kv_transfer import KVTransferError, make_receiver, make_sender
 from ..kv_transfer.tp_plan import rank_targets
+from ..kv_transfer.tp_receiver import TPReceiver
 from ..messages import (KVPullOrder, PrefillOrder, PrefillResult, StepStats,
                         WorkerStatus)
 from ..request_ids import router_of
+from ..tp_group import rank_addresses
 from .connector import PrefillKVConnector
 from .kv_pull import KVPulls
 from .rank import PrefillRanks
@@ -63,14 +66,15 @@ __all__ = ["PrefillAborted", "PrefillFailed", "PrefillWorker"]
 logger = logging.getLogger(__name__)
 
 
-def _refused(answer: ray.ObjectRef) -> bool:
-    """Whether a decode worker's send_prompt_kv answered without sending (0 bytes) or
-    failed (it died); False while it has not answered."""
-    if not ray.wait([answer], timeout=0)[0]:
+def _refused(answer: concurrent.futures.Future) -> bool:
+    """Whether the holder's send_prompt_kv answered without sending (0 bytes) or
+    failed (it died, or a rank of this worker could not expect the pull); False while
+    it has not answered (PrefillWorker._ask_to_send)."""
+    if not answer.done():
         return False
     try:
-        return ray.get(answer) == 0
-    except ray.exceptions.RayError:
+        return answer.result() == 0
+    except Exception:
         return True
 
 
@@ -97,11 +101,17 @@ class PrefillWorker(EngineActor):
             self.pull_receiver = make_receiver(
                 config.transport, self.runner.kv_cache, self.kv_layout, self.epoch,
                 notify=self._wake.set, host=config.node_host(), secret=config.kv_secret)
-            self.pulls = KVPulls(self.pull_receiver, self.pull_receiver.start(), self.epoch,
-                                 self.pool, self.runner.block_size,
-                                 self.kv_layout.payload_bytes(self.num_layers, 1),
-                                 ask=lambda d, order: d.send_prompt_kv.remote(order),
-                                 refused=_refused)
+            address, rank_addrs = self.pull_receiver.start(), ()
+            if self.tp.size > 1:   # every rank's pull receiver, polled by the step loop
+                rank_addrs = rank_addresses(self._ranks, "pull_address")
+                self.pull_receiver = TPReceiver(self.pull_receiver, self.runner, self._ranks,
+                                                self._group_broken, prefix="pull",
+                                                role="prefill")
+            self.pulls = KVPulls(self.pull_receiver, address, self.epoch, self.pool,
+                                 self.runner.block_size,
+                                 self.kv_layout.payload_bytes(self.num_layers, 1) * self.tp.size,
+                                 ask=self._ask_to_send, refused=_refused,
+                                 rank_addresses=rank_addrs)
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
                                           config.max_num_batched_tokens,
                                           config.enable_prefix_caching,
@@ -242,7 +252,17 @@ class PrefillWorker(EngineActor):
         payload bytes sent; 0 when this worker lacks any of them or the send failed (the
         puller then computes them)."""
         blocks = await asyncio.wrap_future(self.scheduler.export(list(order.block_hashes)))
-        return await asyncio.to_thread(self._send_held_kv, order, blocks, self._end_export)
+        return await self._send_held_kv(order, blocks, self._end_export)
+
+    def _ask_to_send(self, holder, order: KVPullOrder) -> concurrent.futures.Future:
+        """KVPulls' ask (step thread): once this worker's ranks 1..N-1 expect the pull
+        (a TPReceiver's expect_ranks), ask `holder` (a worker's actor handle) to send.
+        A Future of what its send_prompt_kv returns (_refused reads it)."""
+        async def ask() -> int:
+            if isinstance(self.pull_receiver, TPReceiver):
+                await self.pull_receiver.expect_ranks(order.pull_id)
+            return await holder.send_prompt_kv.remote(order)
+        return asyncio.run_coroutine_threadsafe(ask(), self._loop)
 
     def _end_export(self, blocks: list[int]) -> None:
         self.scheduler.end_export(blocks)
@@ -330,8 +350,10 @@ class PrefillWorker(EngineActor):
     def _idle(self) -> None:
         if self.tp_ranks is not None:
             self.tp_ranks.poll()
-        # a TP worker's ranks report tier copies only when polled (engine/tp_tiers.py)
-        self._wake.wait(0.005 if self.tiers is not None and self.tiers.wants_poll else 0.05)
+        # a TP worker's ranks report tier copies and pulls only when polled
+        # (engine/tp_tiers.py, kv_transfer/tp_receiver.py)
+        polling = any(getattr(x, "wants_poll", False) for x in (self.tiers, self.pull_receiver))
+        self._wake.wait(0.005 if polling else 0.05)
         self._wake.clear()
 
     def _step(self, out: SchedulerOutput) -> None:

@@ -202,7 +202,7 @@ class Attempt:
         # (prefill_worker/kv_pull.py)
         placement, source, peer, peer_blocks = self.on.placement, None, None, 0
         if placement.config.prefill.kv_pull:
-            source = held.d.handle if not res.kv_rank_addresses else None
+            source = held.d.handle
             peer, peer_blocks = placement.prefill_router.pull_peer(
                 [w for w in placement.prefill if w.alive], p, self.ids)
         try:

@@ -5,8 +5,9 @@ host tier and the disk tier instead of being computed; the disk tier serves hits
 entry is dropped and its tokens computed; the router's KV-aware routing sees which tier
 holds which prefix, across the restart. On the decode worker, a history its pool
 evicted loads back from its own host tier for a local prefill of the next turn; with
-kv_pull, a next turn on the prefill worker reads the history from the decode worker,
-or over NIXL from the prefill worker whose host tier holds it, instead of computing it.
+kv_pull, a next turn on the prefill worker reads the history from the decode worker
+(every rank its KV heads, for tensor-parallel workers), or over NIXL from the prefill
+worker whose host tier holds it, instead of computing it.
 Every answer is HF's greedy one, and every pool is free at the end (each block a store
 held given back)."""
 
@@ -288,6 +289,48 @@ def test_tensor_parallel_workers_keep_their_kv_heads_in_their_own_tiers(tmp_path
         assert d2.kv_tier_host_hit_blocks - d1.kv_tier_host_hit_blocks == FULL_BLOCKS, d2
         assert d2.prefill_tokens_computed - d1.prefill_tokens_computed == 10, d2
         assert prefill_status(served).prefill_tokens_computed == p1.prefill_tokens_computed
+    finally:
+        served.stop()
+
+
+def test_a_prefill_worker_of_two_ranks_pulls_the_history_from_a_decode_worker_of_two():
+    """kv_pull between tensor-parallel workers (tiny Llama, 2 KV heads: one per rank):
+    as test_a_next_turn_prefilled_on_p_reads_the_history_from_the_decode_worker, each
+    decode rank sending its KV head of the history's 8 blocks to the prefill rank that
+    holds it (prefill_worker/kv_pull.py). The tiny model computes 8 blocks faster than
+    a pull's fixed latency, so the prefill worker's cost model is pinned to read (the
+    model itself: tests/unit/test_prefill_kv_pull.py). The answer is HF's greedy one
+    (up to a TP near-tie), the 10 new tokens alone computed, and every rank's receiver
+    idle."""
+    from serving import assert_greedy_equals_hf
+    from tiny_models import tiny_model_dir
+
+    start_ray()
+    model = str(tiny_model_dir("llama"))
+    block_bytes = 3 * 2 * 2 * BLOCK * 16 * 4        # 3 layers, K/V, 2 KV heads, 16 dims
+    served = Served(model, prefill_tp=2, decode_tp=2, prefill_blocks=20, kv_pull=True)
+
+    def always_read(worker):
+        from pdserve.prefill_worker.kv_pull import PullCost
+        worker.pulls.cost = PullCost(tokens_per_s=1.0, alpha=0.0)
+
+    try:
+        ray.get(served.cluster.prefill[0].__ray_call__.remote(always_read), timeout=30)
+        for p in (prompt(0), prompt(1), prompt(2)):
+            served.generate(p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        p1 = prefill_status(served)
+        assert p1.kv_pulled_blocks == 0 and p1.tensor_parallel_size == 2, p1
+        turn = next_turn(0)
+        got = served.generate(turn, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)[0]
+        assert_greedy_equals_hf(model, turn, got)
+        p2, d2 = prefill_status(served), decode_status(served)
+        assert p2.kv_pulled_blocks == FULL_BLOCKS and p2.kv_pull_failures == 0, p2
+        assert p2.kv_pull_bytes == FULL_BLOCKS * block_bytes, p2
+        assert p2.prefill_tokens_computed - p1.prefill_tokens_computed == 10, p2
+        assert d2.local_prefills == 0 and d2.tensor_parallel_size == 2, d2
+        [p_rank] = ray.get(served.cluster.prefill[0].ranks.remote(), timeout=30)
+        [d_rank] = ray.get(served.cluster.decode[0].ranks.remote(), timeout=30)
+        assert p_rank["pulls"] == 0 and d_rank["kv_reservations"] == 0, (p_rank, d_rank)
     finally:
         served.stop()
 

@@ -2,7 +2,8 @@
 host tier moves its oldest entries to the disk tier, which survives a restart (a new
 KVTiers over the same file); a damaged disk entry is dropped, not served; another
 fingerprint's entries are not read; the tiers' cache events tell a reader which tier
-holds each block. Every test ends with the pool free and the tiers
+holds each block; on CUDA (gpu-marked) a device pool round-trips through pinned host
+memory and disk. Every test ends with the pool free and the tiers
 idle (each block held for a store given back)."""
 
 import time
@@ -109,6 +110,24 @@ def test_a_full_host_tier_moves_blocks_to_disk_which_survives_a_restart(tmp_path
         assert other.lookup(hashes) == 0
     finally:
         other.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_device_pool_round_trips_through_pinned_host_memory_and_disk(tmp_path):
+    """On CUDA the pool is device memory and the host tier pinned host memory: blocks
+    come back byte for byte from both tiers into device blocks."""
+    kv, pool = cache().cuda(), BlockPool(NUM_BLOCKS)
+    t = tiers(pool, kv, host_blocks=2, disk_dir=tmp_path, disk_blocks=8)
+    try:
+        assert t.host.slab.is_pinned()
+        hashes, want = stored(pool, kv, t, 5, seed=100)    # 3 oldest go to disk
+        n, got = loaded(pool, kv, t, hashes)
+        assert n == 5 and got.is_cuda and torch.equal(got, want)
+        assert (t.stats.host_hits, t.stats.disk_hits) == (2, 3)
+    finally:
+        t.close()
+    assert pool.all_free()
 
 
 def test_a_damaged_disk_entry_is_dropped_not_served(tmp_path):

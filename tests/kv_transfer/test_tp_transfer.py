@@ -35,6 +35,17 @@ def layout(kv, heads, size, rank):
                               tp_size=size)
 
 
+def rank_senders(full, heads, size, kind="tcp", checksum=False) -> list:
+    """A sender per rank of a worker of `size` ranks, each over its heads of `full`."""
+    out = []
+    for rank in range(size):
+        mine = kv_head_range(heads, size, rank)
+        kv = full[:, :, :, mine.start:mine.stop].contiguous()
+        out.append(make_sender(kind, kv, layout(kv, heads, size, rank), checksum=checksum,
+                               connect_timeout_s=2.0, io_timeout_s=2.0))
+    return out
+
+
 class Workers:
     """P ranks (senders over their shares of `full`) and D ranks (receivers)."""
 
@@ -53,14 +64,8 @@ class Workers:
             self.rx.append(rx)
             self.done.append(done.attach(rx))
             self.dst.append(kv)
-        self.tx = []
-        for p in range(p_size):
-            mine = kv_head_range(heads, p_size, p)
-            kv = self.full[:, :, :, mine.start:mine.stop].contiguous()
-            tx = make_sender(kind, kv, layout(kv, heads, p_size, p), checksum=checksum,
-                             connect_timeout_s=2.0, io_timeout_s=2.0)
-            self.made.append(tx)
-            self.tx.append(tx)
+        self.tx = rank_senders(self.full, heads, p_size, kind, checksum)
+        self.made += self.tx
 
     def close(self):
         for obj in self.made:

@@ -10,6 +10,7 @@ its host tier first, sends them with the send both roles run
 (EngineActor._send_held_kv), and sends nothing when it lost any. No model: cache tensors stand in for
 the workers'. Every test ends with P's pool free and the receiver idle."""
 
+import asyncio
 import threading
 import time
 from types import SimpleNamespace
@@ -24,7 +25,7 @@ from pdserve.engine.request import RequestState
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
 from pdserve.kv_transfer.nixl import find_module
-from pdserve.prefill_worker.kv_pull import KVPulls, PullCost
+from pdserve.prefill_worker.kv_pull import KVPulls, PullCost, send_held_blocks
 from pdserve.prefill_worker.requests import PrefillRequest
 from pdserve.prefill_worker.scheduler import PrefillScheduler
 from test_prefill_chunks import advance
@@ -38,6 +39,11 @@ PROMPT = list(range(1, 6 * BS + 3))       # 6 full blocks and 2 tokens
 BLOCK_BYTES = LAYERS * 2 * BS * 8 * 4
 TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
     find_module() is None, reason="NIXL (nixl-cu12) not installed"))]
+
+
+def one_rank(num_pulling_ranks: int) -> tuple:
+    """tp_plan.rank_targets with both workers at TP 1: every head to P's rank 0."""
+    return ((0, None),)
 
 
 class FakeD:
@@ -64,9 +70,7 @@ class FakeD:
             self.sender.send_abort(addr, pid, order.epoch, "not held")
             return
         blocks = D_BLOCKS[order.first_block:order.first_block + order.num_blocks]
-        for i in range(LAYERS):
-            self.sender.send_layers(addr, pid, order.epoch, i, i + 1, blocks)
-        self.sender.send_done(addr, pid, order.epoch, None, LAYERS)
+        send_held_blocks(self.sender, order, blocks, LAYERS, one_rank)
 
     def join(self):
         """Every send returned (its blocks given back)."""
@@ -217,7 +221,8 @@ class FakePeer(FakeD):
             assert self.tiers.stats.stored_host == 6
         self.actor = SimpleNamespace(worker_id="prefill-1", _pull_sender=lambda: self.sender,
                                      runner=SimpleNamespace(config=SimpleNamespace(
-                                         num_layers=LAYERS)))
+                                         num_layers=LAYERS)),
+                                     _ranks=[], _pull_targets=one_rank)
         self.sent: list[int] = []
 
     def _send(self, order):
@@ -227,8 +232,8 @@ class FakePeer(FakeD):
             assert time.monotonic() < deadline, "the export's tier load never ended"
             self.sched.schedule()
             time.sleep(0.002)
-        self.sent.append(EngineActor._send_held_kv(self.actor, order, exported.result(),
-                                                   self.sched.end_export))
+        self.sent.append(asyncio.run(EngineActor._send_held_kv(
+            self.actor, order, exported.result(), self.sched.end_export)))
 
     def close(self):
         super().close()

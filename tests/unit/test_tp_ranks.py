@@ -1,6 +1,6 @@
 """The bookkeeping between a tensor-parallel worker's rank 0 and its other ranks, with
 fakes where a process group would be: prefill_worker/rank.py (a rank's failed send
-reaches rank 0, which aborts the request on the decode worker), decode_worker/rank.py
+reaches rank 0, which aborts the request on the decode worker), kv_transfer/tp_receiver.py
 (TPReceiver: a completion once every rank's is in, a release once every rank released,
 a repeated reserve, no poll when nothing is outstanding), tp_executor's heartbeat."""
 
@@ -119,7 +119,7 @@ def ok(rid, token=None):
 
 
 def test_tp_receiver_reports_once_every_rank_is_in():
-    from pdserve.decode_worker.rank import TPReceiver
+    from pdserve.kv_transfer.tp_receiver import TPReceiver
 
     own, leader, rank1 = FakeReceiver(), FakeLeader(), FakeRank()
     rx = TPReceiver(own, leader, [rank1], on_broken=pytest.fail)
@@ -142,7 +142,7 @@ def test_tp_receiver_reports_once_every_rank_is_in():
 
 
 def test_tp_receiver_fails_at_the_first_rank_that_fails():
-    from pdserve.decode_worker.rank import TPReceiver
+    from pdserve.kv_transfer.tp_receiver import TPReceiver
 
     own, leader = FakeReceiver(), FakeLeader()
     rx = TPReceiver(own, leader, [FakeRank(), FakeRank()], on_broken=pytest.fail)

@@ -1,22 +1,27 @@
-"""The KV receivers of a tensor-parallel decode worker: every rank has its own (its cache
-holds its KV heads of every block, engine/parallel.py), and the prefill ranks send each
-one its heads (kv_transfer/tp_plan.py). Rank 0 owns the scheduler and the block pool,
-so a request's KV is there only once every rank's share is, and its blocks are free
-only once no rank can still write into them::
+"""The KV receivers of a tensor-parallel worker: every rank has its own (its cache holds
+its KV heads of every block, engine/parallel.py), and the sending ranks send each one its
+heads (kv_transfer/tp_plan.py). A decode worker receives a prefill's KV this way, and a
+prefill worker with kv_pull the blocks it reads from the worker holding them
+(prefill_worker/kv_pull.py). Rank 0 owns the scheduler and the block pool, so a
+transfer's KV is there only once every rank's share is, and its blocks are free only
+once no rank can still write into them::
 
-    rank 0 (DecodeWorker)                      rank i (DecodeRankKV, in its TPRank actor)
-    reserve(): expect locally, then
-      await rank.kv_expect(rid, blocks)  ──▶   expect: its receiver takes rid's frames
-      (before the router hears of the reservation, so before any P rank sends)
+    rank 0 (TPReceiver)                        rank i (RankReceiver, in its TPRank actor)
+    expect locally (the scheduler's lock), then
+      await rank.<p>_expect(rid, blocks) ──▶   expect: its receiver takes rid's frames
+      (before any sender is told of the transfer: D's reserve answering the router,
+      P's pull asking the holder)
     step loop: TPReceiver.get_finished()
       own receiver's news, and (while a
       rank may have news: wants_poll)
-      TPLeader.gather("kv_poll")         ──▶   kv_poll: its receiver's KVFinished
+      TPLeader.gather("<p>_poll")        ──▶   <p>_poll: its receiver's KVFinished
       a completion once every rank's is ok (or at the first failure), a release once
       every rank released
-    request_finished: forget locally,
-      rank.kv_forget(rid, seq)           ──▶   forget (the release comes back by kv_poll)
+    forget locally,
+      rank.<p>_forget(rid, seq)          ──▶   forget (the release comes back by the poll)
 
+<p> is the receiver's prefix: ``kv`` for a decode rank's receiver, ``pull`` for a
+prefill rank's pull receiver (beside its KV sends, whose own poll is ``kv_poll``).
 Expects and forgets are actor calls (rank 0's RPC thread must not wait for a step to
 reach its ranks); the news come back through the step loop's own collectives. A forget
 may overtake its expect (a request aborted as it is reserved): each expect carries a
@@ -30,17 +35,16 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-import ray
-
-from ..kv_transfer import KVCompletion, KVFinished, KVReceiver, TransferState
+from .base import KVCompletion, KVFinished, KVReceiver, TransferState
 
 logger = logging.getLogger(__name__)
 
 _FORGOTTEN_KEPT = 4096     # forgets a rank remembers, to ignore an expect they overtook
 
 
-class DecodeRankKV:
-    """Rank i's receiver (see the module docstring); `receiver` started here."""
+class RankReceiver:
+    """Rank i's receiver with prefix ``kv`` (see the module docstring); `receiver`
+    started here."""
 
     ORDERS = ()
     GATHERS = ("kv_poll",)
@@ -69,17 +73,31 @@ class DecodeRankKV:
         self.receiver.close()
 
 
+class RankPullReceiver(RankReceiver):
+    """A prefill rank's pull receiver: RankReceiver with prefix ``pull``."""
+
+    GATHERS = ("pull_poll",)
+
+    def pull_poll(self) -> KVFinished:
+        return self.kv_poll()
+
+
 class TPReceiver:
-    """Rank 0's view of every rank's receiver, with KVReceiver's interface for the
-    decode connector (decode_worker/connector.py); see the module docstring.
+    """Rank 0's view of every rank's receiver, with KVReceiver's interface (for the
+    decode connector, decode_worker/connector.py, and the pulls of a prefill worker,
+    prefill_worker/kv_pull.py); see the module docstring.
 
     receiver: rank 0's own (started). leader: the TPLeader runner (its gather). ranks:
     the TPRank handles of ranks 1..M-1. on_broken(error): a rank did not answer a
-    poll (the group must restart; it does not return)."""
+    poll (the group must restart; it does not return). prefix: the ranks' methods
+    (``kv``: kv_expect, kv_forget, kv_poll; ``pull``: pull_expect, ...). role: the
+    worker's, naming a failed rank ("decode rank 1: ...")."""
 
     def __init__(self, receiver: KVReceiver, leader, ranks: Sequence,
-                 on_broken: Callable[[Exception], None]):
+                 on_broken: Callable[[Exception], None], prefix: str = "kv",
+                 role: str = "decode"):
         self.receiver, self.leader, self.ranks = receiver, leader, list(ranks)
+        self.prefix, self.role = prefix, role
         self.size = len(self.ranks) + 1
         self._on_broken = on_broken
         self._seq = 0
@@ -113,11 +131,13 @@ class TPReceiver:
         return bool(self._waiting or self._releasing)
 
     async def expect_ranks(self, request_id: str) -> None:
-        """Have ranks 1..M-1 expect the request (DecodeWorker.reserve awaits this before
-        answering the router). Raises RayActorError: a rank is gone."""
+        """Have ranks 1..M-1 expect the request (awaited before any sender hears of it:
+        DecodeWorker.reserve, PrefillWorker's pull). Raises RayActorError: a rank is
+        gone."""
         pending = self._expects.pop(request_id, None)
         if pending is not None:
-            await asyncio.gather(*(r.kv_expect.remote(request_id, *pending) for r in self.ranks))
+            await asyncio.gather(*(getattr(r, f"{self.prefix}_expect").remote(request_id, *pending)
+                                   for r in self.ranks))
 
     def forget(self, request_id: str) -> None:
         self._expects.pop(request_id, None)
@@ -125,14 +145,14 @@ class TPReceiver:
         self._waiting.discard(request_id)
         self._releasing.add(request_id)
         self.receiver.forget(request_id)
-        for r in self.ranks:
-            r.kv_forget.remote(request_id, seq)     # its release comes back by kv_poll
+        for r in self.ranks:      # its release comes back by the poll
+            getattr(r, f"{self.prefix}_forget").remote(request_id, seq)
 
     def get_finished(self) -> KVFinished:
         news = [self.receiver.get_finished()]
         if self.wants_poll:
             try:
-                news += self.leader.gather("kv_poll")
+                news += self.leader.gather(f"{self.prefix}_poll")
             except Exception as e:          # TPGroupBroken: a rank is gone
                 self._on_broken(e)
                 raise
@@ -161,7 +181,7 @@ class TPReceiver:
             self._reported.add(rid)
             self._waiting.discard(rid)
             self._done.pop(rid, None)
-            return KVCompletion(rid, False, None, f"decode rank {rank}: {c.error}")
+            return KVCompletion(rid, False, None, f"{self.role} rank {rank}: {c.error}")
         done = self._done.setdefault(rid, {})
         done[rank] = c
         if len(done) < self.size:
@@ -169,7 +189,7 @@ class TPReceiver:
         self._reported.add(rid)
         self._waiting.discard(rid)
         del self._done[rid]
-        return done[0]          # the first token came to rank 0, with prefill rank 0's DONE
+        return done[0]          # the first token came to rank 0 (with prefill rank 0's DONE)
 
     def state(self, request_id: str) -> TransferState:
         return self.receiver.state(request_id)
@@ -177,7 +197,3 @@ class TPReceiver:
     def close(self) -> None:
         self.receiver.close()
 
-
-def rank_addresses(ranks: Sequence) -> tuple[tuple[str, int], ...]:
-    """The KV receivers' addresses of ranks 1..M-1 (TPRank.kv_address)."""
-    return tuple(tuple(a) for a in ray.get([r.kv_address.remote() for r in ranks]))

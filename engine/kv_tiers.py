@@ -296,9 +296,9 @@ class KVTiers:
                 if not held:
                     self.host.index[h] = slot
                     self._events.append(("host", True, h))
+                    self.stats.stored_host += 1
                 self._pending.discard(h)
                 self._stored.append(block)
-                self.stats.stored_host += 1
                 job.done += 1
 
     def _forget(self, job: _Forget) -> None:

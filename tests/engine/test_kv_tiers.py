@@ -16,11 +16,9 @@ from pdserve.engine.kv_tiers import KVTiers, fingerprint
 from pdserve.messages import CacheEvents
 from pdserve.router.routing import PrefixIndex
 
-pytest.importorskip("nixl_cu12")
+from tier_helpers import BLOCK_BYTES, BS, GIB, HD, HEADS, LAYERS, NUM_BLOCKS, loaded, stored
 
-LAYERS, HEADS, BS, HD = 2, 1, 4, 8
-NUM_BLOCKS = 16
-BLOCK_BYTES = LAYERS * 2 * HEADS * BS * HD * 4          # float32
+pytest.importorskip("nixl_cu12")
 
 
 def cache() -> torch.Tensor:
@@ -29,53 +27,17 @@ def cache() -> torch.Tensor:
 
 def tiers(pool, kv, host_blocks, disk_dir=None, disk_blocks=0, fp=None):
     from pdserve.engine.kv_disk_tier import HEADER_BYTES
-    gib = 1 << 30
-    return KVTiers(pool, kv, fp or fingerprint("m", kv), host_blocks * BLOCK_BYTES / gib,
-                   disk_dir, disk_blocks * (HEADER_BYTES + BLOCK_BYTES) / gib, name="t")
-
-
-def settle(t: KVTiers, want_loads: int = 0) -> list:
-    """poll() until the tiers are idle and `want_loads` loads reported (5 s at most)."""
-    loads, deadline = [], time.monotonic() + 5
-    while not (t.idle() and len(loads) >= want_loads):
-        assert time.monotonic() < deadline, (t.idle(), loads)
-        loads += t.poll()
-        time.sleep(0.005)
-    return loads + t.poll()
-
-
-def stored(pool, kv, t, n, seed):
-    """n blocks of new prompt tokens computed into the pool, registered and stored;
-    returns (their hashes, their bytes), the pool's blocks freed (evictable)."""
-    hashes = block_hashes(list(range(seed, seed + n * BS)), BS)
-    blocks = pool.allocate(n)
-    kv[:, :, blocks] = torch.randn(LAYERS, 2, n, HEADS, BS, HD)
-    want = kv[:, :, blocks].clone()
-    pool.cache_blocks(blocks, hashes)
-    t.store(blocks, hashes)
-    settle(t)
-    pool.free(blocks)
-    return hashes, want
-
-
-def loaded(pool, kv, t, hashes):
-    """The tiers' entries of `hashes` loaded into new pool blocks: (count, their bytes)."""
-    blocks = pool.allocate(len(hashes))
-    kv[:, :, blocks] = 0
-    t.load("k", hashes, blocks)
-    [done] = settle(t, 1)
-    got = kv[:, :, blocks].clone()
-    pool.free(blocks)
-    return done.num_loaded, got
+    return KVTiers(pool, kv, fp or fingerprint("m", kv), host_blocks * BLOCK_BYTES / GIB,
+                   disk_dir, disk_blocks * (HEADER_BYTES + BLOCK_BYTES) / GIB, name="t")
 
 
 def test_host_tier_round_trip():
     kv, pool = cache(), BlockPool(NUM_BLOCKS)
     t = tiers(pool, kv, host_blocks=8)
     try:
-        hashes, want = stored(pool, kv, t, 3, seed=1)
+        hashes, [want] = stored(pool, [kv], t, 3, seed=1)
         assert t.lookup(hashes) == 3 and t.lookup(hashes[:1] + [b"x" * 16]) == 1
-        n, got = loaded(pool, kv, t, hashes)
+        n, [got] = loaded(pool, [kv], t, hashes)
         assert n == 3 and torch.equal(got, want)
         assert (t.stats.stored_host, t.stats.host_hits, t.stats.disk_hits) == (3, 3, 0)
         assert t.stats.bytes_loaded == 3 * BLOCK_BYTES
@@ -89,9 +51,9 @@ def test_a_full_host_tier_moves_blocks_to_disk_which_survives_a_restart(tmp_path
     kv, pool = cache(), BlockPool(NUM_BLOCKS)
     t = tiers(pool, kv, host_blocks=2, disk_dir=tmp_path, disk_blocks=8)
     try:
-        hashes, want = stored(pool, kv, t, 5, seed=100)    # 3 oldest go to disk
+        hashes, [want] = stored(pool, [kv], t, 5, seed=100)    # 3 oldest go to disk
         assert t.stats.stored_disk == 3 and len(t.disk.index) == 3
-        n, got = loaded(pool, kv, t, hashes)
+        n, [got] = loaded(pool, [kv], t, hashes)
         assert n == 5 and torch.equal(got, want)
         assert (t.stats.host_hits, t.stats.disk_hits) == (2, 3)
     finally:
@@ -99,7 +61,7 @@ def test_a_full_host_tier_moves_blocks_to_disk_which_survives_a_restart(tmp_path
     again = tiers(pool, kv, host_blocks=2, disk_dir=tmp_path, disk_blocks=8)
     try:
         assert again.lookup(hashes) == 3                   # the disk's, in order
-        n, got = loaded(pool, kv, again, hashes[:3])
+        n, [got] = loaded(pool, [kv], again, hashes[:3])
         assert n == 3 and torch.equal(got, want[:, :, :3])
     finally:
         again.close()
@@ -121,8 +83,8 @@ def test_a_device_pool_round_trips_through_pinned_host_memory_and_disk(tmp_path)
     t = tiers(pool, kv, host_blocks=2, disk_dir=tmp_path, disk_blocks=8)
     try:
         assert t.host.slab.is_pinned()
-        hashes, want = stored(pool, kv, t, 5, seed=100)    # 3 oldest go to disk
-        n, got = loaded(pool, kv, t, hashes)
+        hashes, [want] = stored(pool, [kv], t, 5, seed=100)    # 3 oldest go to disk
+        n, [got] = loaded(pool, [kv], t, hashes)
         assert n == 5 and got.is_cuda and torch.equal(got, want)
         assert (t.stats.host_hits, t.stats.disk_hits) == (2, 3)
     finally:
@@ -130,19 +92,43 @@ def test_a_device_pool_round_trips_through_pinned_host_memory_and_disk(tmp_path)
     assert pool.all_free()
 
 
+def test_a_follower_store_of_an_entry_it_holds_copies_nothing_and_makes_it_most_recent():
+    """store_exactly (a tensor-parallel follower's store of rank 0's choice,
+    engine/tp_tiers.py) of a hash its host tier holds copies nothing and counts no
+    store; the entry becomes the most recently used, so the next store evicts the
+    other."""
+    t = tiers(None, cache(), host_blocks=2)
+    a, b, c = block_hashes(list(range(3 * BS)), BS)
+    try:
+        for block, h in ((0, a), (1, b), (0, a), (2, c)):
+            t.store_exactly([block], [h])
+        handed, deadline = [], time.monotonic() + 5
+        while True:
+            handed += t.take_finished()[0]
+            if t.idle():
+                break
+            assert time.monotonic() < deadline, handed
+            time.sleep(0.005)
+        assert handed == [0, 1, 0, 2]                     # every block handed back
+        assert t.stats.stored_host == 3
+        assert (t.lookup([a]), t.lookup([b]), t.lookup([c])) == (1, 0, 1)
+    finally:
+        t.close()
+
+
 def test_a_damaged_disk_entry_is_dropped_not_served(tmp_path):
     from pdserve.engine.kv_disk_tier import HEADER_BYTES
     kv, pool = cache(), BlockPool(NUM_BLOCKS)
     t = tiers(pool, kv, host_blocks=1, disk_dir=tmp_path, disk_blocks=4)
     try:
-        hashes, want = stored(pool, kv, t, 3, seed=7)      # 2 on disk, 1 in host
+        hashes, [want] = stored(pool, [kv], t, 3, seed=7)      # 2 on disk, 1 in host
         slot = t.disk.index[hashes[1]]
         with open(t.disk.path, "r+b") as f:                # one byte of hashes[1]'s block
             f.seek(slot * t.disk.stride + HEADER_BYTES + 100)
             b = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([b[0] ^ 0xFF]))
-        n, got = loaded(pool, kv, t, hashes)
+        n, [got] = loaded(pool, [kv], t, hashes)
         assert n == 1 and torch.equal(got[:, :, :1], want[:, :, :1])   # stops at the damage
         assert t.stats.dropped == 1 and hashes[1] not in t.disk.index
         assert t.lookup(hashes) == 1
@@ -176,20 +162,20 @@ def test_cache_events_mirror_each_tier_through_moves_drops_and_a_restart(tmp_pat
     index = PrefixIndex()
     t = tiers(pool, kv, host_blocks=2, disk_dir=tmp_path, disk_blocks=3)
     try:
-        a, _ = stored(pool, kv, t, 2, seed=10)
+        a, _ = stored(pool, [kv], t, 2, seed=10)
         mirror(index, t)
         assert held(index, a) == ["host", "host"]
-        b, _ = stored(pool, kv, t, 3, seed=500)          # a's two and b[0] go to disk
+        b, _ = stored(pool, [kv], t, 3, seed=500)          # a's two and b[0] go to disk
         mirror(index, t)
         assert held(index, a + b) == ["disk", "disk", "disk", "host", "host"]
-        c, _ = stored(pool, kv, t, 1, seed=900)          # b[1] to disk: a[0]'s slot reused
+        c, _ = stored(pool, [kv], t, 1, seed=900)          # b[1] to disk: a[0]'s slot reused
         mirror(index, t)
         assert held(index, a + b + c) == ["-", "disk", "disk", "disk", "host", "host"]
         slot = t.disk.index[b[0]]
         with open(t.disk.path, "r+b") as f:              # damage b[0]'s bytes
             f.seek(slot * t.disk.stride + HEADER_BYTES + 5)
             f.write(b"\xff\x00\xff")
-        assert loaded(pool, kv, t, b[:1])[0] == 0
+        assert loaded(pool, [kv], t, b[:1])[0] == 0
         mirror(index, t)
         assert held(index, a + b) == ["-", "disk", "-", "disk", "host"]
     finally:

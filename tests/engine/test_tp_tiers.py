@@ -16,10 +16,8 @@ from pdserve.engine.block_pool import BlockPool, block_hashes
 from pdserve.engine.kv_tiers import KVTiers, fingerprint
 from pdserve.engine.tp_tiers import RankTiers, TPTiers
 
-LAYERS, HEADS, BS, HD = 2, 1, 4, 8
-NUM_BLOCKS = 16
-BLOCK_BYTES = LAYERS * 2 * HEADS * BS * HD * 4          # float32, one rank's heads
-GIB = 1 << 30
+from tier_helpers import (BLOCK_BYTES, BS, GIB, HD, HEADS, LAYERS, NUM_BLOCKS, loaded, settle,
+                          stored)
 
 
 class Followers:
@@ -59,42 +57,6 @@ def two_ranks(host_blocks=8, disk_dir=None, disk_blocks=0):
     t = TPTiers(rank_tiers(pool, kvs[0], 0, host_blocks, dirs[0], disk_blocks),
                 Followers([RankTiers(r1)]), 2, broken)
     return pool, kvs, t, r1
-
-
-def settle(t: TPTiers, want_loads: int = 0) -> list:
-    loads, deadline = [], time.monotonic() + 5
-    while not (t.idle() and len(loads) >= want_loads):
-        assert time.monotonic() < deadline, (t.idle(), loads)
-        loads += t.poll()
-        time.sleep(0.005)
-    return loads + t.poll()
-
-
-def stored(pool, kvs, t, n, seed):
-    """n new blocks computed on both ranks, registered and stored; (hashes, each
-    rank's bytes of them); the pool's blocks freed (evictable)."""
-    hashes = block_hashes(list(range(seed, seed + n * BS)), BS)
-    blocks = pool.allocate(n)
-    want = []
-    for kv in kvs:
-        kv[:, :, blocks] = torch.randn(LAYERS, 2, n, HEADS, BS, HD)
-        want.append(kv[:, :, blocks].clone())
-    pool.cache_blocks(blocks, hashes)
-    t.store(blocks, hashes)
-    settle(t)
-    pool.free(blocks)
-    return hashes, want
-
-
-def loaded(pool, kvs, t, hashes):
-    blocks = pool.allocate(len(hashes))
-    for kv in kvs:
-        kv[:, :, blocks] = 0
-    t.load("k", hashes, blocks)
-    [done] = settle(t, 1)
-    got = [kv[:, :, blocks].clone() for kv in kvs]
-    pool.free(blocks)
-    return done.num_loaded, got
 
 
 def close(pool, t, r1) -> None:

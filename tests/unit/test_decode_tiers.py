@@ -17,7 +17,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_tiers import KVTiers, fingerprint
 from pdserve.engine.request import RequestState
 from test_decode_local_prefill import finish_all, prefills, reserve, serve_remote
-from test_prefill_tiers import settle
+from tier_helpers import settle
 
 BS, POOL, EOS = 4, 12, 2
 KV = torch.zeros(2, 2, POOL, 1, BS, 8)

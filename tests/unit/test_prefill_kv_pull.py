@@ -29,7 +29,7 @@ from pdserve.prefill_worker.kv_pull import KVPulls, PullCost, send_held_blocks
 from pdserve.prefill_worker.requests import PrefillRequest
 from pdserve.prefill_worker.scheduler import PrefillScheduler
 from test_prefill_chunks import advance
-from test_prefill_tiers import settle
+from tier_helpers import settle
 
 BS, POOL, LAYERS, MODEL = 4, 16, 3, "pull-test"
 P_KV = torch.zeros(LAYERS, 2, POOL, 1, BS, 8)

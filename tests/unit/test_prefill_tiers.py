@@ -13,6 +13,7 @@ from pdserve.engine.kv_tiers import KVTiers, fingerprint
 from pdserve.engine.request import RequestState
 from pdserve.prefill_worker.scheduler import PrefillScheduler
 from test_prefill_chunks import _tokens_req, advance, chunks
+from tier_helpers import settle
 
 BS, POOL = 4, 8
 KV = torch.zeros(2, 2, POOL, 1, BS, 8)
@@ -32,15 +33,6 @@ def until_loaded(sched, timeout_s=5.0):
         assert time.monotonic() < deadline, "the tier load never finished"
         time.sleep(0.005)
     return out
-
-
-def settle(tiers, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not tiers.idle():
-        assert time.monotonic() < deadline
-        tiers.poll()
-        time.sleep(0.005)
-    tiers.poll()
 
 
 def run(sched, req) -> None:

@@ -129,7 +129,8 @@ class Pull:
 @pytest.mark.parametrize("heads,h_size,p_size,kind", [
     (4, 1, 2, "tcp"), (4, 2, 1, "tcp"), (4, 2, 2, "tcp"), (2, 4, 2, "tcp"), (3, 3, 1, "tcp"),
     (3, 1, 3, "tcp"), (1, 2, 2, "tcp"),
-    pytest.param(4, 2, 2, "nixl", marks=NIXL), pytest.param(2, 1, 2, "nixl", marks=NIXL)])
+    pytest.param(4, 2, 2, "nixl", marks=NIXL), pytest.param(2, 1, 2, "nixl", marks=NIXL),
+    pytest.param(4, 2, 1, "nixl", marks=NIXL)])
 def test_every_pulling_rank_gets_exactly_its_heads(heads, h_size, p_size, kind):
     """(holder TP, puller TP) pairs the model's KV heads allow, one head replicated
     included, over TCP and NIXL (one-sided writes of head runs): the pull is done on

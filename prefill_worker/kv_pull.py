@@ -48,6 +48,7 @@ from __future__ import annotations
 import time
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..engine.block_pool import BlockPool
@@ -90,37 +91,51 @@ class PullCost:
             self.bytes_per_s += self.alpha * (rate - self.bytes_per_s)
 
 
+def answered_nothing(answer: Future) -> bool:
+    """Whether the holder answered a pull (`answer`: the Future `ask` gave of what its
+    send_prompt_kv returned) without sending (0 bytes), or failed (it died, or a rank
+    of the puller could not expect the pull); False while it has not answered."""
+    if not answer.done():
+        return False
+    try:
+        return answer.result() == 0
+    except Exception:
+        return True
+
+
 @dataclass(slots=True)
 class _Pull:
     req: PrefillRequest
     first: int          # block-table position of its first pulled block
     count: int
     started: float      # time.monotonic()
-    answer: object      # what ask() returned (refused() reads it)
+    answer: Future      # what ask() returned (refused() reads it)
 
 
 class KVPulls:
     """The pulls in flight of one prefill scheduler (called under its lock, on the step
     thread); see the module docstring. `receiver`: P's own KV receiver over its cache,
-    started at `address` with P's `epoch`; `ask(source, order)` asks the worker `source`
-    (PrefillRequest.kv_source, or kv_peer: see source()) to send, and `refused(answer)`
-    says from what it returned whether it answered without sending or failed (the pull
-    is given up then); `block_bytes`: K/V bytes of one block (every layer); a pull not
-    done after `timeout_s` seconds is given up.
+    started at `address` with P's `epoch` (a tensor-parallel P: rank 0's TPReceiver,
+    ranks 1..N-1's pull receivers at `rank_addresses`); `ask(source, order)` asks the
+    worker `source` (PrefillRequest.kv_source, or kv_peer: see source()) to send and
+    returns a Future of the bytes it says it sent, and `refused(answer)` (default
+    answered_nothing) says from that whether it answered without sending or failed (the
+    pull is given up then); `block_bytes`: K/V bytes of one block (every layer, every
+    rank); a pull not done after `timeout_s` seconds is given up.
 
     Counters: `pulled_blocks`, `bytes_pulled`, `pull_seconds` (asked to done, summed),
     `num_failed` (pulls given up or failed)."""
 
     def __init__(self, receiver: KVReceiver, address: tuple[str, int], epoch: int,
                  pool: BlockPool, block_size: int, block_bytes: int,
-                 ask: Callable[[object, KVPullOrder], object],
-                 refused: Callable[[object], bool] = lambda answer: False,
+                 ask: Callable[[object, KVPullOrder], Future],
+                 refused: Callable[[Future], bool] | None = None,
                  cost: PullCost | None = None, timeout_s: float = 10.0,
                  rank_addresses: Sequence[tuple[str, int]] = ()):
         self.receiver, self.address, self.epoch = receiver, tuple(address), epoch
         self.rank_addresses = tuple(tuple(a) for a in rank_addresses)
         self.pool, self.block_size, self.block_bytes = pool, block_size, block_bytes
-        self.ask, self.refused = ask, refused
+        self.ask, self.refused = ask, refused or answered_nothing
         self.cost, self.timeout_s = cost or PullCost(), timeout_s
         self._pulling: dict[str, _Pull] = {}     # pull id -> in flight
         self._forgotten: dict[str, _Pull] = {}   # given up, waiting for the release

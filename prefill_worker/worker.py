@@ -66,18 +66,6 @@ __all__ = ["PrefillAborted", "PrefillFailed", "PrefillWorker"]
 logger = logging.getLogger(__name__)
 
 
-def _refused(answer: concurrent.futures.Future) -> bool:
-    """Whether the holder's send_prompt_kv answered without sending (0 bytes) or
-    failed (it died, or a rank of this worker could not expect the pull); False while
-    it has not answered (PrefillWorker._ask_to_send)."""
-    if not answer.done():
-        return False
-    try:
-        return answer.result() == 0
-    except Exception:
-        return True
-
-
 class PrefillWorker(EngineActor):
     """Ray actor (see cluster.py); methods are called by the router."""
 
@@ -110,8 +98,7 @@ class PrefillWorker(EngineActor):
             self.pulls = KVPulls(self.pull_receiver, address, self.epoch, self.pool,
                                  self.runner.block_size,
                                  self.kv_layout.payload_bytes(self.num_layers, 1) * self.tp.size,
-                                 ask=self._ask_to_send, refused=_refused,
-                                 rank_addresses=rank_addrs)
+                                 ask=self._ask_to_send, rank_addresses=rank_addrs)
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
                                           config.max_num_batched_tokens,
                                           config.enable_prefix_caching,
@@ -257,7 +244,8 @@ class PrefillWorker(EngineActor):
     def _ask_to_send(self, holder, order: KVPullOrder) -> concurrent.futures.Future:
         """KVPulls' ask (step thread): once this worker's ranks 1..N-1 expect the pull
         (a TPReceiver's expect_ranks), ask `holder` (a worker's actor handle) to send.
-        A Future of what its send_prompt_kv returns (_refused reads it)."""
+        A Future of what its send_prompt_kv returns (kv_pull.answered_nothing reads
+        it)."""
         async def ask() -> int:
             if isinstance(self.pull_receiver, TPReceiver):
                 await self.pull_receiver.expect_ranks(order.pull_id)

@@ -13,6 +13,7 @@ the workers'. Every test ends with P's pool free and the receiver idle."""
 import asyncio
 import threading
 import time
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -54,23 +55,29 @@ class FakeD:
         self.sender = make_sender(kind, D_KV, KVLayout.for_cache(D_KV, MODEL), checksum=True)
         self.serve, self.orders, self.threads = serve, [], []
 
-    def ask(self, source, order):
+    def ask(self, source, order) -> Future:
+        """What the worker's ask gives KVPulls: a Future of the bytes D says it sent."""
         assert source is self
         self.orders.append(order)
-        t = threading.Thread(target=self._send, args=(order,))
+        answer = Future()
+        t = threading.Thread(target=self._send, args=(order, answer))
         self.threads.append(t)
         t.start()
-        return "zero" if self.serve == "zero" else "pending"
+        return answer
 
-    def _send(self, order):
+    def _send(self, order, answer: Future):
         addr, pid = order.kv_address, order.pull_id
-        if self.serve in (None, "zero"):
-            return                                           # never sends
+        if self.serve is None:
+            return                                           # never answers
+        if self.serve == "zero":
+            answer.set_result(0)                             # sends nothing, says so
+            return
         if not self.serve:
             self.sender.send_abort(addr, pid, order.epoch, "not held")
+            answer.set_result(0)
             return
         blocks = D_BLOCKS[order.first_block:order.first_block + order.num_blocks]
-        send_held_blocks(self.sender, order, blocks, LAYERS, one_rank)
+        answer.set_result(send_held_blocks(self.sender, order, blocks, LAYERS, one_rank))
 
     def join(self):
         """Every send returned (its blocks given back)."""
@@ -150,7 +157,7 @@ def test_a_pull_that_fails_leaves_the_prefix_to_compute(pull, serve):
     answers (given up after timeout_s)."""
     pool, sched, pulls, kind = pull
     d = FakeD(kind, serve)
-    pulls.ask, pulls.refused = d.ask, lambda answer: answer == "zero"
+    pulls.ask = d.ask
     pulls.timeout_s = 0.3 if serve is None else 60.0
     try:
         req = request(d)
@@ -225,7 +232,7 @@ class FakePeer(FakeD):
                                      _ranks=[], _pull_targets=one_rank)
         self.sent: list[int] = []
 
-    def _send(self, order):
+    def _send(self, order, answer: Future):
         exported = self.sched.export(list(order.block_hashes))
         deadline = time.monotonic() + 5
         while not exported.done():                        # a tier load: the step thread
@@ -234,6 +241,7 @@ class FakePeer(FakeD):
             time.sleep(0.002)
         self.sent.append(asyncio.run(EngineActor._send_held_kv(
             self.actor, order, exported.result(), self.sched.end_export)))
+        answer.set_result(self.sent[-1])
 
     def close(self):
         super().close()

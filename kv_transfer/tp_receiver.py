@@ -130,14 +130,16 @@ class TPReceiver:
         idle period: a rank's news does not wake it)."""
         return bool(self._waiting or self._releasing)
 
-    async def expect_ranks(self, request_id: str) -> None:
+    async def expect_ranks(self, request_id: str) -> bool:
         """Have ranks 1..M-1 expect the request (awaited before any sender hears of it:
-        DecodeWorker.reserve, PrefillWorker's pull). Raises RayActorError: a rank is
-        gone."""
+        DecodeWorker.reserve, PrefillWorker's pull). Returns whether it is still
+        expected (False: forgotten meanwhile, nothing to send). Raises RayActorError: a
+        rank is gone."""
         pending = self._expects.pop(request_id, None)
         if pending is not None:
             await asyncio.gather(*(getattr(r, f"{self.prefix}_expect").remote(request_id, *pending)
                                    for r in self.ranks))
+        return request_id in self._seqs
 
     def forget(self, request_id: str) -> None:
         self._expects.pop(request_id, None)

@@ -189,14 +189,20 @@ class EngineActor(abc.ABC):
         addr, pull_id, epoch = tuple(order.kv_address), order.pull_id, order.epoch
         reason = f"{self.worker_id} no longer holds those blocks of {order.request_id}"
         if blocks is not None:
+            calls: list = [asyncio.to_thread(lambda: send_held_blocks(
+                self._pull_sender(), order, blocks, self.runner.config.num_layers,
+                self._pull_targets))]
+            for rank in self._ranks:
+                try:
+                    calls.append(rank.send_held_kv.remote(order, blocks))
+                except Exception as e:      # not made: that rank's share failed
+                    calls.append(asyncio.sleep(0, e))
+            sends = asyncio.gather(*calls, return_exceptions=True)
             try:
-                shares = await asyncio.gather(
-                    asyncio.to_thread(lambda: send_held_blocks(
-                        self._pull_sender(), order, blocks, self.runner.config.num_layers,
-                        self._pull_targets)),
-                    *(r.send_held_kv.remote(order, blocks) for r in self._ranks),
-                    return_exceptions=True)
+                shares = await asyncio.shield(sends)
             finally:
+                if not sends.done():   # cancelled: the ranks may still read the blocks
+                    await asyncio.wait([sends])
                 release(blocks)
             errors = [(rank, e) for rank, e in enumerate(shares) if isinstance(e, BaseException)]
             if not errors:

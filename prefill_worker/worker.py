@@ -247,9 +247,15 @@ class PrefillWorker(EngineActor):
         A Future of what its send_prompt_kv returns (kv_pull.answered_nothing reads
         it)."""
         async def ask() -> int:
-            if isinstance(self.pull_receiver, TPReceiver):
-                await self.pull_receiver.expect_ranks(order.pull_id)
-            return await holder.send_prompt_kv.remote(order)
+            try:
+                if (isinstance(self.pull_receiver, TPReceiver)
+                        and not await self.pull_receiver.expect_ranks(order.pull_id)):
+                    return 0                        # given up meanwhile: nothing to send
+                return await holder.send_prompt_kv.remote(order)
+            except Exception as e:                  # the pull is given up (answered_nothing)
+                logger.warning("pull of %s failed: %s: %s", order.request_id,
+                               type(e).__name__, e)
+                raise
         return asyncio.run_coroutine_threadsafe(ask(), self._loop)
 
     def _end_export(self, blocks: list[int]) -> None:

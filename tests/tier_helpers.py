@@ -35,7 +35,7 @@ def stored(pool, kvs: list[torch.Tensor], tiers, n: int, seed: int):
     blocks = pool.allocate(n)
     want = []
     for kv in kvs:
-        kv[:, :, blocks] = torch.randn(LAYERS, 2, n, HEADS, BS, HD)
+        kv[:, :, blocks] = torch.randn(LAYERS, 2, n, HEADS, BS, HD, device=kv.device)
         want.append(kv[:, :, blocks].clone())
     pool.cache_blocks(blocks, hashes)
     tiers.store(blocks, hashes)

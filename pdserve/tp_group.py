@@ -128,9 +128,10 @@ class TPRank:
                                        config.num_threads, rank_cpus(config.cpus, size, rank),
                                        tp=self.tp)
         self.config, self.epoch = config, epoch
-        self.handler = _handler(role, self.runner, self.tp, config, epoch)
+        # (P rank, KV heads) this rank sends to, for a receiving worker of n ranks
         self.targets = functools.partial(rank_targets, self.runner.config.num_kv_heads,
                                          size, rank)
+        self.handler = _handler(role, self.runner, self.tp, config, epoch, self.targets)
         self.pull = None       # a prefill rank's pull receiver (kv_pull)
         if role == "prefill" and config.kv_pull:
             from .kv_transfer.tp_receiver import RankPullReceiver
@@ -220,10 +221,11 @@ class TPRank:
 
 
 def _handler(role: str | None, runner, tp: TensorParallel, config: WorkerConfig,
-             epoch: int):
+             epoch: int, targets):
     """What a follower runs beside the model for its worker's `role`: a prefill rank
-    sends its KV heads (prefill_worker/rank.py), a decode rank receives them
-    (kv_transfer/tp_receiver.py); None: the model calls only."""
+    sends its KV heads to the receiving ranks `targets(n)` names (prefill_worker/rank.py),
+    a decode rank receives them (kv_transfer/tp_receiver.py); None: the model calls
+    only."""
     if role is None:
         return None
     if role == "decode":
@@ -233,8 +235,7 @@ def _handler(role: str | None, runner, tp: TensorParallel, config: WorkerConfig,
     from .prefill_worker.rank import PrefillRankKV
 
     return PrefillRankKV(_sender(config, runner, tp, epoch), runner.config.num_layers,
-                         functools.partial(rank_targets, runner.config.num_kv_heads,
-                                           tp.size, tp.rank))
+                         targets)
 
 
 def _receiver(config: WorkerConfig, runner, tp: TensorParallel, epoch: int):

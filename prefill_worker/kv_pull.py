@@ -45,15 +45,19 @@ The cost model (PullCost) compares the two times, each from this worker's own hi
 
 from __future__ import annotations
 
+import asyncio
 import time
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from ..config import WorkerConfig
 from ..engine.block_pool import BlockPool
-from ..kv_transfer import KVReceiver, KVSender
+from ..kv_transfer import KVLayout, KVReceiver, KVSender, make_receiver
+from ..kv_transfer.tp_receiver import TPReceiver
 from ..messages import KVPullOrder
+from ..tp_group import rank_addresses
 from .requests import PrefillRequest
 
 logger = logging.getLogger(__name__)
@@ -217,6 +221,50 @@ class KVPulls:
     def loading(self) -> bool:
         """Whether a pull is in flight or waiting for its release."""
         return bool(self._pulling or self._forgotten)
+
+
+def worker_pulls(config: WorkerConfig, runner, kv_layout: KVLayout, epoch: int,
+                 pool: BlockPool, notify: Callable[[], None], ranks: Sequence,
+                 on_broken: Callable[[Exception], None],
+                 loop: Callable[[], asyncio.AbstractEventLoop]) -> KVPulls:
+    """A prefill worker's KVPulls over a pull receiver on its cache (config.transport,
+    bound to config.node_host(); `notify` called on its news). `runner`: rank 0's
+    ModelRunner; `ranks`: the TPRank handles of ranks 1..N-1 ([] at TP 1), each with its
+    own pull receiver, seen through a TPReceiver (`on_broken` called if one is lost);
+    `loop()`: the actor's event loop, which asks the holders (asker). Raises what the
+    receiver's start raises (OSError: no port)."""
+    receiver = make_receiver(config.transport, runner.kv_cache, kv_layout, epoch,
+                             notify=notify, host=config.node_host(), secret=config.kv_secret)
+    address, rank_addrs = receiver.start(), ()
+    if ranks:                       # every rank's pull receiver, polled by the step loop
+        rank_addrs = rank_addresses(ranks, "pull_address")
+        receiver = TPReceiver(receiver, runner, ranks, on_broken, prefix="pull",
+                              role="prefill")
+    block_bytes = kv_layout.payload_bytes(runner.config.num_layers, 1) * (len(ranks) + 1)
+    return KVPulls(receiver, address, epoch, pool, runner.block_size, block_bytes,
+                   ask=asker(receiver, loop), rank_addresses=rank_addrs)
+
+
+def asker(receiver: KVReceiver,
+          loop: Callable[[], asyncio.AbstractEventLoop]) -> Callable[[object, KVPullOrder],
+                                                                     Future]:
+    """KVPulls' ask for a worker pulling into `receiver`: ``ask(holder, order)`` (from the
+    step thread) runs on the event loop `loop()` and, once the worker's ranks 1..N-1
+    expect the pull (a TPReceiver's expect_ranks), calls `holder`'s (an actor handle)
+    send_prompt_kv. Returns a Future of what that returns; 0 without asking when the pull
+    was forgotten meanwhile; a failure is logged and fails the Future (answered_nothing
+    reads it: the pull is given up)."""
+    async def ask(holder, order: KVPullOrder) -> int:
+        try:
+            if (isinstance(receiver, TPReceiver)
+                    and not await receiver.expect_ranks(order.pull_id)):
+                return 0                        # given up meanwhile: nothing to send
+            return await holder.send_prompt_kv.remote(order)
+        except Exception as e:
+            logger.warning("pull of %s failed: %s: %s", order.request_id,
+                           type(e).__name__, e)
+            raise
+    return lambda holder, order: asyncio.run_coroutine_threadsafe(ask(holder, order), loop())
 
 
 def send_held_blocks(sender: KVSender, order: KVPullOrder, blocks: Sequence[int],

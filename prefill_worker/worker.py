@@ -29,7 +29,6 @@ worker keeps serving.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import logging
 import os
@@ -47,15 +46,13 @@ from ..engine.outputs import SchedulerOutput
 from ..engine.request import RequestState
 from ..engine.tp_executor import TPGroupBroken
 from ..engine_actor import EngineActor
-from ..kv_transfer import KVTransferError, make_receiver, make_sender
+from ..kv_transfer import KVTransferError, make_sender
 from ..kv_transfer.tp_plan import rank_targets
-from ..kv_transfer.tp_receiver import TPReceiver
 from ..messages import (KVPullOrder, PrefillOrder, PrefillResult, StepStats,
                         WorkerStatus)
 from ..request_ids import router_of
-from ..tp_group import rank_addresses
 from .connector import PrefillKVConnector
-from .kv_pull import KVPulls
+from .kv_pull import worker_pulls
 from .rank import PrefillRanks
 from .requests import FinishCause, PrefillAborted, PrefillFailed, PrefillRequest, fail
 from . import spans
@@ -84,21 +81,11 @@ class PrefillWorker(EngineActor):
         super().__init__(worker_id, config,
                          compile_model=config.compile and not config.enforce_eager)
         self.num_layers = self.runner.config.num_layers
-        self.pull_receiver, self.pulls = None, None
-        if config.kv_pull:     # D's cached prompt blocks read into P's (kv_pull.py)
-            self.pull_receiver = make_receiver(
-                config.transport, self.runner.kv_cache, self.kv_layout, self.epoch,
-                notify=self._wake.set, host=config.node_host(), secret=config.kv_secret)
-            address, rank_addrs = self.pull_receiver.start(), ()
-            if self.tp.size > 1:   # every rank's pull receiver, polled by the step loop
-                rank_addrs = rank_addresses(self._ranks, "pull_address")
-                self.pull_receiver = TPReceiver(self.pull_receiver, self.runner, self._ranks,
-                                                self._group_broken, prefix="pull",
-                                                role="prefill")
-            self.pulls = KVPulls(self.pull_receiver, address, self.epoch, self.pool,
-                                 self.runner.block_size,
-                                 self.kv_layout.payload_bytes(self.num_layers, 1) * self.tp.size,
-                                 ask=self._ask_to_send, rank_addresses=rank_addrs)
+        self.pulls = None   # D's cached prompt blocks read into P's (kv_pull.py)
+        if config.kv_pull:
+            self.pulls = worker_pulls(config, self.runner, self.kv_layout, self.epoch,
+                                      self.pool, self._wake.set, self._ranks,
+                                      self._group_broken, lambda: self._loop)
         self.scheduler = PrefillScheduler(self.pool, self.runner.block_size,
                                           config.max_num_batched_tokens,
                                           config.enable_prefix_caching,
@@ -241,23 +228,6 @@ class PrefillWorker(EngineActor):
         blocks = await asyncio.wrap_future(self.scheduler.export(list(order.block_hashes)))
         return await self._send_held_kv(order, blocks, self._end_export)
 
-    def _ask_to_send(self, holder, order: KVPullOrder) -> concurrent.futures.Future:
-        """KVPulls' ask (step thread): once this worker's ranks 1..N-1 expect the pull
-        (a TPReceiver's expect_ranks), ask `holder` (a worker's actor handle) to send.
-        A Future of what its send_prompt_kv returns (kv_pull.answered_nothing reads
-        it)."""
-        async def ask() -> int:
-            try:
-                if (isinstance(self.pull_receiver, TPReceiver)
-                        and not await self.pull_receiver.expect_ranks(order.pull_id)):
-                    return 0                        # given up meanwhile: nothing to send
-                return await holder.send_prompt_kv.remote(order)
-            except Exception as e:                  # the pull is given up (answered_nothing)
-                logger.warning("pull of %s failed: %s: %s", order.request_id,
-                               type(e).__name__, e)
-                raise
-        return asyncio.run_coroutine_threadsafe(ask(), self._loop)
-
     def _end_export(self, blocks: list[int]) -> None:
         self.scheduler.end_export(blocks)
         self._wake.set()            # a prompt waiting for blocks may take them now
@@ -301,8 +271,8 @@ class PrefillWorker(EngineActor):
 
     def _close(self) -> None:
         self.connector.close()
-        if self.pull_receiver is not None:
-            self.pull_receiver.close()
+        if self.pulls is not None:
+            self.pulls.receiver.close()
         self._close_pull_sender()
         self._finish_sent()
         if self.tiers is not None:
@@ -346,7 +316,8 @@ class PrefillWorker(EngineActor):
             self.tp_ranks.poll()
         # a TP worker's ranks report tier copies and pulls only when polled
         # (engine/tp_tiers.py, kv_transfer/tp_receiver.py)
-        polling = any(getattr(x, "wants_poll", False) for x in (self.tiers, self.pull_receiver))
+        polling = any(getattr(x, "wants_poll", False)
+                      for x in (self.tiers, self.pulls and self.pulls.receiver))
         self._wake.wait(0.005 if polling else 0.05)
         self._wake.clear()
 

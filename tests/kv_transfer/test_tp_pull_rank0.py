@@ -4,7 +4,7 @@ calls would be and a real TCP receiver where the pulling worker's is:
 - the holder (EngineActor._send_held_kv): its blocks go back only once every rank's
   share returned, a slow one included; a rank that fails makes the answer 0 and the
   puller is sent ABORT naming that rank;
-- the puller (PrefillWorker._ask_to_send): the holder is asked only once every rank
+- the puller (kv_pull.asker): the holder is asked only once every rank
   expects the pull; a rank that cannot expect it fails the ask (the pull is given up,
   kv_pull.answered_nothing), and a pull forgotten before its ranks expected it asks no
   one."""
@@ -20,8 +20,7 @@ from pdserve.engine_actor import EngineActor
 from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
 from pdserve.kv_transfer.tp_receiver import TPReceiver
 from pdserve.messages import KVPullOrder
-from pdserve.prefill_worker.kv_pull import answered_nothing
-from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.prefill_worker.kv_pull import answered_nothing, asker
 
 from kvtest import Completions
 
@@ -133,13 +132,12 @@ def test_a_puller_asks_the_holder_only_once_every_rank_expects_the_pull(loop, ca
     rank = PullRank(RuntimeError("rank 1 gone") if case == "rank-gone" else None)
     rx = TPReceiver(Own(), leader=None, ranks=[rank], on_broken=pytest.fail, prefix="pull",
                     role="prefill")
-    worker = SimpleNamespace(pull_receiver=rx, _loop=loop)
     holder = Holder()
     rx.expect("r/pull", [1, 2])
     if case == "forgotten":            # given up before the ask ran
         rx.forget("r/pull")
     order = KVPullOrder("r", "r/pull", 0, 2, ("127.0.0.1", 1), EPOCH)
-    answer = PrefillWorker._ask_to_send(worker, holder, order)
+    answer = asker(rx, lambda: loop)(holder, order)
     if case == "rank-gone":
         with pytest.raises(RuntimeError, match="rank 1 gone"):
             answer.result(5)

@@ -15,6 +15,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 HEADER = struct.Struct("<8s32s16sQIQ")   # magic, fingerprint, block hash, seq, crc, bytes
 MAGIC = b"PDKVTIER"
 HEADER_BYTES = 4096      # a slot's header region; the block's bytes follow, page-aligned
+XFER_TIMEOUT_S = 30.0    # a NIXL file transfer not done by then fails (OSError)
 
 
 def fingerprint(model_id: str, kv_cache: torch.Tensor, model_dir: Path | None = None,
@@ -145,7 +147,7 @@ class DiskTier:
             self._seq += 1
             os.pwrite(self.fd, HEADER.pack(MAGIC, self.fp, h, self._seq, crc,
                                            self.block_bytes), base)
-        except OSError:
+        except BaseException:
             with self._lock:
                 self.free.add(slot)
             raise
@@ -155,27 +157,37 @@ class DiskTier:
 
     def read(self, h: BlockHash) -> torch.Tensor | None:
         """The bytes of `h`'s entry in the staging buffer (valid until the next read), or
-        None: not held, or its checksum failed (then dropped)."""
+        None: not held, or it could not be read or failed its check (then dropped)."""
         from ..kv_transfer.host_io import crc32c, tensor_bytes
         with self._lock:
             slot = self.index.get(h)
         if slot is None:
             return None
         base = slot * self.stride
-        self._xfer("READ", self.staging, base + HEADER_BYTES)
-        raw = os.pread(self.fd, HEADER.size, base)
+        try:
+            self._xfer("READ", self.staging, base + HEADER_BYTES)
+            raw = os.pread(self.fd, HEADER.size, base)
+        except OSError as e:
+            logger.warning("disk KV tier %s: slot %d unreadable (%s); dropped", self.path,
+                           slot, e)
+            raw = bytes(HEADER.size)
         magic, fp, got, _, crc, _ = HEADER.unpack(raw)
         if (magic, fp, got) != (MAGIC, self.fp, h) or crc32c([tensor_bytes(self.staging)]) != crc:
             logger.warning("disk KV tier %s: slot %d fails its check; dropped", self.path, slot)
             self.num_dropped += 1
-            self.drop(h)
+            try:
+                self.drop(h)
+            except OSError as e:            # its header stays: checked again at a restart
+                logger.warning("disk KV tier %s: slot %d header not cleared: %s",
+                               self.path, slot, e)
             return None
         with self._lock:
             self.index.move_to_end(h)
         return self.staging
 
     def drop(self, h: BlockHash) -> None:
-        """Forget `h`'s entry and clear its slot's header."""
+        """Forget `h`'s entry and clear its slot's header (OSError: it could not be
+        cleared; the entry is forgotten all the same)."""
         with self._lock:
             slot = self.index.pop(h)
             self.free.add(slot)
@@ -184,16 +196,28 @@ class DiskTier:
 
     def _xfer(self, op: str, buf: torch.Tensor, offset: int) -> None:
         """One NIXL transfer of `buf`'s bytes to (WRITE) or from (READ) the file at
-        `offset`. Raises OSError when the backend reports an error."""
-        local = self.agent.get_xfer_descs([(buf.data_ptr(), self.block_bytes, 0)], "DRAM")
-        remote = self.agent.get_xfer_descs([(offset, self.block_bytes, self.fd)], "FILE")
-        handle = self.agent.initialize_xfer(op, local, remote, self.agent.name)
+        `offset`. Raises OSError when the backend reports an error or raises (NIXL's
+        own exception classes), or the transfer is not done within XFER_TIMEOUT_S."""
+        try:
+            local = self.agent.get_xfer_descs([(buf.data_ptr(), self.block_bytes, 0)], "DRAM")
+            remote = self.agent.get_xfer_descs([(offset, self.block_bytes, self.fd)], "FILE")
+            handle = self.agent.initialize_xfer(op, local, remote, self.agent.name)
+        except Exception as e:
+            raise OSError(f"NIXL POSIX {op} of {self.path} at {offset}: {e}") from e
         try:
             state = self.agent.transfer(handle)
+            deadline = time.monotonic() + XFER_TIMEOUT_S
             while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    state = f"not done after {XFER_TIMEOUT_S} s"
+                    break
                 state = self.agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise OSError(f"NIXL POSIX {op} of {self.path} at {offset} failed")
+            if state != "DONE":
+                raise OSError(f"NIXL POSIX {op} of {self.path} at {offset} failed: {state}")
+        except OSError:
+            raise
+        except Exception as e:
+            raise OSError(f"NIXL POSIX {op} of {self.path} at {offset}: {e}") from e
         finally:
             self.agent.release_xfer_handle(handle)
 

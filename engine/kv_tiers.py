@@ -249,10 +249,14 @@ class KVTiers:
             return self._events.seq, None, held
 
     def close(self) -> None:
-        """Stop the tiers thread after what is queued; the disk tier's file stays."""
+        """Stop the tiers thread after what is queued; the disk tier's file stays (closed
+        only once the thread ended: a thread still writing keeps its file open)."""
         self._jobs.put(None)
         self._thread.join(30)
-        if self.disk is not None:
+        if self._thread.is_alive():
+            logger.warning("KV tiers: the tiers thread is still running; its disk tier "
+                           "stays open")
+        elif self.disk is not None:
             self.disk.close()
 
     def idle(self) -> bool:
@@ -291,7 +295,12 @@ class KVTiers:
                 held = self.host.slot_of(h) is not None      # store_exactly's only
             if not held:
                 slot = self._host_slot()
-                self.host.slab[slot].copy_(block_view(self.kv_cache, block))
+                try:
+                    self.host.slab[slot].copy_(block_view(self.kv_cache, block))
+                except BaseException:
+                    with self._lock:              # the slot stays this tier's
+                        self.host.free.append(slot)
+                    raise
             with self._lock:
                 if not held:
                     self.host.index[h] = slot
@@ -323,7 +332,7 @@ class KVTiers:
             try:
                 self.disk.write(h, self.host.slab[slot])
                 self.stats.stored_disk += 1
-            except OSError as e:
+            except Exception as e:       # a tier fault costs hits, never the slot
                 logger.warning("KV block not moved to the disk tier: %s", e)
         return slot
 

@@ -176,8 +176,11 @@ class TPTiers:
         for op in ops:
             if op.name == "store":
                 blocks, hashes = self.local.store(**op.kwargs)
-                taken = set(blocks)       # store()'s ref stays until every rank copied
-                self.local.pool.free([b for b in op.kwargs["block_ids"] if b not in taken])
+                # store()'s ref stays until every rank copied, one ref per block: a
+                # block still held for an earlier store (its entry lost on rank 0
+                # meanwhile, stored again) counts the new copies on that ref
+                held = set(blocks) - self._storing.keys()
+                self.local.pool.free([b for b in op.kwargs["block_ids"] if b not in held])
                 if blocks:
                     self._storing.update({b: self.size - 1 for b in blocks})
                     self._order("tier_store", block_ids=blocks, hashes=hashes)

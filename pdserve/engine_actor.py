@@ -35,7 +35,7 @@ from .kv_transfer import make_sender
 from .kv_transfer.tp_plan import rank_layout, rank_targets
 from . import tracing
 from .messages import CacheEvents, KVPullOrder, WorkerInfo
-from .prefill_worker.kv_pull import send_held_blocks
+from .prefill_worker.kv_pull import pull_expiry, send_held_blocks
 from .metrics import WorkerMetrics, serve as serve_metrics
 from .tp_group import worker_runner, worker_tiers
 
@@ -189,12 +189,13 @@ class EngineActor(abc.ABC):
         addr, pull_id, epoch = tuple(order.kv_address), order.pull_id, order.epoch
         reason = f"{self.worker_id} no longer holds those blocks of {order.request_id}"
         if blocks is not None:
+            expires = pull_expiry(order)     # queued sends of a pull given up send nothing
             calls: list = [asyncio.to_thread(lambda: send_held_blocks(
                 self._pull_sender(), order, blocks, self.runner.config.num_layers,
-                self._pull_targets))]
+                self._pull_targets, expires))]
             for rank in self._ranks:
                 try:
-                    calls.append(rank.send_held_kv.remote(order, blocks))
+                    calls.append(rank.send_held_kv.remote(order, blocks, expires))
                 except Exception as e:      # not made: that rank's share failed
                     calls.append(asyncio.sleep(0, e))
             sends = asyncio.gather(*calls, return_exceptions=True)

@@ -99,7 +99,9 @@ class KVPullOrder:
     ``pull_id``, then DONE with no token. A decode worker finds them in the block table
     of its request ``request_id`` (blocks of its prefix cache, or loaded from its tier,
     at reserve); another prefill worker in its prefix cache by ``block_hashes``, those
-    blocks' hashes (16 bytes each; empty when asking a decode worker)."""
+    blocks' hashes (16 bytes each; empty when asking a decode worker). P gives the pull
+    up ``timeout_s`` seconds after it asked; the holder sends nothing more of it once
+    that long passed since it got the order (0: no limit)."""
 
     request_id: str
     pull_id: str
@@ -109,6 +111,7 @@ class KVPullOrder:
     epoch: int                 # P's epoch
     block_hashes: tuple[bytes, ...] = ()
     kv_rank_addresses: tuple = ()          # P ranks 1..N-1's pull receivers
+    timeout_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -199,11 +199,11 @@ class TPRank:
         self.pull.kv_forget(request_id, seq)
 
     @ray.method(concurrency_group="kv_pull")
-    def send_held_kv(self, order, blocks: list[int]) -> int:
+    def send_held_kv(self, order, blocks: list[int], expires: float | None = None) -> int:
         """Send a pulling prefill worker's ranks this rank's KV heads of `blocks`, which
         rank 0 holds for `order` (a KVPullOrder) until this returns: every layer, then
-        DONE for those heads (prefill_worker/kv_pull.py send_held_blocks). Returns the
-        payload bytes sent. Raises what the sender raised (the ranks it sends to were
+        DONE for those heads (prefill_worker/kv_pull.py send_held_blocks; no layer after
+        `expires`, rank 0's pull_expiry). Returns the payload bytes sent. Raises what the sender raised (the ranks it sends to were
         sent ABORT where they could be reached). Runs beside the step orders (its own
         concurrency group): the blocks are held, no step writes them."""
         from .prefill_worker.kv_pull import send_held_blocks
@@ -212,7 +212,7 @@ class TPRank:
             if self._pull_tx is None:
                 self._pull_tx = _sender(self.config, self.runner, self.tp, self.epoch)
         return send_held_blocks(self._pull_tx, order, blocks, self.runner.config.num_layers,
-                                self.targets)
+                                self.targets, expires)
 
     def stopped(self, timeout_s: float = 10.0) -> int:
         """Wait for the step-order loop to end (rank 0's stop()); the calls it ran."""

@@ -50,11 +50,11 @@ import time
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import WorkerConfig
 from ..engine.block_pool import BlockPool
-from ..kv_transfer import KVLayout, KVReceiver, KVSender, make_receiver
+from ..kv_transfer import KVLayout, KVReceiver, KVSender, KVTransferError, make_receiver
 from ..kv_transfer.tp_receiver import TPReceiver
 from ..messages import KVPullOrder
 from ..tp_group import rank_addresses
@@ -68,22 +68,28 @@ class PullCost:
     """Seconds to compute `n` prompt tokens, ``n / tokens_per_s``, against seconds to read
     `b` bytes of their K/V from a decode worker, ``latency_s + b / bytes_per_s``. The two
     rates are running means (weight `alpha` per observation) of this worker's prefill
-    steps and of its pulls slower than `latency_s` (which stays fixed), starting from
-    these values: `pdserve bench pull` on the 2-core CPU
-    box (2026-11-28; fp32 default model, a prefill worker on one core, TCP loopback;
-    bench/results/kv_pull/pull.json): steps of 256-2,048 tokens at 322-403 tokens/s,
-    pulls of 11.8-94.4 MB in 13-52 ms, fitted as 10.8 ms + bytes / 2.14 GB/s. There a
-    block (16 tokens, 0.74 MB) reads in 0.3 ms and computes in 44: a pull wins from one
-    block on; on a GPU it is the transport that must be fast."""
+    steps and of its pulls slower than `latency_s` (which stays fixed; an overdue pull
+    counts as one that took its timeout), starting from these values: `pdserve bench
+    pull` on the 2-core CPU box (2026-11-28; fp32 default model, a prefill worker on one
+    core, TCP loopback; bench/results/kv_pull/pull.json): steps of 256-2,048 tokens at
+    322-403 tokens/s, pulls of 11.8-94.4 MB in 13-52 ms, fitted as 10.8 ms + bytes /
+    2.14 GB/s. There a block (16 tokens, 0.74 MB) reads in 0.3 ms and computes in 44: a
+    pull wins from one block on; on a GPU it is the transport that must be fast. No pull
+    for `probe_s` seconds: the next is worth it whatever the rates say (so a rate that
+    fell is measured again, not kept for good)."""
 
     tokens_per_s: float = 360.0
     bytes_per_s: float = 2.1e9
     latency_s: float = 0.011
     alpha: float = 0.2
+    probe_s: float = 30.0
+    last_pull: float = field(default_factory=lambda: time.monotonic())   # started
 
     def worth(self, num_tokens: int, num_bytes: int) -> bool:
-        """Whether reading `num_bytes` beats computing `num_tokens`."""
-        return self.latency_s + num_bytes / self.bytes_per_s < num_tokens / self.tokens_per_s
+        """Whether reading `num_bytes` beats computing `num_tokens`, or it is time to
+        probe."""
+        return (self.latency_s + num_bytes / self.bytes_per_s < num_tokens / self.tokens_per_s
+                or time.monotonic() - self.last_pull > self.probe_s)
 
     def observe_compute(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds > 0:
@@ -114,6 +120,7 @@ class _Pull:
     count: int
     started: float      # time.monotonic()
     answer: Future      # what ask() returned (refused() reads it)
+    answered: float | None = None   # time.monotonic() when the holder's send returned
 
 
 class KVPulls:
@@ -173,8 +180,11 @@ class KVPulls:
         self.receiver.expect(pull_id, req.block_table[first:end])
         answer = self.ask(source, KVPullOrder(
             req.request_id, pull_id, first, count, self.address, self.epoch,
-            tuple(req.block_hashes[first:end]) if peer else (), self.rank_addresses))
-        self._pulling[pull_id] = _Pull(req, first, count, time.monotonic(), answer)
+            tuple(req.block_hashes[first:end]) if peer else (), self.rank_addresses,
+            self.timeout_s))
+        self._pulling[pull_id] = pull = _Pull(req, first, count, time.monotonic(), answer)
+        self.cost.last_pull = pull.started
+        answer.add_done_callback(lambda _: setattr(pull, "answered", time.monotonic()))
 
     def finished(self) -> list[tuple[PrefillRequest, int]]:
         """(request, leading blocks holding K/V) of each pull that ended since the last
@@ -196,13 +206,18 @@ class KVPulls:
                                        p.req.block_hashes[p.first:end])
                 self.pulled_blocks += p.count
                 self.bytes_pulled += p.count * self.block_bytes
-                self.pull_seconds += now - p.started
-                self.cost.observe_pull(p.count * self.block_bytes, now - p.started)
+                self.pull_seconds += now - p.started     # what the prompt waited
+                # the transport's time: asked to the holder's answer (its DONE sent),
+                # not to this poll, which may come a whole prefill step later
+                self.cost.observe_pull(p.count * self.block_bytes,
+                                       min(now, p.answered or now) - p.started)
                 out.append((p.req, end))
             self.receiver.forget(c.request_id)
         for pull_id, p in list(self._pulling.items()):       # still in flight
-            if (p.req.finish is not None or now - p.started > self.timeout_s
-                    or self.refused(p.answer)):
+            overdue = now - p.started > self.timeout_s
+            if overdue:
+                self.cost.observe_pull(p.count * self.block_bytes, now - p.started)
+            if overdue or p.req.finish is not None or self.refused(p.answer):
                 self._give_up(pull_id)
         for pull_id in news.released:
             p = self._forgotten.pop(pull_id, None)
@@ -267,23 +282,35 @@ def asker(receiver: KVReceiver,
     return lambda holder, order: asyncio.run_coroutine_threadsafe(ask(holder, order), loop())
 
 
+def pull_expiry(order: KVPullOrder) -> float | None:
+    """When (time.time(), seconds) a holder that got `order` now stops sending it: the
+    puller has given it up by then; None: no limit."""
+    return time.time() + order.timeout_s if order.timeout_s > 0 else None
+
+
 def send_held_blocks(sender: KVSender, order: KVPullOrder, blocks: Sequence[int],
                      num_layers: int,
-                     targets: Callable[[int], Sequence[tuple[int, range | None]]]) -> int:
+                     targets: Callable[[int], Sequence[tuple[int, range | None]]],
+                     expires: float | None = None) -> int:
     """One holder rank's share of a pull: send the pulling prefill worker's ranks
     (order.kv_address, then order.kv_rank_addresses) the K/V of `blocks` (this rank's
     cache; positions order.first_block.. of the prompt) every layer a frame per P rank,
     then DONE with no token. `targets(n)`: (P rank, KV heads or None for all) pairs
-    for a puller of n ranks (tp_plan.rank_targets with this rank as the sender). Returns
+    for a puller of n ranks (tp_plan.rank_targets with this rank as the sender);
+    `expires` (pull_expiry, time.time() seconds): no layer is sent after it. Returns
     the payload bytes sent (0 when every head this rank holds reaches P from another).
 
-    Raises what the sender raises (KVTransferError, KVLayoutMismatch, KVAuthError),
-    after sending ABORT to every P rank it sends to that can be reached."""
+    Raises what the sender raises (KVTransferError, KVLayoutMismatch, KVAuthError), or
+    KVTransferError once `expires` passed, after sending ABORT to every P rank it sends
+    to that can be reached."""
     addresses = (tuple(order.kv_address), *(tuple(a) for a in order.kv_rank_addresses))
     dests = [(addresses[r], heads) for r, heads in targets(len(addresses))]
     try:
         sent = 0
         for layer in range(num_layers):
+            if expires is not None and time.time() > expires:
+                raise KVTransferError(f"pull {order.pull_id} overdue: its puller gave it "
+                                      f"up after {order.timeout_s} s")
             for addr, heads in dests:
                 sent += sender.send_layers(addr, order.pull_id, order.epoch, layer, layer + 1,
                                            blocks, heads=heads)

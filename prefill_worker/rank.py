@@ -15,17 +15,15 @@ TPLeader.order) in step with the model calls::
     request is still on a rank)        ◀──    since (done, or failed: rank 0 aborts
                                               them on the decode worker)
 
-Blocks rank 0 frees are reused by a later step: before a step's sends are taken, a rank
-waits until every request it finished has left its send thread, so no forward writes
-a block this rank is still sending (a wait on the tail of the transfer only: the
-layers go out while the forward runs).
+Rank 0 gives a request's blocks back to its pool only once every rank reported the
+request off its send thread (PrefillRanks.sending; worker.py _finish_sent), so nothing
+that takes blocks from the pool (a step, a tier load, a pull into every rank's cache)
+writes a block a rank is still sending.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,8 +32,6 @@ from .connector import PrefillKVConnector
 from .requests import Finish, FinishCause, fail
 
 logger = logging.getLogger(__name__)
-
-DRAIN_TIMEOUT_S = 120.0   # a send thread stuck longer than this breaks the rank
 
 
 @dataclass(eq=False)
@@ -66,8 +62,8 @@ class PrefillRankKV:
 
     def __init__(self, sender, num_layers: int, targets):
         self.num_layers = num_layers
-        self._news = threading.Event()
-        self.connector = PrefillKVConnector(sender, num_layers, self._news.set,
+        # no wake-up: rank 0 asks for news (kv_sends, kv_poll)
+        self.connector = PrefillKVConnector(sender, num_layers, lambda: None,
                                             targets=targets)
         self._requests: dict[str, RankRequest] = {}
         self._sends: list[tuple[RankRequest, int, int]] = []
@@ -77,10 +73,9 @@ class PrefillRankKV:
 
     def kv_sends(self, sends: list[tuple]) -> tuple[list, list]:
         """The next step's sends: (request_id, epoch, decode ranks' KV addresses,
-        num_cached_blocks, block_table, block_lo, block_hi) each. Waits until every
-        request finished here has left the send thread first (the step may reuse its
-        blocks)."""
-        self._drain()
+        num_cached_blocks, block_table, block_lo, block_hi) each; answers what left the
+        send thread since the last answer."""
+        self._collect()
         self._sends = []
         for rid, epoch, addresses, cached, table, lo, hi in sends:
             req = self._request(rid, epoch, addresses, cached)
@@ -145,19 +140,6 @@ class PrefillRankKV:
         out, self._done, self._failed = (self._done, self._failed), [], []
         return out
 
-    def _drain(self) -> None:
-        """Wait until every request finished here has left the send thread."""
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while True:
-            self._collect()
-            if not self._closing:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"KV sends of {sorted(self._closing)[:3]} still running "
-                                   f"after {DRAIN_TIMEOUT_S} s")
-            self._news.wait(0.05)
-            self._news.clear()
-
 
 class PrefillRanks:
     """Rank 0's side of its ranks' KV sends: the orders (see the module docstring) and
@@ -203,6 +185,16 @@ class PrefillRanks:
         """Idle: what the ranks finished sending since (only while some are open)."""
         if self._open:
             self._answers(self._gather("kv_poll"))
+
+    def sending(self, request_id: str) -> bool:
+        """Whether a rank may still read the request's blocks (finish() ordered it, not
+        every rank reported it off its send thread yet)."""
+        return request_id in self._open
+
+    @property
+    def wants_poll(self) -> bool:
+        """A rank still sends: the idle step loop polls soon (ranks cannot wake it)."""
+        return bool(self._open)
 
     def _gather(self, name: str, **kwargs) -> list:
         try:

@@ -108,6 +108,7 @@ class PrefillWorker(EngineActor):
         # tensor-parallel: the ranks' KV sends, ordered around each step (rank.py)
         self.tp_ranks = (PrefillRanks(self.runner, self.sender, self.tp.size,
                                       self._group_broken) if self.tp.size > 1 else None)
+        self._sent: list[PrefillRequest] = []   # transfer ended, a rank still sending
         self.engine.start(self._step_loop)
 
     # --- RPCs -------------------------------------------------------------------------
@@ -314,10 +315,10 @@ class PrefillWorker(EngineActor):
     def _idle(self) -> None:
         if self.tp_ranks is not None:
             self.tp_ranks.poll()
-        # a TP worker's ranks report tier copies and pulls only when polled
-        # (engine/tp_tiers.py, kv_transfer/tp_receiver.py)
+        # a TP worker's ranks report tier copies, pulls and sends only when polled
+        # (engine/tp_tiers.py, kv_transfer/tp_receiver.py, rank.py)
         polling = any(getattr(x, "wants_poll", False)
-                      for x in (self.tiers, self.pulls and self.pulls.receiver))
+                      for x in (self.tiers, self.pulls and self.pulls.receiver, self.tp_ranks))
         self._wake.wait(0.005 if polling else 0.05)
         self._wake.clear()
 
@@ -360,13 +361,25 @@ class PrefillWorker(EngineActor):
             self.tp_ranks.finish([(r, token is not None) for r, token in done])
 
     def _finish_sent(self) -> None:
-        """Release every request whose transfer ended (the connector's poll); a failed
-        one's call raises (a sent one was answered at DONE: connector on_done)."""
+        """Release every request whose transfer ended (the connector's poll) once no
+        rank 1..N-1 still sends it (PrefillRanks.sending): until then its blocks stay
+        out of the pool, so no step, tier load or pull writes a block a rank reads. A
+        failed one's call raises at once (a sent one was answered at DONE: connector
+        on_done)."""
         for req in self.connector.get_finished():
-            if req.finish is None:
-                self.scheduler.release(req, RequestState.FINISHED_STOPPED)
+            if req.finish is not None:
+                self._resolve(req, error=req.finish.error())
+            self._sent.append(req)
+        sending = [r for r in self._sent
+                   if self.tp_ranks is not None and self.tp_ranks.sending(r.request_id)]
+        for req in self._sent:
+            if req in sending:
                 continue
-            aborted = req.finish.cause is FinishCause.ABORTED
-            self.scheduler.release(req, RequestState.FINISHED_ABORTED if aborted
-                                   else RequestState.FINISHED_ERROR)
-            self._resolve(req, error=req.finish.error())
+            if req.finish is None:
+                state = RequestState.FINISHED_STOPPED
+            elif req.finish.cause is FinishCause.ABORTED:
+                state = RequestState.FINISHED_ABORTED
+            else:
+                state = RequestState.FINISHED_ERROR
+            self.scheduler.release(req, state)
+        self._sent = sending

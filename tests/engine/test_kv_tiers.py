@@ -2,7 +2,7 @@
 host tier moves its oldest entries to the disk tier, which survives a restart (a new
 KVTiers over the same file); a damaged disk entry is dropped, not served; another
 fingerprint's entries are not read; the tiers' cache events tell a reader which tier
-holds each block; on CUDA (gpu-marked) a device pool round-trips through pinned host
+holds each block; a disk tier whose I/O fails loses entries, never slots; on CUDA (gpu-marked) a device pool round-trips through pinned host
 memory and disk. Every test ends with the pool free and the tiers
 idle (each block held for a store given back)."""
 
@@ -132,6 +132,44 @@ def test_a_damaged_disk_entry_is_dropped_not_served(tmp_path):
         assert n == 1 and torch.equal(got[:, :, :1], want[:, :, :1])   # stops at the damage
         assert t.stats.dropped == 1 and hashes[1] not in t.disk.index
         assert t.lookup(hashes) == 1
+    finally:
+        t.close()
+    assert pool.all_free()
+
+
+class FailingAgent:
+    """A disk tier's NIXL agent whose transfers raise (as NIXL's own exception classes,
+    not OSError, do) while `failing`."""
+
+    def __init__(self, agent):
+        self.agent, self.failing = agent, True
+
+    def __getattr__(self, name):
+        return getattr(self.agent, name)
+
+    def transfer(self, handle):
+        if self.failing:
+            raise RuntimeError("NIXL_ERR_BACKEND")
+        return self.agent.transfer(handle)
+
+
+def test_a_disk_tier_whose_io_fails_loses_entries_never_capacity(tmp_path):
+    kv, pool = cache(), BlockPool(NUM_BLOCKS)
+    t = tiers(pool, kv, host_blocks=1, disk_dir=tmp_path, disk_blocks=2)
+    t.disk.agent = agent = FailingAgent(t.disk.agent)
+    try:
+        hashes, _ = stored(pool, [kv], t, 3, seed=11)      # 2 moves to disk fail
+        assert t.disk.index == {} and len(t.disk.free) == 2
+        assert t.lookup(hashes[2:]) == 1 and t.stats.stored_disk == 0
+        agent.failing = False
+        hashes, [want] = stored(pool, [kv], t, 3, seed=50)  # 2 on disk, 1 in host
+        assert len(t.disk.index) == 2 and t.lookup(hashes) == 3
+        agent.failing = True
+        n, _ = loaded(pool, [kv], t, hashes)                # the first read fails
+        assert n == 0 and hashes[0] not in t.disk.index and len(t.disk.free) == 1
+        agent.failing = False
+        n, [got] = loaded(pool, [kv], t, hashes[1:])
+        assert n == 2 and torch.equal(got, want[:, :, 1:])
     finally:
         t.close()
     assert pool.all_free()

@@ -2,7 +2,7 @@
 follower's RankTiers through the leader's orders and gathers (here the followers run in
 this process, as follow() would run them, each over its own KV cache). Each rank gets
 its own KV heads back; a block held for a store goes back to the pool only once every
-rank copied it; a load reports the fewest blocks any rank loaded and forgets, on every
+rank copied it, held once when stored again meanwhile; a load reports the fewest blocks any rank loaded and forgets, on every
 rank, the entry a rank lacked; at start, disk entries not read back by every rank are
 forgotten. Every test ends with the pool free and every rank's tiers idle."""
 
@@ -71,6 +71,23 @@ def close(pool, t, r1) -> None:
     assert pool.all_free()
 
 
+def hold_copies(r1) -> threading.Event:
+    """Rank 1's tier copies wait for the returned event (5 s at most)."""
+    gate = threading.Event()
+    copy = r1._store
+    r1._store = lambda job: (gate.wait(5), copy(job))
+    return gate
+
+
+def rank0_copied(t) -> None:
+    """poll() until rank 0's tiers are idle (its copies done, its refs given back)."""
+    deadline = time.monotonic() + 5
+    while not t.local.idle():
+        assert time.monotonic() < deadline
+        t.poll()
+        time.sleep(0.005)
+
+
 def test_every_rank_gets_its_own_heads_back():
     pool, kvs, t, r1 = two_ranks()
     try:
@@ -86,23 +103,43 @@ def test_every_rank_gets_its_own_heads_back():
 
 def test_a_stored_block_is_held_until_every_rank_copied_it():
     pool, kvs, t, r1 = two_ranks()
-    gate = threading.Event()
-    copy = r1._store
-    r1._store = lambda job: (gate.wait(5), copy(job))     # rank 1's copy held back
+    gate = hold_copies(r1)
     try:
         hashes = block_hashes(list(range(4 * BS)), BS)
         blocks = pool.allocate(4)
         pool.cache_blocks(blocks, hashes)
         t.store(blocks, hashes)
         pool.free(blocks)
-        deadline = time.monotonic() + 5
-        while not t.local.idle():          # rank 0 copied and gave its ref back
-            assert time.monotonic() < deadline
-            t.poll()
-            time.sleep(0.005)
+        rank0_copied(t)                    # and gave its ref back
         t.poll()
         assert t.wants_poll and not t.idle()
         assert pool.num_free == pool.num_blocks - 4      # still held for rank 1
+        gate.set()
+        settle(t)
+        assert not t.wants_poll and pool.all_free()
+    finally:
+        gate.set()
+        close(pool, t, r1)
+
+
+def test_a_block_stored_again_before_every_rank_copied_it_is_held_once():
+    """Rank 0 loses an entry (a host tier of 2 blocks, no disk) while rank 1 has not
+    copied it yet, and a request sharing the block stores it again: the block keeps one
+    ref until rank 1 copied both, then goes back."""
+    pool, kvs, t, r1 = two_ranks(host_blocks=2)
+    gate = hold_copies(r1)
+    try:
+        hashes = block_hashes(list(range(3 * BS)), BS)
+        blocks = pool.allocate(3)
+        pool.cache_blocks(blocks, hashes)
+        t.store(blocks, hashes)                      # request A finished
+        t.poll()
+        rank0_copied(t)                              # 3 blocks, kept 2
+        assert t.held() == set(hashes[1:]) and t.wants_poll
+        t.store(blocks[:1], hashes[:1])              # request B shares block 0
+        t.poll()
+        pool.free(blocks)                            # both requests ended
+        assert pool.num_free == pool.num_blocks - 3  # held for rank 1, once each
         gate.set()
         settle(t)
         assert not t.wants_poll and pool.all_free()

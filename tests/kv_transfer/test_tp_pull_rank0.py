@@ -36,7 +36,8 @@ class Rank:
         self.events, self.name, self.result, self.delay_s = events, name, result, delay_s
         self.send_held_kv = SimpleNamespace(remote=self._remote)
 
-    def _remote(self, order, blocks):
+    def _remote(self, order, blocks, expires):
+        self.expires = expires
         async def share():
             await asyncio.sleep(self.delay_s)
             self.events.append(self.name)

@@ -3,7 +3,9 @@ transports (TCP, and NIXL where it imports): a prompt whose leading blocks its d
 blocks (D's sender → P's pull receiver), caches them and computes only the rest; a pull
 D cannot serve, one never answered, and one whose request is aborted each leave the
 request to compute (or end) once the receiver released its blocks; the cost model
-refuses a pull slower than computing. Another prefill worker holding more of the prefix
+refuses a pull slower than computing, times a pull to the holder's answer, counts an
+overdue one as slow and probes again after a while; a holder sends nothing of a pull
+its puller gave up. Another prefill worker holding more of the prefix
 than the decode worker is read from instead: it finds the blocks in its prefix cache by
 their hashes (only those past P's own prefix cache), loads those its pool evicted from
 its host tier first, sends them with the send both roles run
@@ -24,8 +26,9 @@ from pdserve.engine.kv_tiers import KVTiers, fingerprint
 from pdserve.engine_actor import EngineActor
 from pdserve.engine.request import RequestState
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
+from pdserve.kv_transfer import KVLayout, KVTransferError, make_receiver, make_sender
 from pdserve.kv_transfer.nixl import find_module
+from pdserve.prefill_worker import kv_pull
 from pdserve.prefill_worker.kv_pull import KVPulls, PullCost, send_held_blocks
 from pdserve.prefill_worker.requests import PrefillRequest
 from pdserve.prefill_worker.scheduler import PrefillScheduler
@@ -53,13 +56,15 @@ class FakeD:
 
     def __init__(self, kind, serve=True):
         self.sender = make_sender(kind, D_KV, KVLayout.for_cache(D_KV, MODEL), checksum=True)
-        self.serve, self.orders, self.threads = serve, [], []
+        self.serve, self.orders, self.threads, self.answers = serve, [], [], []
+        self.delay_s = 0.0        # between the order's arrival and the send
 
     def ask(self, source, order) -> Future:
         """What the worker's ask gives KVPulls: a Future of the bytes D says it sent."""
         assert source is self
         self.orders.append(order)
         answer = Future()
+        self.answers.append(answer)
         t = threading.Thread(target=self._send, args=(order, answer))
         self.threads.append(t)
         t.start()
@@ -77,7 +82,13 @@ class FakeD:
             answer.set_result(0)
             return
         blocks = D_BLOCKS[order.first_block:order.first_block + order.num_blocks]
-        answer.set_result(send_held_blocks(self.sender, order, blocks, LAYERS, one_rank))
+        expires = kv_pull.pull_expiry(order)
+        time.sleep(self.delay_s)
+        try:
+            answer.set_result(send_held_blocks(self.sender, order, blocks, LAYERS, one_rank,
+                                               expires))
+        except Exception as e:
+            answer.set_exception(e)
 
     def join(self):
         """Every send returned (its blocks given back)."""
@@ -120,6 +131,14 @@ def until_rows(sched, timeout_s=5.0):
 def finish(sched, req, out):
     advance(sched, out)
     sched.release(req, RequestState.FINISHED_STOPPED)
+
+
+def compute_rest(sched, req, out):
+    """Step `req` (scheduled in `out`) through its last chunk, then finish it."""
+    while req.num_computed_tokens + out.num_scheduled_tokens[0] < req.prompt_len:
+        advance(sched, out)
+        out = sched.schedule()
+    finish(sched, req, out)
 
 
 def test_a_prefix_its_decode_worker_holds_is_read_not_computed(pull):
@@ -165,10 +184,29 @@ def test_a_pull_that_fails_leaves_the_prefix_to_compute(pull, serve):
         out = until_rows(sched, timeout_s=5.0)
         assert out.requests == (req,) and req.num_computed_tokens == 0
         assert pulls.num_failed == 1 and pulls.pulled_blocks == 0
-        while req.num_computed_tokens + out.num_scheduled_tokens[0] < req.prompt_len:
-            advance(sched, out)
-            out = sched.schedule()
-        finish(sched, req, out)
+        compute_rest(sched, req, out)
+    finally:
+        d.close()
+
+
+def test_a_holder_sends_nothing_of_a_pull_its_puller_gave_up(pull):
+    """D gets to the send after the puller's timeout_s (queued behind other sends): it
+    sends no layer, only ABORT, and the prompt computes its blocks."""
+    pool, sched, pulls, kind = pull
+    d = FakeD(kind)
+    d.delay_s, pulls.timeout_s = 0.4, 0.2
+    pulls.ask = d.ask
+    try:
+        req = request(d)
+        sched.add(req)
+        out = until_rows(sched)
+        assert [o.timeout_s for o in d.orders] == [0.2]
+        d.join()
+        assert out.requests == (req,) and req.num_computed_tokens == 0
+        assert pulls.num_failed == 1 and pulls.pulled_blocks == 0
+        with pytest.raises(KVTransferError, match="overdue"):
+            d.answers[0].result()
+        compute_rest(sched, req, out)
     finally:
         d.close()
 
@@ -204,6 +242,72 @@ def test_the_cost_model_computes_when_reading_is_slower():
     assert pulls.count(request(object()), 0, 0) == 5
     assert pulls.count(request(object()), 0, 5) == 0       # P's tiers hold as many
     assert pulls.count(request(None), 0, 0) == 0           # no decode worker to ask
+
+
+class Clock:
+    """kv_pull's time.monotonic (its module's only: the transports keep theirs), set by
+    the test."""
+
+    def __init__(self, monkeypatch, now=100.0):
+        self.now = now
+        monkeypatch.setattr(kv_pull, "time", SimpleNamespace(monotonic=lambda: self.now,
+                                                             time=time.time))
+
+
+def test_the_cost_model_times_a_pull_to_the_holders_answer_not_to_the_next_poll(
+        pull, monkeypatch):
+    """D answers 0.02 s after the ask, the step loop sees it 1 s after (a prefill step
+    ran meanwhile): the prompt waited 1 s (pull_seconds), the transport took 0.02."""
+    pool, sched, pulls, kind = pull
+    clock, d = Clock(monkeypatch), FakeD(kind)
+    pulls.cost = PullCost(latency_s=0.01, alpha=1.0)
+    answers = []
+
+    def ask(source, order):
+        answers.append((d.ask(source, order), Future()))
+        return answers[-1][1]
+    pulls.ask = ask
+    try:
+        req = request(d)
+        sched.add(req)
+        assert sched.schedule().requests == ()           # pulling
+        (sent, answer), = answers
+        assert sent.result(5) == 5 * BLOCK_BYTES
+        clock.now = 100.02
+        answer.set_result(sent.result())
+        clock.now = 101.0
+        out = until_rows(sched)
+        assert pulls.pulled_blocks == 5 and pulls.pull_seconds == pytest.approx(1.0)
+        assert pulls.cost.bytes_per_s == pytest.approx(5 * BLOCK_BYTES / 0.01)
+        finish(sched, req, out)
+    finally:
+        d.close()
+
+
+def test_an_overdue_pull_counts_as_slow_and_a_pull_is_probed_after_probe_s(
+        pull, monkeypatch):
+    """A pull never answered is given up after timeout_s and observed as taking that
+    long; the rates then say compute, until probe_s passed without a pull."""
+    pool, sched, pulls, kind = pull
+    clock, d = Clock(monkeypatch), FakeD(kind, serve=None)
+    pulls.ask, pulls.timeout_s = d.ask, 5.0
+    pulls.cost = cost = PullCost(tokens_per_s=1000.0, latency_s=0.01, alpha=1.0,
+                                 last_pull=clock.now)
+    try:
+        req = request(d)
+        assert cost.worth(4 * BS, 4 * BLOCK_BYTES)       # 16 ms to compute, 11 to read
+        sched.add(req)
+        assert sched.schedule().requests == ()           # pulling
+        clock.now = 105.01
+        out = until_rows(sched)
+        assert pulls.num_failed == 1 and req.num_computed_tokens == 0
+        assert cost.bytes_per_s == pytest.approx(5 * BLOCK_BYTES / 5.0)
+        assert not cost.worth(4 * BS, 4 * BLOCK_BYTES)   # 4.01 s to read now
+        clock.now = 100.0 + cost.probe_s + 0.1
+        assert cost.worth(4 * BS, 4 * BLOCK_BYTES)       # no pull for probe_s: try one
+        compute_rest(sched, req, out)
+    finally:
+        d.close()
 
 
 class FakePeer(FakeD):
@@ -355,10 +459,7 @@ def test_a_peer_that_lost_a_block_sends_nothing_and_the_prompt_computes(pull):
         req = peer_pull(pull, peer)
         out = until_rows(sched)
         assert req.num_computed_tokens == 0 and pulls.num_failed == 1
-        while req.num_computed_tokens + out.num_scheduled_tokens[0] < req.prompt_len:
-            advance(sched, out)
-            out = sched.schedule()
-        finish(sched, req, out)
+        compute_rest(sched, req, out)
         peer.join()      # the puller is done before the peer's send returns
         assert peer.pool.all_free() and peer.pool.num_cached == 5 and peer.sent == [0]
     finally:

@@ -1,19 +1,24 @@
 """The bookkeeping between a tensor-parallel worker's rank 0 and its other ranks, with
 fakes where a process group would be: prefill_worker/rank.py (a rank's failed send
-reaches rank 0, which aborts the request on the decode worker), kv_transfer/tp_receiver.py
+reaches rank 0, which aborts the request on the decode worker; rank 0 gives a request's
+blocks back only once every rank sent it), kv_transfer/tp_receiver.py
 (TPReceiver: a completion once every rank's is in, a release once every rank released,
 a repeated reserve, no poll when nothing is outstanding), tp_executor's heartbeat."""
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.tp_executor import TPGroupBroken, TPLeader
-from pdserve.kv_transfer import KVCompletion, KVFinished, KVLayout, make_sender
+from pdserve.kv_transfer import (KVCompletion, KVFinished, KVLayout, KVTransferError,
+                                 make_sender)
 from pdserve.prefill_worker.rank import PrefillRankKV, PrefillRanks
+from pdserve.prefill_worker.requests import FinishCause, fail
+from pdserve.prefill_worker.worker import PrefillWorker
 
 
 class FakeRequest:
@@ -72,6 +77,49 @@ def test_a_ranks_failed_send_is_aborted_on_the_decode_worker():
     assert aborts == [(addr, "r", 7, "prefill rank 1: refused")]
     ranks.poll()                                   # "r" left every rank: no poll now
     assert ranks._open == {} and len(aborts) == 1
+
+
+def test_rank_0_releases_a_request_only_once_every_rank_sent_it():
+    """Rank 0's transfers of "r" and of the failed "f" ended while ranks 1 and 2 still
+    send their heads: their blocks stay out of the pool until both ranks reported them
+    (so no step, tier load or pull takes a block a rank reads); the failed one's call
+    is answered at once all the same."""
+    class Leader:
+        def __init__(self):
+            self.answers = []
+
+        def order(self, name, **kw):
+            assert name == "kv_finish"
+
+        def gather(self, name, **kw):
+            answers, self.answers = self.answers or [([], [])] * 2, []
+            return answers
+
+    r, f = FakeRequest("r"), FakeRequest("f")
+    r.finish = f.finish = None
+    fail(f, FinishCause.TRANSFER, "decode worker gone")
+    leader, released, answered = Leader(), [], []
+    finished = [r, f]
+    worker = SimpleNamespace(
+        tp_ranks=PrefillRanks(leader, None, 3, on_broken=pytest.fail), _sent=[],
+        connector=SimpleNamespace(get_finished=lambda: [finished.pop() for _ in finished[:]]),
+        scheduler=SimpleNamespace(release=lambda req, state: released.append(
+            (req.request_id, state.name))),
+        _resolve=lambda req, error: answered.append((req.request_id, type(error))))
+    worker.tp_ranks.finish([(r, True), (f, False)])
+    assert worker.tp_ranks.wants_poll
+    PrefillWorker._finish_sent(worker)
+    assert released == [] and answered == [("f", KVTransferError)]
+    leader.answers = [(["r", "f"], []), (["f"], [])]         # rank 2 still sends "r"
+    worker.tp_ranks.poll()
+    PrefillWorker._finish_sent(worker)
+    assert released == [("f", "FINISHED_ERROR")]
+    leader.answers = [([], []), (["r"], [])]
+    worker.tp_ranks.poll()
+    PrefillWorker._finish_sent(worker)
+    assert released == [("f", "FINISHED_ERROR"), ("r", "FINISHED_STOPPED")]
+    assert worker._sent == [] and not worker.tp_ranks.wants_poll
+    assert answered == [("f", KVTransferError)]
 
 
 class FakeReceiver:

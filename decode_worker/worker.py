@@ -50,6 +50,7 @@ from ..engine_actor import EngineActor
 from ..kv_transfer import make_receiver
 from ..kv_transfer.tp_receiver import TPReceiver
 from ..messages import DecodeReservation, KVPullOrder, StepStats, WorkerStatus
+from ..prefill_worker.kv_pull import pull_expiry
 from ..tp_group import rank_addresses
 from .connector import DecodeKVConnector
 from .outbox import EventOutbox
@@ -225,8 +226,9 @@ class DecodeWorker(EngineActor):
         payload bytes sent; 0 when D holds no such blocks or the send failed (P is sent
         ABORT where it can be reached; P gives up on a 0 either way and computes
         them)."""
+        expires = pull_expiry(order)
         blocks = self.scheduler.export(order.request_id, order.first_block, order.num_blocks)
-        return await self._send_held_kv(order, blocks, self._end_export)
+        return await self._send_held_kv(order, blocks, self._end_export, expires)
 
     def _end_export(self, blocks: list[int]) -> None:
         self.scheduler.end_export(blocks)

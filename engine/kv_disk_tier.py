@@ -93,6 +93,7 @@ class DiskTier:
         self.index: OrderedDict[BlockHash, int] = OrderedDict()   # LRU first
         self.free = set(range(num_blocks))
         self.num_dropped = 0
+        self.failed = False          # _fail(): a transfer overran XFER_TIMEOUT_S
         self._lock = lock
         self._on_change = on_change
         self._seq = 0
@@ -128,9 +129,12 @@ class DiskTier:
         leaves no entry, or one whose checksum fails.
 
         Raises:
-            OSError: the file or NIXL failed; the slot is free again, `h` not held."""
+            OSError: the file or NIXL failed, or the tier is off (_fail); the slot is
+                free again, `h` not held."""
         from ..kv_transfer.host_io import crc32c, tensor_bytes
         with self._lock:
+            if self.failed:
+                raise OSError(f"disk KV tier {self.path} is off")
             if h in self.index:
                 self.index.move_to_end(h)
                 return
@@ -160,7 +164,7 @@ class DiskTier:
         None: not held, or it could not be read or failed its check (then dropped)."""
         from ..kv_transfer.host_io import crc32c, tensor_bytes
         with self._lock:
-            slot = self.index.get(h)
+            slot = None if self.failed else self.index.get(h)
         if slot is None:
             return None
         base = slot * self.stride
@@ -209,7 +213,8 @@ class DiskTier:
             deadline = time.monotonic() + XFER_TIMEOUT_S
             while state not in ("DONE", "ERR"):
                 if time.monotonic() > deadline:
-                    state = f"not done after {XFER_TIMEOUT_S} s"
+                    self._fail(f"a {op} not done after {XFER_TIMEOUT_S} s")
+                    state = "overdue"
                     break
                 state = self.agent.check_xfer_state(handle)
             if state != "DONE":
@@ -219,7 +224,22 @@ class DiskTier:
         except Exception as e:
             raise OSError(f"NIXL POSIX {op} of {self.path} at {offset}: {e}") from e
         finally:
-            self.agent.release_xfer_handle(handle)
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as e:      # an overdue transfer's: the tier is off already
+                logger.warning("disk KV tier %s: transfer handle not released: %s",
+                               self.path, e)
+
+    def _fail(self, why: str) -> None:
+        """Turn this tier off until a restart (a transfer still running may yet write
+        the staging buffer or the file): every entry forgotten, read() finds none,
+        write() raises OSError. The file's entries are checked again at a restart."""
+        logger.error("disk KV tier %s: %s; off until a restart", self.path, why)
+        with self._lock:
+            self.failed = True
+            for h in self.index:
+                self._on_change(False, h)
+            self.index.clear()
 
     def close(self) -> None:
         for reg in self._regs:

@@ -35,7 +35,7 @@ from .kv_transfer import make_sender
 from .kv_transfer.tp_plan import rank_layout, rank_targets
 from . import tracing
 from .messages import CacheEvents, KVPullOrder, WorkerInfo
-from .prefill_worker.kv_pull import pull_expiry, send_held_blocks
+from .prefill_worker.kv_pull import send_held_blocks
 from .metrics import WorkerMetrics, serve as serve_metrics
 from .tp_group import worker_runner, worker_tiers
 
@@ -177,7 +177,8 @@ class EngineActor(abc.ABC):
         return {"kv_tier_" + names.get(k, k): v for k, v in values.items()}
 
     async def _send_held_kv(self, order: KVPullOrder, blocks: list[int] | None,
-                            release: Callable[[list[int]], None]) -> int:
+                            release: Callable[[list[int]], None],
+                            expires: float | None = None) -> int:
         """Send a prefill worker's pull receivers the K/V of `blocks` (held for `order`;
         None: this worker does not hold them), every layer, then DONE with no token
         (prefill_worker/kv_pull.py send_held_blocks: the frames and checks of a
@@ -185,11 +186,11 @@ class EngineActor(abc.ABC):
         `release(blocks)` once every rank sent or failed. Returns the payload bytes
         sent; 0 when nothing was sent or a rank failed (P's rank 0 is sent ABORT where
         it can be reached; the pulling worker gives up on a 0 either way and computes
-        the blocks). Used by send_prompt_kv of both roles."""
+        the blocks); no layer is sent after `expires` (pull_expiry, taken when the
+        order came). Used by send_prompt_kv of both roles."""
         addr, pull_id, epoch = tuple(order.kv_address), order.pull_id, order.epoch
         reason = f"{self.worker_id} no longer holds those blocks of {order.request_id}"
         if blocks is not None:
-            expires = pull_expiry(order)     # queued sends of a pull given up send nothing
             calls: list = [asyncio.to_thread(lambda: send_held_blocks(
                 self._pull_sender(), order, blocks, self.runner.config.num_layers,
                 self._pull_targets, expires))]

@@ -216,7 +216,7 @@ class KVPulls:
         for pull_id, p in list(self._pulling.items()):       # still in flight
             overdue = now - p.started > self.timeout_s
             if overdue:
-                self.cost.observe_pull(p.count * self.block_bytes, now - p.started)
+                self.cost.observe_pull(p.count * self.block_bytes, self.timeout_s)
             if overdue or p.req.finish is not None or self.refused(p.answer):
                 self._give_up(pull_id)
         for pull_id in news.released:

@@ -52,7 +52,7 @@ from ..messages import (KVPullOrder, PrefillOrder, PrefillResult, StepStats,
                         WorkerStatus)
 from ..request_ids import router_of
 from .connector import PrefillKVConnector
-from .kv_pull import worker_pulls
+from .kv_pull import pull_expiry, worker_pulls
 from .rank import PrefillRanks
 from .requests import FinishCause, PrefillAborted, PrefillFailed, PrefillRequest, fail
 from . import spans
@@ -226,8 +226,9 @@ class PrefillWorker(EngineActor):
         layer, into its pull receiver, then DONE with no token (kv_pull.py). Returns the
         payload bytes sent; 0 when this worker lacks any of them or the send failed (the
         puller then computes them)."""
+        expires = pull_expiry(order)          # the puller's clock runs from its ask
         blocks = await asyncio.wrap_future(self.scheduler.export(list(order.block_hashes)))
-        return await self._send_held_kv(order, blocks, self._end_export)
+        return await self._send_held_kv(order, blocks, self._end_export, expires)
 
     def _end_export(self, blocks: list[int]) -> None:
         self.scheduler.end_export(blocks)
@@ -275,7 +276,7 @@ class PrefillWorker(EngineActor):
         if self.pulls is not None:
             self.pulls.receiver.close()
         self._close_pull_sender()
-        self._finish_sent()
+        self._finish_sent(ranks_stopped=True)
         if self.tiers is not None:
             self.tiers.close()
         if self.activity is not None:
@@ -315,6 +316,7 @@ class PrefillWorker(EngineActor):
     def _idle(self) -> None:
         if self.tp_ranks is not None:
             self.tp_ranks.poll()
+            self._finish_sent()      # blocks the ranks are done with, back before the wait
         # a TP worker's ranks report tier copies, pulls and sends only when polled
         # (engine/tp_tiers.py, kv_transfer/tp_receiver.py, rank.py)
         polling = any(getattr(x, "wants_poll", False)
@@ -360,18 +362,18 @@ class PrefillWorker(EngineActor):
         if self.tp_ranks is not None:
             self.tp_ranks.finish([(r, token is not None) for r, token in done])
 
-    def _finish_sent(self) -> None:
+    def _finish_sent(self, ranks_stopped: bool = False) -> None:
         """Release every request whose transfer ended (the connector's poll) once no
-        rank 1..N-1 still sends it (PrefillRanks.sending): until then its blocks stay
-        out of the pool, so no step, tier load or pull writes a block a rank reads. A
-        failed one's call raises at once (a sent one was answered at DONE: connector
-        on_done)."""
+        rank 1..N-1 still sends it (PrefillRanks.sending; every one once the ranks
+        stopped): until then its blocks stay out of the pool, so no step, tier load or
+        pull writes a block a rank reads. A failed one's call raises at once (a sent
+        one was answered at DONE: connector on_done)."""
         for req in self.connector.get_finished():
             if req.finish is not None:
                 self._resolve(req, error=req.finish.error())
             self._sent.append(req)
-        sending = [r for r in self._sent
-                   if self.tp_ranks is not None and self.tp_ranks.sending(r.request_id)]
+        sending = [r for r in self._sent if not ranks_stopped and self.tp_ranks is not None
+                   and self.tp_ranks.sending(r.request_id)]
         for req in self._sent:
             if req in sending:
                 continue

@@ -2,9 +2,10 @@
 host tier moves its oldest entries to the disk tier, which survives a restart (a new
 KVTiers over the same file); a damaged disk entry is dropped, not served; another
 fingerprint's entries are not read; the tiers' cache events tell a reader which tier
-holds each block; a disk tier whose I/O fails loses entries, never slots; on CUDA (gpu-marked) a device pool round-trips through pinned host
-memory and disk. Every test ends with the pool free and the tiers
-idle (each block held for a store given back)."""
+holds each block; a disk tier whose I/O fails loses entries, never slots, and one whose
+transfer never ends turns off; on CUDA (gpu-marked) a device pool round-trips through
+pinned host memory and disk. Every test ends with the pool free and the tiers idle
+(each block held for a store given back)."""
 
 import time
 
@@ -139,18 +140,23 @@ def test_a_damaged_disk_entry_is_dropped_not_served(tmp_path):
 
 class FailingAgent:
     """A disk tier's NIXL agent whose transfers raise (as NIXL's own exception classes,
-    not OSError, do) while `failing`."""
+    not OSError, do) while `failing`, or, when `hang`, never end."""
 
-    def __init__(self, agent):
-        self.agent, self.failing = agent, True
+    def __init__(self, agent, hang=False):
+        self.agent, self.failing, self.hang = agent, True, hang
 
     def __getattr__(self, name):
         return getattr(self.agent, name)
 
     def transfer(self, handle):
+        if self.hang:
+            return "PROC"
         if self.failing:
             raise RuntimeError("NIXL_ERR_BACKEND")
         return self.agent.transfer(handle)
+
+    def check_xfer_state(self, handle):
+        return "PROC" if self.hang else self.agent.check_xfer_state(handle)
 
 
 def test_a_disk_tier_whose_io_fails_loses_entries_never_capacity(tmp_path):
@@ -170,6 +176,27 @@ def test_a_disk_tier_whose_io_fails_loses_entries_never_capacity(tmp_path):
         agent.failing = False
         n, [got] = loaded(pool, [kv], t, hashes[1:])
         assert n == 2 and torch.equal(got, want[:, :, 1:])
+    finally:
+        t.close()
+    assert pool.all_free()
+
+
+def test_a_disk_transfer_that_never_ends_turns_the_disk_tier_off(tmp_path, monkeypatch):
+    """A transfer past XFER_TIMEOUT_S (it may still write the staging buffer) turns the
+    disk tier off: its entries forgotten, nothing read or written there again; the host
+    tier serves on."""
+    from pdserve.engine import kv_disk_tier
+    monkeypatch.setattr(kv_disk_tier, "XFER_TIMEOUT_S", 0.05)
+    kv, pool = cache(), BlockPool(NUM_BLOCKS)
+    t = tiers(pool, kv, host_blocks=1, disk_dir=tmp_path, disk_blocks=4)
+    try:
+        hashes, _ = stored(pool, [kv], t, 2, seed=3)       # hashes[0] on disk
+        assert list(t.disk.index) == hashes[:1]
+        t.disk.agent = FailingAgent(t.disk.agent, hang=True)
+        hashes, [want] = stored(pool, [kv], t, 2, seed=30)  # a move to disk overruns
+        assert t.disk.failed and t.disk.index == {} and t.stats.stored_disk == 1
+        n, [got] = loaded(pool, [kv], t, hashes[1:])        # the host's entry
+        assert n == 1 and torch.equal(got, want[:, :, 1:])
     finally:
         t.close()
     assert pool.all_free()

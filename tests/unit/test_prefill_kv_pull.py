@@ -298,10 +298,10 @@ def test_an_overdue_pull_counts_as_slow_and_a_pull_is_probed_after_probe_s(
         assert cost.worth(4 * BS, 4 * BLOCK_BYTES)       # 16 ms to compute, 11 to read
         sched.add(req)
         assert sched.schedule().requests == ()           # pulling
-        clock.now = 105.01
+        clock.now = 106.0                                # seen 1 s past timeout_s
         out = until_rows(sched)
         assert pulls.num_failed == 1 and req.num_computed_tokens == 0
-        assert cost.bytes_per_s == pytest.approx(5 * BLOCK_BYTES / 5.0)
+        assert cost.bytes_per_s == pytest.approx(5 * BLOCK_BYTES / (5.0 - 0.01))
         assert not cost.worth(4 * BS, 4 * BLOCK_BYTES)   # 4.01 s to read now
         clock.now = 100.0 + cost.probe_s + 0.1
         assert cost.worth(4 * BS, 4 * BLOCK_BYTES)       # no pull for probe_s: try one

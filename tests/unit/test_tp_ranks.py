@@ -83,7 +83,8 @@ def test_rank_0_releases_a_request_only_once_every_rank_sent_it():
     """Rank 0's transfers of "r" and of the failed "f" ended while ranks 1 and 2 still
     send their heads: their blocks stay out of the pool until both ranks reported them
     (so no step, tier load or pull takes a block a rank reads); the failed one's call
-    is answered at once all the same."""
+    is answered at once all the same; at shutdown, once the ranks stopped, every one
+    goes back."""
     class Leader:
         def __init__(self):
             self.answers = []
@@ -120,6 +121,14 @@ def test_rank_0_releases_a_request_only_once_every_rank_sent_it():
     assert released == [("f", "FINISHED_ERROR"), ("r", "FINISHED_STOPPED")]
     assert worker._sent == [] and not worker.tp_ranks.wants_poll
     assert answered == [("f", KVTransferError)]
+    s = FakeRequest("s")                                      # at shutdown: the ranks
+    s.finish = None                                           # stopped, cannot report
+    finished.append(s)
+    worker.tp_ranks.finish([(s, True)])
+    PrefillWorker._finish_sent(worker)
+    assert released[-1][0] == "r"
+    PrefillWorker._finish_sent(worker, ranks_stopped=True)
+    assert released[-1] == ("s", "FINISHED_STOPPED") and worker._sent == []
 
 
 class FakeReceiver:

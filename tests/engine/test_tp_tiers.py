@@ -79,6 +79,13 @@ def hold_copies(r1) -> threading.Event:
     return gate
 
 
+def copied_on_every_rank(gate: threading.Event, t, pool) -> None:
+    """Let rank 1 copy (hold_copies' `gate`): then every held block is back."""
+    gate.set()
+    settle(t)
+    assert not t.wants_poll and pool.all_free()
+
+
 def rank0_copied(t) -> None:
     """poll() until rank 0's tiers are idle (its copies done, its refs given back)."""
     deadline = time.monotonic() + 5
@@ -114,9 +121,7 @@ def test_a_stored_block_is_held_until_every_rank_copied_it():
         t.poll()
         assert t.wants_poll and not t.idle()
         assert pool.num_free == pool.num_blocks - 4      # still held for rank 1
-        gate.set()
-        settle(t)
-        assert not t.wants_poll and pool.all_free()
+        copied_on_every_rank(gate, t, pool)
     finally:
         gate.set()
         close(pool, t, r1)
@@ -140,9 +145,7 @@ def test_a_block_stored_again_before_every_rank_copied_it_is_held_once():
         t.poll()
         pool.free(blocks)                            # both requests ended
         assert pool.num_free == pool.num_blocks - 3  # held for rank 1, once each
-        gate.set()
-        settle(t)
-        assert not t.wants_poll and pool.all_free()
+        copied_on_every_rank(gate, t, pool)
     finally:
         gate.set()
         close(pool, t, r1)

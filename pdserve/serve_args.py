@@ -66,6 +66,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
                                   "metrics_port", "metrics_host",
                                   "slo_ttft_ms", "otlp_traces_endpoint",
                                   "otlp_traces_sample_ratio",
+                                  "otlp_traces_client_sample_ratio",
                                   "slo_tpot_ms", "tls_cert_file", "tls_key_file",
                                   "tls_client_ca_file", "api_key", "admin_api_key",
                                   "max_workers", "max_request_bytes", "request_timeout_s",
@@ -213,8 +214,15 @@ def serve_flags(s: argparse.ArgumentParser) -> None:
                         "collector (gRPC; $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf "
                         "for HTTP, then a URL); default off, as vLLM's flag")
     s.add_argument("--otlp-traces-sample-ratio", type=float, default=None, metavar="F",
-                   help="share of requests traced among those arriving without a sampled "
-                        "W3C traceparent (default 1.0); a sampled one is always traced")
+                   help="share of requests traced among those arriving without a W3C "
+                        "traceparent (default 1.0)")
+    s.add_argument("--otlp-traces-client-sample-ratio", type=float, default=None,
+                   metavar="F",
+                   help="share of requests traced among those whose traceparent says "
+                        "sampled (default 1.0: the client's flag is followed, as "
+                        "OpenTelemetry's parent-based sampling; lower it, to 0 or to "
+                        "--otlp-traces-sample-ratio, so a client cannot force tracing); a "
+                        "traceparent that says not sampled is never traced")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="router's Prometheus /metrics port (default 9464; workers pick free "
                         "ports, listed by `pdserve status`)")

@@ -5,8 +5,12 @@ When on, a process builds its own TracerProvider (never the global one, so libra
 that trace themselves once a global provider exists stay quiet) with a batching OTLP
 exporter: gRPC by default, HTTP with ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf``
 (the variable vLLM and SGLang read). Sampling is decided once per trace at its root:
-a request that arrives with a W3C ``traceparent`` follows its sampled flag, one without
-is traced with probability `sample_ratio` (ParentBased(TraceIdRatioBased)).
+a request that arrives without a W3C ``traceparent`` is traced with probability
+`sample_ratio`, one whose ``traceparent`` says sampled with probability
+`client_sample_ratio` (1.0 by default: the client's flag is followed, as OpenTelemetry's
+ParentBased sampler does; lowered, clients cannot force tracing), one that says not
+sampled never. Spans and the export queue are bounded (pdserve/trace_export.py): what a
+client sends reaches span attributes.
 
 When off, `request_trace` returns None and every caller skips its tracing behind an
 ``if trace is not None``: no span, attribute or carrier is built on the request path.
@@ -94,32 +98,40 @@ def set_log_request(request_id: str, span=None) -> None:
 
 
 def configure(endpoint: str | None, service_name: str, sample_ratio: float = 1.0,
-              attributes: Mapping[str, Any] | None = None) -> bool:
+              attributes: Mapping[str, Any] | None = None,
+              client_sample_ratio: float = 1.0) -> bool:
     """Trace this process's requests to the OTLP collector at `endpoint` (host:port for
     gRPC, or a URL; None: tracing stays off). `attributes` join the resource's
-    (``service.name`` is `service_name`). Returns whether tracing is on.
+    (``service.name`` is `service_name`). A request without a trace context is traced
+    with probability `sample_ratio`, one whose context says sampled with probability
+    `client_sample_ratio` (the router's: a worker's parent is the router's span, which
+    a worker always follows). Returns whether tracing is on.
 
     Raises:
-        ValueError: sample_ratio outside [0, 1], or an unknown
+        ValueError: a ratio outside [0, 1], or an unknown
             OTEL_EXPORTER_OTLP_TRACES_PROTOCOL.
     """
     global _provider, _tracer
     if endpoint is None:
         return False
-    if not 0.0 <= sample_ratio <= 1.0:
-        raise ValueError(f"otlp_traces_sample_ratio={sample_ratio}: must be in [0, 1]")
+    for name, ratio in (("otlp_traces_sample_ratio", sample_ratio),
+                        ("otlp_traces_client_sample_ratio", client_sample_ratio)):
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"{name}={ratio}: must be in [0, 1]")
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    from . import trace_export
 
     provider = TracerProvider(
         resource=Resource.create({"service.name": service_name, "process.pid": os.getpid(),
                                   **(attributes or {})}),
-        sampler=ParentBased(TraceIdRatioBased(sample_ratio)))
-    provider.add_span_processor(BatchSpanProcessor(_exporter(endpoint)))
+        sampler=trace_export.sampler(sample_ratio, client_sample_ratio),
+        span_limits=trace_export.span_limits())
+    provider.add_span_processor(trace_export.BoundedSpanProcessor(_exporter(endpoint)))
     _provider, _tracer = provider, provider.get_tracer("pdserve")
-    logger.info("tracing requests to %s (sampled %.3g)", endpoint, sample_ratio)
+    logger.info("tracing requests to %s (sampled %.3g, a client's sampled flag %.3g)",
+                endpoint, sample_ratio, client_sample_ratio)
     return True
 
 

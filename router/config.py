@@ -107,7 +107,11 @@ class RouterConfig:
                                      # OTLP collector (host:port for gRPC, or a URL;
                                      # pdserve/tracing.py); None: off
     otlp_traces_sample_ratio: float = 1.0  # share of requests traced that arrive without
-                                     # a sampled traceparent
+                                     # a trace context (a W3C traceparent)
+    otlp_traces_client_sample_ratio: float = 1.0  # share of requests traced whose
+                                     # traceparent says sampled: 1.0 follows the client, as
+                                     # OpenTelemetry's ParentBased sampler; lower it so a
+                                     # client cannot force tracing (pdserve/trace_export.py)
     # Security of the gRPC front (router/security.py). Paths are read where the router
     # runs, when it builds its server, so they are checked there, not here.
     tls_cert_file: str | None = None  # PEM server certificate (chain); with tls_key_file
@@ -157,9 +161,9 @@ class RouterConfig:
         if self.max_prefill_queue_tokens is not None and self.max_prefill_queue_tokens < 0:
             raise ValueError(f"max_prefill_queue_tokens={self.max_prefill_queue_tokens}: "
                              "must be >= 0 tokens (0: always prefill on a prefill worker)")
-        if not 0.0 <= self.otlp_traces_sample_ratio <= 1.0:
-            raise ValueError(f"otlp_traces_sample_ratio={self.otlp_traces_sample_ratio}: "
-                             "must be in [0, 1]")
+        for name in ("otlp_traces_sample_ratio", "otlp_traces_client_sample_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1]")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             v = getattr(self, name)
             if v is not None and not v > 0:

@@ -69,7 +69,8 @@ class Router:
         self.index = index
         tracing.configure(config.router.otlp_traces_endpoint, "pdserve-router",
                           config.router.otlp_traces_sample_ratio,
-                          {"pdserve.router.index": index})
+                          {"pdserve.router.index": index},
+                          config.router.otlp_traces_client_sample_ratio)
         model_dir = resolve_model(config.prefill.model)
         self.model_config = ModelConfig.of(model_dir)
         self.tokenizer = load_tokenizer(model_dir)

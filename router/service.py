@@ -5,6 +5,7 @@ the TLS and api-key gates of security.py."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +20,7 @@ from .. import tracing
 from ..engine.sampling_params import InvalidRequestError
 from ..proto import pdserve_pb2 as pb
 from ..proto import pdserve_pb2_grpc as pb_grpc
+from . import validation
 from .errors import RequestError
 from .stalls import watched
 from .security import ApiKeyInterceptor, is_loopback, server_credentials
@@ -38,15 +40,25 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
     async def Generate(self, data: bytes, context: grpc.aio.ServicerContext):
         """The request arrives as bytes (see add_generator) and is parsed here."""
+        failed = None
         try:
             async for msg in metered_generate(
-                    self.router, lambda: parse_request(data), context.time_remaining(),
+                    self.router, functools.partial(parse_request, data),
+                    context.time_remaining(),
                     tracing.trace_headers(context.invocation_metadata() or ())):
                 yield msg
         except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), ROUTER_STATUS)
+            failed = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except RequestError as e:
-            await context.abort(e.code, str(e), ROUTER_STATUS)
+            failed = e.code, str(e)
+        # The call's state keeps the AbortError, whose traceback holds this frame, which
+        # holds the call's state: a cycle only the garbage collector frees, so nothing
+        # large may be in it: aborted outside the handler (else the AbortError chains
+        # the error, whose traceback holds every frame of the request path), the
+        # request's bytes (up to max_request_bytes) dropped first
+        if failed is not None:
+            del data
+            await context.abort(*failed, ROUTER_STATUS)
 
 
 async def metered_generate(router, build: Callable[[], pb.GenerateRequest],
@@ -59,7 +71,8 @@ async def metered_generate(router, build: Callable[[], pb.GenerateRequest],
     request that does not parse counts too. Every front end (gRPC here, HTTP in
     http_api.py) serves through this, so both count alike. With tracing on
     (pdserve/tracing.py), the request's root span, parented on the client's W3C
-    `trace_headers` when given, wraps it all.
+    `trace_headers` when given, wraps it all from the moment the request parsed and its
+    request_id is valid (a request refused before is counted, not traced).
 
     Raises:
         InvalidRequestError: from `build` or the router (bad input).
@@ -70,14 +83,16 @@ async def metered_generate(router, build: Callable[[], pb.GenerateRequest],
     timer = router.metrics.request()
     status, prompt_tokens = "cancelled", 0
     request = trace = error = None
-    if tracing.enabled():
-        trace = tracing.request_trace("llm_request", trace_headers, {
-            tracing.PROVIDER: "pdserve", tracing.REQUEST_MODEL: router.model_name})
-        started, ttft, output_tokens, finish_reasons = time.monotonic(), None, 0, []
+    started, ttft, output_tokens, finish_reasons = time.monotonic(), None, 0, []
     try:
         request = build()
-        if trace is not None:
-            _request_attributes(trace, request, router.model_name)
+        if tracing.enabled():
+            # the span is built once the fields it copies are valid: an 8 MiB
+            # request_id refused here never reaches an attribute
+            rid = validation.request_id(request)
+            trace = tracing.request_trace(_operation(request) + f" {router.model_name}",
+                                          trace_headers, _request_attributes(
+                                              request, rid, router.model_name))
         # aclosing: a caller that stops early (an HTTP client gone) closes the router's
         # generator at once, so its `finally` aborts the request on P and D now.
         # watched: a client that stops reading cannot park the request (and its KV)
@@ -118,20 +133,29 @@ async def metered_generate(router, build: Callable[[], pb.GenerateRequest],
                 tracing.USAGE_OUTPUT_TOKENS: output_tokens,
                 tracing.RESPONSE_FINISH_REASONS: finish_reasons,
                 **({tracing.RESPONSE_TTFT: ttft} if ttft is not None else {})}, error)
+        # The exception's traceback holds this frame: bound here, it would hold the
+        # exception back, a cycle only the garbage collector frees, with the request
+        # (up to max_request_bytes) in it
+        error = None
 
 
-def _request_attributes(trace, request: pb.GenerateRequest, model: str) -> None:
-    """The root span's name and request attributes (GenAI conventions), once parsed."""
-    operation = "chat" if request.WhichOneof("prompt") == "messages" else "text_completion"
+def _operation(request: pb.GenerateRequest) -> str:
+    """The GenAI operation name: chat for messages, else text_completion."""
+    return "chat" if request.WhichOneof("prompt") == "messages" else "text_completion"
+
+
+def _request_attributes(request: pb.GenerateRequest, request_id: str | None,
+                        model: str) -> dict:
+    """The root span's request attributes (GenAI conventions); `request_id` validated."""
     s = request.sampling
-    trace.root.update_name(f"{operation} {model}")
-    trace.root.set_attributes({
-        tracing.OPERATION: operation,
-        **({tracing.RESPONSE_ID: request.request_id} if request.request_id else {}),
+    return {
+        tracing.PROVIDER: "pdserve", tracing.REQUEST_MODEL: model,
+        tracing.OPERATION: _operation(request),
+        **({tracing.RESPONSE_ID: request_id} if request_id else {}),
         **({tracing.REQUEST_MAX_TOKENS: s.max_tokens} if s.HasField("max_tokens") else {}),
         **({tracing.REQUEST_TEMPERATURE: s.temperature} if s.HasField("temperature") else {}),
         **({tracing.REQUEST_TOP_P: s.top_p} if s.HasField("top_p") else {}),
-        **({tracing.REQUEST_CHOICES: s.n} if s.HasField("n") and s.n != 1 else {})})
+        **({tracing.REQUEST_CHOICES: s.n} if s.HasField("n") and s.n != 1 else {})}
 
 
 def parse_request(data: bytes) -> pb.GenerateRequest:

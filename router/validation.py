@@ -208,9 +208,15 @@ def resume_token_ids(req, params: SamplingParams, prompt_len: int, vocab_size: i
 
 
 def request_id(req) -> str | None:
-    """The client's request_id, or None to generate one."""
+    """The client's request_id, or None to generate one.
+
+    Raises:
+        InvalidRequestError: over MAX_REQUEST_ID_BYTES bytes of UTF-8."""
     rid = req.request_id
-    n = len(rid.encode("utf-8"))    # at most 8 MiB (the request size limit): cheap
+    if len(rid) > MAX_REQUEST_ID_BYTES:     # as many bytes at least: refused uncopied
+        raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes UTF-8, "
+                                                f"got {len(rid)} characters")
+    n = len(rid.encode("utf-8"))
     if n > MAX_REQUEST_ID_BYTES:
         raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes UTF-8, "
                                                 f"got {n}")

@@ -79,6 +79,8 @@ def test_head_starts_ray_then_pdserve_serve(case, monkeypatch):
     assert serve["otlp_traces_endpoint"] == (tracing["otlpEndpoint"] or None)
     assert serve["otlp_traces_sample_ratio"] == (
         tracing["sampleRatio"] if tracing["otlpEndpoint"] else None)
+    assert serve["otlp_traces_client_sample_ratio"] == (
+        tracing["clientSampleRatio"] if tracing["otlpEndpoint"] else None)
     if merged["tls"]["enabled"]:
         assert (serve["tls_cert_file"], serve["tls_key_file"]) == (
             f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key")

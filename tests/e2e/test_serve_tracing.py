@@ -8,7 +8,8 @@ KV transfer), whose parents are right and whose durations add up (the TTFT the s
 the client's). The OpenAI API reads the header alike, and an unsampled traceparent is
 not traced. A request whose decode worker is killed mid-stream shows both attempts
 in its trace, the first failed, the second with its own reservation, prefill and decode.
-Every answer is HF's greedy one and every pool is free at the end."""
+A flood of sampled requests with 8 MiB request ids costs the router no memory and no
+one's trace. Every answer is HF's greedy one and every pool is free at the end."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ ROOT = "text_completion default"      # the root span: "{gen_ai.operation.name} 
 SPANS = (ROOT, "tokenize", "attempt", "reserve", "decode_worker.reserve", "prefill",
          "prefill_worker", "kv_transfer", "decode", "decode_worker", "kv_arrival")
 ERROR = 2                             # opentelemetry.proto Status.STATUS_CODE_ERROR
+ROUTER_GROWTH_BYTES = 100 << 20
 
 
 class Collector:
@@ -294,3 +296,61 @@ def test_a_decode_worker_killed_mid_stream_shows_the_retry_in_the_same_trace(tra
     assert second["attributes"]["pdserve.prompt_tokens"] > len(PROMPT)
     assert root["attributes"]["gen_ai.usage.output_tokens"] == n
     assert root["attributes"]["gen_ai.response.finish_reasons"] == ["length"]
+
+
+def test_a_flood_of_huge_sampled_request_ids_costs_no_memory_and_no_ones_trace(traced):
+    """24 requests, 4 at a time, each with a request_id of nearly the 8 MiB a request
+    may be and a traceparent that says sampled: each is refused (INVALID_ARGUMENT naming
+    request_id) before any span copies the id, so the router's RSS stays within 100 MB
+    of where it was, and a traced request sent right after arrives at the collector
+    (the export batch it shares with the flood's spans stays under what a collector
+    takes)."""
+    import psutil
+    import ray
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+    served, collector = traced
+    pid = ray.get(served.cluster.router.__ray_call__.remote(lambda _self: os.getpid()),
+                  timeout=60)
+    router = psutil.Process(pid)
+    rss0, peak, done = router.memory_info().rss, [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], router.memory_info().rss)
+            time.sleep(0.05)
+
+    channel = grpc.insecure_channel(served.address)
+    stub = pb_grpc.GeneratorStub(channel)
+    flood_trace = "1" * 32
+
+    def huge(i: int) -> grpc.StatusCode:
+        req = make_request([7] * 20, max_tokens=2)
+        req.request_id = f"{i}-" + "x" * ((8 << 20) - 4096)
+        try:
+            list(stub.Generate(req, timeout=60, metadata=[
+                ("traceparent", f"00-{flood_trace}-{CLIENT_SPAN}-01")]))
+        except grpc.RpcError as e:
+            assert "request_id" in e.details(), e.details()
+            return e.code()
+        return grpc.StatusCode.OK
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(4) as ex:
+            codes = list(ex.map(huge, range(24)))
+    finally:
+        done.set()
+        watcher.join()
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 24, codes
+    assert peak[0] - rss0 < ROUTER_GROWTH_BYTES, (rss0, peak[0])
+    trace_id = "8af7651916cd43dd8448eb211c80319c"
+    tokens, _ = stream(served, [9] * 40, trace_id, 3)
+    assert tokens == hf_greedy("default", [9] * 40, 3)
+    spans = collector.wait_for(trace_id, ROOT, "attempt")
+    assert all(len(str(v)) <= 1024 for s in spans for v in s["attributes"].values())
+    with collector.lock:      # nothing of the flood: refused before its span was built
+        assert not [s for s in collector.spans if s["trace_id"] == flood_trace]

@@ -158,3 +158,12 @@ def test_serve_passes_the_decode_routing_flags(recording):
     rc = recording[0].router
     assert (rc.decode_routing_policy, rc.cache_threshold, rc.balance_abs_threshold,
             rc.balance_rel_threshold) == ("cache_aware", 0.5, 8, 2.0)
+
+
+def test_serve_passes_the_tracing_sample_ratios(recording):
+    assert cli.main(["serve", "--otlp-traces-endpoint", "127.0.0.1:4317",
+                     "--otlp-traces-sample-ratio", "0.25",
+                     "--otlp-traces-client-sample-ratio", "0"]) == 1
+    rc = recording[0].router
+    assert (rc.otlp_traces_sample_ratio, rc.otlp_traces_client_sample_ratio) == (0.25, 0.0)
+    assert RouterConfig().otlp_traces_client_sample_ratio == 1.0   # OpenTelemetry's default

@@ -126,7 +126,8 @@ import ray, sys; ray.init(address="auto", logging_level="ERROR", log_to_driver=F
 {{- end }}
 {{- if $v.tracing.otlpEndpoint }}
 {{- $args = concat $args (list "--otlp-traces-endpoint" $v.tracing.otlpEndpoint
-      "--otlp-traces-sample-ratio" (toString $v.tracing.sampleRatio)) }}
+      "--otlp-traces-sample-ratio" (toString $v.tracing.sampleRatio)
+      "--otlp-traces-client-sample-ratio" (toString $v.tracing.clientSampleRatio)) }}
 {{- end }}
 {{- if $v.threadsPerWorker }}
 {{- $args = concat $args (list "--threads-per-worker" (toString $v.threadsPerWorker)) }}

@@ -59,9 +59,13 @@ class PackedLinear(nn.Module):
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN prepacked linears: CPU, fp32 or bf16, a torch built with mkldnn."""
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    """oneDNN prepacked linears: CPU, fp32 or bf16, a torch built with mkldnn; bf16 only
+    where oneDNN runs it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU its
+    reorder raises, and bf16 linears run through F.linear)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16
+                                      and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class RMSNorm(nn.Module):

@@ -12,7 +12,10 @@ CHALLENGE and must pair (layout, epoch, and the cluster secret when one is set; 
 before any KV frame is read. Until a peer has sent its whole HANDSHAKE frame it costs no
 thread: the one accept thread sends the challenges and gathers the handshakes of every
 connection not yet paired without blocking, each within io_timeout_s in all (not per
-read), at most MAX_PENDING of them (a new one evicts the oldest); a complete handshake
+read), at most MAX_PENDING_PER_HOST of them from one peer address and MAX_PENDING in all
+(a new one evicts the oldest of its own address's, or, all being full, the oldest of the
+address holding most: a flood without the secret evicts its own handshakes, never a real
+peer's from another address); a complete handshake
 gets its own thread, which checks it and serves the connection, at most MAX_CONNECTIONS
 at once. So a flood of connections that never finish a handshake holds neither threads
 nor, for long, sockets, and a peer that pairs (a round trip after connecting) is not
@@ -44,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 THREAD_PREFIX = "kvrecv"  # threads: kvrecv-accept-<port>, kvrecv-conn-<port>-<n>
 MAX_PENDING = 256         # connections gathering their handshake (no thread each)
+MAX_PENDING_PER_HOST = 32  # ... of them from one peer address (a real peer pairs in one
+                           # round trip: it has one or two at a time)
 MAX_CONNECTIONS = 512     # connection threads: paired peers, and handshakes being checked
 
 
@@ -220,9 +225,10 @@ class ControlServer:
             logger.warning("KV receiver accept failed: %s", e)
             time.sleep(0.05)  # e.g. out of fds: back off instead of spinning on select
             return
-        if len(pending) >= MAX_PENDING:
-            self._drop(sel, pending, next(iter(pending.values())),
-                       f"evicted: {MAX_PENDING} connections were pairing")
+        evict = _to_evict(pending, peer[0])
+        if evict is not None:
+            self._drop(sel, pending, evict, f"evicted: {len(pending)} connections were "
+                                            f"pairing, from {evict.peer[0]} the most")
         nonce = auth.new_nonce()
         challenge = frames.pack_header(FrameType.CHALLENGE, payload_len=len(nonce)) + nonce
         try:
@@ -331,3 +337,18 @@ class ControlServer:
             sock.close()
             if not self._closed:
                 self.handler.connection_lost(conn_id, why)
+
+
+def _to_evict(pending: dict[socket.socket, _Pending], host: str) -> _Pending | None:
+    """The pending handshake a new connection from `host` evicts (`pending` oldest
+    first), or None: the oldest of `host`'s own once it has MAX_PENDING_PER_HOST, else,
+    with MAX_PENDING in all, the oldest of the address holding most."""
+    per_host: dict[str, list[_Pending]] = {}
+    for p in pending.values():
+        per_host.setdefault(p.peer[0], []).append(p)
+    own = per_host.get(host, [])
+    if len(own) >= MAX_PENDING_PER_HOST:
+        return own[0]
+    if len(pending) >= MAX_PENDING:
+        return max(per_host.values(), key=len)[0]
+    return None

@@ -1,7 +1,9 @@
 """The KV port under connections that never pair (kv_transfer/control_server.py): they hold no
 thread, each is closed once io_timeout_s passed since its accept however slowly it
-sends, at most MAX_PENDING are held, and a legitimate sender still pairs among them; a
-thread that cannot start costs its connection only; refusals are logged once per peer.
+sends, at most MAX_PENDING_PER_HOST are held from one address (MAX_PENDING in all), and a
+legitimate sender still pairs among them, also one whose handshake was pending while
+another address flooded the port; a thread that cannot start costs its connection only;
+refusals are logged once per peer.
 Over both transports (the NIXL receiver pairs over the same port)."""
 
 import logging
@@ -13,8 +15,11 @@ import pytest
 
 from pdserve.kv_transfer import control_server
 from pdserve.kv_transfer.control_server import THREAD_PREFIX
-from kvtest import EPOCH, PER_LAYER, TIMEOUT_S, TransportEnv, TRANSPORTS, make_cache, send_request
-from tcp_client import wait_closed
+from kvtest import (EPOCH, MODEL, PER_LAYER, TIMEOUT_S, TransportEnv, TRANSPORTS, make_cache,
+                    send_request)
+from tcp_client import handshake_bytes, read_frame, wait_closed
+from pdserve.kv_transfer import control
+from pdserve.kv_transfer.frames import FrameType
 
 DST_IDS = [7, 2, 9]
 
@@ -60,6 +65,46 @@ def test_slow_connections_that_never_pair_hold_no_thread_and_a_sender_still_pair
     finally:
         for s in slow:
             s.close()
+
+
+def test_a_flood_from_another_address_never_evicts_a_pending_real_handshake(env):
+    """A peer that has its challenge and has not answered yet (127.0.0.1), then 300
+    connections from 127.0.0.2 that never pair (more than MAX_PENDING): they evict only
+    their own, so the peer's handshake, sent after the flood, still pairs. The receiver
+    gives a handshake 20 s (opening 300 connections takes seconds here)."""
+    from kvtest import Completions
+
+    from pdserve.kv_transfer import KVLayout, make_receiver
+
+    cache = make_cache(10, seed=2)
+    layout = KVLayout.for_cache(cache, MODEL)
+    done = Completions()
+    rx = make_receiver(env.kind, cache, layout, EPOCH, notify=done, io_timeout_s=20.0)
+    env.made.append(rx)
+    addr = rx.start()
+    done.attach(rx)
+    real = socket.create_connection(addr, timeout=TIMEOUT_S)
+    h, nonce_d = read_frame(real)
+    assert h.frame_type == FrameType.CHALLENGE
+    flood = []
+    try:
+        for _ in range(300):
+            s = socket.socket()
+            s.bind(("127.0.0.2", 0))
+            s.settimeout(TIMEOUT_S)
+            s.connect(addr)
+            flood.append(s)
+        time.sleep(0.3)                        # the accept thread takes the backlog
+        assert wait_closed(flood[0])           # its own oldest went
+        real.sendall(handshake_bytes(layout, nonce_d))
+        h, body = read_frame(real)
+        assert h.frame_type == FrameType.HANDSHAKE_ACK, h
+        assert control.decode_handshake(body, ack=True).error is None
+    finally:
+        real.close()
+        for s in flood:
+            s.close()
+    round_trip(env, rx, addr, done, "after-the-flood")
 
 
 def test_a_handshake_is_bounded_in_all_not_per_read(env):

@@ -26,6 +26,16 @@ class RequestTooLargeError(ValueError):
         self.needed, self.total = needed, total
 
 
+class ReservationConflictError(ValueError):
+    """reserve() of a request id that is live with another prompt or other sampling
+    parameters: a second request under one id (reserve is idempotent per id, for a
+    retried prefill), which must not share the first's reservation and KV."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"request {request_id!r} is reserved already, for another prompt "
+                         "or other sampling parameters")
+
+
 @dataclass(slots=True, eq=False)
 class DecodeRequest:
     """One request on the decode worker (engine/outputs.py StepRequest). Compared by

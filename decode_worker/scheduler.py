@@ -64,7 +64,7 @@ from .batch import RunningBatch
 from .connector import DecodeKVConnector
 from .fork import drop_cow_src, fork
 from .prompt_cache import PromptCache
-from .requests import DecodeRequest, RequestTooLargeError, Reserved
+from .requests import DecodeRequest, ReservationConflictError, RequestTooLargeError, Reserved
 from .step_budget import StepTokens
 
 
@@ -122,7 +122,8 @@ class DecodeScheduler:
     def reserve(self, request_id: str, prompt_len: int, params: SamplingParams,
                 lease_s: float, prompt_token_ids: list[int],
                 prefill_locally: bool = False, grammar: Any = None) -> Reserved:
-        """Reserve the blocks for the prompt's KV. Idempotent per request_id.
+        """Reserve the blocks for the prompt's KV. Idempotent per request_id (the
+        router's retry of a prefill reserves again), for the same prompt and params.
 
         With prefix caching, the prompt's leading full blocks found in D's cache are
         shared (never the block of the last token, so at least one block is always
@@ -141,6 +142,8 @@ class DecodeScheduler:
                 needs more blocks than the whole pool has (nothing taken).
             NoFreeBlocksError: the pool cannot hold the prompt now, counting the blocks
                 that preempted requests need to resume as taken (nothing taken).
+            ReservationConflictError: request_id is live with another prompt or other
+                params (nothing taken).
         """
         if len(prompt_token_ids) != prompt_len:
             raise ValueError(f"prompt_len={prompt_len} but {len(prompt_token_ids)} "
@@ -152,6 +155,8 @@ class DecodeScheduler:
                 req = self._new_request(request_id, list(prompt_token_ids), params, lease_s,
                                         prefill_locally)
                 req.grammar = grammar
+            elif req.params != params or req.prompt_token_ids != list(prompt_token_ids):
+                raise ReservationConflictError(request_id)
             return self._reserved(req)
 
     def reserved(self, request_id: str) -> Reserved | None:

@@ -67,7 +67,9 @@ LOG_FORMAT = "%(levelname)s %(name)s%(request)s: %(message)s"
 
 class RequestInLogs(logging.Filter):
     """Gives every record `request` (" [request <id> trace <hex>]" while a request's
-    code logs, else ""), for the format configure_logging sets."""
+    code logs, else ""), for the format configure_logging sets. The router refuses a
+    request_id that is not printable (router/validation.py); one set otherwise (a
+    worker driven directly) is written escaped, so an id never starts a log line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         current = _log_request.get()
@@ -75,6 +77,8 @@ class RequestInLogs(logging.Filter):
             record.request = ""
         else:
             rid, trace_id = current
+            if not rid.isprintable():
+                rid = rid.encode("unicode_escape").decode("ascii")
             record.request = f" [request {rid}" + (f" trace {trace_id}]" if trace_id else "]")
         return True
 

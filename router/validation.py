@@ -208,10 +208,14 @@ def resume_token_ids(req, params: SamplingParams, prompt_len: int, vocab_size: i
 
 
 def request_id(req) -> str | None:
-    """The client's request_id, or None to generate one.
+    """The client's request_id, or None to generate one. It names the request in every
+    log line of its request (pdserve/tracing.py RequestInLogs), so it holds printable
+    characters only (str.isprintable: no newline, tab, escape or other control or
+    separator character, which would forge or hide log lines).
 
     Raises:
-        InvalidRequestError: over MAX_REQUEST_ID_BYTES bytes of UTF-8."""
+        InvalidRequestError: over MAX_REQUEST_ID_BYTES bytes of UTF-8, or a character
+            that is not printable."""
     rid = req.request_id
     if len(rid) > MAX_REQUEST_ID_BYTES:     # as many bytes at least: refused uncopied
         raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes UTF-8, "
@@ -220,4 +224,8 @@ def request_id(req) -> str | None:
     if n > MAX_REQUEST_ID_BYTES:
         raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes UTF-8, "
                                                 f"got {n}")
+    if not rid.isprintable():
+        bad = next(c for c in rid if not c.isprintable())
+        raise InvalidRequestError("request_id", f"printable characters only, got {bad!r} "
+                                                f"at {rid.index(bad)}")
     return rid or None

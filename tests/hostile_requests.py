@@ -131,7 +131,8 @@ def generate_requests(vocab_size: int, max_model_len: int) -> st.SearchStrategy[
         st.sampled_from(["r" * MAX_REQUEST_ID_BYTES, "r" * (MAX_REQUEST_ID_BYTES + 1),
                          "😀" * (MAX_REQUEST_ID_BYTES // 4), "😀" * (MAX_REQUEST_ID_BYTES // 4 + 1),
                          "😀" * MAX_REQUEST_ID_BYTES, "é" * MAX_REQUEST_ID_BYTES, "#", "a#b",
-                         "\x00"]),
+                         "\x00", "r\nWARNING pdserve.router.attempt: forged", "\x1b[2J",
+                         "a\u2028b"]),
         repeated(st.integers(MAX_REQUEST_ID_BYTES // 4, 2 << 20)))
 
     @st.composite

@@ -116,6 +116,27 @@ def test_reserve_is_idempotent_per_request_id(pool):
     assert pool.all_free()
 
 
+def test_a_reserve_of_a_live_id_with_another_prompt_or_params_is_refused(pool):
+    """Two requests under one id never share a reservation (and so its KV): only the
+    same prompt and params reserve again (a retried prefill)."""
+    from pdserve.decode_worker.requests import ReservationConflictError
+
+    sched = make_sched(pool)
+    first = sched.reserve("a", 9, params(max_tokens=4), LEASE_S, prompt_token_ids=prompt(9))
+    free = pool.num_free
+    other = list(reversed(prompt(9)))
+    with pytest.raises(ReservationConflictError, match="'a' is reserved already"):
+        sched.reserve("a", 9, params(max_tokens=4), LEASE_S, prompt_token_ids=other)
+    with pytest.raises(ReservationConflictError):
+        sched.reserve("a", 9, params(max_tokens=4, temperature=0.5), LEASE_S,
+                      prompt_token_ids=prompt(9))
+    assert pool.num_free == free and sched.counts() == (0, 1)
+    assert sched.reserve("a", 9, params(max_tokens=4), LEASE_S,
+                         prompt_token_ids=prompt(9)) == first
+    finish_all(sched)
+    assert pool.all_free()
+
+
 def test_reserve_when_full_raises_and_takes_nothing(pool):
     sched = make_sched(pool)
     sched.reserve("big", 60, params(max_tokens=4), LEASE_S, prompt_token_ids=prompt(60))   # 15

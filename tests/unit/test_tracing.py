@@ -181,3 +181,25 @@ def test_a_clients_sampled_flag_is_followed_only_as_far_as_the_operator_allows()
         p.shutdown()
     with pytest.raises(ValueError, match="otlp_traces_client_sample_ratio"):
         RouterConfig(otlp_traces_client_sample_ratio=-0.1)
+
+
+def test_a_request_id_that_is_not_printable_is_escaped_in_log_lines():
+    import io
+    import logging
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter(tracing.LOG_FORMAT))
+    handler.addFilter(tracing.RequestInLogs())
+    log = logging.getLogger("pdserve.test-escaped-ids")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        tracing.set_log_request("r\nERROR pdserve.router: forged\x1b[2J")
+        log.warning("real")
+    finally:
+        tracing._log_request.set(None)
+        log.removeHandler(handler)
+    assert out.getvalue().splitlines() == [
+        "WARNING pdserve.test-escaped-ids [request r\\nERROR pdserve.router: "
+        "forged\\x1b[2J]: real"]

@@ -287,6 +287,17 @@ def test_request_id_limit_is_in_utf8_bytes():
                    "at most 128 bytes UTF-8", "got 132")
 
 
+def test_a_request_id_that_is_not_printable_is_refused():
+    """It names the request in every log line of the request: a newline in it would
+    forge a log line, an escape sequence rewrite a terminal."""
+    for rid in ("a\nWARNING pdserve.router: forged", "x\r", "\t", "\x1b[2J", "a\u2028b",
+                "\x00", "\x7f"):
+        expect_invalid(lambda: request_id(pb.GenerateRequest(request_id=rid)), "request_id",
+                       "printable characters only")
+    for rid in ("req-1 #2", "é😀", "a/b:c"):
+        assert request_id(pb.GenerateRequest(request_id=rid)) == rid
+
+
 def test_request_id_limit_fits_a_kv_frame():
     from pdserve.kv_transfer.base import MAX_REQUEST_ID_BYTES as KV_FRAME_LIMIT
 

@@ -21,8 +21,9 @@ pinned host memory.
 
 Each disk slot starts with a header naming the entry: its block hash, the fingerprint of
 model, dtype and KV layout (`fingerprint`), a sequence number (the LRU order across a
-restart) and the CRC32C of its bytes. A restarted worker reads the headers back and
-serves their hits; an entry whose checksum fails when loaded is dropped, never served.
+restart) and an HMAC of it all and its bytes, keyed from the cluster secret. A restarted
+worker reads the headers back and serves their hits; an entry whose MAC fails when
+loaded is dropped, never served.
 """
 
 from __future__ import annotations
@@ -118,8 +119,10 @@ class KVTiers:
     [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]; see the module
     docstring. host_gib: the host tier's size (GiB, > 0); disk_dir / disk_gib: the disk
     tier's directory and size (None / 0: no disk tier); name: the worker's, naming its
-    slab file (one per worker and fingerprint, so a restart finds its own). `notify`
-    wakes the step loop when a load or store finishes. store, lookup, load and poll are
+    slab file (one per worker and fingerprint, so a restart finds its own); key: the
+    disk entries' MAC key (kv_disk_tier.disk_key of the cluster secret; None: a random
+    one, so nothing is read back after a restart). `notify` wakes the step loop when a
+    load or store finishes. store, lookup, load and poll are
     called from the step thread. `pool` None: a tensor-parallel follower rank's tiers,
     whose blocks rank 0 holds and frees (store_exactly, take_finished; tp_tiers.py).
 
@@ -131,7 +134,8 @@ class KVTiers:
 
     def __init__(self, pool: BlockPool | None, kv_cache: torch.Tensor, fp: bytes, host_gib: float,
                  disk_dir: str | Path | None = None, disk_gib: float = 0.0,
-                 name: str = "worker", notify: Callable[[], None] | None = None):
+                 name: str = "worker", notify: Callable[[], None] | None = None,
+                 key: bytes | None = None):
         self.pool, self.kv_cache = pool, kv_cache
         shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
         self.block_bytes = block_view(kv_cache, 0).numel() * kv_cache.element_size()
@@ -151,7 +155,7 @@ class KVTiers:
             self.disk = DiskTier(Path(disk_dir), name, disk_blocks, self.block_bytes, fp,
                                  self.host.slab, self._lock,
                                  on_change=lambda stored, h: self._events.append(
-                                     ("disk", stored, h)))
+                                     ("disk", stored, h)), key=key)
         self.stats = TierStats()
         self._notify = notify or (lambda: None)
         self._pending: set[BlockHash] = set()   # queued to store

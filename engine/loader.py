@@ -106,19 +106,42 @@ def _content_key(path: str, size: int, mtime_ns: int) -> str:
     dir (`gguf-keys/`), so the processes of later starts read it."""
     stamp = (cache_dir() / "gguf-keys"
              / hashlib.sha256(f"{path}\0{size}\0{mtime_ns}".encode()).hexdigest()[:24])
+    return _kept(stamp, 12, lambda: _sha256_file(path)[:12])
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """The sha256 (64 hex digits) of the whole file at `path`, computed once per file
+    version and kept under the cache dir (`file-digests/`, keyed by the resolved path,
+    device, inode, size, mtime and ctime: a file written over in place, even to the
+    same size and with its mtime set back, has a new ctime). ~0.4 s a GB here."""
+    path = Path(path).resolve()
+    st = path.stat()
+    version = (f"{path}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0"
+               f"{st.st_ctime_ns}")
+    stamp = cache_dir() / "file-digests" / hashlib.sha256(version.encode()).hexdigest()[:32]
+    return _kept(stamp, 64, lambda: _sha256_file(str(path)))
+
+
+def _kept(stamp: Path, length: int, compute) -> str:
+    """The `length` characters kept in `stamp`, or compute()'s, then kept there for
+    later processes (a stamp of another length is computed again)."""
     try:
-        key = stamp.read_text()
-        if len(key) == 12:
-            return key
+        value = stamp.read_text()
+        if len(value) == length:
+            return value
     except OSError:
         pass
+    value = compute()
+    write_whole(stamp, value)
+    return value
+
+
+def _sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
-    key = h.hexdigest()[:12]
-    write_whole(stamp, key)
-    return key
+    return h.hexdigest()
 
 
 def write_whole(path: Path, text: str) -> None:

@@ -83,6 +83,13 @@ class ClusterStartError(RuntimeError):
     (e.g. a KV layout mismatch between a prefill and a decode worker)."""
 
 
+def kv_secret() -> str:
+    """The cluster secret of a start that was given none: $PDSERVE_KV_SECRET (kept across
+    starts, so the disk KV tier's entries are read by the next one too), else a new
+    random one per start."""
+    return os.environ.get("PDSERVE_KV_SECRET") or secrets.token_hex(32)
+
+
 class Cluster:
     def __init__(self, config: ClusterConfig):
         self.config = config
@@ -112,8 +119,9 @@ class Cluster:
 
         cfg = self.config
         if cfg.prefill.kv_secret is None and cfg.decode.kv_secret is None:
-            # KV ports pair only with peers proving this (kv_transfer/auth.py); one per start
-            secret = secrets.token_hex(32)
+            # KV ports pair only with peers proving this (kv_transfer/auth.py), and the
+            # disk KV tier's entries are keyed by it (engine/kv_disk_tier.py)
+            secret = kv_secret()
             cfg = replace(cfg, prefill=replace(cfg.prefill, kv_secret=secret),
                           decode=replace(cfg.decode, kv_secret=secret))
         if cfg.lends_idle_prefill_cores():

@@ -310,7 +310,10 @@ def serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-disk-cache-dir", default=None,
                    help="a disk KV tier in this directory under the host tier (with "
                         "--kv-disk-cache-gib): the host tier's oldest blocks move there, and a "
-                        "restarted worker serves its hits (needs pdserve[nixl])")
+                        "restarted worker serves its hits (needs pdserve[nixl]); made 0700, "
+                        "refused if another user owns it or others can write it; entries "
+                        "are keyed by the cluster secret ($PDSERVE_KV_SECRET keeps them "
+                        "across whole-cluster restarts)")
     s.add_argument("--kv-disk-cache-gib", type=float, default=None,
                    help="the disk KV tier's size in GiB")
     s.add_argument("--kv-pull", action="store_true", default=None,

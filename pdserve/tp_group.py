@@ -271,6 +271,7 @@ def worker_tiers(worker_id: str, config: WorkerConfig, runner, tp: TensorParalle
     """This rank's KV tiers under its cache (engine/kv_tiers.py): config's host and disk
     sizes split evenly over the tp.size ranks (each holds its KV heads of every entry);
     `pool`: rank 0's block pool, None on a follower rank. Raises what KVTiers raises."""
+    from .engine.kv_disk_tier import disk_key
     from .engine.kv_tiers import KVTiers, fingerprint
 
     model = runner.config
@@ -278,7 +279,7 @@ def worker_tiers(worker_id: str, config: WorkerConfig, runner, tp: TensorParalle
                      tp.kv_heads(model))
     return KVTiers(pool, runner.kv_cache, fp, config.kv_host_cache_gib / tp.size,
                    config.kv_disk_cache_dir, config.kv_disk_cache_gib / tp.size,
-                   name=worker_id, notify=notify)
+                   name=worker_id, notify=notify, key=disk_key(config.kv_secret))
 
 
 def model_config(model: str):

@@ -26,10 +26,14 @@ def cache() -> torch.Tensor:
     return torch.randn(LAYERS, 2, NUM_BLOCKS, HEADS, BS, HD)
 
 
-def tiers(pool, kv, host_blocks, disk_dir=None, disk_blocks=0, fp=None):
+KEY = b"k" * 32       # the disk entries' MAC key (kv_disk_tier.disk_key of a secret)
+
+
+def tiers(pool, kv, host_blocks, disk_dir=None, disk_blocks=0, fp=None, key=KEY, name="t"):
     from pdserve.engine.kv_disk_tier import HEADER_BYTES
     return KVTiers(pool, kv, fp or fingerprint("m", kv), host_blocks * BLOCK_BYTES / GIB,
-                   disk_dir, disk_blocks * (HEADER_BYTES + BLOCK_BYTES) / GIB, name="t")
+                   disk_dir, disk_blocks * (HEADER_BYTES + BLOCK_BYTES) / GIB, name=name,
+                   key=key)
 
 
 def test_host_tier_round_trip():
@@ -125,7 +129,7 @@ def test_a_damaged_disk_entry_is_dropped_not_served(tmp_path):
         hashes, [want] = stored(pool, [kv], t, 3, seed=7)      # 2 on disk, 1 in host
         slot = t.disk.index[hashes[1]]
         with open(t.disk.path, "r+b") as f:                # one byte of hashes[1]'s block
-            f.seek(slot * t.disk.stride + HEADER_BYTES + 100)
+            f.seek(t.disk.slot_offset(slot) + HEADER_BYTES + 100)
             b = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([b[0] ^ 0xFF]))

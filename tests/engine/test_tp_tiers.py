@@ -45,7 +45,8 @@ def rank_tiers(pool, kv, rank, host_blocks, disk_dir=None, disk_blocks=0) -> KVT
     from pdserve.engine.kv_disk_tier import HEADER_BYTES
     return KVTiers(pool, kv, fingerprint("m", kv, tp_rank=rank, tp_size=2, kv_heads=(rank,)),
                    host_blocks * BLOCK_BYTES / GIB, disk_dir,
-                   disk_blocks * (HEADER_BYTES + BLOCK_BYTES) / GIB, name="t")
+                   disk_blocks * (HEADER_BYTES + BLOCK_BYTES) / GIB, name="t",
+                   key=b"k" * 32)     # the same across a restart: entries read back
 
 
 def two_ranks(host_blocks=8, disk_dir=None, disk_blocks=0):

@@ -37,13 +37,14 @@ class PromptCache:
         self.cached_tokens = 0
         self.prefix_queries = self.prefix_hits = 0
 
-    def lookup(self, prompt: list[int], with_tiers: bool
+    def lookup(self, prompt: list[int], with_tiers: bool, salt: str = ""
                ) -> tuple[list[BlockHash], list[int], int, int]:
-        """(block hashes, pool blocks hit (each held once more), blocks looked up in the
-        pool, blocks a tier holds after the hit; 0 unless `with_tiers`)."""
+        """(block hashes (salted by the request's cache_salt), pool blocks hit (each held
+        once more), blocks looked up in the pool, blocks a tier holds after the hit; 0
+        unless `with_tiers`)."""
         if not self.enabled:
             return [], [], 0, 0
-        hashes = block_hashes(prompt, self.block_size)
+        hashes = block_hashes(prompt, self.block_size, salt)
         hit, looked_up = match_prompt_prefix(self.pool, hashes, len(prompt), self.block_size)
         tier_hit = (self.loads.lookup(hashes, len(hit), len(prompt))
                     if with_tiers and self.loads is not None else 0)

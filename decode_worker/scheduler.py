@@ -187,7 +187,7 @@ class DecodeScheduler:
         if total > self.pool.num_blocks:
             raise RequestTooLargeError(n, params.max_tokens, total, self.pool.num_blocks, bs)
         hashes, hit, looked_up, tier_hit = self.prompt_cache.lookup(
-            prompt, with_tiers=params.prompt_logprobs is None)
+            prompt, with_tiers=params.prompt_logprobs is None, salt=params.cache_salt)
         need = blocks_needed(n, bs) - len(hit)
         free = self.pool.num_free - self._batch.resume_blocks()
         if need > free:

@@ -44,14 +44,18 @@ class NoFreeBlocksError(RuntimeError):
         self.requested, self.free = requested, free
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[BlockHash]:
     """Chained hashes of the *full* blocks of `token_ids` (a trailing partial block has
     none): ``h[i] = blake2b(h[i-1] || tokens of block i as int64)``, 16 bytes, with
-    ``h[-1]`` empty. Equal lists of leading hashes mean equal token prefixes (up to a
-    2^-128 collision). Deterministic across processes, so workers and the router agree.
+    ``h[-1]`` empty, or with a `salt` (a request's cache_salt, vLLM's) a hash of it: a
+    salted prompt's blocks match only those of the same salt, from its first block on.
+    Equal lists of leading hashes mean equal token prefixes and salts (up to a 2^-128
+    collision). Deterministic across processes, so workers and the router agree.
     """
     tokens = np.asarray(token_ids, dtype=np.int64)
-    out, prev = [], b""
+    out = []
+    prev = (hashlib.blake2b(b"pdserve cache salt\0" + salt.encode(), digest_size=16).digest()
+            if salt else b"")
     for start in range(0, len(tokens) - block_size + 1, block_size):
         prev = hashlib.blake2b(prev + tokens[start:start + block_size].tobytes(),
                                digest_size=16).digest()

@@ -27,6 +27,9 @@ class InvalidRequestError(ValueError):
         self.field = field
 
 
+MAX_CACHE_SALT_BYTES = 256
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop (names and defaults as in vLLM's SamplingParams).
@@ -81,8 +84,15 @@ class SamplingParams:
     step_offset: int = 0     # tokens generated before this request moved here (the
                              # router's retry after a worker died); the sampler's step
                              # counts on from it, so seeded draws continue unchanged
+    cache_salt: str = ""     # GenerateRequest.cache_salt: not a sampling setting, it goes
+                             # with them to both workers, into the prompt's block hashes
+                             # (engine/block_pool.block_hashes); never logged
 
     def __post_init__(self):
+        if len(self.cache_salt) > MAX_CACHE_SALT_BYTES or len(
+                self.cache_salt.encode("utf-8", "surrogatepass")) > MAX_CACHE_SALT_BYTES:
+            raise InvalidRequestError("cache_salt", f"at most {MAX_CACHE_SALT_BYTES} bytes "
+                                                    "UTF-8")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError("sampling.max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:

@@ -13,10 +13,11 @@ from .proto import pdserve_pb2_grpc as pb_grpc
 
 def make_request(prompt: str | list[int] | list[dict] | None = None, *, request_id: str = "",
                  max_tokens: int | None = None, temperature: float | None = None,
-                 **sampling) -> pb.GenerateRequest:
+                 cache_salt: str = "", **sampling) -> pb.GenerateRequest:
     """Build a GenerateRequest: a str prompt is text, a list of ints token_ids, a list of
-    {"role", "content"} dicts chat messages. Other keywords go to SamplingParams."""
-    req = pb.GenerateRequest(request_id=request_id)
+    {"role", "content"} dicts chat messages; `cache_salt` salts its KV (GenerateRequest).
+    Other keywords go to SamplingParams."""
+    req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):

@@ -70,7 +70,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
                                   "slo_tpot_ms", "tls_cert_file", "tls_key_file",
                                   "tls_client_ca_file", "api_key", "admin_api_key",
                                   "max_workers", "max_request_bytes", "request_timeout_s",
-                                  "max_migrations", "http_port",
+                                  "max_migrations", "http_port", "cache_salt_from_user",
                                   "max_prefill_queue_tokens", "rebalance_on_scale_up",
                                   "local_prefill_when_prefill_idle",
                                   "stream_stall_timeout_s")
@@ -349,4 +349,9 @@ def serve_flags(s: argparse.ArgumentParser) -> None:
                    help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
                         "/v1/chat/completions, /v1/models, /health) on --host at this port "
                         "(0: a free one), with the same TLS, api key and limits (default: off)")
+    s.add_argument("--cache-salt-from-user", action="store_true", default=None,
+                   help="the OpenAI API's `user` field salts a request's KV when it sends no "
+                        "cache_salt (vLLM's field): requests share prefix cache, KV tiers "
+                        "and pulls only with the same user's, so one user cannot probe "
+                        "another's prompts through cache hits (docs/security.md; default off)")
     s.add_argument("--log-level", default="WARNING")

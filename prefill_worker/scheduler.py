@@ -168,7 +168,8 @@ class PrefillScheduler:
         hit, looked_up, tier_hit, pull = [], 0, 0, 0
         if self.enable_prefix_caching and req.params.prompt_logprobs is None:
             if req.block_hashes is None:
-                req.block_hashes = block_hashes(req.prompt_token_ids, bs)
+                req.block_hashes = block_hashes(req.prompt_token_ids, bs,
+                                                req.params.cache_salt)
             hit, looked_up = match_prompt_prefix(self.pool, req.block_hashes, n, bs)
             if self.loads is not None:   # the rest of the lookup, never the last block
                 tier_hit = self.loads.lookup(req.block_hashes, len(hit), n)

@@ -204,7 +204,7 @@ class Attempt:
         if placement.config.prefill.kv_pull:
             source = held.d.handle
             peer, peer_blocks = placement.prefill_router.pull_peer(
-                [w for w in placement.prefill if w.alive], p, self.ids)
+                [w for w in placement.prefill if w.alive], p, self.ids, self.params.cache_salt)
         try:
             first: PrefillResult = await asyncio.wait_for(
                 p.handle.prefill.remote(PrefillOrder(

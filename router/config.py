@@ -112,6 +112,9 @@ class RouterConfig:
                                      # traceparent says sampled: 1.0 follows the client, as
                                      # OpenTelemetry's ParentBased sampler; lower it so a
                                      # client cannot force tracing (pdserve/trace_export.py)
+    cache_salt_from_user: bool = False  # the OpenAI API's `user` field salts the prompt's
+                                     # KV (as cache_salt) when the request has no cache_salt:
+                                     # users share prefix cache only with themselves
     # Security of the gRPC front (router/security.py). Paths are read where the router
     # runs, when it builds its server, so they are checked there, not here.
     tls_cert_file: str | None = None  # PEM server certificate (chain); with tls_key_file

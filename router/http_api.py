@@ -196,7 +196,8 @@ async def _complete(router, request: Request, body, chat: bool) -> Response:
     created, model = int(time.time()), router.model_name
     tokenizer = getattr(router, "tokenizer", None)   # decodes an echoed token-id prompt
     # No client deadline over HTTP: the router bounds it with request_timeout_s.
-    stream = metered_generate(router, lambda: oai.to_request(body, rid), None,
+    salt_from_user = router.config.router.cache_salt_from_user
+    stream = metered_generate(router, lambda: oai.to_request(body, rid, salt_from_user), None,
                               tracing.trace_headers(request.headers.items()))
     try:
         if body.stream:

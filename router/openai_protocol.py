@@ -67,7 +67,9 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    user: str | None = None         # accepted and ignored (OpenAI: abuse monitoring)
+    user: str | None = None         # OpenAI's end-user id: ignored, unless the router maps
+                                    # it to the cache salt (cache_salt_from_user)
+    cache_salt: str | None = None   # extension (vLLM): GenerateRequest.cache_salt
 
 
 class CompletionRequest(_Common):
@@ -106,8 +108,9 @@ _UNSERVED = {
 
 
 def to_request(body: CompletionRequest | ChatCompletionRequest,
-               request_id: str) -> pb.GenerateRequest:
-    """The GenerateRequest that `body` asks for.
+               request_id: str, salt_from_user: bool = False) -> pb.GenerateRequest:
+    """The GenerateRequest that `body` asks for; its cache_salt is body.cache_salt, or
+    with `salt_from_user` (RouterConfig.cache_salt_from_user) the body's `user`.
 
     Raises:
         InvalidRequestError: a parameter pdserve does not serve, or a value the proto
@@ -119,6 +122,10 @@ def to_request(body: CompletionRequest | ChatCompletionRequest,
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options", "only allowed when stream is true")
     req = pb.GenerateRequest(request_id=request_id)
+    salt = body.cache_salt if body.cache_salt is not None else (
+        body.user if salt_from_user else None)
+    if salt:
+        req.cache_salt = salt
     if isinstance(body, ChatCompletionRequest):
         _set_messages(req, body.messages)
     else:

@@ -213,14 +213,14 @@ class Placement:
             rc = self.config.router
             order = decode_order(live, self.decode_index, ids, self.config.decode.block_size,
                                  rc.cache_threshold, rc.balance_abs_threshold,
-                                 rc.balance_rel_threshold)
+                                 rc.balance_rel_threshold, params.cache_salt)
             refusals = 0
             for d in order.workers:
                 # choose and charge with no await in between
                 # prompt logprobs come from a prefill worker's pass over the whole prompt
                 local = params.prompt_logprobs is None and self.prefill_on_decode(d, prompt_len)
                 p, p_cached = (None, 0) if local else self.prefill_router.pick(
-                    [w for w in live_p if w.available] or live_p, ids)
+                    [w for w in live_p if w.available] or live_p, ids, params.cache_salt)
                 held = Reservation(d, p, prompt_len, num_samples, self.room,
                                    lent=self.lends_to(d))
                 held.by_cache = order.cached_blocks is not None and d is order.workers[0]

@@ -70,7 +70,7 @@ class DecodeOrder:
 def decode_order(workers: Sequence[DecodeTarget], index: PrefixIndex | None = None,
                  token_ids: Sequence[int] = (), block_size: int = 16,
                  cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5) -> DecodeOrder:
+                 balance_rel_threshold: float = 1.5, salt: str = "") -> DecodeOrder:
     """`workers`, best first for a prompt's reservation: by fewest streams, then most
     free blocks (least_loaded); with `index` (cache_aware, a mirror of the decode
     workers' prefix caches and tiers) SGLang's cache-aware rule (sgl-model-gateway
@@ -85,7 +85,7 @@ def decode_order(workers: Sequence[DecodeTarget], index: PrefixIndex | None = No
     fewest, most = by_load[0].total_streams, max(w.total_streams for w in by_load)
     if most - fewest > balance_abs_threshold and most > fewest * balance_rel_threshold:
         return DecodeOrder(by_load)
-    hashes = block_hashes(token_ids, block_size)
+    hashes = block_hashes(token_ids, block_size, salt)     # the request's cache_salt
     if not hashes:
         return DecodeOrder(by_load)
     runs = [sum(index.matched(w.worker_id, hashes)) for w in by_load]
@@ -207,21 +207,22 @@ class PrefillRouter:
                    rc.kv_host_load_cost, rc.kv_disk_load_cost,
                    rc.kv_pull_load_cost if config.prefill.kv_pull else None)
 
-    def _hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
-        """The hashes of a prompt's full blocks but the one of its last token."""
+    def _hashes(self, token_ids: Sequence[int], salt: str) -> list[BlockHash]:
+        """The hashes of a prompt's full blocks but the one of its last token, salted
+        with its cache_salt."""
         bs = self.block_size
-        return block_hashes(token_ids[: (len(token_ids) - 1) // bs * bs], bs)
+        return block_hashes(token_ids[: (len(token_ids) - 1) // bs * bs], bs, salt)
 
-    def pick(self, workers: Sequence[PrefillTarget], token_ids: Sequence[int]
-             ) -> tuple[PrefillTarget, int]:
+    def pick(self, workers: Sequence[PrefillTarget], token_ids: Sequence[int],
+             salt: str = "") -> tuple[PrefillTarget, int]:
         """(worker, prompt tokens it is expected to find in its prefix cache or tiers, or
-        to read from another prefill worker's cache) for a prompt."""
+        to read from another prefill worker's cache) for a prompt of cache_salt `salt`."""
         if self.policy == "round_robin":
             return workers[next(self._turn) % len(workers)], 0
         if self.policy == "least_loaded":
             return min(workers, key=lambda w: w.total_queued_tokens), 0
         n, bs = len(token_ids), self.block_size
-        hashes = self._hashes(token_ids)
+        hashes = self._hashes(token_ids, salt)
         matched = [self.index.matched(w.worker_id, hashes) for w in workers]
         best = None
         for i, (w, (pool, host, disk)) in enumerate(zip(workers, matched)):
@@ -243,15 +244,16 @@ class PrefillRouter:
         return best[1], best[2]
 
     def pull_peer(self, workers: Sequence[PrefillTarget], chosen: PrefillTarget,
-                  token_ids: Sequence[int]) -> tuple[PrefillTarget | None, int]:
+                  token_ids: Sequence[int], salt: str = ""
+                  ) -> tuple[PrefillTarget | None, int]:
         """(the worker of `workers`, other than `chosen`, whose prefix cache and KV tiers
         hold the longest run of the prompt's leading full blocks (never its last
         token's), that run in blocks) when the run is longer than what `chosen` holds in
         its cache and tiers; else (None, 0). `chosen` may read those blocks from it
         (kv_pull), as PrefillOrder.kv_peer and peer_blocks; the peer loads the run's
         tier blocks into its pool first. From the mirror, so a guess: the peer sends
-        nothing when it lost any of them since."""
-        hashes = self._hashes(token_ids)
+        nothing when it lost any of them since. `salt`: the prompt's cache_salt."""
+        hashes = self._hashes(token_ids, salt)
         best, run = None, sum(self.index.matched(chosen.worker_id, hashes))
         for w in workers:
             if w is not chosen and (n := sum(self.index.matched(w.worker_id, hashes))) > run:

@@ -160,7 +160,7 @@ def sampling_params(req, prompt_len: int, max_model_len: int,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         structured_outputs=_structured(s, check_grammar),
         n=s.n if s.HasField("n") else 1, best_of=s.best_of if s.HasField("best_of") else None,
-        **floats)
+        cache_salt=req.cache_salt, **floats)
 
 
 def _structured(s, check_grammar: bool) -> StructuredOutput | None:

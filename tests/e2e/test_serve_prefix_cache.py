@@ -82,3 +82,32 @@ def test_repeated_system_prompt_computes_only_the_suffix():
         assert after.prefix_cache_blocks >= cached // BLOCK_SIZE
     finally:
         served.stop()
+
+
+def test_prompts_of_different_cache_salts_share_no_block():
+    """vLLM's cache_salt: the same prompt under salt "b" after salt "a" finds nothing in
+    either worker's prefix cache (its every token computed again, no block of D's shared),
+    under "a" again finds "a"'s blocks; each answer is HF's."""
+    start_ray()
+    served = Served(prefill_blocks=256, local_prefill_max_tokens=0)
+    prompt = [100 + (i * 7919) % 40000 for i in range(200)]
+    cached = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE      # never the last token's block
+    try:
+        def counters():
+            p = _prefill_counters(served)
+            [d] = served.decode_status()
+            return p.prefill_tokens_computed, p.prefix_cache_hit_tokens, d.prefix_cache_hit_tokens
+
+        want = hf_greedy("default", prompt, MAX_TOKENS)
+        seen = [counters()]
+        for salt in ("a", "b", "a"):
+            got, _, _ = served.generate(prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                        cache_salt=salt)
+            assert got == want, salt
+            seen.append(counters())
+        (c0, p0, d0), (c1, p1, d1), (c2, p2, d2), (c3, p3, d3) = seen
+        assert c1 - c0 == len(prompt) and c2 - c1 == len(prompt), seen   # "b" shares nothing
+        assert (p2 - p1, d2 - d1) == (0, 0), seen
+        assert c3 - c2 == len(prompt) - cached and p3 - p2 == cached, seen   # "a" again: hit
+    finally:
+        served.stop()

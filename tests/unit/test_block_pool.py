@@ -180,3 +180,25 @@ def test_concurrent_allocate_incref_free_smoke():
     assert not errors, errors[0]
     assert pool.num_free == num_blocks
     assert pool.all_free()
+
+
+def test_a_cache_salt_changes_every_hash_from_the_first_block():
+    """block_hashes' salt (a request's cache_salt): unsalted hashes are as they were,
+    salted ones share nothing with them or with another salt's, from block 0 on."""
+    import hashlib
+
+    import numpy as np
+
+    from pdserve.engine.block_pool import block_hashes
+
+    tokens = list(range(100, 164))
+    plain = block_hashes(tokens, 16)
+    prev, want = b"", []
+    for i in range(4):
+        prev = hashlib.blake2b(prev + np.asarray(tokens[16 * i:16 * i + 16], np.int64).tobytes(),
+                               digest_size=16).digest()
+        want.append(prev)
+    assert plain == want == block_hashes(tokens, 16, "")
+    a, b = block_hashes(tokens, 16, "a"), block_hashes(tokens, 16, "b")
+    assert a == block_hashes(tokens, 16, "a") and len(a) == 4
+    assert not set(a) & set(plain) and not set(a) & set(b)

@@ -126,6 +126,22 @@ def test_completion_request_fields(router):
         == (7, 0.0, 0.5, 4, 9, ["\n"], True)
 
 
+def test_cache_salt_and_the_user_field_mapped_to_it_on_request(router):
+    """vLLM's cache_salt reaches the request; OpenAI's `user` salts it only with
+    cache_salt_from_user, and an explicit cache_salt wins."""
+    bodies = ({"prompt": "Hi", "user": "u1"}, {"prompt": "Hi", "cache_salt": "s"},
+              {"prompt": "Hi", "cache_salt": "s", "user": "u1"})
+    for body in bodies:
+        assert client(router).post("/v1/completions", json=body).status_code == 200
+    assert [r.cache_salt for r, _ in router.requests] == ["", "s", "s"]
+    mapped = FakeRouter(cache_salt_from_user=True)
+    for body in bodies + ({"messages": [{"role": "user", "content": "x"}], "user": "u2"},):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        assert client(mapped).post(path, json=body).status_code == 200
+    assert [r.cache_salt for r, _ in mapped.requests] == ["u1", "s", "s", "u2"]
+    assert mapped.all_closed()
+
+
 @pytest.mark.parametrize("prompt, field, value", [
     ([1, 2, 3], "token_ids", [1, 2, 3]),
     (["one prompt"], "text", "one prompt"),

@@ -45,6 +45,26 @@ def test_kv_aware_prefers_the_worker_holding_the_prefix():
     assert r.pick([a, b], [7] * 20)[0] is b
 
 
+def test_a_salted_prompt_matches_only_blocks_of_its_salt():
+    """The mirror holds "b"'s unsalted prefix and "a"'s salted one: a prompt under salt
+    "s" is cached on "a" only, unsalted on "b" only, under another salt on neither."""
+    r = PrefillRouter("kv_aware", BS)
+    a, b = W("a"), W("b")
+    prefix = list(range(100, 140))
+    holding(r, "b", prefix)
+    pool = BlockPool(64)
+    hashes = block_hashes(prefix, BS, "s")
+    pool.cache_blocks(pool.allocate(len(hashes)), hashes)
+    seq, events, _ = pool.cache_events(0)
+    r.index.apply("a", CacheEvents(0, seq, events=events))
+    assert r.pick([a, b], prefix + [1], "s") == (a, 40)
+    assert r.pick([a, b], prefix + [1]) == (b, 40)
+    assert r.pick([a, b], prefix + [1], "t")[1] == 0
+    assert r.pull_peer([a, b], b, prefix + [1], "s") == (a, 10)
+    order = decode_order([D("b"), D("a")], r.index, prefix + [1], BS, salt="s")
+    assert [w.worker_id for w in order.workers] == ["a", "b"] and order.cached_blocks == 10
+
+
 def test_load_weight_zero_ignores_queues_and_other_policies():
     r = PrefillRouter("kv_aware", BS, load_weight=0.0)
     a, b = W("a"), W("b", total_queued_tokens=10**6)

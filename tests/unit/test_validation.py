@@ -305,3 +305,12 @@ def test_request_id_limit_fits_a_kv_frame():
 
     longest = attempt_id("r" * validation.MAX_REQUEST_ID_BYTES, 999) + "/99999"  # a sample's
     assert len(longest.encode()) <= KV_FRAME_LIMIT
+
+
+def test_cache_salt_goes_with_the_sampling_params_and_is_bounded():
+    req = pb.GenerateRequest(cache_salt="s3cr3t")
+    assert sampling_params(req, 10, 100).cache_salt == "s3cr3t"
+    assert sampling_params(pb.GenerateRequest(), 10, 100).cache_salt == ""
+    assert sampling_params(req, 10, 100).sample(1).cache_salt == "s3cr3t"   # n > 1
+    expect_invalid(lambda: sampling_params(pb.GenerateRequest(cache_salt="x" * 257), 10, 100),
+                   "cache_salt", "at most 256 bytes")

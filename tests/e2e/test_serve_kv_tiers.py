@@ -229,7 +229,8 @@ def test_a_next_turn_reads_the_history_from_the_prefill_worker_that_computed_it(
         served.stop()
 
 
-def test_tensor_parallel_workers_keep_their_kv_heads_in_their_own_tiers(tmp_path):
+def test_tensor_parallel_workers_keep_their_kv_heads_in_their_own_tiers(tmp_path,
+                                                                       monkeypatch):
     """Workers of two ranks (tiny Llama, 2 KV heads: one per rank), each rank with its
     own host tier and disk slab (engine/tp_tiers.py), sized as the first test's in
     blocks. A prefill worker of two ranks computes a, b, c, its pool evicting a's
@@ -241,6 +242,8 @@ def test_tensor_parallel_workers_keep_their_kv_heads_in_their_own_tiers(tmp_path
     from tiny_models import tiny_model_dir
 
     start_ray()
+    # two cluster starts: one secret for both (the disk entries' MAC key comes from it)
+    monkeypatch.setenv("PDSERVE_KV_SECRET", "kept-across-starts")
     model = str(tiny_model_dir("llama"))
     block_bytes = 3 * 2 * 2 * BLOCK * 16 * 4        # 3 layers, K/V, 2 KV heads, 16 dims
     p_tiers = dict(kv_host_cache_gib=10 * block_bytes / GIB,
@@ -336,12 +339,13 @@ def test_a_prefill_worker_of_two_ranks_pulls_the_history_from_a_decode_worker_of
 
 
 def _damage_every_slot(directory) -> None:
-    """One byte flipped in every slot's block bytes, every slab file in `directory`."""
+    """One byte flipped in every slot's block bytes, every slab file in `directory`
+    (a 4 KiB file header, then slots of a 4 KiB header and the block)."""
     for f in directory.iterdir():
         stride = 4096 + -(-BLOCK_BYTES // 4096) * 4096
         with open(f, "r+b") as w:
-            for slot in range(f.stat().st_size // stride):
-                w.seek(slot * stride + 4096 + 7)
+            for slot in range((f.stat().st_size - 4096) // stride):
+                w.seek(4096 + slot * stride + 4096 + 7)
                 byte = w.read(1)
                 w.seek(-1, 1)
                 w.write(bytes([byte[0] ^ 0x5A]))

@@ -253,10 +253,13 @@ class KVReceiver(ABC):
         ValueError for bad ids or a re-expect with other blocks."""
         self._table.expect(request_id, dst_block_ids)
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, lease_timeout_s: float | None = None) -> None:
         """Drop a reservation (or a finished record); later frames are discarded.
         Never blocks: get_finished() lists the request as released once no write into
-        its blocks is in flight; only then may D hand those blocks to another request."""
+        its blocks is in flight; only then may D hand those blocks to another request.
+        `lease_timeout_s`: a one-sided writer's lease on it (NIXL) ends at the latest
+        that long from now, its connection closed (a pull's writer sends nothing past
+        the pull's own expiry: KVPullOrder.timeout_s); None: when the writer ends it."""
         self._table.forget(request_id)
 
     def get_finished(self) -> KVFinished:

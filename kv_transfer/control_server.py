@@ -41,7 +41,7 @@ from .base import KVAuthError, KVFrameError, KVLayout, KVLayoutMismatch, KVTrans
 from .frames import FrameHeader, FrameType
 from .reservations import ReservationTable
 from .tcp_conn import PairedConnection
-from .tcp_sender import set_nodelay
+from .tcp_sender import tune_socket
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +186,17 @@ class ControlServer:
                 s.close()
         self.table.fail_all("KV receiver closed")
 
+    def drop_connection(self, conn_id: int) -> None:
+        """End paired connection `conn_id` (its thread sees it closed and the handler
+        is told, connection_lost); nothing if it is gone already."""
+        with self._lock:
+            sock = self._conns.get(conn_id)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError as e:
+                logger.debug("shutdown of KV connection %d: %s", conn_id, e)
+
     # ---- threads -------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
@@ -319,7 +330,7 @@ class ControlServer:
         why = "peer closed the connection"
         try:
             sock.setblocking(True)
-            set_nodelay(sock)
+            tune_socket(sock)
             PairedConnection(self, sock, conn_id).serve(*opening)
         except (KVLayoutMismatch, KVAuthError) as e:
             why = str(e)

@@ -67,6 +67,7 @@ class NixlKVReceiver(KVReceiver):
         # (rid, conn id) -> (DONE, deadline): waiting for that writer's notifications
         self._pending_done: dict[tuple[str, int], tuple[FrameHeader, float]] = {}
         self._lost: list[tuple[float, Reservation]] = []  # (release time, lease to end)
+        self._expiring: list[tuple[float, str]] = []  # (when, rid): forget's lease_timeout_s
         self.num_writes = 0   # notifications of one-sided writes taken (poll thread)
         self._poller = threading.Thread(target=self._poll_loop, daemon=True)
 
@@ -171,6 +172,13 @@ class NixlKVReceiver(KVReceiver):
             self._lost += [(release_at, res) for res in leases.values()]
         self._table.connection_lost(conn_id, why)
 
+    def forget(self, request_id: str, lease_timeout_s: float | None = None) -> None:
+        super().forget(request_id)
+        if lease_timeout_s is not None:
+            with self._nlock:
+                if any(request_id in leases for leases in self._writers.values()):
+                    self._expiring.append((time.monotonic() + lease_timeout_s, request_id))
+
     def _end_lease(self, conn_id: int, request_id: str) -> None:
         with self._nlock:
             res = self._writers.get(conn_id, {}).pop(request_id, None)
@@ -203,8 +211,16 @@ class NixlKVReceiver(KVReceiver):
             pending = list(self._pending_done.items())
             due = [res for t, res in self._lost if t <= now]
             self._lost = [(t, res) for t, res in self._lost if t > now]
+            expired = [(conn_id, rid) for t, rid in self._expiring if t <= now
+                       for conn_id, leases in self._writers.items() if rid in leases]
+            self._expiring = [(t, rid) for t, rid in self._expiring if t > now]
         for res in due:
             self._table.end_writer(res)
+        for conn_id, rid in expired:     # a writer past its own expiry: frozen or gone
+            logger.warning("NIXL lease of %s expired with its writer silent: released, "
+                           "the writer's connection closed", rid)
+            self._end_lease(conn_id, rid)
+            self._control.drop_connection(conn_id)
         for (rid, conn_id), (h, deadline) in pending:
             res = self._table.lookup(rid, h.epoch, "DONE")
             if res is None or res.writes_by_conn.get(conn_id, 0) >= h.num_blocks or now > deadline:

@@ -41,9 +41,22 @@ from .frames import FrameType
 logger = logging.getLogger(__name__)
 
 
-def set_nodelay(sock: socket.socket) -> None:
-    # Frames are written header-then-payload; Nagle would hold the small header back.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """A paired KV connection's options, both sides: TCP_NODELAY (frames are written
+    header then payload; Nagle would hold the small header back) and TCP keepalive, so
+    a peer whose host vanished (no FIN, no RST) is seen gone within ~25 s of silence
+    (KEEPALIVE_IDLE_S + KEEPALIVE_PROBES x KEEPALIVE_INTERVAL_S) and the leases and
+    reservations it held are released (a frozen peer's kernel still answers probes: a
+    pull's lease also ends with its own expiry, NixlKVReceiver.forget)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                       ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+        if hasattr(socket, opt):          # Linux; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
 
 @dataclass(eq=False)
@@ -246,7 +259,7 @@ class TcpKVSender(KVSender):
     def _connect(self, conn: _SendConn, addr: tuple[str, int]) -> None:
         sock = socket.create_connection(addr, timeout=self.connect_timeout_s)
         conn.sock = sock  # set first so _drop closes it if the handshake fails
-        set_nodelay(sock)
+        tune_socket(sock)
         sock.settimeout(self.io_timeout_s)
         nonce_d = self._read_frame(sock, FrameType.CHALLENGE)[1]
         nonce_p = auth.new_nonce()

@@ -59,12 +59,12 @@ class RankReceiver:
             return                                  # its forget came first
         self.receiver.expect(request_id, block_ids)
 
-    def kv_forget(self, request_id: str, seq: int) -> None:
+    def kv_forget(self, request_id: str, seq: int, lease_timeout_s: float | None = None) -> None:
         self._forgotten[request_id] = seq
         self._forgotten.move_to_end(request_id)
         while len(self._forgotten) > _FORGOTTEN_KEPT:
             self._forgotten.popitem(last=False)
-        self.receiver.forget(request_id)
+        self.receiver.forget(request_id, lease_timeout_s)
 
     def kv_poll(self) -> KVFinished:
         return self.receiver.get_finished()
@@ -141,14 +141,14 @@ class TPReceiver:
                                    for r in self.ranks))
         return request_id in self._seqs
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, lease_timeout_s: float | None = None) -> None:
         self._expects.pop(request_id, None)
         seq = self._seqs.pop(request_id, self._seq)
         self._waiting.discard(request_id)
         self._releasing.add(request_id)
-        self.receiver.forget(request_id)
+        self.receiver.forget(request_id, lease_timeout_s)
         for r in self.ranks:      # its release comes back by the poll
-            getattr(r, f"{self.prefix}_forget").remote(request_id, seq)
+            getattr(r, f"{self.prefix}_forget").remote(request_id, seq, lease_timeout_s)
 
     def get_finished(self) -> KVFinished:
         news = [self.receiver.get_finished()]

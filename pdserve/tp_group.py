@@ -185,8 +185,8 @@ class TPRank:
     def kv_expect(self, request_id: str, block_ids: list[int], seq: int) -> None:
         self.handler.kv_expect(request_id, block_ids, seq)
 
-    def kv_forget(self, request_id: str, seq: int) -> None:
-        self.handler.kv_forget(request_id, seq)
+    def kv_forget(self, request_id: str, seq: int, lease_timeout_s: float | None = None) -> None:
+        self.handler.kv_forget(request_id, seq, lease_timeout_s)
 
     def pull_address(self) -> tuple[str, int]:
         """A prefill rank's pull receiver (kv_pull)."""
@@ -195,8 +195,9 @@ class TPRank:
     def pull_expect(self, request_id: str, block_ids: list[int], seq: int) -> None:
         self.pull.kv_expect(request_id, block_ids, seq)
 
-    def pull_forget(self, request_id: str, seq: int) -> None:
-        self.pull.kv_forget(request_id, seq)
+    def pull_forget(self, request_id: str, seq: int, lease_timeout_s: float | None = None
+                    ) -> None:
+        self.pull.kv_forget(request_id, seq, lease_timeout_s)
 
     @ray.method(concurrency_group="kv_pull")
     def send_held_kv(self, order, blocks: list[int], expires: float | None = None) -> int:

@@ -212,7 +212,7 @@ class KVPulls:
                 self.cost.observe_pull(p.count * self.block_bytes,
                                        min(now, p.answered or now) - p.started)
                 out.append((p.req, end))
-            self.receiver.forget(c.request_id)
+            self.receiver.forget(c.request_id, lease_timeout_s=self.timeout_s)
         for pull_id, p in list(self._pulling.items()):       # still in flight
             overdue = now - p.started > self.timeout_s
             if overdue:
@@ -228,7 +228,10 @@ class KVPulls:
     def _give_up(self, pull_id: str) -> None:
         self._forgotten[pull_id] = self._pulling.pop(pull_id)
         self.num_failed += 1
-        self.receiver.forget(pull_id)
+        # the holder sends nothing past the pull's expiry (its send started after ours,
+        # so timeout_s more is a bound): a writer's lease still held then (a holder that
+        # froze or vanished after BEGIN) ends, so these blocks are not held for good
+        self.receiver.forget(pull_id, lease_timeout_s=self.timeout_s)
 
     def __contains__(self, request_id: str) -> bool:
         return f"{request_id}/pull" in self._pulling or f"{request_id}/pull" in self._forgotten

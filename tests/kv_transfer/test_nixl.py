@@ -48,6 +48,29 @@ def test_forgotten_request_keeps_its_blocks_until_the_writer_ends(env, end, monk
     assert done.ids() == []                           # forget() never reports a completion
 
 
+def test_a_lease_whose_writer_falls_silent_ends_with_the_forgets_timeout(env):
+    """A writer that BEGINs and then falls silent, its connection open (a holder frozen
+    or gone without a FIN: a pull): forget(lease_timeout_s) releases the blocks then, and
+    closes that writer's connection. Both ends of a paired connection keep TCP alive."""
+    import socket as socket_mod
+
+    src, dst = make_cache(8, seed=1), make_cache(10, seed=2)
+    rx, addr, done = env.receiver(dst)
+    tx = env.sender(src)
+    rx.expect("r", DST_IDS)
+    tx.send_layers(addr, "r", EPOCH, 0, 1, SRC_IDS)   # BEGIN: a lease on the blocks
+    [conn] = list(rx._control._conns.values())
+    assert conn.getsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_KEEPALIVE) == 1
+    rx.forget("r", lease_timeout_s=0.5)
+    assert not done.released_within("r", 0.3)         # the writer may still write
+    assert done.released_within("r", TIMEOUT_S)       # then not: released
+    deadline = time.monotonic() + TIMEOUT_S
+    while rx._control._conns:                         # its connection closed
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert done.ids() == []
+
+
 def test_done_waits_for_the_notifications_of_every_write(env, monkeypatch):
     """A DONE on the control connection can overtake the notifications of P's last
     WRITEs: D counts them against the DONE's write count before judging the request."""

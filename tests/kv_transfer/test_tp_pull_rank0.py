@@ -84,7 +84,7 @@ class PullRank:
     def __init__(self, error: Exception | None = None):
         self.error, self.expected = error, []
         self.pull_expect = SimpleNamespace(remote=self._expect)
-        self.pull_forget = SimpleNamespace(remote=lambda rid, seq: None)
+        self.pull_forget = SimpleNamespace(remote=lambda rid, seq, lease_timeout_s=None: None)
 
     def _expect(self, rid, blocks, seq):
         async def expect():
@@ -100,7 +100,7 @@ class Own:
     def expect(self, rid, blocks):
         pass
 
-    def forget(self, rid):
+    def forget(self, rid, lease_timeout_s=None):
         pass
 
 

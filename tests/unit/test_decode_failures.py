@@ -143,7 +143,7 @@ class ScriptedReceiver:
     def expect(self, rid, block_ids):
         self.expected.append((rid, list(block_ids), self.lock is not None and self.lock.locked()))
 
-    def forget(self, rid):
+    def forget(self, rid, lease_timeout_s=None):
         self.forgotten.append(rid)
 
     def get_finished(self):

@@ -67,6 +67,10 @@ class FakeD:
         addr, pid = order.kv_address, order.pull_id
         if self.serve is None:
             return                                           # never answers
+        if self.serve == "silent":                           # begins, then freezes
+            blocks = D_BLOCKS[order.first_block:order.first_block + order.num_blocks]
+            self.sender.send_layers(addr, pid, order.epoch, 0, 1, blocks)
+            return
         if self.serve == "zero":
             answer.set_result(0)                             # sends nothing, says so
             return
@@ -175,6 +179,24 @@ def test_a_pull_that_fails_leaves_the_prefix_to_compute(pull, serve):
         req = request(d)
         sched.add(req)
         out = until_rows(sched, timeout_s=5.0)
+        assert out.requests == (req,) and req.num_computed_tokens == 0
+        assert pulls.num_failed == 1 and pulls.pulled_blocks == 0
+        compute_rest(sched, req, out)
+    finally:
+        d.close()
+
+
+def test_a_holder_that_freezes_mid_pull_holds_the_pullers_blocks_no_longer_than_its_expiry(pull):
+    """D sends its first layer (over NIXL: BEGIN, a lease on P's blocks) and then falls
+    silent, its connection open: the pull is given up after timeout_s, and its blocks
+    come back (the lease ends) timeout_s later at the latest: the prompt computes them."""
+    pool, sched, pulls, kind = pull
+    d = FakeD(kind, "silent")
+    pulls.ask, pulls.timeout_s = d.ask, 0.3
+    try:
+        req = request(d)
+        sched.add(req)
+        out = until_rows(sched, timeout_s=3.0)
         assert out.requests == (req,) and req.num_computed_tokens == 0
         assert pulls.num_failed == 1 and pulls.pulled_blocks == 0
         compute_rest(sched, req, out)

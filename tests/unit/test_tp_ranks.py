@@ -139,7 +139,7 @@ class FakeReceiver:
     def expect(self, rid, blocks):
         self.expected.append(rid)
 
-    def forget(self, rid):
+    def forget(self, rid, lease_timeout_s=None):
         self.forgotten.append(rid)
 
     def get_finished(self):
@@ -191,7 +191,7 @@ def test_tp_receiver_reports_once_every_rank_is_in():
     assert rx.get_finished().completions == [ok("a", 5)]            # rank 0's token
     assert not rx.wants_poll
     rx.forget("a")
-    assert rank1.calls[-1] == ("forget", ("a", 1)) and rx.wants_poll
+    assert rank1.calls[-1] == ("forget", ("a", 1, None)) and rx.wants_poll
     leader.answers = [KVFinished([], ["a"])]
     assert rx.get_finished().released == []         # rank 0 has not released yet
     own.news = KVFinished([], ["a"])

@@ -12,180 +12,62 @@ it and is dropped, never served. The header is written after the bytes, and clea
 before a slot is reused, so a write cut short leaves no entry or one that fails its
 check.
 
-The directory is the operator's (`--kv-disk-cache-dir`): made 0700 when missing, refused
-when another user owns it or it is writable by group or others. A slab is opened with
-O_NOFOLLOW (a link planted where it goes is never followed, nor its target written) and
-held under an exclusive flock for the life of the tier: a process that finds its slab
-taken (another cluster's worker of the same name sharing the directory) uses the next
-free name, so no two write one file.
+The directory and the slab files are engine/kv_disk_files.py's.
+
+Every disk operation runs on the tier's own thread (`kv-disk`), never on the tiers thread
+that feeds it, so a slow or hung disk (a hard-mounted NFS share, a failing device) costs
+what waits on it and no more: a block moved to disk is copied into one of a few write
+buffers and queued, or dropped (counted: `num_write_drops`) when they are all queued or
+the disk is behind; a load's read waits for the disk until the load's deadline and is
+then abandoned (`num_timed_out`: its bytes, should they come, are never copied into the
+block, which the prompt computes meanwhile); while an operation has run for more than
+STALL_S the disk counts as behind (lookups see none of its entries, loads and writes do
+not wait on it), and one past XFER_TIMEOUT_S turns the tier off until a restart (check()).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import hashlib
 import hmac
 import logging
 import os
-import stat
+import queue
 import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from .block_pool import BlockHash
+from .kv_disk_files import (FILE_HEADER_BYTES, KV_FORMAT_VERSION, disk_key, fingerprint,
+                            open_slab, safe_dir)
+
+__all__ = ["DiskTier", "disk_key", "fingerprint", "HEADER_BYTES", "XFER_TIMEOUT_S"]
 
 logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<8s32s16sQQ32s")   # magic, fingerprint, block hash, seq, bytes, mac
 MAGIC = b"PDKVSLT2"
 HEADER_BYTES = 4096      # a slot's header region; the block's bytes follow, page-aligned
-FILE_HEADER = struct.Struct("<8sI32s32s")   # magic, KV format, fingerprint, key tag
-FILE_MAGIC = b"PDKVSLAB"
-FILE_HEADER_BYTES = 4096  # the file's header region; slot 0 follows
-XFER_TIMEOUT_S = 30.0    # a NIXL file transfer not done by then fails (OSError)
-KV_FORMAT_VERSION = 2    # what a block's bytes and a slot's header mean, in the fingerprint
-SLAB_NAMES = 8           # names tried per worker and fingerprint (<name>-<fp>[.<i>].kvslab)
-
-
-def disk_key(secret: str | None) -> bytes:
-    """The key of the disk tier's entry MACs: HMAC-SHA256 of a label under the cluster
-    secret (WorkerConfig.kv_secret); a random one without a secret (then nothing a
-    restarted process wrote is read back)."""
-    if secret is None:
-        return os.urandom(32)
-    return hmac.new(secret.encode(), b"pdserve kv disk tier", "sha256").digest()
-
-
-def fingerprint(model_id: str, kv_cache: torch.Tensor, model_dir: Path | None = None,
-                tp_rank: int = 0, tp_size: int = 1, kv_heads: Sequence[int] = ()) -> bytes:
-    """32 bytes naming what a block's bytes mean: pdserve's KV_FORMAT_VERSION, the model
-    (its config's `model_id`, and with `model_dir` its weights: each *.safetensors file's
-    name and sha256, loader.file_digest, kept per file version so a restart does not
-    hash again: a fine-tune written over the same files, of the same shape, differs),
-    the cache's dtype and block layout [num_layers, 2, num_kv_heads, block_size,
-    head_dim], the TP rank and size and the model's KV heads this rank's cache holds
-    (`kv_heads`; at TP 1, all of them)."""
-    from .loader import file_digest
-
-    shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
-    h = hashlib.blake2b(f"kv-format{KV_FORMAT_VERSION}|{model_id}|{kv_cache.dtype}|"
-                        f"{tuple(shape)}|rank{tp_rank}/{tp_size}|heads{tuple(kv_heads)}".encode(),
-                        digest_size=32)
-    for f in sorted(Path(model_dir).glob("*.safetensors")) if model_dir is not None else ():
-        h.update(f"|{f.name}|{file_digest(f)}".encode())
-    return h.digest()
-
-
-def safe_dir(directory: Path) -> Path:
-    """`directory`, made (mode 0700) when missing; refused when another user owns it or
-    it is writable by group or others, whoever could then plant or swap slabs.
-
-    Raises:
-        PermissionError: naming kv_disk_cache_dir, its owner and mode, and what to change.
-        OSError: it cannot be made, or is not a directory."""
-    try:
-        directory.mkdir(mode=0o700, parents=True)
-        os.chmod(directory, 0o700)          # mkdir's mode is cut by the umask
-    except FileExistsError:
-        pass
-    st = os.stat(directory, follow_symlinks=False)
-    if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, f"kv_disk_cache_dir={directory}: not a "
-                                                "directory (a link is not followed)")
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise PermissionError(
-            f"kv_disk_cache_dir={directory}: owned by uid {st.st_uid} with mode "
-            f"{stat.S_IMODE(st.st_mode):o}; the disk KV tier needs a directory of its own "
-            f"user (uid {os.geteuid()}) that no one else can write: chown it, chmod 700")
-    return directory
-
-
-def _open_slab(directory: Path, name: str, fp: bytes, key: bytes) -> tuple[Path, int]:
-    """(path, fd) of this worker's slab among its SLAB_NAMES names, opened without
-    following a link and held under an exclusive flock: the first whose file header is
-    this fingerprint's under this key (its entries read back), else a name no file
-    holds, else the least recently written of another key's or format's (its entries
-    unreadable here; made empty). A name held by another process, a link, or a file not
-    private to this user is passed over.
-
-    Raises:
-        OSError: no name is left."""
-    stem = f"{name}-{fp.hex()[:16]}"
-    ours = FILE_HEADER.pack(FILE_MAGIC, KV_FORMAT_VERSION, fp,
-                            hmac.new(key, b"pdserve kv slab" + fp, "sha256").digest())
-    missing, others = [], []          # names no file holds; (mtime, path, fd) held by us
-    try:
-        for i in range(SLAB_NAMES):
-            path = directory / (f"{stem}.kvslab" if i == 0 else f"{stem}.{i}.kvslab")
-            fd = _lock_file(path, create=False)
-            if fd is None:
-                if not os.path.lexists(path):
-                    missing.append(path)
-                continue
-            if os.pread(fd, FILE_HEADER.size, 0) == ours:
-                return path, fd
-            others.append((os.fstat(fd).st_mtime_ns, path, fd))
-        for path in missing:
-            fd = _lock_file(path, create=True)
-            if fd is not None:
-                os.pwrite(fd, ours, 0)
-                return path, fd
-        if others:
-            _, path, fd = others.pop(min(range(len(others)), key=lambda i: others[i][0]))
-            logger.warning("disk KV tier: %s held another key's or format's entries: "
-                           "emptied", path)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, ours, 0)
-            return path, fd
-    finally:
-        for _, _, fd in others:
-            os.close(fd)                      # their locks go with them
-    raise OSError(f"disk KV tier: no free slab name {stem}[.N].kvslab in {directory}")
-
-
-def _lock_file(path: Path, create: bool) -> int | None:
-    """An fd of `path` under our exclusive flock, or None: missing (unless `create`),
-    a link, not a private regular file of this user's, or locked by another process."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
-    try:
-        fd = os.open(path, flags, 0o600)
-    except FileNotFoundError:
-        return None
-    except FileExistsError:
-        return None
-    except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
-        logger.warning("disk KV tier: %s is a link: not followed, not used", path)
-        return None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        os.close(fd)
-        logger.warning("disk KV tier: %s is not a private file of this user's: not used", path)
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:                   # another process's, sharing the directory
-        os.close(fd)
-        return None
-    return fd
+XFER_TIMEOUT_S = 30.0    # a disk operation not done by then turns the tier off
+STALL_S = 2.0            # ... one running longer: the disk is behind (module docstring)
+WRITE_BUFFER_BYTES = 64 << 20   # host memory for the blocks queued to be written
+MAX_WRITE_BUFFERS = 16
 
 
 class DiskTier:
-    """A slab file of `num_blocks` slots under `directory` (safe_dir), named by `name`
-    and `fp` (_open_slab); its index read back from the slots' headers (those of `fp`
-    only), each entry checked against its MAC under `key` (disk_key) when read. Reads
-    and writes of block bytes go through a NIXL agent with the POSIX backend, between
-    the file and registered host buffers. One thread reads and writes; `lock` guards the
-    index against readers on others (KVTiers.lookup). `on_change(stored, hash)` is
-    called, under `lock`, for each entry the index gains or loses (those read back
-    included). `num_dropped`: entries whose check failed.
+    """A slab file of `num_blocks` slots under `directory` (kv_disk_files: safe_dir,
+    open_slab), named by `name` and `fp`; its index read back from the slots' headers
+    (those of `fp` only), each entry checked against its MAC under `key` (disk_key) when
+    read. Block bytes move through a NIXL agent with the POSIX backend, between the file
+    and registered host buffers, on the tier's thread (see the module docstring); `lock`
+    guards the index against readers on others (KVTiers.lookup). `on_change(stored,
+    hash)` is called, under `lock`, for each entry the index gains or loses (those read
+    back included). Counters: `num_written`, `num_dropped` (entries whose check failed),
+    `num_write_drops` (writes dropped: the disk behind or off), `num_timed_out` (reads
+    abandoned at their load's deadline).
 
     Raises:
         RuntimeError: NIXL (pdserve[nixl]) is not installed, or has no POSIX backend.
@@ -194,7 +76,7 @@ class DiskTier:
     """
 
     def __init__(self, directory: Path, name: str, num_blocks: int, block_bytes: int,
-                 fp: bytes, host_slab: torch.Tensor, lock: threading.Lock,
+                 fp: bytes, lock: threading.Lock,
                  on_change: Callable[[bool, BlockHash], None] = lambda stored, h: None,
                  key: bytes | None = None):
         from ..kv_transfer.nixl import find_module
@@ -205,26 +87,35 @@ class DiskTier:
         self.num_blocks, self.block_bytes, self.fp = num_blocks, block_bytes, fp
         self.key = key if key is not None else disk_key(None)
         self.stride = HEADER_BYTES + -(-block_bytes // 4096) * 4096
-        self.path, self.fd = _open_slab(safe_dir(Path(directory)), name, fp, self.key)
+        self.path, self.fd = open_slab(safe_dir(Path(directory)), name, fp, self.key,
+                                       KV_FORMAT_VERSION)
         os.ftruncate(self.fd, self.slot_offset(num_blocks))
         self.staging = torch.empty(block_bytes, dtype=torch.uint8)   # reads land here
+        n_buffers = max(2, min(MAX_WRITE_BUFFERS, WRITE_BUFFER_BYTES // block_bytes))
+        self.write_buffers = torch.empty((n_buffers, block_bytes), dtype=torch.uint8)
         self.agent = nixl.nixl_agent(f"pdserve-tiers-{os.getpid()}-{name}",
                                      nixl.nixl_agent_config(enable_prog_thread=False,
                                                             enable_listen_thread=False,
                                                             backends=[]))
         self.agent.create_backend("POSIX", {})
-        self._regs = [self.agent.register_memory(host_slab),
+        self._regs = [self.agent.register_memory(self.write_buffers),
                       self.agent.register_memory(self.staging),
                       self.agent.register_memory([(0, self.slot_offset(num_blocks), self.fd,
                                                    "kvslab")], "FILE")]
         self.index: OrderedDict[BlockHash, int] = OrderedDict()   # LRU first
         self.free = set(range(num_blocks))
-        self.num_dropped = 0
-        self.failed = False          # _fail(): a transfer overran XFER_TIMEOUT_S
+        self.num_written = self.num_dropped = self.num_write_drops = self.num_timed_out = 0
+        self.failed = False          # _fail(): an operation overran XFER_TIMEOUT_S
         self._lock = lock
         self._on_change = on_change
         self._seq = 0
         self._recover()
+        self._free_buffers = list(range(n_buffers))
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._queued = 0             # jobs put and not yet done (idle)
+        self._busy_since: float | None = None   # time.monotonic() the running job began
+        self._thread = threading.Thread(target=self._run, name="kv-disk", daemon=True)
+        self._thread.start()
 
     def _recover(self) -> None:
         """The index from the slots' headers: entries of this fingerprint, LRU order by
@@ -250,40 +141,164 @@ class DiskTier:
             logger.info("disk KV tier %s: %d blocks back from a previous run", self.path,
                         len(self.index))
 
-    def write(self, h: BlockHash, src: torch.Tensor) -> None:
-        """`src` (a host-slab slot, its block's bytes) into a slot under `h`, the least
-        recently used entry's when none is free. The header goes last: a write cut short
-        leaves no entry, or one whose checksum fails.
+    # --- the tiers thread ------------------------------------------------------------
 
-        Raises:
-            OSError: the file or NIXL failed, or the tier is off (_fail); the slot is
-                free again, `h` not held."""
+    def write(self, h: BlockHash, src: torch.Tensor) -> bool:
+        """Queue `src`'s bytes (a host-slab slot, contiguous) for a slot under `h`; never
+        waits on the disk. False (counted in num_write_drops): dropped, the tier off or
+        behind or its write buffers all queued."""
         with self._lock:
-            if self.failed:
-                raise OSError(f"disk KV tier {self.path} is off")
             if h in self.index:
                 self.index.move_to_end(h)
-                return
-            if self.free:
-                slot = self.free.pop()
-            else:
-                old, slot = self.index.popitem(last=False)
-                self._on_change(False, old)
-        base = self.slot_offset(slot)
-        try:
-            os.pwrite(self.fd, bytes(HEADER.size), base)        # the old entry is gone
-            self._xfer("WRITE", src, base + HEADER_BYTES)
-            self._seq += 1
-            os.pwrite(self.fd, self._header(h, self._seq, src), base)
-        except BaseException:
-            with self._lock:
-                self.free.add(slot)
-            raise
-        with self._lock:
-            self.index[h] = slot
-            self._on_change(True, h)
+                return True
+            if self.failed or self.stalled() or not self._free_buffers:
+                self.num_write_drops += 1
+                return False
+            buf = self._free_buffers.pop()
+            self._queued += 1
+        self.write_buffers[buf].copy_(src.reshape(-1).view(torch.uint8))
+        self._jobs.put(("write", h, buf))
+        return True
 
-    def read(self, h: BlockHash) -> torch.Tensor | None:
+    def load_into(self, h: BlockHash, dst: torch.Tensor, deadline: float) -> bool:
+        """Read `h`'s entry into `dst` (a view of the block's shape and dtype) on the
+        tier's thread, waiting until `deadline` (time.monotonic()) at most; False: not
+        held, the disk behind or off, the entry failed its check (dropped), or the
+        deadline came first (the read abandoned: `dst` is never written after)."""
+        with self._lock:
+            if self.failed or h not in self.index or self.stalled():
+                return False
+            self._queued += 1
+        read = _Read(h, dst)
+        self._jobs.put(("read", read))
+        if not read.done.wait(max(deadline - time.monotonic(), 0.0)):
+            with read.lock:               # a copy under way finishes first
+                if read.state == "pending":
+                    read.state = "abandoned"
+            if read.state == "abandoned":
+                with self._lock:
+                    self.num_timed_out += 1
+                logger.warning("disk KV tier %s: a read not done by its load's deadline: "
+                               "abandoned, its tokens computed", self.path)
+        return read.state == "done"
+
+    def has(self, h: BlockHash) -> bool:
+        """Whether a load would find `h` (lock held by the caller): held, and the tier
+        neither off nor behind."""
+        return h in self.index and not self.failed and not self.stalled()
+
+    def stalled(self) -> bool:
+        """An operation has run for more than STALL_S."""
+        since = self._busy_since
+        return since is not None and time.monotonic() - since > STALL_S
+
+    def check(self) -> None:
+        """Turn the tier off once an operation has run past XFER_TIMEOUT_S (a syscall
+        or a transfer that may never return); called by the tiers thread while it
+        waits for work."""
+        since = self._busy_since
+        if not self.failed and since is not None and time.monotonic() - since > XFER_TIMEOUT_S:
+            self._fail(f"an operation not done after {XFER_TIMEOUT_S} s")
+
+    def drop(self, h: BlockHash) -> None:
+        """Forget `h`'s entry now; its slot's header is cleared, and the slot freed, on
+        the tier's thread."""
+        with self._lock:
+            slot = self.index.pop(h, None)
+            if slot is None:
+                return
+            self._on_change(False, h)
+            self._queued += 1
+        self._jobs.put(("clear", slot))
+
+    def idle(self) -> bool:
+        """Nothing queued or running."""
+        with self._lock:
+            return self._queued == 0
+
+    def close(self, join_timeout_s: float = 30.0) -> None:
+        """Stop the tier's thread after what is queued; the file stays (closed only once
+        the thread ended: one stuck in the disk keeps it open)."""
+        self._jobs.put(None)
+        self._thread.join(join_timeout_s)
+        if self._thread.is_alive():
+            logger.warning("disk KV tier %s: its thread is still in the disk; the file "
+                           "stays open", self.path)
+            return
+        for reg in self._regs:
+            self.agent.deregister_memory(reg)
+        os.close(self.fd)
+
+    # --- the tier's thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self._busy_since = time.monotonic()
+            try:
+                if job[0] == "write":
+                    self._write(job[1], job[2])
+                elif job[0] == "read":
+                    self._read(job[1])
+                else:
+                    self._clear(job[1])
+            except Exception:         # a fault costs entries, never the thread
+                logger.exception("disk KV tier %s: %s failed", self.path, job[0])
+            finally:
+                self._busy_since = None
+                with self._lock:
+                    self._queued -= 1
+
+    def _write(self, h: BlockHash, buf: int) -> None:
+        """Write buffer `buf` into a slot under `h`, the least recently used entry's
+        when none is free. The header goes last: a write cut short leaves no entry, or
+        one whose MAC fails. A failed write costs its entry, never its slot."""
+        src = self.write_buffers[buf]
+        try:
+            with self._lock:
+                if self.failed or h in self.index:
+                    return
+                if self.free:
+                    slot = self.free.pop()
+                else:
+                    old, slot = self.index.popitem(last=False)
+                    self._on_change(False, old)
+            base = self.slot_offset(slot)
+            try:
+                os.pwrite(self.fd, bytes(HEADER.size), base)        # the old entry is gone
+                self._xfer("WRITE", src, base + HEADER_BYTES)
+                self._seq += 1
+                os.pwrite(self.fd, self._header(h, self._seq, src), base)
+            except OSError as e:
+                logger.warning("KV block not moved to the disk tier: %s", e)
+                with self._lock:
+                    self.free.add(slot)
+                return
+            with self._lock:
+                if self.failed:           # turned off meanwhile: nothing is indexed again
+                    return
+                self.index[h] = slot
+                self.num_written += 1
+                self._on_change(True, h)
+        finally:
+            with self._lock:
+                self._free_buffers.append(buf)
+
+    def _read(self, read: _Read) -> None:
+        """A load's read: the entry's bytes into the staging buffer, checked, then into
+        the load's block unless the load gave it up meanwhile."""
+        src = None
+        if read.state == "pending":
+            src = self._read_entry(read.h)
+        with read.lock:
+            if read.state == "pending":
+                if src is None:
+                    read.state = "failed"
+                else:
+                    read.dst.copy_(src.view(read.dst.dtype).view(read.dst.shape))
+                    read.state = "done"
+        read.done.set()
+
+    def _read_entry(self, h: BlockHash) -> torch.Tensor | None:
         """The bytes of `h`'s entry in the staging buffer (valid until the next read), or
         None: not held, or it could not be read or failed its check (then dropped): a
         header that does not name `h`, a short read, a MAC that does not match."""
@@ -306,16 +321,30 @@ class DiskTier:
                   and hmac.compare_digest(raw, self._header(h, seq, self.staging)))
         if not ok:
             logger.warning("disk KV tier %s: slot %d fails its check; dropped", self.path, slot)
-            self.num_dropped += 1
-            try:
-                self.drop(h)
-            except OSError as e:            # its header stays: checked again at a restart
-                logger.warning("disk KV tier %s: slot %d header not cleared: %s",
-                               self.path, slot, e)
+            with self._lock:
+                self.num_dropped += 1
+                held = self.index.get(h) == slot
+                if held:
+                    del self.index[h]
+                    self._on_change(False, h)
+            if held:
+                self._clear(slot)
             return None
         with self._lock:
-            self.index.move_to_end(h)
+            if h in self.index:
+                self.index.move_to_end(h)
         return self.staging
+
+    def _clear(self, slot: int) -> None:
+        """Clear a forgotten entry's header, then free its slot (a header that cannot be
+        cleared is checked again at a restart)."""
+        try:
+            os.pwrite(self.fd, bytes(HEADER.size), self.slot_offset(slot))
+        except OSError as e:
+            logger.warning("disk KV tier %s: slot %d header not cleared: %s", self.path,
+                           slot, e)
+        with self._lock:
+            self.free.add(slot)
 
     def slot_offset(self, slot: int) -> int:
         """Where slot `slot` starts in the file (bytes): after the file's header."""
@@ -330,19 +359,11 @@ class DiskTier:
         mac.update(tensor_bytes(block))
         return fields + mac.digest()
 
-    def drop(self, h: BlockHash) -> None:
-        """Forget `h`'s entry and clear its slot's header (OSError: it could not be
-        cleared; the entry is forgotten all the same)."""
-        with self._lock:
-            slot = self.index.pop(h)
-            self.free.add(slot)
-            self._on_change(False, h)
-        os.pwrite(self.fd, bytes(HEADER.size), self.slot_offset(slot))
-
     def _xfer(self, op: str, buf: torch.Tensor, offset: int) -> None:
         """One NIXL transfer of `buf`'s bytes to (WRITE) or from (READ) the file at
-        `offset`. Raises OSError when the backend reports an error or raises (NIXL's
-        own exception classes), or the transfer is not done within XFER_TIMEOUT_S."""
+        `offset`, polled with a sleep that grows to 1 ms. Raises OSError when the backend
+        reports an error or raises (NIXL's own exception classes), or the transfer is
+        not done within XFER_TIMEOUT_S (the tier is then off: it may still write)."""
         try:
             local = self.agent.get_xfer_descs([(buf.data_ptr(), self.block_bytes, 0)], "DRAM")
             remote = self.agent.get_xfer_descs([(offset, self.block_bytes, self.fd)], "FILE")
@@ -351,12 +372,14 @@ class DiskTier:
             raise OSError(f"NIXL POSIX {op} of {self.path} at {offset}: {e}") from e
         try:
             state = self.agent.transfer(handle)
-            deadline = time.monotonic() + XFER_TIMEOUT_S
+            deadline, pause = time.monotonic() + XFER_TIMEOUT_S, 20e-6
             while state not in ("DONE", "ERR"):
                 if time.monotonic() > deadline:
                     self._fail(f"a {op} not done after {XFER_TIMEOUT_S} s")
                     state = "overdue"
                     break
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
                 state = self.agent.check_xfer_state(handle)
             if state != "DONE":
                 raise OSError(f"NIXL POSIX {op} of {self.path} at {offset} failed: {state}")
@@ -372,9 +395,9 @@ class DiskTier:
                                self.path, e)
 
     def _fail(self, why: str) -> None:
-        """Turn this tier off until a restart (a transfer still running may yet write
-        the staging buffer or the file): every entry forgotten, read() finds none,
-        write() raises OSError. The file's entries are checked again at a restart."""
+        """Turn this tier off until a restart (an operation still running may yet write
+        the staging buffer or the file): every entry forgotten, loads find none, writes
+        are dropped. The file's entries are checked again at a restart."""
         logger.error("disk KV tier %s: %s; off until a restart", self.path, why)
         with self._lock:
             self.failed = True
@@ -382,7 +405,14 @@ class DiskTier:
                 self._on_change(False, h)
             self.index.clear()
 
-    def close(self) -> None:
-        for reg in self._regs:
-            self.agent.deregister_memory(reg)
-        os.close(self.fd)
+
+class _Read:
+    """One load's read of an entry into `dst`: state "pending" until the tier's thread
+    has it "done" or "failed", or the load gives it up first ("abandoned"); `lock`
+    makes the copy into `dst` and the giving up exclusive."""
+
+    __slots__ = ("h", "dst", "state", "lock", "done")
+
+    def __init__(self, h: BlockHash, dst: torch.Tensor):
+        self.h, self.dst, self.state = h, dst, "pending"
+        self.lock, self.done = threading.Lock(), threading.Event()

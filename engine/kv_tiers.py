@@ -13,7 +13,12 @@ KV offloading and SGLang's HiCache (host L2, storage L3) do, keyed by the block'
     load(key, hashes, ids)  the tiers thread copies those entries into pool blocks while
                             the step thread runs other steps; poll() reports the key
                             with how many leading blocks arrived (a missing or damaged
-                            entry ends the run: its tokens are computed instead)
+                            entry ends the run, and so does the load's deadline,
+                            load_timeout_s after load(): the rest is computed)
+
+The disk tier's I/O runs on its own thread (engine/kv_disk_tier.py): a block moved to it
+is queued, or dropped when the disk is behind, never waited on; a load waits for a disk
+read until its deadline at most; a disk stalled past XFER_TIMEOUT_S is turned off.
 
 On CPU the pool and the host tier share DRAM: the host tier holds up to its cap of what
 the pool may evict, and the disk tier is where capacity grows. On CUDA the host tier is
@@ -47,6 +52,7 @@ __all__ = ["KVTiers", "LoadDone", "TierStats", "fingerprint"]
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+WATCH_S = 1.0          # the tiers thread looks at its disk tier's health this often
 
 
 def block_view(kv_cache: torch.Tensor, block: int) -> torch.Tensor:
@@ -66,7 +72,9 @@ class TierStats:
     bytes_loaded: int = 0        # into the pool, from either tier
     load_seconds: float = 0.0    # tiers-thread seconds of every load, summed
     num_loads: int = 0           # load() calls completed
-    dropped: int = 0             # disk entries whose checksum failed (recomputed)
+    dropped: int = 0             # disk entries whose MAC check failed (recomputed)
+    disk_writes_dropped: int = 0  # blocks not moved to disk: it was behind or off
+    loads_timed_out: int = 0     # loads cut at their deadline, a disk read abandoned
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +119,7 @@ class _Load:
     key: str
     hashes: list[BlockHash]
     blocks: list[int]
+    deadline: float              # time.monotonic(): the rest is computed after it
     done: list = field(default_factory=list)
 
 
@@ -121,8 +130,9 @@ class KVTiers:
     tier's directory and size (None / 0: no disk tier); name: the worker's, naming its
     slab file (one per worker and fingerprint, so a restart finds its own); key: the
     disk entries' MAC key (kv_disk_tier.disk_key of the cluster secret; None: a random
-    one, so nothing is read back after a restart). `notify` wakes the step loop when a
-    load or store finishes. store, lookup, load and poll are
+    one, so nothing is read back after a restart); load_timeout_s: a load's budget, from
+    load() to its report (seconds; what is not loaded by then is computed). `notify`
+    wakes the step loop when a load or store finishes. store, lookup, load and poll are
     called from the step thread. `pool` None: a tensor-parallel follower rank's tiers,
     whose blocks rank 0 holds and frees (store_exactly, take_finished; tp_tiers.py).
 
@@ -135,7 +145,7 @@ class KVTiers:
     def __init__(self, pool: BlockPool | None, kv_cache: torch.Tensor, fp: bytes, host_gib: float,
                  disk_dir: str | Path | None = None, disk_gib: float = 0.0,
                  name: str = "worker", notify: Callable[[], None] | None = None,
-                 key: bytes | None = None):
+                 key: bytes | None = None, load_timeout_s: float = 2.0):
         self.pool, self.kv_cache = pool, kv_cache
         shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
         self.block_bytes = block_view(kv_cache, 0).numel() * kv_cache.element_size()
@@ -145,6 +155,7 @@ class KVTiers:
                              f"({self.block_bytes} bytes)")
         self.host = HostTier(host_blocks, shape, kv_cache.dtype, kv_cache.device.type == "cuda")
         self.disk = None
+        self.load_timeout_s = load_timeout_s
         self._lock = threading.Lock()   # the tiers' indexes, events, _pending, _stored, _loaded
         disk_blocks = 0
         if disk_dir is not None and disk_gib > 0:
@@ -153,10 +164,10 @@ class KVTiers:
         self._events = EventLog(4 * (host_blocks + disk_blocks))
         if disk_blocks:
             self.disk = DiskTier(Path(disk_dir), name, disk_blocks, self.block_bytes, fp,
-                                 self.host.slab, self._lock,
+                                 self._lock,
                                  on_change=lambda stored, h: self._events.append(
                                      ("disk", stored, h)), key=key)
-        self.stats = TierStats()
+        self._stats = TierStats()
         self._notify = notify or (lambda: None)
         self._pending: set[BlockHash] = set()   # queued to store
         self._stored: list[int] = []           # blocks copied: their refs go back (poll)
@@ -207,7 +218,18 @@ class KVTiers:
     def load(self, key: str, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
         """Copy the tiers' entries of `hashes` into the held blocks `block_ids` (pairwise)
         on the tiers thread; poll() reports `key` once done."""
-        self._jobs.put(_Load(key, list(hashes), list(block_ids)))
+        self._jobs.put(_Load(key, list(hashes), list(block_ids),
+                             time.monotonic() + self.load_timeout_s))
+
+    @property
+    def stats(self) -> TierStats:
+        """The counters (the disk tier's brought up to date)."""
+        if self.disk is not None:
+            with self._lock:
+                d, st = self.disk, self._stats
+                st.stored_disk, st.dropped = d.num_written, d.num_dropped
+                st.disk_writes_dropped, st.loads_timed_out = d.num_write_drops, d.num_timed_out
+        return self._stats
 
     def poll(self) -> list[LoadDone]:
         """The loads finished since the last call; the blocks whose copy to the host tier
@@ -263,18 +285,29 @@ class KVTiers:
         elif self.disk is not None:
             self.disk.close()
 
-    def idle(self) -> bool:
-        """Nothing queued or in flight (tests: every held block back)."""
+    def idle(self, disk: bool = True) -> bool:
+        """Nothing queued or in flight (tests: every held block back); with `disk`
+        False, nothing but the disk tier's own I/O."""
         with self._lock:
-            return not self._pending and not self._stored and self._jobs.empty()
+            idle = not self._pending and not self._stored and self._jobs.empty()
+        return idle and (not disk or self.disk is None or self.disk.idle())
 
     # --- the tiers thread -------------------------------------------------------------
 
     def _holds(self, h: BlockHash) -> bool:
-        return h in self.host.index or (self.disk is not None and h in self.disk.index)
+        return h in self.host.index or (self.disk is not None and self.disk.has(h))
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while True:
+            try:        # with a disk tier, waits no longer than WATCH_S: disk.check()
+                job = self._jobs.get(timeout=None if self.disk is None else WATCH_S)
+            except queue.Empty:
+                self.disk.check()
+                continue
+            if job is None:
+                return
+            if self.disk is not None:
+                self.disk.check()
             try:
                 if isinstance(job, _Store):
                     self._store(job)
@@ -309,7 +342,7 @@ class KVTiers:
                 if not held:
                     self.host.index[h] = slot
                     self._events.append(("host", True, h))
-                    self.stats.stored_host += 1
+                    self._stats.stored_host += 1
                 self._pending.discard(h)
                 self._stored.append(block)
                 job.done += 1
@@ -321,46 +354,42 @@ class KVTiers:
                 if slot is not None:
                     self.host.free.append(slot)
                     self._events.append(("host", False, h))
-            if self.disk is not None and h in self.disk.index:
+            if self.disk is not None:
                 self.disk.drop(h)
 
     def _host_slot(self) -> int:
-        """A free host slot: the least recently used entry's when none is free, moved to
-        the disk tier first when there is one (lost if that write fails)."""
+        """A free host slot: the least recently used entry's when none is free, its
+        bytes queued to the disk tier first when there is one (DiskTier.write: copied,
+        never waited on; dropped when the disk is behind or off)."""
         with self._lock:
             if self.host.free:
                 return self.host.free.pop()
             h, slot = self.host.index.popitem(last=False)
             self._events.append(("host", False, h))
         if self.disk is not None:
-            try:
-                self.disk.write(h, self.host.slab[slot])
-                self.stats.stored_disk += 1
-            except Exception as e:       # a tier fault costs hits, never the slot
-                logger.warning("KV block not moved to the disk tier: %s", e)
+            self.disk.write(h, self.host.slab[slot])
         return slot
 
     def _load(self, job: _Load) -> None:
         """Only this thread moves host entries, so a slot found stays its hash's while
         it is copied (outside the lock)."""
         t0 = time.perf_counter()
-        shape = self.host.slab.shape[1:]
         for h, block in zip(job.hashes, job.blocks):
+            if time.monotonic() > job.deadline:
+                break
             with self._lock:
                 slot = self.host.slot_of(h)
             if slot is not None:
                 block_view(self.kv_cache, block).copy_(self.host.slab[slot])
-                self.stats.host_hits += 1
+                self._stats.host_hits += 1
+            elif self.disk is not None and self.disk.load_into(
+                    h, block_view(self.kv_cache, block), job.deadline):
+                self._stats.disk_hits += 1
             else:
-                src = self.disk.read(h) if self.disk is not None else None
-                if src is None:
-                    break
-                block_view(self.kv_cache, block).copy_(src.view(self.kv_cache.dtype).view(shape))
-                self.stats.disk_hits += 1
+                break
             job.done.append(block)
         with self._lock:
-            self.stats.dropped = 0 if self.disk is None else self.disk.num_dropped
-            self.stats.bytes_loaded += len(job.done) * self.block_bytes
-            self.stats.load_seconds += time.perf_counter() - t0
-            self.stats.num_loads += 1
+            self._stats.bytes_loaded += len(job.done) * self.block_bytes
+            self._stats.load_seconds += time.perf_counter() - t0
+            self._stats.num_loads += 1
             self._loaded.append(LoadDone(job.key, len(job.done)))

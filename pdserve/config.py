@@ -76,6 +76,8 @@ class WorkerConfig:
     kv_disk_cache_dir: str | None = None  # a disk KV tier's directory (with the host
                                      # tier), kept across restarts
     kv_disk_cache_gib: float = 0.0   # ... and its size, GiB
+    kv_tier_load_timeout_s: float = 2.0  # a tier load's budget: what a slow or hung disk
+                                     # has not read by then is computed (engine/kv_tiers.py)
     otlp_traces_endpoint: str | None = None  # this worker's spans of traced requests go
                                      # to this OTLP collector (pdserve/tracing.py); set
                                      # from RouterConfig.otlp_traces_endpoint by ClusterConfig
@@ -146,6 +148,9 @@ class WorkerConfig:
         if self.kv_host_cache_gib < 0 or self.kv_disk_cache_gib < 0:
             raise ValueError(f"kv_host_cache_gib={self.kv_host_cache_gib}, kv_disk_cache_gib="
                              f"{self.kv_disk_cache_gib}: must be >= 0 GiB")
+        if not self.kv_tier_load_timeout_s > 0:
+            raise ValueError(f"kv_tier_load_timeout_s={self.kv_tier_load_timeout_s}: must be "
+                             "> 0 seconds")
         if self.kv_disk_cache_dir is not None and not (self.kv_host_cache_gib > 0
                                                        and self.kv_disk_cache_gib > 0):
             raise ValueError("kv_disk_cache_dir needs kv_disk_cache_gib > 0 and a host tier "

@@ -171,7 +171,9 @@ class EngineActor(abc.ABC):
         st, disk = self.tiers.stats, self.tiers.disk
         values = {"host_hits": st.host_hits, "disk_hits": st.disk_hits,
                   "bytes_loaded": st.bytes_loaded, "load_seconds": st.load_seconds,
-                  "dropped": st.dropped, "host_blocks": len(self.tiers.host.index),
+                  "dropped": st.dropped, "disk_writes_dropped": st.disk_writes_dropped,
+                  "loads_timed_out": st.loads_timed_out,
+                  "host_blocks": len(self.tiers.host.index),
                   "disk_blocks": 0 if disk is None else len(disk.index)}
         names = _TIER_STATUS_FIELDS if status else {}
         return {"kv_tier_" + names.get(k, k): v for k, v in values.items()}

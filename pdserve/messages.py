@@ -228,6 +228,8 @@ class WorkerStatus:
     kv_tier_bytes_loaded: int = 0
     kv_tier_load_seconds: float = 0.0
     kv_tier_dropped_blocks: int = 0
+    kv_tier_disk_writes_dropped: int = 0   # blocks not moved to disk: it was behind or off
+    kv_tier_loads_timed_out: int = 0       # loads cut at their budget (a disk read abandoned)
     kv_tier_host_blocks: int = 0
     kv_tier_disk_blocks: int = 0
     # decode

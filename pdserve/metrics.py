@@ -53,6 +53,8 @@ workers (`WorkerMetrics`; values read from the worker at scrape time, plus histo
     pdserve_kv_tier_bytes_loaded_total            counter: bytes those loads moved
     pdserve_kv_tier_load_seconds_total            counter: seconds of those loads
     pdserve_kv_tier_dropped_total                 counter: disk entries failing their check
+    pdserve_kv_tier_disk_writes_dropped_total     counter: blocks not moved to disk (behind)
+    pdserve_kv_tier_loads_timed_out_total         counter: loads cut at their budget
     pdserve_kv_tier_{host,disk}_blocks            gauges: blocks each tier holds
     pdserve_kv_pulled_blocks_total                counters: prompt blocks (bytes, seconds)
     pdserve_kv_pull_{bytes,seconds}_total         a prefill worker read from a decode
@@ -294,7 +296,11 @@ class WorkerMetrics:
         "kv_tier_disk_hits": "Prefix blocks loaded back from the disk KV tier.",
         "kv_tier_bytes_loaded": "Bytes loaded back from the KV tiers into the pool.",
         "kv_tier_load_seconds": "Seconds of the KV tiers' loads, summed.",
-        "kv_tier_dropped": "Disk KV tier entries dropped when their checksum failed.",
+        "kv_tier_dropped": "Disk KV tier entries dropped when their MAC check failed.",
+        "kv_tier_disk_writes_dropped": "Blocks not moved to the disk KV tier: it was behind "
+                                       "or off.",
+        "kv_tier_loads_timed_out": "KV tier loads cut at their budget (a disk read "
+                                   "abandoned); the rest was computed.",
         "kv_pulled_blocks": "Prompt blocks read from a decode worker instead of computed.",
         "kv_pull_bytes": "K/V bytes read from decode workers (kv_pull).",
         "kv_pull_seconds": "Seconds of the pulls from decode workers, asked to done, summed.",

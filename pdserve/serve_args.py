@@ -55,7 +55,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         **{k: v for k in ("local_prefill_max_tokens", "max_num_batched_tokens",
                           "prefill_chunk_size",
                           "schedule_policy", "kv_host_cache_gib", "kv_disk_cache_dir",
-                          "kv_disk_cache_gib", "kv_pull")
+                          "kv_disk_cache_gib", "kv_tier_load_timeout_s", "kv_pull")
            if (v := getattr(args, k)) is not None},           # unset: WorkerConfig's
         router_kw={k: v for k in ("max_queued_requests", "max_queued_tokens",
                                   "max_tokenize_queue_chars", "max_concurrent_calls",
@@ -316,6 +316,10 @@ def serve_flags(s: argparse.ArgumentParser) -> None:
                         "across whole-cluster restarts)")
     s.add_argument("--kv-disk-cache-gib", type=float, default=None,
                    help="the disk KV tier's size in GiB")
+    s.add_argument("--kv-tier-load-timeout-s", type=float, default=None, metavar="S",
+                   help="a KV tier load's budget (default 2): what a slow or hung disk has "
+                        "not read by then is computed, and the disk's writes are dropped "
+                        "while it lags, never waited on")
     s.add_argument("--kv-pull", action="store_true", default=None,
                    help="a prefill worker reads a prompt's leading KV blocks that its "
                         "decode worker holds (prefix cache, or KV tier) over the KV "

@@ -280,7 +280,8 @@ def worker_tiers(worker_id: str, config: WorkerConfig, runner, tp: TensorParalle
                      tp.kv_heads(model))
     return KVTiers(pool, runner.kv_cache, fp, config.kv_host_cache_gib / tp.size,
                    config.kv_disk_cache_dir, config.kv_disk_cache_gib / tp.size,
-                   name=worker_id, notify=notify, key=disk_key(config.kv_secret))
+                   name=worker_id, notify=notify, key=disk_key(config.kv_secret),
+                   load_timeout_s=config.kv_tier_load_timeout_s)
 
 
 def model_config(model: str):

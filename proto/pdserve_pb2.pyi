@@ -212,7 +212,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "pid", "node_ip", "state", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests", "epoch", "kv_address", "metrics_address", "kv_reservations_leased", "kv_reservations_reclaimed", "tensor_parallel_size", "kv_tier_host_hit_blocks", "kv_tier_disk_hit_blocks", "kv_tier_bytes_loaded", "kv_tier_load_seconds", "kv_tier_dropped_blocks", "kv_tier_host_blocks", "kv_tier_disk_blocks", "prefill_tokens_computed", "prefix_cache_hit_tokens", "local_prefills", "kv_pulled_blocks", "kv_pull_bytes", "kv_pull_seconds", "kv_pull_failures")
+    __slots__ = ("worker_id", "role", "pid", "node_ip", "state", "kv_blocks_total", "kv_blocks_free", "running_requests", "waiting_requests", "epoch", "kv_address", "metrics_address", "kv_reservations_leased", "kv_reservations_reclaimed", "tensor_parallel_size", "kv_tier_host_hit_blocks", "kv_tier_disk_hit_blocks", "kv_tier_bytes_loaded", "kv_tier_load_seconds", "kv_tier_dropped_blocks", "kv_tier_host_blocks", "kv_tier_disk_blocks", "prefill_tokens_computed", "prefix_cache_hit_tokens", "local_prefills", "kv_pulled_blocks", "kv_pull_bytes", "kv_pull_seconds", "kv_pull_failures", "kv_tier_disk_writes_dropped", "kv_tier_loads_timed_out")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,8 @@ class WorkerStatus(_message.Message):
     KV_PULL_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_PULL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_PULL_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_DISK_WRITES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_LOADS_TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     pid: int
@@ -271,7 +273,9 @@ class WorkerStatus(_message.Message):
     kv_pull_bytes: int
     kv_pull_seconds: float
     kv_pull_failures: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., pid: _Optional[int] = ..., node_ip: _Optional[str] = ..., state: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., kv_reservations_leased: _Optional[int] = ..., kv_reservations_reclaimed: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_tier_host_hit_blocks: _Optional[int] = ..., kv_tier_disk_hit_blocks: _Optional[int] = ..., kv_tier_bytes_loaded: _Optional[int] = ..., kv_tier_load_seconds: _Optional[float] = ..., kv_tier_dropped_blocks: _Optional[int] = ..., kv_tier_host_blocks: _Optional[int] = ..., kv_tier_disk_blocks: _Optional[int] = ..., prefill_tokens_computed: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., local_prefills: _Optional[int] = ..., kv_pulled_blocks: _Optional[int] = ..., kv_pull_bytes: _Optional[int] = ..., kv_pull_seconds: _Optional[float] = ..., kv_pull_failures: _Optional[int] = ...) -> None: ...
+    kv_tier_disk_writes_dropped: int
+    kv_tier_loads_timed_out: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., pid: _Optional[int] = ..., node_ip: _Optional[str] = ..., state: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., kv_reservations_leased: _Optional[int] = ..., kv_reservations_reclaimed: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_tier_host_hit_blocks: _Optional[int] = ..., kv_tier_disk_hit_blocks: _Optional[int] = ..., kv_tier_bytes_loaded: _Optional[int] = ..., kv_tier_load_seconds: _Optional[float] = ..., kv_tier_dropped_blocks: _Optional[int] = ..., kv_tier_host_blocks: _Optional[int] = ..., kv_tier_disk_blocks: _Optional[int] = ..., prefill_tokens_computed: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., local_prefills: _Optional[int] = ..., kv_pulled_blocks: _Optional[int] = ..., kv_pull_bytes: _Optional[int] = ..., kv_pull_seconds: _Optional[float] = ..., kv_pull_failures: _Optional[int] = ..., kv_tier_disk_writes_dropped: _Optional[int] = ..., kv_tier_loads_timed_out: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("model", "workers", "queued_requests", "queued_tokens", "metrics_address", "http_address")

@@ -3,7 +3,8 @@
 host tier and the disk tier instead of being computed; the disk tier serves hits after a
 `kill -9` of the worker (a request in flight then is retried, not lost); a damaged disk
 entry is dropped and its tokens computed; the router's KV-aware routing sees which tier
-holds which prefix, across the restart. On the decode worker, a history its pool
+holds which prefix, across the restart; a disk frozen mid-load costs the requests
+that hit it their load budget only. On the decode worker, a history its pool
 evicted loads back from its own host tier for a local prefill of the next turn; with
 kv_pull, a next turn on the prefill worker reads the history from the decode worker
 (every rank its KV heads, for tensor-parallel workers), or over NIXL from the prefill
@@ -137,6 +138,74 @@ def test_evicted_prefix_blocks_load_back_from_host_and_disk_across_a_kill(tmp_pa
         s5 = prefill_status(served)
         assert s5.kv_tier_dropped_blocks == 1 and s5.kv_tier_disk_hit_blocks == 0, s5
         assert s5.prefill_tokens_computed == len(a), s5
+    finally:
+        served.stop()
+
+
+def test_a_disk_frozen_mid_load_costs_its_requests_their_load_budget_only(tmp_path):
+    """The prefill worker's disk stops answering (its disk tier's transfers block, as on
+    a hung mount: a shim put into the worker's process) while three requests whose
+    prefix is on disk arrive: each waits out the 1 s load budget at most, its prompt then
+    computed, and answers HF's tokens; the loads cut are counted; once the disk answers
+    again the worker serves on, every pool free."""
+    start_ray()
+    served = Served(prefill_blocks=20, kv_host_cache_gib=10 * BLOCK_BYTES / GIB,
+                    kv_disk_cache_dir=str(tmp_path / "tier"),
+                    kv_disk_cache_gib=64 * (4096 + BLOCK_BYTES) / GIB,
+                    kv_tier_load_timeout_s=1.0)
+    a, b, c = prompt(0), prompt(1), prompt(2)
+    want = hf_greedy("default", a, MAX_TOKENS)
+    [p] = served.cluster.prefill
+
+    def freeze(worker, on: bool):
+        """In the worker: its disk tier's NIXL transfers block until thawed."""
+        import threading as th
+
+        disk = worker.tiers.disk
+        if on:
+            thawed, agent = th.Event(), disk.agent
+
+            class Frozen:
+                def __getattr__(self, name):
+                    return getattr(agent, name)
+
+                def transfer(self, handle):
+                    thawed.wait(120)
+                    return agent.transfer(handle)
+
+            disk.agent, disk.thaw = Frozen(), thawed
+        else:
+            disk.thaw.set()
+
+    try:
+        start = time.monotonic()
+        assert greedy(served, a) == want
+        cold_s = time.monotonic() - start             # a computed whole
+        greedy(served, b)
+        greedy(served, c)
+        s1 = prefill_status(served)
+        assert s1.kv_tier_disk_blocks == 14, s1        # a's 8 blocks (and more) on disk
+        ray.get(p.__ray_call__.remote(freeze, True), timeout=30)
+        took, results = {}, {}
+
+        def ask(k):
+            t0 = time.monotonic()
+            results[k] = greedy(served, a)
+            took[k] = time.monotonic() - t0
+
+        threads = [threading.Thread(target=ask, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert results == {k: want for k in range(3)}, results
+        s2 = prefill_status(served)
+        assert s2.kv_tier_loads_timed_out >= 1 and s2.kv_tier_disk_hit_blocks == 0, s2
+        # a budget, then a's tokens computed (three prompts in a batch, a fair share of
+        # the two cores beside the cold run's)
+        assert max(took.values()) < 1.0 + 3 * cold_s + 2.0, (took, cold_s)
+        ray.get(p.__ray_call__.remote(freeze, False), timeout=30)
+        assert greedy(served, c) == hf_greedy("default", c, MAX_TOKENS)
     finally:
         served.stop()
 

@@ -1,12 +1,13 @@
 """The disk KV tier's files (engine/kv_disk_tier.py): what their bytes mean (the
 fingerprint) and under which key (disk_key); the directory, which is
 the operator's (`--kv-disk-cache-dir`), made 0700 when missing and refused when another
-user owns it or it is writable by group or others; a slab is opened with O_NOFOLLOW (a
-link planted where it goes is never followed, nor its target written), held under an
-exclusive flock for the life of its tier, and starts with a file header naming its
-fingerprint, KV format and key (an HMAC of the fingerprint under the key): a worker uses
-only a slab of its own, and one whose slab another live process holds (another
-cluster's worker of the same name sharing the directory) takes the next free name.
+user owns it or it is writable by group or others, and bounded as a whole
+(SlabDirectory: every live slab an equal share; a free one adopted by a new tier of its
+fingerprint, or reclaimed); a slab is opened with O_NOFOLLOW (a link planted where one
+goes is never followed, nor its target written), held under an exclusive flock for the
+life of its tier, and starts with a file header naming its fingerprint, KV format and key
+(an HMAC of the fingerprint under the key): a tier uses only a free slab of its own kind,
+never one another live process holds (another cluster's, sharing the directory).
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import hashlib
 import hmac
 import logging
 import os
+import secrets
 import stat
 import struct
+import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -29,7 +33,6 @@ logger = logging.getLogger(__name__)
 FILE_HEADER = struct.Struct("<8sI32s32s")   # magic, KV format, fingerprint, key tag
 FILE_MAGIC = b"PDKVSLAB"
 FILE_HEADER_BYTES = 4096  # the file's header region; slot 0 follows
-SLAB_NAMES = 8           # names tried per worker and fingerprint (<name>-<fp>[.<i>].kvslab)
 KV_FORMAT_VERSION = 2    # what a block's bytes and a slot's header mean, in the fingerprint
 
 
@@ -86,53 +89,117 @@ def safe_dir(directory: Path) -> Path:
     return directory
 
 
-def open_slab(directory: Path, name: str, fp: bytes, key: bytes, version: int
-              ) -> tuple[Path, int]:
-    """(path, fd) of this worker's slab among its SLAB_NAMES names, opened without
-    following a link and held under an exclusive flock: the first whose file header
-    names this fingerprint, KV format `version` and key (its entries read back), else a
-    name no file holds, else the least recently written of another key's or format's
-    (its entries unreadable here; made empty). A name held by another process, a link, or a file not
-    private to this user is passed over.
+class SlabDirectory:
+    """The disk tier's directory (safe_dir), shared by every worker, rank and cluster
+    whose tiers use it, and bounded as a whole: its slabs, each held under an exclusive
+    flock by the live tier that uses it, take at most `budget_bytes` together
+    (`--kv-disk-cache-gib`), each live slab an equal share (share()). A slab whose tier
+    is gone is free: a new tier of its fingerprint and key adopts it (a restarted or
+    scaled-out worker starts warm), and once it has been free for `reclaim_after_s` a
+    tier short of its share deletes it. Structural changes (claim, share) run under the
+    directory's own lock file, `.lock`.
 
     Raises:
-        OSError: no name is left."""
-    stem = f"{name}-{fp.hex()[:16]}"
-    ours = FILE_HEADER.pack(FILE_MAGIC, version, fp,
-                            hmac.new(key, b"pdserve kv slab" + fp, "sha256").digest())
-    missing, others = [], []          # names no file holds; (mtime, path, fd) held by us
-    try:
-        for i in range(SLAB_NAMES):
-            path = directory / (f"{stem}.kvslab" if i == 0 else f"{stem}.{i}.kvslab")
-            fd = _lock_file(path, create=False)
-            if fd is None:
-                if not os.path.lexists(path):
-                    missing.append(path)
-                continue
-            if os.pread(fd, FILE_HEADER.size, 0) == ours:
-                return path, fd
-            others.append((os.fstat(fd).st_mtime_ns, path, fd))
-        for path in missing:
-            fd = _lock_file(path, create=True)
-            if fd is not None:
+        PermissionError, OSError: as safe_dir."""
+
+    def __init__(self, directory: Path, budget_bytes: int, reclaim_after_s: float = 60.0):
+        self.directory = safe_dir(Path(directory))
+        self.budget_bytes, self.reclaim_after_s = budget_bytes, reclaim_after_s
+
+    @contextmanager
+    def locked(self):
+        """The directory's lock held (claim and share run under it, and the file size
+        changes they lead to)."""
+        fd = os.open(self.directory / ".lock",
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def claim(self, fp: bytes, key: bytes, version: int, stride: int
+              ) -> tuple[Path, int, int]:
+        """(path, fd, slots) of a slab for a tier of fingerprint `fp`, KV format
+        `version` and `key`: a free one whose file header names those (the most
+        recently written: its entries read back), else a new one
+        (`<fingerprint>-<random>.kvslab`); held under our flock, sized to its share
+        (slots of `stride` bytes after the file header; 0 when the directory has no room
+        now: it grows at a later share)."""
+        ours = FILE_HEADER.pack(FILE_MAGIC, version, fp,
+                                hmac.new(key, b"pdserve kv slab" + fp, "sha256").digest())
+        with self.locked():
+            mine, free = None, []
+            try:
+                for path in sorted(self.directory.glob(f"{fp.hex()[:16]}-*.kvslab")):
+                    fd = _lock_file(path, create=False)
+                    if fd is None:
+                        continue
+                    if os.pread(fd, FILE_HEADER.size, 0) == ours:
+                        free.append((os.fstat(fd).st_mtime_ns, path, fd))
+                    else:
+                        os.close(fd)
+                if free:
+                    _, path, fd = mine = max(free)
+                    free.remove(mine)
+            finally:
+                for _, _, other in free:
+                    os.close(other)
+            if mine is None:
+                path = self.directory / f"{fp.hex()[:16]}-{secrets.token_hex(4)}.kvslab"
+                fd = _lock_file(path, create=True)
+                if fd is None:
+                    raise OSError(f"disk KV tier: could not create {path}")
                 os.pwrite(fd, ours, 0)
-                return path, fd
-        if others:
-            _, path, fd = others.pop(min(range(len(others)), key=lambda i: others[i][0]))
-            logger.warning("disk KV tier: %s held another key's or format's entries: "
-                           "emptied", path)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, ours, 0)
-            return path, fd
-    finally:
-        for _, _, fd in others:
-            os.close(fd)                      # their locks go with them
-    raise OSError(f"disk KV tier: no free slab name {stem}[.N].kvslab in {directory}")
+            slots = self.share(path, stride)
+            os.ftruncate(fd, FILE_HEADER_BYTES + slots * stride)
+            return path, fd, slots
+
+    def share(self, own: Path, stride: int) -> int:
+        """How many slots of `stride` bytes slab `own` may have now (call under
+        locked(), and change its size there): budget_bytes over the live slabs (those
+        another tier holds, and `own`), less what the other slabs take: a live one at
+        most its share (it shrinks to it within RESIZE_S, so a new tier has its share
+        at once and the directory is over its bound that long at most), a free one its
+        size until it has been free for reclaim_after_s, when it is deleted (the oldest
+        first) as far as `own`'s share needs the room."""
+        live, live_sizes, others, free = 1, [], 0, []
+        try:
+            for path in self.directory.glob("*.kvslab"):
+                if path == own:
+                    continue
+                try:
+                    st = os.stat(path, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                fd = _lock_file(path, create=False, quiet=True)
+                if fd is None:
+                    live += 1                          # another tier's, in use
+                    live_sizes.append(st.st_size)
+                else:
+                    others += st.st_size
+                    free.append((st.st_mtime, path, fd, st.st_size))
+            target = self.budget_bytes // live
+            room = self.budget_bytes - others - sum(min(n, target) for n in live_sizes)
+            now = time.time()
+            for mtime, path, fd, size in sorted(free):
+                if room >= target or now - mtime < self.reclaim_after_s:
+                    break
+                os.unlink(path)                        # held: no one adopts it meanwhile
+                logger.info("disk KV tier: %s free for %.0f s: reclaimed", path, now - mtime)
+                room += size
+        finally:
+            for _, _, fd, _ in free:
+                os.close(fd)
+        return max((min(target, room) - FILE_HEADER_BYTES) // stride, 0)
 
 
-def _lock_file(path: Path, create: bool) -> int | None:
+def _lock_file(path: Path, create: bool, quiet: bool = False) -> int | None:
     """An fd of `path` under our exclusive flock, or None: missing (unless `create`),
-    a link, not a private regular file of this user's, or locked by another process."""
+    a link, not a private regular file of this user's (logged unless `quiet`), or
+    locked by another process."""
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
     try:
         fd = os.open(path, flags, 0o600)
@@ -143,12 +210,15 @@ def _lock_file(path: Path, create: bool) -> int | None:
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise
-        logger.warning("disk KV tier: %s is a link: not followed, not used", path)
+        if not quiet:
+            logger.warning("disk KV tier: %s is a link: not followed, not used", path)
         return None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         os.close(fd)
-        logger.warning("disk KV tier: %s is not a private file of this user's: not used", path)
+        if not quiet:
+            logger.warning("disk KV tier: %s is not a private file of this user's: not used",
+                           path)
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -36,15 +36,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from .block_pool import BlockHash
-from .kv_disk_files import (FILE_HEADER_BYTES, KV_FORMAT_VERSION, disk_key, fingerprint,
-                            open_slab, safe_dir)
+from .kv_disk_files import (FILE_HEADER_BYTES, KV_FORMAT_VERSION, SlabDirectory, disk_key,
+                            fingerprint)
 
-__all__ = ["DiskTier", "disk_key", "fingerprint", "HEADER_BYTES", "XFER_TIMEOUT_S"]
+__all__ = ["DiskTier", "SlabDirectory", "disk_bytes", "disk_key", "fingerprint", "slot_bytes",
+           "HEADER_BYTES", "XFER_TIMEOUT_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +53,18 @@ MAGIC = b"PDKVSLT2"
 HEADER_BYTES = 4096      # a slot's header region; the block's bytes follow, page-aligned
 XFER_TIMEOUT_S = 30.0    # a disk operation not done by then turns the tier off
 STALL_S = 2.0            # ... one running longer: the disk is behind (module docstring)
+RESIZE_S = 5.0           # a slab is resized to its share of the directory this often
 WRITE_BUFFER_BYTES = 64 << 20   # host memory for the blocks queued to be written
 MAX_WRITE_BUFFERS = 16
 
 
 class DiskTier:
-    """A slab file of `num_blocks` slots under `directory` (kv_disk_files: safe_dir,
-    open_slab), named by `name` and `fp`; its index read back from the slots' headers
-    (those of `fp` only), each entry checked against its MAC under `key` (disk_key) when
-    read. Block bytes move through a NIXL agent with the POSIX backend, between the file
+    """A slab file of `directory` (kv_disk_files.SlabDirectory.claim: a free one of `fp`
+    and `key` adopted, else a new one), of as many slots as its share of the
+    directory's budget holds, resized to the share every RESIZE_S (entries of slots a
+    shrink cuts are forgotten); its index read back from the slots' headers (those of
+    `fp` only), each entry checked against its MAC under `key` (disk_key) when read.
+    `name` names its NIXL agent. Block bytes move through a NIXL agent with the POSIX backend, between the file
     and registered host buffers, on the tier's thread (see the module docstring); `lock`
     guards the index against readers on others (KVTiers.lookup). `on_change(stored,
     hash)` is called, under `lock`, for each entry the index gains or loses (those read
@@ -75,7 +78,7 @@ class DiskTier:
         OSError: the file cannot be created or opened.
     """
 
-    def __init__(self, directory: Path, name: str, num_blocks: int, block_bytes: int,
+    def __init__(self, directory: SlabDirectory, name: str, block_bytes: int,
                  fp: bytes, lock: threading.Lock,
                  on_change: Callable[[bool, BlockHash], None] = lambda stored, h: None,
                  key: bytes | None = None):
@@ -84,12 +87,12 @@ class DiskTier:
         if nixl is None:
             raise RuntimeError("--kv-disk-cache-dir needs NIXL's POSIX backend: "
                                "pip install 'pdserve[nixl]'")
-        self.num_blocks, self.block_bytes, self.fp = num_blocks, block_bytes, fp
+        self.block_bytes, self.fp, self.dir = block_bytes, fp, directory
         self.key = key if key is not None else disk_key(None)
-        self.stride = HEADER_BYTES + -(-block_bytes // 4096) * 4096
-        self.path, self.fd = open_slab(safe_dir(Path(directory)), name, fp, self.key,
-                                       KV_FORMAT_VERSION)
-        os.ftruncate(self.fd, self.slot_offset(num_blocks))
+        self.stride = slot_bytes(block_bytes)
+        self.path, self.fd, num_blocks = directory.claim(fp, self.key, KV_FORMAT_VERSION,
+                                                         self.stride)
+        self.num_blocks = num_blocks
         self.staging = torch.empty(block_bytes, dtype=torch.uint8)   # reads land here
         n_buffers = max(2, min(MAX_WRITE_BUFFERS, WRITE_BUFFER_BYTES // block_bytes))
         self.write_buffers = torch.empty((n_buffers, block_bytes), dtype=torch.uint8)
@@ -114,6 +117,7 @@ class DiskTier:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._queued = 0             # jobs put and not yet done (idle)
         self._busy_since: float | None = None   # time.monotonic() the running job began
+        self._resized = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kv-disk", daemon=True)
         self._thread.start()
 
@@ -227,12 +231,24 @@ class DiskTier:
             return
         for reg in self._regs:
             self.agent.deregister_memory(reg)
+        try:
+            os.utime(self.fd)           # free from now: reclaim_after_s counts from here
+        except OSError:
+            pass
         os.close(self.fd)
 
     # --- the tier's thread -----------------------------------------------------------
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while True:
+            if time.monotonic() - self._resized >= RESIZE_S:
+                self._resize_to_share()
+            try:
+                job = self._jobs.get(timeout=RESIZE_S)
+            except queue.Empty:
+                continue
+            if job is None:
+                return
             self._busy_since = time.monotonic()
             try:
                 if job[0] == "write":
@@ -248,6 +264,36 @@ class DiskTier:
                 with self._lock:
                     self._queued -= 1
 
+    def _resize_to_share(self) -> None:
+        """The slab to its share of the directory now (SlabDirectory.share), under the
+        directory's lock: a shrink forgets the entries of the slots it cuts."""
+        self._resized = time.monotonic()
+        if self.failed:
+            return
+        try:
+            with self.dir.locked():
+                n = self.dir.share(self.path, self.stride)
+                old = self.num_blocks
+                if n == old:
+                    return
+                with self._lock:
+                    if n < old:
+                        for h in [h for h, slot in self.index.items() if slot >= n]:
+                            del self.index[h]
+                            self._on_change(False, h)
+                        self.free = {slot for slot in self.free if slot < n}
+                    else:
+                        self.free |= set(range(old, n))
+                    self.num_blocks = n
+                os.ftruncate(self.fd, self.slot_offset(n))
+                self.agent.deregister_memory(self._regs[2])
+                self._regs[2] = self.agent.register_memory(
+                    [(0, self.slot_offset(n), self.fd, "kvslab")], "FILE")
+            logger.info("disk KV tier %s: %d -> %d slots (its share of the directory)",
+                        self.path, old, n)
+        except OSError as e:
+            logger.warning("disk KV tier %s: not resized: %s", self.path, e)
+
     def _write(self, h: BlockHash, buf: int) -> None:
         """Write buffer `buf` into a slot under `h`, the least recently used entry's
         when none is free. The header goes last: a write cut short leaves no entry, or
@@ -259,9 +305,12 @@ class DiskTier:
                     return
                 if self.free:
                     slot = self.free.pop()
-                else:
+                elif self.index:
                     old, slot = self.index.popitem(last=False)
                     self._on_change(False, old)
+                else:                     # no slot: the directory has no room for it
+                    self.num_write_drops += 1
+                    return
             base = self.slot_offset(slot)
             try:
                 os.pwrite(self.fd, bytes(HEADER.size), base)        # the old entry is gone
@@ -404,6 +453,16 @@ class DiskTier:
             for h in self.index:
                 self._on_change(False, h)
             self.index.clear()
+
+
+def slot_bytes(block_bytes: int) -> int:
+    """A slot's bytes in a slab: its 4 KiB header and the block's bytes, page-aligned."""
+    return HEADER_BYTES + -(-block_bytes // 4096) * 4096
+
+
+def disk_bytes(num_blocks: int, block_bytes: int) -> int:
+    """The directory budget (bytes) a lone slab of `num_blocks` slots takes."""
+    return FILE_HEADER_BYTES + num_blocks * slot_bytes(block_bytes)
 
 
 class _Read:

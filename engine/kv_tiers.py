@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from .block_pool import BlockHash, BlockPool, EventLog
-from .kv_disk_tier import HEADER_BYTES, DiskTier, fingerprint
+from .kv_disk_tier import DiskTier, SlabDirectory, fingerprint, slot_bytes
 
 __all__ = ["KVTiers", "LoadDone", "TierStats", "fingerprint"]
 
@@ -127,8 +127,11 @@ class KVTiers:
     """A worker's host and disk tiers under `pool`, whose blocks live in `kv_cache`
     [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]; see the module
     docstring. host_gib: the host tier's size (GiB, > 0); disk_dir / disk_gib: the disk
-    tier's directory and size (None / 0: no disk tier); name: the worker's, naming its
-    slab file (one per worker and fingerprint, so a restart finds its own); key: the
+    tier's directory and the directory's bound, shared with every other tier using it
+    (kv_disk_files.SlabDirectory: each live one an equal share; None / 0: no disk tier);
+    reclaim_after_s: how long a slab whose tier is gone is kept for a new tier of its
+    fingerprint to adopt before another may reclaim it; name: the worker's, naming its
+    NIXL agent; key: the
     disk entries' MAC key (kv_disk_tier.disk_key of the cluster secret; None: a random
     one, so nothing is read back after a restart); load_timeout_s: a load's budget, from
     load() to its report (seconds; what is not loaded by then is computed). `notify`
@@ -145,7 +148,8 @@ class KVTiers:
     def __init__(self, pool: BlockPool | None, kv_cache: torch.Tensor, fp: bytes, host_gib: float,
                  disk_dir: str | Path | None = None, disk_gib: float = 0.0,
                  name: str = "worker", notify: Callable[[], None] | None = None,
-                 key: bytes | None = None, load_timeout_s: float = 2.0):
+                 key: bytes | None = None, load_timeout_s: float = 2.0,
+                 reclaim_after_s: float = 60.0):
         self.pool, self.kv_cache = pool, kv_cache
         shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
         self.block_bytes = block_view(kv_cache, 0).numel() * kv_cache.element_size()
@@ -157,13 +161,14 @@ class KVTiers:
         self.disk = None
         self.load_timeout_s = load_timeout_s
         self._lock = threading.Lock()   # the tiers' indexes, events, _pending, _stored, _loaded
-        disk_blocks = 0
+        disk_blocks = 0               # the most the disk tier can hold: the whole budget
         if disk_dir is not None and disk_gib > 0:
-            disk_blocks = max(int(disk_gib * GIB // (HEADER_BYTES + self.block_bytes)), 1)
+            disk_blocks = int(disk_gib * GIB) // slot_bytes(self.block_bytes)
         # (tier, stored?, hash) per change to a tier's index (cache_events)
         self._events = EventLog(4 * (host_blocks + disk_blocks))
-        if disk_blocks:
-            self.disk = DiskTier(Path(disk_dir), name, disk_blocks, self.block_bytes, fp,
+        if disk_dir is not None and disk_gib > 0:
+            self.disk = DiskTier(SlabDirectory(Path(disk_dir), int(disk_gib * GIB),
+                                               reclaim_after_s), name, self.block_bytes, fp,
                                  self._lock,
                                  on_change=lambda stored, h: self._events.append(
                                      ("disk", stored, h)), key=key)

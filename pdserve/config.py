@@ -75,7 +75,11 @@ class WorkerConfig:
                                      # 0: none)
     kv_disk_cache_dir: str | None = None  # a disk KV tier's directory (with the host
                                      # tier), kept across restarts
-    kv_disk_cache_gib: float = 0.0   # ... and its size, GiB
+    kv_disk_cache_gib: float = 0.0   # ... and its size, GiB: the directory's bound, every
+                                     # live worker (TP rank) using it an equal share
+    kv_disk_reclaim_after_s: float = 60.0  # a slab whose worker is gone is kept this long
+                                     # for a new worker of its model to adopt (a scale-out
+                                     # starts warm), then reclaimed (engine/kv_disk_files.py)
     kv_tier_load_timeout_s: float = 2.0  # a tier load's budget: what a slow or hung disk
                                      # has not read by then is computed (engine/kv_tiers.py)
     otlp_traces_endpoint: str | None = None  # this worker's spans of traced requests go
@@ -148,6 +152,9 @@ class WorkerConfig:
         if self.kv_host_cache_gib < 0 or self.kv_disk_cache_gib < 0:
             raise ValueError(f"kv_host_cache_gib={self.kv_host_cache_gib}, kv_disk_cache_gib="
                              f"{self.kv_disk_cache_gib}: must be >= 0 GiB")
+        if not self.kv_disk_reclaim_after_s >= 0:
+            raise ValueError(f"kv_disk_reclaim_after_s={self.kv_disk_reclaim_after_s}: must "
+                             "be >= 0 seconds")
         if not self.kv_tier_load_timeout_s > 0:
             raise ValueError(f"kv_tier_load_timeout_s={self.kv_tier_load_timeout_s}: must be "
                              "> 0 seconds")

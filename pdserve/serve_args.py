@@ -315,7 +315,9 @@ def serve_flags(s: argparse.ArgumentParser) -> None:
                         "are keyed by the cluster secret ($PDSERVE_KV_SECRET keeps them "
                         "across whole-cluster restarts)")
     s.add_argument("--kv-disk-cache-gib", type=float, default=None,
-                   help="the disk KV tier's size in GiB")
+                   help="the disk KV tier directory's size in GiB: every worker (TP rank) "
+                        "using it an equal share, and a slab left by a worker that is gone "
+                        "adopted by the next of its model or reclaimed")
     s.add_argument("--kv-tier-load-timeout-s", type=float, default=None, metavar="S",
                    help="a KV tier load's budget (default 2): what a slow or hung disk has "
                         "not read by then is computed, and the disk's writes are dropped "

@@ -269,8 +269,9 @@ def rank_addresses(ranks, method: str = "kv_address") -> tuple[tuple[str, int], 
 
 def worker_tiers(worker_id: str, config: WorkerConfig, runner, tp: TensorParallel, pool,
                  notify=None):
-    """This rank's KV tiers under its cache (engine/kv_tiers.py): config's host and disk
-    sizes split evenly over the tp.size ranks (each holds its KV heads of every entry);
+    """This rank's KV tiers under its cache (engine/kv_tiers.py): config's host size
+    split evenly over the tp.size ranks (each holds its KV heads of every entry), its
+    disk directory's bound shared by every live slab there (a rank's among them);
     `pool`: rank 0's block pool, None on a follower rank. Raises what KVTiers raises."""
     from .engine.kv_disk_tier import disk_key
     from .engine.kv_tiers import KVTiers, fingerprint
@@ -279,9 +280,10 @@ def worker_tiers(worker_id: str, config: WorkerConfig, runner, tp: TensorParalle
     fp = fingerprint(model.model_id, runner.kv_cache, runner.model_dir, tp.rank, tp.size,
                      tp.kv_heads(model))
     return KVTiers(pool, runner.kv_cache, fp, config.kv_host_cache_gib / tp.size,
-                   config.kv_disk_cache_dir, config.kv_disk_cache_gib / tp.size,
+                   config.kv_disk_cache_dir, config.kv_disk_cache_gib,
                    name=worker_id, notify=notify, key=disk_key(config.kv_secret),
-                   load_timeout_s=config.kv_tier_load_timeout_s)
+                   load_timeout_s=config.kv_tier_load_timeout_s,
+                   reclaim_after_s=config.kv_disk_reclaim_after_s)
 
 
 def model_config(model: str):

@@ -348,7 +348,7 @@ def test_tensor_parallel_workers_keep_their_kv_heads_in_their_own_tiers(tmp_path
         s3 = prefill_status(served)
         assert s3.kv_tier_disk_hit_blocks == FULL_BLOCKS, s3
         assert s3.prefill_tokens_computed == 3, s3     # the tail
-        assert len(list((tmp_path / "tier").iterdir())) == 2   # a slab per rank
+        assert len(list((tmp_path / "tier").glob("*.kvslab"))) == 2   # a slab per rank
         for p in (b, c, prompt(3)):                    # a leaves D's pool, stays in its tiers
             ask(served, p)
         d1, p1 = decode_status(served), prefill_status(served)
@@ -410,7 +410,7 @@ def test_a_prefill_worker_of_two_ranks_pulls_the_history_from_a_decode_worker_of
 def _damage_every_slot(directory) -> None:
     """One byte flipped in every slot's block bytes, every slab file in `directory`
     (a 4 KiB file header, then slots of a 4 KiB header and the block)."""
-    for f in directory.iterdir():
+    for f in directory.glob("*.kvslab"):
         stride = 4096 + -(-BLOCK_BYTES // 4096) * 4096
         with open(f, "r+b") as w:
             for slot in range((f.stat().st_size - 4096) // stride):
@@ -418,3 +418,44 @@ def _damage_every_slot(directory) -> None:
                 byte = w.read(1)
                 w.seek(-1, 1)
                 w.write(bytes([byte[0] ^ 0x5A]))
+
+
+def test_scale_cycles_leave_a_slab_per_live_worker_within_the_directorys_bound(tmp_path):
+    """--kv-disk-cache-gib 0.02 bounds the directory the prefill and decode workers'
+    disk tiers share (tiny Llama): six scale-out / scale-in cycles of the prefill pool,
+    each new prefill worker adopting the slab the last retired one left (a scale-out
+    starts warm: the slabs never number more than the live workers and that one), and
+    once a retired worker's slab has been free for kv_disk_reclaim_after_s, the live
+    workers reclaim it: a slab per live worker, the directory within its bound."""
+    from tiny_models import tiny_model_dir
+
+    start_ray()
+    model = str(tiny_model_dir("llama"))
+    block_bytes = 3 * 2 * 2 * BLOCK * 16 * 4        # 3 layers, K/V, 2 KV heads, 16 dims
+    d, budget = tmp_path / "tier", int(0.02 * GIB)
+    served = Served(model, prefill_blocks=20, decode_blocks=64,
+                    kv_host_cache_gib=4 * block_bytes / GIB, kv_disk_cache_dir=str(d),
+                    kv_disk_cache_gib=0.02, kv_disk_reclaim_after_s=2.0)
+
+    def slabs():
+        return sorted(d.glob("*.kvslab"))
+
+    try:
+        assert len(slabs()) == 2                      # prefill-0's and decode-0's
+        most = 0
+        for cycle in range(6):
+            up = served.client.scale(2, 1, timeout_s=120)
+            assert len(up.started) == 1, up
+            served.generate(prompt(cycle), max_tokens=2, temperature=0, ignore_eos=True)
+            most = max(most, len(slabs()))
+            down = served.client.scale(1, 1, timeout_s=120)
+            assert len(down.retired) == 1, down
+            most = max(most, len(slabs()))
+        assert most <= 3, most                        # a new worker adopted the free slab
+        deadline = time.monotonic() + 60
+        while not (len(slabs()) <= 2 and sum(p.stat().st_size for p in slabs()) <= budget):
+            assert time.monotonic() < deadline, [(p.name, p.stat().st_size) for p in slabs()]
+            time.sleep(0.2)
+    finally:
+        served.stop()
+    assert sum(p.stat().st_size for p in slabs()) <= budget

@@ -8,6 +8,7 @@ first and last MiB and its mtime kept, changes the fingerprint, so nothing of th
 model's is read. Every test ends with the pool free."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def cache() -> torch.Tensor:
 
 def tiers(pool, kv, disk_dir, key=KEY, name="t", fp=None, host_blocks=1, disk_blocks=4):
     return KVTiers(pool, kv, fp or fingerprint("m", kv), host_blocks * BLOCK_BYTES / GIB,
-                   disk_dir, disk_blocks * (kv_disk_tier.HEADER_BYTES + BLOCK_BYTES) / GIB,
+                   disk_dir, kv_disk_tier.disk_bytes(disk_blocks, BLOCK_BYTES) / GIB,
                    name=name, key=key)
 
 
@@ -94,21 +95,24 @@ def test_a_slab_of_another_key_is_never_read(tmp_path):
     assert pool.all_free()
 
 
-def test_a_link_planted_where_the_slab_goes_is_not_followed(tmp_path):
+def test_a_link_planted_where_a_slab_goes_is_not_followed(tmp_path):
+    """A link named as a slab of this fingerprint: passed over (never opened through,
+    never reclaimed), its target left as it was; the tier makes its own slab."""
     kv, pool = cache(), BlockPool(NUM_BLOCKS)
     target = tmp_path / "precious"
     target.write_bytes(b"0123456789")
     fp = fingerprint("m", kv)
-    (tmp_path / f"t-{fp.hex()[:16]}.kvslab").symlink_to(target)
+    link = tmp_path / f"{fp.hex()[:16]}-00000000.kvslab"
+    link.symlink_to(target)
     t = tiers(pool, kv, tmp_path, fp=fp)
     try:
-        assert t.disk.path.name == f"t-{fp.hex()[:16]}.1.kvslab"   # the next name
+        assert t.disk.path != link and not t.disk.path.is_symlink()
         hashes, [want] = stored(pool, [kv], t, 3, seed=1)
         n, [got] = loaded(pool, [kv], t, hashes)
         assert n == 3 and torch.equal(got, want)
     finally:
         t.close()
-    assert target.read_bytes() == b"0123456789"
+    assert target.read_bytes() == b"0123456789" and link.is_symlink()
     assert pool.all_free()
 
 
@@ -131,15 +135,21 @@ def test_a_directory_another_user_could_write_is_refused(tmp_path, mode, owner):
     assert pool.all_free()
 
 
-def test_two_clusters_sharing_a_directory_write_two_slabs(tmp_path):
-    """Workers of one name and fingerprint in two clusters (two keys) at once: the
-    second finds the first's slab locked and takes the next name; each serves its own
+def test_two_clusters_sharing_a_directory_write_two_slabs(tmp_path, monkeypatch):
+    """Tiers of one fingerprint in two clusters (two keys) at once: the second never
+    touches the first's slab (held, and another key's) and makes its own; the first
+    shrinks to its share of the directory, the second grows into it; each serves its own
     entries, and after both close each reads back its own."""
+    monkeypatch.setattr(kv_disk_tier, "RESIZE_S", 0.05)
     kv_a, kv_b, pool_a, pool_b = cache(), cache(), BlockPool(NUM_BLOCKS), BlockPool(NUM_BLOCKS)
-    a = tiers(pool_a, kv_a, tmp_path, key=b"a" * 32)
-    b = tiers(pool_b, kv_b, tmp_path, key=b"b" * 32)
+    a = tiers(pool_a, kv_a, tmp_path, key=b"a" * 32, disk_blocks=9)
+    b = tiers(pool_b, kv_b, tmp_path, key=b"b" * 32, disk_blocks=9)
     try:
         assert a.disk.path != b.disk.path
+        deadline = time.monotonic() + 10
+        while not a.disk.num_blocks == b.disk.num_blocks == 4:     # a half each
+            assert time.monotonic() < deadline, (a.disk.num_blocks, b.disk.num_blocks)
+            time.sleep(0.02)
         hashes, [want_a] = stored(pool_a, [kv_a], a, 3, seed=2)
         _, [want_b] = stored(pool_b, [kv_b], b, 3, seed=2)    # the same hashes
         n, [got] = loaded(pool_a, [kv_a], a, hashes)
@@ -151,7 +161,7 @@ def test_two_clusters_sharing_a_directory_write_two_slabs(tmp_path):
         b.close()
     for key, kv, pool, want in ((b"b" * 32, kv_b, pool_b, want_b),
                                 (b"a" * 32, kv_a, pool_a, want_a)):
-        t = tiers(pool, kv, tmp_path, key=key)     # each finds its own slab again
+        t = tiers(pool, kv, tmp_path, key=key, disk_blocks=9)  # each finds its own again
         try:
             n, [got] = loaded(pool, [kv], t, hashes[:2])
             assert n == 2 and torch.equal(got, want[:, :, :2])

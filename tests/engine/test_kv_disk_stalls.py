@@ -39,7 +39,7 @@ class FreezingAgent:
 
 def tiers(pool, kv, disk_dir, load_timeout_s):
     return KVTiers(pool, kv, fingerprint("m", kv), 1 * BLOCK_BYTES / GIB, disk_dir,
-                   8 * (kv_disk_tier.HEADER_BYTES + BLOCK_BYTES) / GIB, name="t",
+                   kv_disk_tier.disk_bytes(8, BLOCK_BYTES) / GIB, name="t",
                    key=b"k" * 32, load_timeout_s=load_timeout_s)
 
 

@@ -30,9 +30,9 @@ KEY = b"k" * 32       # the disk entries' MAC key (kv_disk_tier.disk_key of a se
 
 
 def tiers(pool, kv, host_blocks, disk_dir=None, disk_blocks=0, fp=None, key=KEY, name="t"):
-    from pdserve.engine.kv_disk_tier import HEADER_BYTES
+    from pdserve.engine import kv_disk_tier
     return KVTiers(pool, kv, fp or fingerprint("m", kv), host_blocks * BLOCK_BYTES / GIB,
-                   disk_dir, disk_blocks * (HEADER_BYTES + BLOCK_BYTES) / GIB, name=name,
+                   disk_dir, kv_disk_tier.disk_bytes(disk_blocks, BLOCK_BYTES) / GIB, name=name,
                    key=key)
 
 

@@ -42,10 +42,10 @@ def broken(e: Exception) -> None:
 
 
 def rank_tiers(pool, kv, rank, host_blocks, disk_dir=None, disk_blocks=0) -> KVTiers:
-    from pdserve.engine.kv_disk_tier import HEADER_BYTES
+    from pdserve.engine import kv_disk_tier
     return KVTiers(pool, kv, fingerprint("m", kv, tp_rank=rank, tp_size=2, kv_heads=(rank,)),
                    host_blocks * BLOCK_BYTES / GIB, disk_dir,
-                   disk_blocks * (HEADER_BYTES + BLOCK_BYTES) / GIB, name="t",
+                   kv_disk_tier.disk_bytes(disk_blocks, BLOCK_BYTES) / GIB, name="t",
                    key=b"k" * 32)     # the same across a restart: entries read back
 
 

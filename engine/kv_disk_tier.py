@@ -386,7 +386,9 @@ class DiskTier:
 
     def _clear(self, slot: int) -> None:
         """Clear a forgotten entry's header, then free its slot (a header that cannot be
-        cleared is checked again at a restart)."""
+        cleared is checked again at a restart); a slot a shrink cut since is gone."""
+        if slot >= self.num_blocks:
+            return
         try:
             os.pwrite(self.fd, bytes(HEADER.size), self.slot_offset(slot))
         except OSError as e:

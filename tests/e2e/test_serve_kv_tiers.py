@@ -459,3 +459,49 @@ def test_scale_cycles_leave_a_slab_per_live_worker_within_the_directorys_bound(t
     finally:
         served.stop()
     assert sum(p.stat().st_size for p in slabs()) <= budget
+
+
+def test_a_weight_changed_in_place_serves_no_disk_hit(tmp_path, monkeypatch):
+    """A fine-tune of the same shape written over the same checkpoint (same size, its
+    mtime set back) between two cluster starts that keep one secret: the fingerprint
+    hashes the whole file, so the restarted workers read nothing of the old model's disk
+    entries, and compute the prompt on the new weights (HF's tokens for them)."""
+    from serving import assert_greedy_equals_hf
+    from tiny_models import make_tiny_model
+
+    start_ray()
+    monkeypatch.setenv("PDSERVE_KV_SECRET", "kept-across-starts")
+    model = make_tiny_model("llama", tmp_path / "model")
+    block_bytes = 3 * 2 * 2 * BLOCK * 16 * 4        # 3 layers, K/V, 2 KV heads, 16 dims
+    kw = dict(prefill_blocks=20, kv_host_cache_gib=4 * block_bytes / GIB,
+              kv_disk_cache_dir=str(tmp_path / "tier"),
+              kv_disk_cache_gib=64 * (4096 + block_bytes) / GIB,
+              decode_kw=dict(kv_host_cache_gib=0, kv_disk_cache_dir=None, kv_disk_cache_gib=0))
+    a, b = prompt(0), prompt(1)
+
+    def ask(served, p):
+        return served.generate(p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)[0]
+
+    served = Served(str(model), **kw)
+    try:
+        ask(served, a)
+        ask(served, b)                                 # a's blocks go to the disk tier
+        assert prefill_status(served).kv_tier_disk_blocks >= FULL_BLOCKS
+    finally:
+        served.stop()
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 4096, 4):
+        data[i] ^= 0x01                                # low mantissa bits of ~1k weights
+    weights.write_bytes(data)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights.stat().st_size == st.st_size
+    served = Served(str(model), **kw)
+    try:
+        got = ask(served, a)
+        s = prefill_status(served)
+        assert s.kv_tier_disk_hit_blocks == 0 and s.prefill_tokens_computed == len(a), s
+        assert_greedy_equals_hf(str(model), a, got)   # the new weights' answer
+    finally:
+        served.stop()

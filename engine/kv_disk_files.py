@@ -95,8 +95,9 @@ class SlabDirectory:
     flock by the live tier that uses it, take at most `budget_bytes` together
     (`--kv-disk-cache-gib`), each live slab an equal share (share()). A slab whose tier
     is gone is free: a new tier of its fingerprint and key adopts it (a restarted or
-    scaled-out worker starts warm), and once it has been free for `reclaim_after_s` a
-    tier short of its share deletes it. Structural changes (claim, share) run under the
+    scaled-out worker starts warm), and once it has been free for `reclaim_after_s` (by
+    its mtime: a live tier touches its slab every few seconds) a tier short of its share
+    deletes it. Structural changes (claim, share) run under the
     directory's own lock file, `.lock`.
 
     Raises:

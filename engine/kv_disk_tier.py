@@ -271,6 +271,10 @@ class DiskTier:
         if self.failed:
             return
         try:
+            # alive: the slab's mtime is never older than RESIZE_S while its tier lives,
+            # so one whose worker was killed counts as free from its death on
+            # (SlabDirectory.share's reclaim_after_s), not from its last write
+            os.utime(self.fd)
             with self.dir.locked():
                 n = self.dir.share(self.path, self.stride)
                 old = self.num_blocks

@@ -123,7 +123,8 @@ def generate_requests(vocab_size: int, max_model_len: int) -> st.SearchStrategy[
     over_grpc = st.tuples(units, st.integers(1, 4096)).map(
         lambda t: t[0] * ((GRPC_MAX_BYTES + t[1]) // len(t[0].encode()) + 1))
 
-    request_id = st.one_of(st.just(""), odd_text)   # weights in `requests` below
+    # a valid id is printable (router/validation.py); odd ones that are not are bad ids
+    request_id = st.one_of(st.just(""), odd_text.filter(str.isprintable))  # weights below
     # Multi-byte characters: up to the limit in characters, up to 4x over it in UTF-8 bytes.
     long_request_id = st.text(st.characters(codec="utf-8", min_codepoint=0x800),
                               min_size=MAX_REQUEST_ID_BYTES // 4, max_size=MAX_REQUEST_ID_BYTES)
@@ -133,7 +134,8 @@ def generate_requests(vocab_size: int, max_model_len: int) -> st.SearchStrategy[
                          "😀" * MAX_REQUEST_ID_BYTES, "é" * MAX_REQUEST_ID_BYTES, "#", "a#b",
                          "\x00", "r\nWARNING pdserve.router.attempt: forged", "\x1b[2J",
                          "a\u2028b"]),
-        repeated(st.integers(MAX_REQUEST_ID_BYTES // 4, 2 << 20)))
+        repeated(st.integers(MAX_REQUEST_ID_BYTES // 4, 2 << 20)),
+        odd_text.filter(lambda t: not t.isprintable()))
 
     @st.composite
     def _texts(draw):

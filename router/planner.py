@@ -4,7 +4,8 @@ Scaler.scale as Admin.Scale (router/scaling.py: new workers pair before they ser
 retired ones drain or move their requests on, so nothing is lost).
 
     observe   the interval's arrivals (admitted requests, their prompt tokens and
-              max_tokens, admission.py), finished requests' output tokens and
+              max_tokens, admission.py), the requests still waiting for their first
+              token at its end, finished requests' output tokens and
               max_tokens, tokens streamed, mean TTFT and ITL (metrics.RouterTotals),
               each worker's model steps (WorkerStatus.step_stats) and the decode
               workers' KV blocks in use
@@ -23,7 +24,10 @@ all taken over the last `HISTORY` intervals:
   DistServe models prefill (Zhong et al., OSDI 2024, section 3.1: mean TTFT = D +
   R D^2 / (2 (1 - R D)) at arrival rate R and service time D), so it meets the TTFT
   target up to utilization rho* = 2 (x - 1) / (2 x - 1), x = target / s; the pool needs
-  (prompt tokens/s) / (mu rho*) workers.
+  (prompt tokens/s) / (mu rho*) workers. The prompt tokens waiting for prefill at the
+  interval's end count as its load when they are more than its arrivals': clients that
+  wait on a long queue (a closed loop, a client's own concurrency limit) send nothing
+  while they wait, and a window without arrivals would shrink the pool they wait on.
 - decode: a step of B tokens (one per decoding row) takes t(B) = a + b B (least
   squares over the steps); one worker holds B* = (ITL target - a) / b tokens per step
   within the target, generating B* / target tokens/s; the pool needs (arrivals/s x
@@ -76,6 +80,8 @@ class Interval:
     num_decode: int
     requests: int                     # admitted in it
     prompt_tokens: int                # of those requests
+    queued_requests: int              # admitted, still waiting for a first token, at its end
+    queued_tokens: int                # their prompt tokens
     output_len: float | None          # mean output tokens of the requests finished in it
                                       # (None: none yet, ever)
     output_share: float | None        # tokens / max_tokens of the requests completed in it
@@ -107,8 +113,11 @@ def size(iv: Interval, cfg: PlannerConfig) -> Plan:
     exceed `cfg.budget`, the budget is shared in proportion to them."""
     why = [f"{iv.requests} req in {iv.seconds:.1f}s"]
     p_need = d_need = 0.0
-    if iv.requests:
+    if iv.queued_requests:
+        why.append(f"queued {iv.queued_requests} ({iv.queued_tokens} tok)")
+    if iv.requests or iv.queued_requests:
         p_need = _prefill_need(iv, cfg.slo_ttft_ms / 1e3, why)
+    if iv.requests or iv.tokens_after_first:      # streams still running count
         d_need = _decode_need(iv, cfg.slo_itl_ms / 1e3, why)
     if iv.kv_blocks_per_decode:
         d_need = max(d_need, iv.kv_blocks_used / (KV_HEADROOM * iv.kv_blocks_per_decode))
@@ -132,16 +141,19 @@ def size(iv: Interval, cfg: PlannerConfig) -> Plan:
 
 
 def _prefill_need(iv: Interval, target: float, why: list[str]) -> float:
-    """Prefill workers for iv's prompt tokens/s at a mean TTFT of `target` seconds:
-    M/D/1 per worker, the target corrected by observed / expected TTFT."""
-    if iv.prompt_tokens == 0:                 # every prompt prefilled on decode workers
+    """Prefill workers for iv's prompt tokens/s (its arrivals', or the queue's at its
+    end if more) at a mean TTFT of `target` seconds: M/D/1 per worker, the target
+    corrected by observed / expected TTFT."""
+    tokens = max(iv.prompt_tokens, iv.queued_tokens)
+    if tokens == 0:                           # no prompt tokens to prefill
         return 0.0
     if iv.prefill_steps.line() is None:       # no prefill measured yet: hold the pool
         return float(iv.num_prefill)
-    isl = iv.prompt_tokens / iv.requests
+    isl = (iv.prompt_tokens / iv.requests if iv.requests
+           else iv.queued_tokens / iv.queued_requests)
     mu = iv.prefill_steps.x / iv.prefill_steps.seconds     # tokens per busy second
     service = isl / mu                                     # s: one prompt alone
-    load = iv.prompt_tokens / iv.seconds                   # tokens/s
+    load = tokens / iv.seconds                             # tokens/s
     rho_now = load / (mu * iv.num_prefill)
     expected = service * (1 + rho_now / (2 * (1 - rho_now))) if rho_now < 1 else None
     corrected = _correct(target, iv.ttft_s, expected, "TTFT", why)
@@ -341,6 +353,8 @@ class Planner:
         return Interval(
             seconds=max(t1 - t0, 1e-3), num_prefill=len(prefill), num_decode=len(decode),
             requests=req1 - req0, prompt_tokens=max(tok1 - tok0, 0),
+            queued_requests=self.admission.queued_requests,
+            queued_tokens=self.admission.queued_tokens,
             output_len=self._output_len, output_share=self._output_share,
             max_output_len=(amax1 - amax0) / (req1 - req0) if req1 > req0 else 0.0,
             ttft_s=(ttft1 - ttft0) / (nttft1 - nttft0) if nttft1 > nttft0 else None,

@@ -35,6 +35,8 @@ def interval(requests=10, isl=500, osl=100, seconds=10.0, p=1, d=1, ttft=None, i
              used=0, **kw) -> Interval:
     return Interval(seconds=seconds, num_prefill=p, num_decode=d, requests=requests,
                     prompt_tokens=requests * isl, output_len=osl, ttft_s=ttft, itl_s=itl,
+                    queued_requests=kw.get("queued", 0),
+                    queued_tokens=kw.get("queued", 0) * kw.get("queued_isl", isl),
                     kv_blocks_used=used, kv_blocks_per_decode=1000,
                     tokens_after_first=kw.get("streamed", 0),
                     output_share=kw.get("share"), max_output_len=kw.get("max_out", 0.0),
@@ -111,6 +113,21 @@ def test_no_load_asks_for_the_minimum_and_unmeasured_pools_hold():
     unmeasured = size(interval(p=2, d=3, prefill_steps=StepStats(), decode_steps=StepStats()),
                       CFG)
     assert (unmeasured.num_prefill, unmeasured.num_decode) == (2, 3)
+
+
+def test_a_queue_without_arrivals_holds_its_pools():
+    # clients waiting on six queued 800-token prompts send nothing (a closed loop): a
+    # window of no arrivals still needs the prefill pool that queue waits on, and
+    # streams still running need their decode pool
+    plan = size(interval(requests=0, p=2, d=2, seconds=6.0, queued=6, queued_isl=800,
+                         streamed=3000), CFG)
+    assert plan.prefill_needed == pytest.approx(4800 / 6.0 / (1000 * 0.75))   # x = 2.5
+    assert plan.decode_needed == pytest.approx(3000 / 6.0 / (20 / 0.060))     # B* = 20
+    assert (plan.num_prefill, plan.num_decode) == (2, 2), plan
+    assert "queued 6 (4800 tok)" in plan.why
+    # the queue counts only when it is more than the window's arrivals
+    busy = size(interval(requests=40, isl=500, queued=2), CFG)
+    assert busy.prefill_needed == size(interval(requests=40, isl=500), CFG).prefill_needed
 
 
 def test_the_budget_is_shared_by_need():

@@ -366,12 +366,11 @@ class PrefillWorker(EngineActor):
         """Release every request whose transfer ended (the connector's poll) once no
         rank 1..N-1 still sends it (PrefillRanks.sending; every one once the ranks
         stopped): until then its blocks stay out of the pool, so no step, tier load or
-        pull writes a block a rank reads. A failed one's call raises at once (a sent
-        one was answered at DONE: connector on_done)."""
-        for req in self.connector.get_finished():
-            if req.finish is not None:
-                self._resolve(req, error=req.finish.error())
-            self._sent.append(req)
+        pull writes a block a rank reads. A failed one's call raises once its blocks
+        are back, or at once while a rank still sends it (a sent one was answered at
+        DONE: connector on_done)."""
+        finished = self.connector.get_finished()
+        self._sent.extend(finished)
         sending = [r for r in self._sent if not ranks_stopped and self.tp_ranks is not None
                    and self.tp_ranks.sending(r.request_id)]
         for req in self._sent:
@@ -385,3 +384,6 @@ class PrefillWorker(EngineActor):
                 state = RequestState.FINISHED_ERROR
             self.scheduler.release(req, state)
         self._sent = sending
+        for req in finished:
+            if req.finish is not None:
+                self._resolve(req, error=req.finish.error())

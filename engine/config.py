@@ -9,8 +9,10 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:          # torch is imported where a dtype is built: the router reads
+    import torch           # ModelConfig and CacheConfig's geometry without it
 
 # Architectures the paged model implements (engine/model.py) and what differs among them.
 SUPPORTED_ARCHITECTURES = {
@@ -171,7 +173,7 @@ class CacheConfig:
 
     num_blocks: int
     block_size: int = 16         # tokens per block
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = field(default_factory=lambda: _torch().float32)
     device: str = "cpu"
 
     def __post_init__(self):
@@ -182,11 +184,19 @@ class CacheConfig:
 
     def bytes_per_block(self, model: ModelConfig) -> int:
         """KV bytes of one block across all layers (K and V)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return model.num_layers * 2 * self.block_size * model.num_kv_heads * model.head_dim * elem
 
     @staticmethod
     def blocks_for_bytes(model: ModelConfig, nbytes: int, block_size: int = 16,
-                         dtype: torch.dtype = torch.float32) -> int:
-        per = CacheConfig(1, block_size, dtype).bytes_per_block(model)
+                         dtype: torch.dtype | None = None) -> int:
+        """Blocks of `block_size` tokens (dtype: float32 when None) in `nbytes` bytes,
+        at least 1."""
+        per = CacheConfig(1, block_size, dtype or _torch().float32).bytes_per_block(model)
         return max(1, nbytes // per)
+
+
+def _torch():
+    import torch
+
+    return torch

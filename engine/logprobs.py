@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:       # messages.py carries TokenLogprobs to the router, which has no torch
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,8 @@ class Captured:
         out: list[TokenLogprobs | None] = [None] * self.batch
         if not self.rows:
             return out
+        import torch
+
         lp = self.logprobs                                          # [m, vocab]
         picked = torch.tensor([tokens[i] for i in self.rows], device=lp.device)
         chosen = lp.gather(1, picked[:, None])                      # [m, 1]
@@ -65,6 +69,8 @@ class Captured:
 def capture(logits: torch.Tensor, params: Sequence[SamplingParams]) -> Captured:
     """Log-softmax [rows asking, vocab] float32 of the rows of ``logits`` [batch, vocab]
     whose params ask for logprobs (a copy: sample() may then edit ``logits``)."""
+    import torch
+
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     lp = (torch.log_softmax(logits[rows].float(), dim=-1) if rows
           else logits.new_empty(0, logits.shape[-1]))

@@ -41,9 +41,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:         # the router parses and checks grammars without torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -156,12 +157,13 @@ class Grammars:
         return mask
 
 
-@torch.inference_mode()   # the model's logits are inference tensors
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """-inf, in place, on every token of ``logits`` [batch, vocab] whose bit in
     ``bitmask`` [batch, ceil(vocab / 32)] int32 is clear."""
+    import torch
     import xgrammar as xgr
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+    with torch.inference_mode():          # the model's logits are inference tensors
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
 
 
 def grammar(so: StructuredOutput) -> Any:

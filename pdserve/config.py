@@ -6,13 +6,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from .engine.config import CacheConfig
 from .engine.schedule_policy import POLICIES
 from .router.config import PlannerConfig, RouterConfig  # noqa: F401  (re-exported)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")     # WorkerConfig.dtype's choices
+
+
+def torch_dtype(name: str):
+    """The torch.dtype of a WorkerConfig.dtype name (torch is imported here, not at this
+    module's import: the router and the CLI read configs without it)."""
+    import torch
+
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)
@@ -119,8 +125,8 @@ class WorkerConfig:
         if self.schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy={self.schedule_policy!r}: choose one of "
                              f"{', '.join(POLICIES)}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(_DTYPES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
         if self.host in ("0.0.0.0", "::", ""):
             raise ValueError(f"host={self.host!r}: the KV port binds to the worker's own "
                              "cluster address, never every interface; give that address or "
@@ -191,7 +197,8 @@ class WorkerConfig:
         """The KV cache's geometry; num_kv_blocks must be resolved first
         (kv_memory.resolve_kv_blocks)."""
         assert self.num_kv_blocks is not None, "num_kv_blocks unresolved: resolve_kv_blocks"
-        return CacheConfig(self.num_kv_blocks, self.block_size, _DTYPES[self.dtype], self.device)
+        return CacheConfig(self.num_kv_blocks, self.block_size, torch_dtype(self.dtype),
+                           self.device)
 
 
 @dataclass(frozen=True)

@@ -111,9 +111,9 @@ def kv_cache_bytes(config, model) -> tuple[int, str]:
     """
     if config.kv_cache_memory_bytes is not None:
         return config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-    from .config import _DTYPES
+    from .config import torch_dtype
 
-    dtype, tp = _DTYPES[config.dtype], config.tensor_parallel_size
+    dtype, tp = torch_dtype(config.dtype), config.tensor_parallel_size
     cuda = config.device.startswith("cuda")
     total = node_memory_bytes(config.device) - (0 if cuda else NODE_RESERVE_BYTES)
     process = CUDA_CONTEXT_BYTES if cuda else rss_bytes()
@@ -141,13 +141,13 @@ def resolve_kv_blocks(config, model):
     """
     if config.num_kv_blocks is not None:
         return config
-    from .config import _DTYPES
+    from .config import torch_dtype
     from .engine.config import CacheConfig
     from .engine.parallel import kv_head_range
 
     nbytes, how = kv_cache_bytes(config, model)
     tp = config.tensor_parallel_size
-    per_head = (CacheConfig(1, config.block_size, _DTYPES[config.dtype]).bytes_per_block(model)
+    per_head = (CacheConfig(1, config.block_size, torch_dtype(config.dtype)).bytes_per_block(model)
                 // model.num_kv_heads)
     per_block = per_head * sum(len(kv_head_range(model.num_kv_heads, tp, r)) for r in range(tp))
     blocks = nbytes // per_block

@@ -31,8 +31,9 @@ demo: $(KERNELS)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir .site
 
+# --durations: the slowest tests in CI's log, against the suite's 25-minute budget
 test: $(KERNELS) docs
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=30
 
 # A change's inner loop (about 3 minutes on 2 cores): the unit and engine tests, and one
 # end-to-end smoke test (real prompts on the default model through

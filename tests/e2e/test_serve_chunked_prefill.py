@@ -1,5 +1,5 @@
-"""Chunked prefill through the real server: a short prompt sent while a 4k-token prompt
-is being prefilled gets its first token before the long one does; both get HF's tokens
+"""Chunked prefill through the real server: a short prompt sent while a 2k-token prompt
+is being prefilled (4 chunks of 512) gets its first token before the long one does; both get HF's tokens
 (the long one's KV reached D chunk by chunk)."""
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ pytestmark = pytest.mark.slow
 def test_short_prompt_is_not_stuck_behind_a_long_one():
     start_ray()
     # no local prefill on D: the short prompt must go through the prefill worker too
-    # the 4096-token prompt's prefill takes over the default 60 s lease on an AVX2-only
-    # 2-core box (no AVX-512 for the C++ kernels): D's reservation waits 300 s for it
-    served = Served(prefill_blocks=320, decode_blocks=320, local_prefill_max_tokens=0,
+    # the long prompt's prefill takes ~20 s on an AVX2-only 2-core box (no AVX-512 for
+    # the C++ kernels), ~60 s at 4096 tokens: D's reservation waits up to 300 s for it
+    served = Served(prefill_blocks=160, decode_blocks=160, local_prefill_max_tokens=0,
                     router_kw={"max_prefill_queue_tokens": 0},   # nor when P is backed up
                     decode_kw={"lease_s": 300.0})
     try:
-        long = [1000 + (i * 37) % 20000 for i in range(4096)]
+        long = [1000 + (i * 37) % 20000 for i in range(2048)]
         short = [17 + i for i in range(40)]
         first_token_at, long_got = {}, []
 

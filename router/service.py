@@ -163,8 +163,10 @@ def parse_request(data: bytes) -> pb.GenerateRequest:
 
     Raises:
         InvalidRequestError: the bytes are not a GenerateRequest (e.g. invalid UTF-8 in a
-            string field, a truncated field), with the parser's message.
+            string field, a truncated field), with the parser's message; a request_id
+            over its bound, before any parse (validation.request_id_on_wire).
     """
+    validation.request_id_on_wire(data)
     try:
         return pb.GenerateRequest.FromString(data)
     except DecodeError as e:

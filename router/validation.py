@@ -207,6 +207,49 @@ def resume_token_ids(req, params: SamplingParams, prompt_len: int, vocab_size: i
     return ids
 
 
+def request_id_on_wire(data: bytes) -> None:
+    """Refuse a serialized GenerateRequest whose request_id (field 1) is over
+    MAX_REQUEST_ID_BYTES, from the field's length prefix, before the bytes are parsed:
+    an 8 MiB id then costs the router no parsed copy and no str of it (4 such requests
+    in flight held ~100 MB otherwise). Only the top-level fields are walked (a tag and a
+    length each: the prompt's tokens are one packed field); bytes it cannot walk are
+    left to the parser, which names what is wrong.
+
+    Raises:
+        InvalidRequestError: a request_id field longer than MAX_REQUEST_ID_BYTES bytes.
+    """
+    view, pos, end = memoryview(data), 0, len(data)
+
+    def varint(i: int) -> tuple[int, int]:
+        """(value, next position); position past `end` when truncated."""
+        value = shift = 0
+        while i < end and shift < 64:
+            b = view[i]
+            value |= (b & 0x7F) << shift
+            i, shift = i + 1, shift + 7
+            if not b & 0x80:
+                return value, i
+        return 0, end + 1
+
+    while pos < end:
+        tag, pos = varint(pos)
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            _, pos = varint(pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        elif wire == 2:
+            n, pos = varint(pos)
+            if field == 1 and n > MAX_REQUEST_ID_BYTES and pos <= end:
+                raise InvalidRequestError(
+                    "request_id", f"at most {MAX_REQUEST_ID_BYTES} bytes UTF-8, got {n}")
+            pos += n
+        else:                           # groups: the parser's to judge
+            return
+
+
 def request_id(req) -> str | None:
     """The client's request_id, or None to generate one. It names the request in every
     log line of its request (pdserve/tracing.py RequestInLogs), so it holds printable

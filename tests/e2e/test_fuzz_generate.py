@@ -60,6 +60,7 @@ def served(model):
 def _expected_error(req, tokenizer, cfg) -> str | None:
     """The INVALID_ARGUMENT message the router's validation gives `req`, or None."""
     try:
+        validation.request_id_on_wire(req.SerializeToString())   # before the parse
         validation.request_id(req)
         ids = validation.prompt_token_ids(req, tokenizer, cfg.vocab_size, cfg.max_model_len)
         validation.sampling_params(req, len(ids), cfg.max_model_len, cfg.vocab_size,

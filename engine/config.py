@@ -173,7 +173,7 @@ class CacheConfig:
 
     num_blocks: int
     block_size: int = 16         # tokens per block
-    dtype: torch.dtype = field(default_factory=lambda: _torch().float32)
+    dtype: torch.dtype = field(default_factory=lambda: torch_dtype("float32"))
     device: str = "cpu"
 
     def __post_init__(self):
@@ -192,11 +192,17 @@ class CacheConfig:
                          dtype: torch.dtype | None = None) -> int:
         """Blocks of `block_size` tokens (dtype: float32 when None) in `nbytes` bytes,
         at least 1."""
-        per = CacheConfig(1, block_size, dtype or _torch().float32).bytes_per_block(model)
+        per = CacheConfig(1, block_size, dtype or torch_dtype("float32")).bytes_per_block(model)
         return max(1, nbytes // per)
 
 
-def _torch():
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch.dtype named `name` ("float32", "bfloat16", "float16": WorkerConfig.dtype's
+    choices). torch is imported here, not at this module's import: the router and the
+    CLI read configs without it.
+
+    Raises:
+        AttributeError: torch has no dtype of that name."""
     import torch
 
-    return torch
+    return getattr(torch, name)

@@ -6,19 +6,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-from .engine.config import CacheConfig
+from .engine.config import CacheConfig, torch_dtype
 from .engine.schedule_policy import POLICIES
 from .router.config import PlannerConfig, RouterConfig  # noqa: F401  (re-exported)
 
 DTYPES = ("float32", "bfloat16", "float16")     # WorkerConfig.dtype's choices
-
-
-def torch_dtype(name: str):
-    """The torch.dtype of a WorkerConfig.dtype name (torch is imported here, not at this
-    module's import: the router and the CLI read configs without it)."""
-    import torch
-
-    return getattr(torch, name)
 
 
 @dataclass(frozen=True)

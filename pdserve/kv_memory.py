@@ -111,7 +111,7 @@ def kv_cache_bytes(config, model) -> tuple[int, str]:
     """
     if config.kv_cache_memory_bytes is not None:
         return config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-    from .config import torch_dtype
+    from .engine.config import torch_dtype
 
     dtype, tp = torch_dtype(config.dtype), config.tensor_parallel_size
     cuda = config.device.startswith("cuda")
@@ -141,8 +141,7 @@ def resolve_kv_blocks(config, model):
     """
     if config.num_kv_blocks is not None:
         return config
-    from .config import torch_dtype
-    from .engine.config import CacheConfig
+    from .engine.config import CacheConfig, torch_dtype
     from .engine.parallel import kv_head_range
 
     nbytes, how = kv_cache_bytes(config, model)

@@ -34,7 +34,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from typing import TypeVar
 
@@ -238,7 +238,8 @@ def _param_path(loc) -> str | None:
 
 def build_app(router) -> FastAPI:
     """The FastAPI app serving the OpenAI-compatible API through `router` (a Router, or
-    anything with its model_name, config, metrics, prefill, decode and generate()).
+    anything with its model_name, config, metrics, heap_trim, prefill, decode and
+    generate()).
     Security and limits come from router.config.router: api_key (every path but
     /health needs `Authorization: Bearer <key>`, or the admin key, else 401) and
     max_request_bytes
@@ -248,6 +249,7 @@ def build_app(router) -> FastAPI:
     app = FastAPI(title="pdserve", openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(_Gate, api_key=rc.api_key, admin_api_key=rc.admin_api_key,
                        max_request_bytes=rc.max_request_bytes,
+                       on_request_end=router.heap_trim.ended,
                        write_timeout_s=rc.stream_stall_timeout_s,
                        on_write_timeout=router.metrics.stalled.inc)
     started = int(time.time())
@@ -307,8 +309,11 @@ class _Gate:
 
     def __init__(self, app, api_key: str | None, max_request_bytes: int,
                  write_timeout_s: float | None = None, on_write_timeout=lambda: None,
-                 admin_api_key: str | None = None):
+                 admin_api_key: str | None = None,
+                 on_request_end: Callable[[int], None] = lambda request_bytes: None):
+        """`on_request_end(bytes read of the body)` once a request read here ended."""
         self.app, self.max_bytes = app, max_request_bytes
+        self.on_request_end = on_request_end
         self.key = api_key.encode() if api_key else None
         self.admin_key = admin_api_key.encode() if admin_api_key else None
         self.write_timeout_s, self.on_write_timeout = write_timeout_s, on_write_timeout
@@ -329,6 +334,13 @@ class _Gate:
         if int(headers.get(b"content-length", b"0") or 0) > self.max_bytes:
             return await too_large(scope, receive, send)
         body = bytearray()
+        try:
+            await self._serve(scope, receive, send, body, too_large)
+        finally:
+            self.on_request_end(len(body))
+
+    async def _serve(self, scope, receive, send, body: bytearray, too_large) -> None:
+        """Read the body into `body` (413 past max_bytes), then hand it to the app."""
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":

@@ -40,6 +40,7 @@ from ..proto import pdserve_pb2 as pb
 from .. import tracing
 from . import admin, membership, validation
 from .admission import Admission
+from .heap import HeapTrim
 from .attempt import Attempts
 from .samples import SampleGroup
 from .placement import Placement
@@ -98,6 +99,8 @@ class Router:
                              self._notify_replicas)
         self.stalls = StallWatch(rc.stream_stall_timeout_s, self.metrics.stalled.inc)
         self._stall_sweep: asyncio.Task | None = None
+        self.heap_trim = HeapTrim()     # large requests' freed buffers back to the OS
+        self._trim: asyncio.Task | None = None
         self.planner = None if config.planner is None else Planner(
             config.planner, self.placement, self.admission, self.metrics, self.scaler.scale)
         self._plan: asyncio.Task | None = None      # serve --planner slo (planner.py)
@@ -145,6 +148,7 @@ class Router:
         self._watch = loop.create_task(admin.watch_workers(self.placement,
                                                            rc.worker_probe_interval_s))
         self._stall_sweep = loop.create_task(self.stalls.run())
+        self._trim = loop.create_task(self.heap_trim.run())
         if self.planner is not None and self.index == 0:     # one planner sizes the pools
             self._plan = loop.create_task(self.planner.run())
         ports = ports or {}
@@ -182,10 +186,10 @@ class Router:
         return self._http.port if self._http is not None else None
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        for task in (self._cache_sync, self._watch, self._plan, self._stall_sweep):
+        for task in (self._cache_sync, self._watch, self._plan, self._stall_sweep, self._trim):
             if task is not None:
                 task.cancel()
-        self._cache_sync = self._watch = self._plan = self._stall_sweep = None
+        self._cache_sync = self._watch = self._plan = self._stall_sweep = self._trim = None
         if self._http is not None:
             await self._http.stop(grace_s)
             self._http = None

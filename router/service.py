@@ -40,7 +40,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
     async def Generate(self, data: bytes, context: grpc.aio.ServicerContext):
         """The request arrives as bytes (see add_generator) and is parsed here."""
-        failed = None
+        failed, request_bytes = None, len(data)
         try:
             async for msg in metered_generate(
                     self.router, functools.partial(parse_request, data),
@@ -51,6 +51,8 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             failed = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except RequestError as e:
             failed = e.code, str(e)
+        finally:
+            self.router.heap_trim.ended(request_bytes)
         # The call's state keeps the AbortError, whose traceback holds this frame, which
         # holds the call's state: a cycle only the garbage collector frees, so nothing
         # large may be in it: aborted outside the handler (else the AbortError chains

@@ -17,6 +17,7 @@ from pdserve.client import Client, make_request
 from pdserve.config import RouterConfig
 from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.proto import pdserve_pb2 as pb
+from pdserve.router.heap import HeapTrim
 from pdserve.router.service import build_server
 
 N = 6
@@ -31,6 +32,7 @@ class Router:
         self.config = SimpleNamespace(router=RouterConfig(), num_routers=1)
         self.metrics = SimpleNamespace(request=lambda: SimpleNamespace(
             tokens=lambda n, sample=0: None, finish=lambda status, prompt_tokens: None))
+        self.heap_trim = HeapTrim(trim=lambda pad: 0)
         self.calls: list[list[int]] = []
         self.cut, self.refuse = cut, refuse
         self.cut_event = threading.Event()

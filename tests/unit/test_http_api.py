@@ -26,6 +26,7 @@ from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.metrics import RouterMetrics
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.router.errors import RequestError
+from pdserve.router.heap import HeapTrim
 from pdserve.router.http_api import build_app, http_status
 
 KEY = "test-key-0123456789"
@@ -50,6 +51,7 @@ class FakeRouter:
         self.config = ClusterConfig(router=RouterConfig(port=0, metrics_port=0, **router_kw))
         self.model_name = MODEL
         self.metrics = RouterMetrics(lambda: 0)
+        self.heap_trim = HeapTrim(trim=lambda pad: 0)
         self.prefill = [SimpleNamespace(available=True)]
         self.decode = [SimpleNamespace(available=True)]
         self.messages = script("Hel", "lo") if messages is None else messages

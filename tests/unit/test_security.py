@@ -18,6 +18,7 @@ from pdserve import cli
 from pdserve.client import Client, make_request
 from pdserve.config import RouterConfig
 from pdserve.proto import pdserve_pb2 as pb
+from pdserve.router.heap import HeapTrim
 from pdserve.router.security import (
     UNAUTHENTICATED_MESSAGE,
     ApiKeyInterceptor,
@@ -128,6 +129,7 @@ class FakeRouter:
     def __init__(self, rc: RouterConfig):
         self.config = SimpleNamespace(router=rc, num_routers=1)
         self.metrics = SimpleNamespace(request=_Timer)
+        self.heap_trim = HeapTrim(trim=lambda pad: 0)
 
     async def generate(self, req, deadline_s):
         yield pb.GenerateResponse(token_ids=[7], text="a")

@@ -17,6 +17,7 @@ from pdserve.client import Client, make_request
 from pdserve.config import RouterConfig
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.router.errors import RequestError
+from pdserve.router.heap import HeapTrim
 from pdserve.router.service import build_server
 from pdserve.router.stalls import StallWatch, watched
 
@@ -85,6 +86,7 @@ class Endless:
         self.metrics = SimpleNamespace(request=lambda: SimpleNamespace(
             tokens=lambda n, sample=0: None, finish=lambda status, prompt_tokens: None))
         self.stalls = StallWatch(timeout_s)
+        self.heap_trim = HeapTrim(trim=lambda pad: 0)
         self.aborted = threading.Event()
         self.sent = 0
 

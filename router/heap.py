@@ -20,8 +20,8 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 class HeapTrim:
-    """Calls malloc_trim(0) once no request of LARGE_REQUEST_BYTES (1 MiB) or more has
-    ended for `quiet_s` seconds since the last such one did.
+    """Calls malloc_trim(0) `quiet_s` seconds (default 1) after the last request of
+    LARGE_REQUEST_BYTES (1 MiB) or more ended, once per such quiet spell.
 
     A request of up to router.max_request_bytes arrives in HTTP/2 frames that gRPC
     reassembles and Python copies into bytes. glibc keeps the freed chunks in its
@@ -43,7 +43,8 @@ class HeapTrim:
         return self._last_end is not None
 
     def ended(self, request_bytes: int) -> None:
-        """A request of `request_bytes` on the wire ended and its buffers are dropped."""
+        """A request of `request_bytes` (bytes on the wire, or of an HTTP body) ended; its
+        buffers are dropped by the time the trim runs, `quiet_s` later."""
         if request_bytes >= LARGE_REQUEST_BYTES:
             self._last_end = time.monotonic()
 

@@ -40,8 +40,8 @@ from ..proto import pdserve_pb2 as pb
 from .. import tracing
 from . import admin, membership, validation
 from .admission import Admission
-from .heap import HeapTrim
 from .attempt import Attempts
+from .heap import HeapTrim
 from .samples import SampleGroup
 from .placement import Placement
 from .planner import Planner

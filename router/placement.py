@@ -11,8 +11,8 @@ deadline.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import math
 import time
 
 import grpc
@@ -21,55 +21,13 @@ import ray
 from ..config import ClusterConfig
 from ..engine.block_pool import blocks_needed
 from ..engine.sampling_params import InvalidRequestError
-from ..messages import StepStats
 from .errors import RequestError
+from .first_token import Eta, FirstTokenTimes
 from .reservation import PlacementWhy, Reservation, RoomQueue
 from .routing import PrefillRouter, PrefixIndex, decode_order
 from .workers import Worker
 
 logger = logging.getLogger(__name__)
-
-
-class FirstTokenTimes:
-    """Per worker that prefills (a prefill worker, or a decode worker for its own
-    prefills), the seconds from sending it a prompt to its first token, modelled as a
-    least-squares line against the prompt tokens it had to compute for it (those
-    queued ahead on it, this prompt's included): `seconds = a + b * tokens`, each
-    observation weighing DECAY times the next one's, so the line follows the worker's
-    load and the machine's. The router's own clock: the queue wait, the prefill steps,
-    the KV transfer and the hops are all in it."""
-
-    DECAY = 0.95          # ~20 first tokens remembered
-    LEARN = 4             # observations a worker's line needs before it predicts
-
-    def __init__(self):
-        self._lines: dict[str, tuple[int, StepStats]] = {}
-
-    def observe(self, worker_id: str, tokens: int, seconds: float) -> None:
-        """A prompt sent to `worker_id` with `tokens` prompt tokens queued there (its
-        own included) had its first token back after `seconds`."""
-        n, s = self._lines.get(worker_id, (0, StepStats()))
-        decayed = StepStats(*(v * self.DECAY for v in s.astuple()))
-        self._lines[worker_id] = n + 1, decayed + StepStats.of(tokens, seconds)
-
-    def predict(self, worker_id: str, tokens: int) -> float | None:
-        """Seconds to the first token of a prompt sent now to `worker_id` with `tokens`
-        prompt tokens then queued there; None before LEARN observations."""
-        n, s = self._lines.get(worker_id, (0, None))
-        if n < self.LEARN or (line := s.line()) is None:
-            return None
-        return line[0] + line[1] * tokens
-
-    def forget(self, worker_id: str) -> None:
-        """Drop the worker's lines (its own, and line(w, lent=True)'s)."""
-        for key in [k for k in self._lines if k.split("+")[0] == worker_id]:
-            del self._lines[key]
-
-    @staticmethod
-    def line(w: Worker, lent: bool = False) -> str:
-        """The key of `w`'s line: a decode worker's prefills on the idle prefill
-        workers' lent cores (`lent`) run faster than on its own and have their own."""
-        return f"{w.worker_id}+lent" if lent else w.worker_id
 
 
 class Placement:
@@ -250,24 +208,24 @@ class Placement:
                 if self.config.num_routers > 1:    # the others' share, as D counts it
                     d.reported_streams(res.num_requests)
                 held.settle(res)
+                self.first_token.sent(held.prefiller.worker_id, prompt_len)
                 return held
             if any(d.available for d in live):
                 return None
             # every one died meanwhile: wait for a restart (available, above)
 
-    SLO_MARGIN = 0.9      # share of the TTFT SLO a prefill worker's predicted time may take
-    COLOCATE_SHARE = 1 / 3  # a prompt a prefill worker alone computes in more than this
-    #                         share of the TTFT SLO is colocated: the decode worker prefills
-    #                         it (chosen on prompt samples 4-5, docs/goodput.md)
+    SLO_MARGIN = 0.9      # share of the TTFT SLO a predicted first token may take
 
-    def prefill_ttft(self, prompt_len: int, queued: bool = True) -> float:
-        """Seconds to the first token of a `prompt_len`-token prompt sent now to the
-        live prefill worker that would answer first (FirstTokenTimes; one with no
-        prediction yet counts as 0), with the prompts queued on it (`queued`) or as if
-        it had none; inf when none is live."""
-        return min((self.first_token.predict(
-            p.worker_id, (p.total_queued_tokens if queued else 0) + prompt_len) or 0.0
-            for p in self.prefill if p.available), default=math.inf)
+    def prefill_eta(self, prompt_len: int) -> Eta | None:
+        """The first token of a `prompt_len`-token prompt on the live prefill worker
+        predicted to answer it first (FirstTokenTimes.eta: the queue it has, and the
+        one its arrival rate builds); None when none is live or one has not learned its
+        line yet."""
+        etas = [self.first_token.eta(p.worker_id, p.worker_id, p.total_queued_tokens,
+                                     prompt_len) for p in self.prefill if p.available]
+        if not etas or any(e is None for e in etas):
+            return None
+        return min(etas, key=lambda e: e.seconds)
 
     def lends_to(self, d: Worker) -> bool:
         """Whether the prefill workers on D's node are idle and would lend D their
@@ -287,39 +245,62 @@ class Placement:
         """Under a TPOT SLO, whether the prompt goes to D (True) or a prefill worker
         (False), or None to leave it to prefill_on_decode's rules. `lent`: lends_to(d).
 
-        With both SLOs (router.slo_tpot_ms, router.slo_ttft_ms):
+        With both SLOs (router.slo_tpot_ms, router.slo_ttft_ms), by the first token
+        predicted on each (Eta.seconds: the later of the worker's queue now and the
+        queue its arrival rate builds; prefill_eta, and D's line for its own prefills,
+        kept apart for those on lent cores):
 
-        - a prompt that the fastest prefill worker, idle, would answer in more than
-          COLOCATE_SHARE of the TTFT SLO goes to D. A prefill worker computes a prompt
-          on its own cores, D on its and the idle prefill workers' lent ones, so where
-          the TTFT SLO leaves one core no room for a queue, the colocated shape (every
-          prompt on D, the prefill workers idle and lending) meets it more often; D's
-          step budget holds its streams to the TPOT SLO meanwhile;
-        - any other goes to a prefill worker whenever the first-token time predicted
-          there (FirstTokenTimes, with its queue) is within SLO_MARGIN of the TTFT SLO,
-          or D's own predicted time for it is later still (its line for the prompts it
-          prefilled under its step budget, kept apart for those on lent cores). D's
-          prefills cost its streams TPOT: the budget holds them within the SLO by
-          computing the prompt in smaller chunks the tighter it is, and a prefill begun
-          on lent cores goes on on D's own once the prefill worker takes a prompt;
-        - the rest (None) follow prefill_on_decode's rules.
+        - D has no streams: the one predicted to answer first (a prefill on D then costs
+          no stream's TPOT; an idle prefill worker lends D its cores);
+        - otherwise a prefill worker when it answers within SLO_MARGIN of the TTFT SLO
+          (D's streams keep their TPOT); else D when D does; else whichever answers
+          this prompt first with the queues there now. A prefill worker whose prompts
+          arrive faster than it computes them (rho >= 1) is never in time, however
+          short its queue is at this moment, so its share of the prompts falls until
+          its queue stops growing;
+        - a line not learned yet (FirstTokenTimes.LEARN first tokens): None, the rules
+          the server follows untold.
 
         Without a TTFT SLO every prompt goes to a prefill worker (any first token is in
-        time). DistServe's placement for the two SLOs; TaiChi (arXiv 2508.01989)
-        switches between the disaggregated and the colocated shape by them the same
-        way."""
+        time). DistServe places by the same two SLOs; the queue is Pollaczek-Khinchine's
+        M/G/1 mean wait (FirstTokenTimes.eta)."""
         rc = self.config.router
         if rc.slo_ttft_ms is None:
             return False
-        slo_s = rc.slo_ttft_ms / 1e3
-        if self.prefill_ttft(prompt_len, queued=False) > self.COLOCATE_SHARE * slo_s:
-            return True          # a prefill worker alone is too slow for it: colocated
-        on_p = self.prefill_ttft(prompt_len)
-        if on_p <= self.SLO_MARGIN * slo_s:
+        on_p = self.prefill_eta(prompt_len)
+        on_d = self.first_token.eta(FirstTokenTimes.line(d, lent), d.worker_id,
+                                    d.queued_tokens, prompt_len)
+        choice = self._slo_rule(on_p, on_d, d.total_streams, rc.slo_ttft_ms / 1e3)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("slo placement %s", json.dumps(self.slo_state(d, prompt_len, lent)
+                                                        | {"choice": choice}))
+        return choice
+
+    def _slo_rule(self, on_p: Eta | None, on_d: Eta | None, d_streams: int,
+                  slo_ttft_s: float) -> bool | None:
+        if on_p is None or on_d is None:
+            return None
+        if d_streams == 0:
+            return on_d.seconds < on_p.seconds
+        in_time = self.SLO_MARGIN * slo_ttft_s
+        if on_p.seconds <= in_time:
             return False
-        on_d = self.first_token.predict(FirstTokenTimes.line(d, lent),
-                                        d.queued_tokens + prompt_len)
-        return False if on_d is not None and on_d >= on_p else None
+        if on_d.seconds <= in_time:
+            return True
+        return on_d.now < on_p.now
+
+    def slo_state(self, d: Worker, prompt_len: int, lent: bool) -> dict:
+        """What slo_choice reads, as plain data (the debug log line `slo placement`, one
+        per choice; tests replay such lines): the prompt, the TTFT SLO, D's streams and
+        queue, and per worker FirstTokenTimes.state with its queued tokens."""
+        line = FirstTokenTimes.line(d, lent)
+        return {"prompt_len": prompt_len, "slo_ttft_ms": self.config.router.slo_ttft_ms,
+                "lent": lent, "d_streams": d.total_streams,
+                "d": {"worker_id": d.worker_id, "line_key": line, "queued": d.queued_tokens,
+                      **self.first_token.state(line, d.worker_id)},
+                "p": [{"worker_id": p.worker_id, "queued": p.total_queued_tokens,
+                       **self.first_token.state(p.worker_id, p.worker_id)}
+                      for p in self.prefill if p.available]}
 
     def prefill_on_decode(self, d: Worker, prompt_len: int) -> bool:
         """Conditional disaggregation: whether the router asks D to prefill the prompt

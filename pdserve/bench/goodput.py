@@ -3,25 +3,32 @@
 own client (`vllm bench serve`, Poisson arrivals, per-request detail).
 
 - **SLO attainment** at a request rate: the share of requests whose TTFT <= SLO_ttft and
-  whose TPOT ((E2E - TTFT) / (output tokens - 1)) <= SLO_tpot; a failed request misses.
+  whose TPOT ((E2E - TTFT) / (output tokens - 1)) <= SLO_tpot; a failed request misses;
+  each rate point sends `requests` (100) requests, its share given with a 95% Wilson
+  interval (knee.wilson).
 - **Goodput** of an arm at an SLO pair: the highest Poisson rate at which attainment is
-  >= `attainment` (0.9), read off the sweep: the last rate before attainment first
-  falls under it, linearly interpolated to the crossing with the next rate.
-- **SLO scale** (DistServe's): both SLOs as multiples of the unloaded latency on this box,
-  measured once per workload on the first arm (vLLM): the median TTFT of lone prompts of
-  the workload's median length and the median TPOT of those lone streams. Attainment
-  at every scale comes from the same runs (the per-request latencies are kept), so
-  sweeping the scale costs no run.
+  >= `attainment` (0.9): the last rate before attainment first falls under it, linearly
+  interpolated to the crossing with the next rate. The rates are found per arm by
+  bisection (knee.py) until each of its SLO pairs' knee is known within `step` (10%)
+  of itself.
+- **SLO pairs**: TTFT scale x TPOT scale (DistServe's scale), each a multiple of the
+  unloaded latency on this box, measured on vLLM at the start of each repetition: the
+  median TTFT of lone prompts of the workload's median length and the median TPOT of
+  those lone streams. An untold arm's points score every pair.
+- **Repetitions** (`reps`, 3): the arms run in turn, their order reversed every other
+  repetition; each figure is the median over repetitions, with the lowest and highest;
+  a ratio to vLLM is taken within a repetition, then its median.
 
-Workloads (prompt text, output tokens; ignore_eos; a rate point's requests never repeat
-a prompt another rate of the same server sent, so no prefix cache carries over):
+Workloads (prompt text, output tokens; ignore_eos; every arm visiting a rate gets that
+rate's prompts, and a server never sees a prompt twice, so no prefix cache carries over:
+Prompts):
 - `chat`: ShareGPT first turns, filtered as vLLM's ShareGPT benchmark (prompt <= 1024
   tokens, prompt + reply <= 2048), the reply's length as output;
 - `summarize`: the longest ShareGPT conversations as text, cut to 1000-1900 tokens,
   after "Summarize the conversation below.", answered in 64-128 tokens;
 - `longanswer`: first-turn prompts of at most 64 tokens, answered in 256-512 tokens.
 
-Arms (a fresh server per arm and workload; arms alternate order by workload):
+Arms (a fresh server per arm, workload and repetition):
 - `vllm`: vLLM at its tuned setting (`pdserve bench peer --tune`), KV as `kv_gib`;
 - `default`: `pdserve serve` as it starts with no flags;
 - `strict`: every prompt on the prefill worker, no core lending
@@ -32,26 +39,27 @@ Arms (a fresh server per arm and workload; arms alternate order by workload):
 - `slo<k>` (e.g. `slo3`): the default told the TPOT SLO of scale k (`--slo-tpot-ms`, k x
   the unloaded TPOT): the decode worker's steps beside running streams stay within it
   (decode_worker/step_budget.py). `slo<k>t<a>` (e.g. `slo1.5t8`) is also told the TTFT
-  SLO of scale a (`--slo-ttft-ms`): the router then keeps every prompt a prefill worker
-  answers in time off the decode worker (router/placement.py). Its figures count at its
+  SLO of scale a (`--slo-ttft-ms`): the router then places each prompt by its predicted
+  first token on each worker (router/placement.py, slo_choice). Its figures count at its
   own scales only; a user tells the server the SLOs the bench scores it by.
+- `told`: `slo<k>t<a>` at every SLO pair of the grid (the default told the SLOs it is
+  scored by).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import random
-import statistics
-import subprocess
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from . import knee
 from .peer import PeerConfig, load_tuning
-from .servers import (Server, VllmSetting, _env, grpc_address, start_pdserve, start_vllm,
-                      vllm_bin)
-from .slo_attainment import grid, grid_table, latencies, plot, slo_scales, summarize, table
+from .servers import (Server, VllmSetting, bench_serve, prefills, start_pdserve, start_vllm,
+                      unloaded, vllm_bin)
+from .slo_attainment import (latencies, pair_name, plot, scored_at, shares, slo_scales,
+                             slos, summarize, table)
 
 ARMS = {
     "vllm": None,
@@ -62,39 +70,56 @@ ARMS = {
                   "--no-lend-idle-prefill-cores", "--max-prefill-queue-tokens", "0"),
 }
 SPARE = 20          # requests drawn beyond the rate points' (the unloaded latency's)
-RATES = {"chat": (0.5, 1.0, 1.5, 2.0, 3.0), "summarize": (0.15, 0.3, 0.45, 0.6, 0.8),
-         "longanswer": (0.25, 0.5, 1.0, 1.5, 2.0)}
+START = {"chat": 1.0, "summarize": 0.3, "longanswer": 0.5}     # req/s, the first point
+FLOOR = {"chat": 0.2, "summarize": 0.1, "longanswer": 0.1}     # a knee under it counts 0
 
 
 @dataclass(frozen=True)
 class GoodputConfig:
     model: str = "default"
-    workloads: tuple[str, ...] = ("chat", "summarize", "longanswer")
-    arms: tuple[str, ...] = ("vllm", "default", "strict", "colocated")
-    rates: dict[str, tuple[float, ...]] = field(default_factory=lambda: dict(RATES))
-    duration_s: float = 60.0          # of arrivals per rate point (at least min_requests)
-    min_requests: int = 30
-    max_requests: int = 120
+    workloads: tuple[str, ...] = ("summarize",)
+    arms: tuple[str, ...] = ("vllm", "default", "told")
+    ttft_scales: tuple[float, ...] = (2, 4, 8)
+    tpot_scales: tuple[float, ...] = (2, 4, 8)
+    reps: int = 3
+    requests: int = 100               # per rate point
+    step: float = 0.1                 # each knee known within this share of itself
+    max_points: int = 12              # rate points per arm and repetition, at most
+    #                                   (0: each arm's unloaded latency only)
+    pool_points: int = 24             # distinct rates a workload's prompts are drawn for
     attainment: float = 0.9
-    scales: tuple[float, ...] = (1.5, 2, 3, 4, 6, 8, 12)
     seed: int = 1                     # Poisson arrivals and prompt draws (0: tuning's)
+    temperature: float = 0.0          # the client's (0: greedy)
     dtype: str = "fp32"
     kv_gib: float = 4.0               # both servers' KV memory
     out_dir: str = "bench/results/goodput"
 
     def __post_init__(self):
-        if bad := {a for a in self.arms if a not in ARMS and slo_scales(a) is None}:
-            raise ValueError(f"arms {sorted(bad)}: choose from {', '.join(ARMS)}, slo<k> "
-                             "or slo<k>t<a>")
-        if any(slo_scales(a) for a in self.arms) and "vllm" not in self.arms[:1]:
-            raise ValueError("slo arms need the unloaded latency: run vllm first")
-        if bad := set(self.workloads) - set(RATES):
-            raise ValueError(f"workloads {sorted(bad)}: choose from {', '.join(RATES)}")
+        if bad := {a for a in self.arms if a not in ARMS and a != "told"
+                   and slo_scales(a) is None}:
+            raise ValueError(f"arms {sorted(bad)}: choose from {', '.join(ARMS)}, told, "
+                             "slo<k> or slo<k>t<a>")
+        if any(a == "told" or slo_scales(a) for a in self.arms) and "vllm" not in self.arms:
+            raise ValueError("slo and told arms are told SLOs scaled on vLLM's unloaded "
+                             "latency: add the vllm arm")
+        if bad := set(self.workloads) - set(START):
+            raise ValueError(f"workloads {sorted(bad)}: choose from {', '.join(START)}")
         if not 0 < self.attainment < 1:
             raise ValueError(f"attainment={self.attainment}: a share in (0, 1)")
+        if self.reps < 1 or self.requests < 1 or self.max_points < 0:
+            raise ValueError("reps and requests: at least 1; max_points: at least 0")
 
-    def num_requests(self, rate: float) -> int:
-        return int(min(max(rate * self.duration_s, self.min_requests), self.max_requests))
+    @property
+    def pairs(self) -> list[tuple[float, float]]:
+        """(TTFT scale, TPOT scale) of every SLO pair scored."""
+        return [(a, b) for a in self.ttft_scales for b in self.tpot_scales]
+
+    def expanded_arms(self) -> list[str]:
+        """The arms with `told` spelt out as slo<k>t<a> per pair."""
+        out: list[str] = []
+        for arm in self.arms:
+            out += ([f"slo{b:g}t{a:g}" for a, b in self.pairs] if arm == "told" else [arm])
+        return list(dict.fromkeys(out))
 
 
 def arm_args(arm: str, unloaded: dict | None) -> tuple[str, ...]:
@@ -107,9 +132,13 @@ def arm_args(arm: str, unloaded: dict | None) -> tuple[str, ...]:
     return ARMS[arm]
 
 
-def workload(name: str, tokenizer, n: int, seed: int) -> list[dict]:
+def workload(name: str, tokenizer, n: int, seed: int, at_most: bool = False) -> list[dict]:
     """`n` requests {"prompt", "output_tokens", "prompt_tokens"} of workload `name` (the
-    module docstring), drawn at random (`seed`)."""
+    module docstring), drawn at random (`seed`); with `at_most`, as many as the data
+    holds when that is fewer.
+
+    Raises:
+        ValueError: fewer than `n` found (and not `at_most`)."""
     from ..sharegpt import conversations, first_turns
 
     rng = random.Random(seed)
@@ -136,7 +165,9 @@ def workload(name: str, tokenizer, n: int, seed: int) -> list[dict]:
                 pool.append({"prompt": prompt, "output_tokens": rng.randint(256, 512)})
             if len(pool) >= 4 * n:
                 break
-    if len(pool) < n:
+    if at_most:
+        n = min(n, len(pool))
+    if len(pool) < n or not pool:
         raise ValueError(f"workload {name}: {len(pool)} requests found, {n} asked for")
     out = rng.sample(pool, n)
     for r in out:                     # as the server counts them (no chat template)
@@ -144,60 +175,60 @@ def workload(name: str, tokenizer, n: int, seed: int) -> list[dict]:
     return out
 
 
-def _client(server: Server, model_dir: str, requests: list[dict], rate: float, seed: int,
-            out: Path, extra: tuple[str, ...] = ()) -> dict:
-    """`vllm bench serve` of `requests` at `rate` (Poisson; inf: a burst) against
-    `server`; returns its result with per-request detail."""
-    data = out.with_suffix(".jsonl")
-    data.parent.mkdir(parents=True, exist_ok=True)
-    data.write_text("".join(json.dumps({"prompt": r["prompt"], "output_tokens": r["output_tokens"]})
-                            + "\n" for r in requests))
-    cmd = [vllm_bin(), "bench", "serve", "--backend", "openai", "--base-url", server.url,
-           "--model", model_dir, "--dataset-name", "custom", "--dataset-path", str(data),
-           "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle",
-           "--num-prompts", str(len(requests)), "--ignore-eos", "--request-rate", f"{rate:g}",
-           "--seed", str(seed), "--save-result", "--save-detailed", "--disable-tqdm",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-           "--result-dir", str(out.parent), "--result-filename", out.name, *extra]
-    r = subprocess.run(cmd, env=_env({}), capture_output=True, text=True, timeout=3600)
-    if r.returncode != 0 or not out.is_file():
-        raise RuntimeError(f"vllm bench serve failed ({r.returncode}):\n{r.stdout[-2000:]}"
-                           f"\n{r.stderr[-2000:]}")
-    return json.loads(out.read_text())
+class Prompts:
+    """A workload's prompts, a slice of `size` per rate: the first time any arm visits a
+    rate, that rate gets the next slice, and every arm and repetition visiting it later
+    gets the same one (so arms are compared on the same requests where they meet, and a
+    server never sees a prompt twice). Once the pool is spent, slices reuse its prompts
+    behind a line naming the slice: its first KV block differs, so no prefix cache
+    carries over."""
+
+    def __init__(self, pool: list[dict], size: int):
+        self.pool, self.size, self._slices = pool, size, {}
+
+    def at(self, rate: float) -> list[dict]:
+        k = self._slices.setdefault(rate, len(self._slices))
+        out = []
+        for i in range(k * self.size, (k + 1) * self.size):
+            r = self.pool[i % len(self.pool)]
+            out.append(r if i < len(self.pool) else
+                       dict(r, prompt=f"(slice {k})\n{r['prompt']}"))
+        return out
 
 
-def prefills(server: Server) -> dict[str, float]:
-    """A pdserve server's count of request attempts by who prefilled them
-    (pdserve_prefills_total: {"prefill_worker": n, "decode_worker": m})."""
-    import urllib.request
+def _sweep(cfg: GoodputConfig, server: Server, model_dir: str, arm: str, w: dict,
+           prompts: Prompts, start: float, floor: float, runs_dir: Path, tag: str,
+           progress) -> None:
+    """The arm's rate points by bisection (knee.search) over the SLO pairs it is scored
+    at, into w["arms"][arm] (and who prefilled each rate's prompts, w["prefills"])."""
+    pairs = [p for p in cfg.pairs if scored_at(arm, *p)]
+    runs = w["arms"][arm] = {}
 
-    from ..client import Client
+    def measure(rate: float) -> None:
+        before = None if arm == "vllm" else prefills(server)
+        res = bench_serve(server, model_dir, prompts.at(rate), rate, cfg.seed,
+                      runs_dir / f"{tag}_{arm}_r{rate:g}.json", cfg.temperature)
+        runs[str(rate)] = lat = latencies(res)
+        line = f"  {arm} {rate:g} req/s: {len(lat)} requests, {res['failed']} failed, " \
+               f"TTFT p90 {res['p90_ttft_ms']:.0f} ms, TPOT mean {res['mean_tpot_ms']:.1f} ms"
+        if before is not None:
+            placed = {k: v - before[k] for k, v in prefills(server).items()}
+            w.setdefault("prefills", {}).setdefault(arm, {})[str(rate)] = placed
+            line += f", prefilled on {placed}"
+        a, b = pairs[0]
+        share = shares({rate: lat}, slos(w, a, b))[rate]
+        lo, hi = knee.wilson(round(share * len(lat)), len(lat))
+        progress(line + f"; {pair_name(a, b)}: {100 * share:.0f}% [{100 * lo:.0f}-"
+                        f"{100 * hi:.0f}]")
 
-    with Client(grpc_address(server.log), timeout_s=30) as c:
-        address = c.status().metrics_address
-    out = {"prefill_worker": 0.0, "decode_worker": 0.0}
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith("pdserve_prefills_total{"):
-                on = line.split('on="')[1].split('"')[0]
-                out[on] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def unloaded(server: Server, model_dir: str, pool: list[dict], spare: list[dict],
-             out: Path) -> dict:
-    """TTFT and TPOT of lone requests of the workload's median prompt length: the
-    three prompts of `spare` (sent at no rate point) nearest `pool`'s median, one at a
-    time."""
-    median = statistics.median(r["prompt_tokens"] for r in pool)
-    lone = sorted(spare, key=lambda r: abs(r["prompt_tokens"] - median))[:3]
-    res = _client(server, model_dir, lone, math.inf, 0, out, ("--max-concurrency", "1"))
-    lat = [x for x in latencies(res) if x is not None]
-    return {"prompt_tokens": median, "ttft_s": statistics.median(x[0] for x in lat),
-            "tpot_s": statistics.median(x[1] for x in lat)}
+    knee.search(measure, lambda: [shares(runs, slos(w, *p)) for p in pairs], start,
+                cfg.attainment, cfg.step, floor, max_points=cfg.max_points)
 
 
 def run(cfg: GoodputConfig, progress=print) -> dict:
+    """Every repetition of every workload and arm (the module docstring); writes
+    OUT_DIR/goodput.json (after each arm, so a long run stopped keeps what it measured)
+    and goodput.md."""
     from transformers import AutoTokenizer
 
     from ..engine.loader import resolve_model
@@ -207,78 +238,108 @@ def run(cfg: GoodputConfig, progress=print) -> dict:
     peer = PeerConfig(model=cfg.model, kv="equal", kv_gib=cfg.kv_gib, out_dir=cfg.out_dir)
     setting = load_tuning("bench/results/peer").get(cfg.dtype, VllmSetting())
     out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     record: dict = {"config": asdict(cfg), "vllm_setting": asdict(setting),
-                    "date": time.strftime("%Y-%m-%d"), "workloads": {}}
+                    "date": time.strftime("%Y-%m-%d"), "reps": []}
+    arms = cfg.expanded_arms()
+    pools = {}
     for w_index, name in enumerate(cfg.workloads):
-        rates = cfg.rates[name]
-        need = sum(cfg.num_requests(r) for r in rates) + SPARE
-        pool = workload(name, tok, need, cfg.seed + w_index)
-        slices, k = {}, 0
-        for r in rates:              # each rate its own prompts
-            slices[r] = pool[k:k + cfg.num_requests(r)]
-            k += len(slices[r])
-        w = record["workloads"][name] = {"rates": list(rates), "arms": {}}
-        # vLLM first (its unloaded latency sets the SLOs), the others in turn order
-        rest = [a for a in cfg.arms if a != "vllm"]
-        arms = [a for a in cfg.arms if a == "vllm"] + (rest if w_index % 2 == 0 else rest[::-1])
-        for arm in arms:
-            log = out / "logs" / f"{name}_{arm}.log"
-            server = (start_vllm(peer, model_dir, cfg.dtype, setting, log) if arm == "vllm"
-                      else start_pdserve(replace(peer, pdserve_args=arm_args(
-                          arm, w.get("unloaded"))), model_dir, cfg.dtype, log))
-            try:
-                progress(f"{name} {arm}: up in {server.startup_s:.0f} s")
-                server.complete(model_dir, "The capital of France is", 8)
-                if "unloaded" not in w:
-                    w["unloaded"] = unloaded(server, model_dir, pool[:k], pool[k:],
-                                             out / "runs" / f"{name}_{arm}_unloaded.json")
-                    w["unloaded"]["arm"] = arm
-                    progress(f"  unloaded: TTFT {w['unloaded']['ttft_s'] * 1e3:.0f} ms, TPOT "
-                             f"{w['unloaded']['tpot_s'] * 1e3:.1f} ms")
-                runs, placed = {}, {}
-                for r in rates:
-                    before = None if arm == "vllm" else prefills(server)
-                    res = _client(server, model_dir, slices[r], r, cfg.seed,
-                                  out / "runs" / f"{name}_{arm}_r{r:g}.json")
-                    runs[r] = latencies(res)
-                    if before is not None:     # who prefilled this rate's prompts
-                        placed[str(r)] = {k: v - before[k] for k, v in prefills(server).items()}
-                    progress(f"  {r:g} req/s: {len(slices[r])} requests, {res['failed']} failed,"
-                             f" TTFT p90 {res['p90_ttft_ms']:.0f} ms,"
-                             f" TPOT mean {res['mean_tpot_ms']:.1f} ms"
-                             + (f", prefilled on {placed[str(r)]}" if str(r) in placed else ""))
-                w["arms"][arm] = {str(r): lat for r, lat in runs.items()}
-                if placed:
-                    w.setdefault("prefills", {})[arm] = placed
-            finally:
-                server.stop()
-    record["summary"] = summarize(record, cfg)
+        pool = workload(name, tok, cfg.requests * cfg.pool_points + SPARE,
+                        cfg.seed + w_index, at_most=True)
+        pools[name] = pool[:SPARE], Prompts(pool[SPARE:], cfg.requests)
+    for rep in range(cfg.reps):
+        order = arms if rep % 2 == 0 else arms[::-1]
+        record["reps"].append({"order": order, "workloads": {}})
+        for name in cfg.workloads:
+            spare, prompts = pools[name]
+            w = record["reps"][-1]["workloads"][name] = {"arms": {}}
+            tag = f"rep{rep}_{name}"
+            # the SLO base: vLLM's unloaded latency in this repetition (its own server
+            # when vLLM's turn comes later), or the first arm's without vLLM
+            turns = (["base"] if "vllm" in order[1:] else []) + order
+            for i, arm in enumerate(turns):
+                system = "vllm" if arm == "base" else arm
+                log = out / "logs" / f"{tag}_{arm}.log"
+                server = (start_vllm(peer, model_dir, cfg.dtype, setting, log)
+                          if system == "vllm" else start_pdserve(replace(
+                              peer, pdserve_args=arm_args(arm, w.get("unloaded"))),
+                              model_dir, cfg.dtype, log))
+                try:
+                    progress(f"rep {rep + 1}/{cfg.reps} {name} {arm}: up in "
+                             f"{server.startup_s:.0f} s")
+                    server.complete(model_dir, "The capital of France is", 8)
+                    # every arm's unloaded latency (the first one's is the SLO base)
+                    lone = unloaded(server, model_dir, prompts.pool, spare,
+                                    out / "runs" / f"{tag}_{arm}_unloaded.json")
+                    w.setdefault("unloaded", dict(lone, arm=system))
+                    w.setdefault("arms_unloaded", {})[system] = lone
+                    progress(f"  unloaded: TTFT {lone['ttft_s'] * 1e3:.0f} ms, TPOT "
+                             f"{lone['tpot_s'] * 1e3:.1f} ms")
+                    if arm != "base" and cfg.max_points:
+                        before = record["reps"][-2]["workloads"][name] if rep else None
+                        _sweep(cfg, server, model_dir, arm, w, prompts,
+                               _start(cfg, name, arm, before), FLOOR[name],
+                               out / "runs", tag, progress)
+                finally:
+                    server.stop()
+                (out / "goodput.json").write_text(json.dumps(record, indent=1))
     (out / "goodput.json").write_text(json.dumps(record, indent=1))
-    (out / "goodput.md").write_text(table(record["summary"]) + "\n")
-    progress(table(record["summary"]))
+    text = table(summarize(record, cfg.pairs, cfg.attainment))
+    (out / "goodput.md").write_text(text + "\n")
+    progress(text)
     return record
+
+
+def _start(cfg: GoodputConfig, name: str, arm: str, before: dict | None) -> float:
+    """The first rate of an arm's sweep: the highest rate meeting the attainment at its
+    first SLO pair in the repetition `before` (that repetition's workload record), or
+    the workload's START."""
+    runs = None if before is None else before["arms"].get(arm)
+    if runs:
+        a, b = next(p for p in cfg.pairs if scored_at(arm, *p))
+        ok = [r for r, share in shares(runs, slos(before, a, b)).items()
+              if share >= cfg.attainment]
+        if ok:
+            return max(ok)
+    return START[name]
 
 
 def add_parser(bsub) -> None:
     """`pdserve bench goodput` on `bsub` (the bench subcommands' argparse subparsers)."""
+    d = GoodputConfig()
     p = bsub.add_parser("goodput", help="SLO attainment goodput (DistServe) of vLLM and "
-                                        "pdserve's arms per workload and SLO scale")
-    p.add_argument("--model", default="default")
-    p.add_argument("--workloads", default="chat,summarize,longanswer")
-    p.add_argument("--arms", default="vllm,default,strict,colocated")
-    p.add_argument("--duration-s", type=float, default=60.0,
-                   help="seconds of Poisson arrivals per rate point")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--kv-gib", type=float, default=4.0)
-    p.add_argument("--plot-scale", default="4", help="the SLO scale of the attainment plots")
-    p.add_argument("--out-dir", default="bench/results/goodput")
-    p.add_argument("--ttft-scales", default="",
-                   help="also score TTFT and TPOT SLOs scaled apart: these TTFT scales x "
-                        "--tpot-scales (OUT_DIR/goodput_grid.md)")
-    p.add_argument("--tpot-scales", default="1.5,2,3,4")
+                                        "pdserve's arms per workload and SLO pair, each "
+                                        "knee found by bisection, over repetitions")
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--workloads", default=",".join(d.workloads),
+                   help=f"of {', '.join(START)}")
+    p.add_argument("--arms", default=",".join(d.arms),
+                   help=f"of {', '.join(ARMS)}, told (slo<k>t<a> at every pair), slo<k>, "
+                        "slo<k>t<a>")
+    p.add_argument("--ttft-scales", default=",".join(f"{x:g}" for x in d.ttft_scales),
+                   help="TTFT SLOs, x vLLM's unloaded TTFT; every one with every "
+                        "--tpot-scales")
+    p.add_argument("--tpot-scales", default=",".join(f"{x:g}" for x in d.tpot_scales),
+                   help="TPOT SLOs, x vLLM's unloaded TPOT")
+    p.add_argument("--reps", type=int, default=d.reps,
+                   help="repetitions, the arms' order reversed every other one")
+    p.add_argument("--requests", type=int, default=d.requests, help="per rate point")
+    p.add_argument("--step", type=float, default=d.step,
+                   help="bisect until each knee is known within this share of itself")
+    p.add_argument("--max-points", type=int, default=d.max_points,
+                   help="rate points per arm and repetition, at most (0: each arm's "
+                        "unloaded latency only)")
+    p.add_argument("--seed", type=int, default=d.seed, help="the prompt sample and arrivals")
+    p.add_argument("--temperature", type=float, default=d.temperature,
+                   help="the client's sampling temperature (0: greedy)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=d.dtype)
+    p.add_argument("--kv-gib", type=float, default=d.kv_gib)
+    p.add_argument("--plot-pair", default="",
+                   help="the SLO pair of the attainment plots, e.g. 'ttft x4 tpot x4' "
+                        "(default: the middle of the grid)")
+    p.add_argument("--out-dir", default=d.out_dir)
     p.add_argument("--rescore", action="store_true",
-                   help="run nothing: score OUT_DIR/goodput.json again (with --ttft-scales)")
+                   help="run nothing: score OUT_DIR/goodput.json again at these scales")
     p.set_defaults(fn=_command)
 
 
@@ -286,18 +347,16 @@ def _command(args) -> int:
     import sys
 
     try:
+        scales = [tuple(float(x) for x in v.split(",")) for v in (args.ttft_scales,
+                                                                   args.tpot_scales)]
         cfg = GoodputConfig(model=args.model, workloads=tuple(args.workloads.split(",")),
-                            arms=tuple(args.arms.split(",")), duration_s=args.duration_s,
-                            seed=args.seed, dtype=args.dtype, kv_gib=args.kv_gib,
-                            out_dir=args.out_dir)
+                            arms=tuple(args.arms.split(",")), ttft_scales=scales[0],
+                            tpot_scales=scales[1], reps=args.reps, requests=args.requests,
+                            step=args.step, max_points=args.max_points, seed=args.seed,
+                            temperature=args.temperature, dtype=args.dtype,
+                            kv_gib=args.kv_gib, out_dir=args.out_dir)
     except ValueError as e:
         print(f"pdserve bench goodput: {e}", file=sys.stderr)
-        return 2
-    try:
-        scales = [tuple(float(x) for x in v.split(",")) if v else ()
-                  for v in (args.ttft_scales, args.tpot_scales)]
-    except ValueError as e:
-        print(f"pdserve bench goodput: --ttft-scales / --tpot-scales: {e}", file=sys.stderr)
         return 2
     out = Path(cfg.out_dir)
     if args.rescore:
@@ -312,9 +371,11 @@ def _command(args) -> int:
         return 2
     else:
         record = run(cfg, lambda line: print(line, flush=True))
-    plot(record["summary"], out, args.plot_scale)
-    if scales[0]:
-        text = grid_table(grid(record, *scales, cfg.attainment))
-        (out / "goodput_grid.md").write_text(text + "\n")
+    summary = summarize(record, cfg.pairs, cfg.attainment)
+    text = table(summary)
+    (out / "goodput.md").write_text(text + "\n")
+    if args.rescore:
         print(text)
+    pairs = cfg.pairs
+    plot(summary, out, args.plot_pair or pair_name(*pairs[len(pairs) // 2]))
     return 0

@@ -1,13 +1,17 @@
-"""vLLM's CPU build and pdserve as server processes, and `vllm bench serve` run against one."""
+"""vLLM's CPU build and pdserve as server processes, `vllm bench serve` run against one,
+and what pdserve bench goodput asks of either (a rate point, the unloaded latency, who
+prefilled)."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -15,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from .slo_attainment import latencies
 
 if TYPE_CHECKING:
     from .peer import PeerConfig
@@ -211,3 +217,57 @@ def run_client(cfg: PeerConfig, server: Server, model_dir: str, system: str, dty
         raise RuntimeError(f"vllm bench serve failed ({r.returncode}):\n{r.stdout[-2000:]}"
                            f"\n{r.stderr[-2000:]}")
     return json.loads(out.read_text())
+
+
+def bench_serve(server: Server, model_dir: str, requests: list[dict], rate: float, seed: int,
+            out: Path, temperature: float = 0.0, extra: tuple[str, ...] = ()) -> dict:
+    """`vllm bench serve` of `requests` at `rate` (Poisson; inf: a burst) against
+    `server`; returns its result with per-request detail."""
+    data = out.with_suffix(".jsonl")
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "output_tokens": r["output_tokens"]})
+                            + "\n" for r in requests))
+    cmd = [vllm_bin(), "bench", "serve", "--backend", "openai", "--base-url", server.url,
+           "--model", model_dir, "--dataset-name", "custom", "--dataset-path", str(data),
+           "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle",
+           "--num-prompts", str(len(requests)), "--ignore-eos", "--request-rate", f"{rate:g}",
+           "--seed", str(seed), "--temperature", f"{temperature:g}", "--save-result",
+           "--save-detailed", "--disable-tqdm",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+           "--result-dir", str(out.parent), "--result-filename", out.name, *extra]
+    r = subprocess.run(cmd, env=_env({}), capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"vllm bench serve failed ({r.returncode}):\n{r.stdout[-2000:]}"
+                           f"\n{r.stderr[-2000:]}")
+    return json.loads(out.read_text())
+
+
+def prefills(server: Server) -> dict[str, float]:
+    """A pdserve server's count of request attempts by who prefilled them
+    (pdserve_prefills_total: {"prefill_worker": n, "decode_worker": m})."""
+    import urllib.request
+
+    from ..client import Client  # grpc, only where a pdserve server is asked
+
+    with Client(grpc_address(server.log), timeout_s=30) as c:
+        address = c.status().metrics_address
+    out = {"prefill_worker": 0.0, "decode_worker": 0.0}
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("pdserve_prefills_total{"):
+                on = line.split('on="')[1].split('"')[0]
+                out[on] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def unloaded(server: Server, model_dir: str, pool: list[dict], spare: list[dict],
+             out: Path) -> dict:
+    """TTFT and TPOT (medians, seconds) of lone requests of the workload's median prompt
+    length: the five prompts of `spare` (sent at no rate point) nearest `pool`'s
+    median, one at a time."""
+    median = statistics.median(r["prompt_tokens"] for r in pool)
+    lone = sorted(spare, key=lambda r: abs(r["prompt_tokens"] - median))[:5]
+    res = bench_serve(server, model_dir, lone, math.inf, 0, out, extra=("--max-concurrency", "1"))
+    lat = [x for x in latencies(res) if x is not None]
+    return {"prompt_tokens": median, "ttft_s": statistics.median(x[0] for x in lat),
+            "tpot_s": statistics.median(x[1] for x in lat)}

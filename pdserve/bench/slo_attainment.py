@@ -1,12 +1,19 @@
-"""DistServe's SLO attainment and goodput of per-request latencies, in tables and plots."""
+"""DistServe's SLO attainment and goodput of per-request latencies, over repetitions, in
+tables and plots.
+
+A record (goodput.json) holds `reps`: per repetition, per workload, the SLO base
+(`unloaded`: vLLM's unloaded TTFT and TPOT in that repetition) and per arm the
+latencies of each rate point measured ({rate: [(TTFT s, TPOT s) or None]}). Every SLO
+pair is a (TTFT scale, TPOT scale) of that repetition's base; each repetition is scored
+against its own base, and the figures are the median over repetitions with their
+spread (lowest, highest)."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .goodput import GoodputConfig
+from .knee import wilson
 
 
 def slo_scales(arm: str) -> tuple[float, float | None] | None:
@@ -39,11 +46,15 @@ def latencies(result: dict) -> list[tuple[float, float] | None]:
     return out
 
 
+def met(lat: list[tuple[float, float] | None], slo_ttft_s: float, slo_tpot_s: float) -> int:
+    """Requests within both SLOs (failed ones miss)."""
+    return sum(1 for x in lat if x is not None and x[0] <= slo_ttft_s and x[1] <= slo_tpot_s)
+
+
 def attainment(lat: list[tuple[float, float] | None], slo_ttft_s: float,
                slo_tpot_s: float) -> float:
     """Share of requests within both SLOs (failed ones miss)."""
-    return sum(1 for x in lat if x is not None and x[0] <= slo_ttft_s and x[1] <= slo_tpot_s
-               ) / max(len(lat), 1)
+    return met(lat, slo_ttft_s, slo_tpot_s) / max(len(lat), 1)
 
 
 def goodput(points: list[tuple[float, float]], target: float) -> float:
@@ -59,119 +70,173 @@ def goodput(points: list[tuple[float, float]], target: float) -> float:
     return points[-1][0]
 
 
-def summarize(record: dict, cfg: GoodputConfig) -> dict:
-    """Per workload, arm and SLO scale: attainment at each rate and the goodput; and
-    per workload and scale which SLO binds more often among vLLM's misses."""
-    out = {}
-    for name, w in record["workloads"].items():
-        base = w["unloaded"]
-        s = out[name] = {"unloaded": base, "scales": {}}
-        for scale in cfg.scales:
-            ttft, tpot = scale * base["ttft_s"], scale * base["tpot_s"]
-            row = {}
-            for arm, runs in w["arms"].items():
-                if not scored_at(arm, scale, scale):       # scored at its own SLOs only
-                    continue
-                points = [(float(r), attainment(lat, ttft, tpot)) for r, lat in runs.items()]
-                row[arm] = {"goodput": goodput(points, cfg.attainment),
-                            "attainment": dict(points)}
-            misses = [x for lat in w["arms"].get("vllm", {}).values() for x in lat
-                      if x is not None and (x[0] > ttft or x[1] > tpot)]
-            row["tpot_binds"] = (sum(x[1] > tpot for x in misses) >= sum(x[0] > ttft for x in misses)
-                                 if misses else None)
-            s["scales"][str(scale)] = row
+def as_reps(record: dict) -> list[dict]:
+    """The record's repetitions; a record of one pass (no "reps") is one repetition."""
+    return record["reps"] if "reps" in record else [{"workloads": record["workloads"]}]
+
+
+def pair_name(ttft_scale: float, tpot_scale: float) -> str:
+    return f"ttft x{ttft_scale:g} tpot x{tpot_scale:g}"
+
+
+def slos(w: dict, ttft_scale: float, tpot_scale: float) -> tuple[float, float]:
+    """(TTFT SLO s, TPOT SLO s) of a pair, on a repetition's workload `w`'s base."""
+    return ttft_scale * w["unloaded"]["ttft_s"], tpot_scale * w["unloaded"]["tpot_s"]
+
+
+def shares(runs: dict, slo: tuple[float, float]) -> dict[float, float]:
+    """{rate: attainment} of one arm's rate points `runs` at SLOs `slo`."""
+    return {float(r): attainment(lat, *slo) for r, lat in runs.items()}
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "low": min(values), "high": max(values),
+            "reps": values} if values else {}
+
+
+def summarize(record: dict, pairs: list[tuple[float, float]], target: float = 0.9) -> dict:
+    """{workload: {"unloaded": [per rep], "arms_unloaded": {arm: spread of its unloaded
+    TTFT (s)}, "unloaded_vs_default": {arm: spread of that TTFT over the default arm's in
+    the same repetition}, "pairs": {pair_name: {"binds": "TTFT" |
+    "TPOT" | None, "arms": {arm: {"goodput": spread, "ratio": spread of the ratio to
+    vLLM's goodput in the same repetition, "points": per rep {rate: [share, low, high,
+    n]}}}}}}}, a spread being {"median", "low", "high", "reps"} over the repetitions,
+    and (low, high) a point's 95% Wilson interval. `binds`: the SLO that more of vLLM's
+    misses missed."""
+    out: dict = {}
+    for rep in as_reps(record):
+        for name, w in rep["workloads"].items():
+            s = out.setdefault(name, {"unloaded": [], "arms_unloaded": {},
+                                      "unloaded_vs_default": {}, "pairs": {}})
+            s["unloaded"].append(w["unloaded"])
+            lone = w.get("arms_unloaded", {})
+            for arm, x in lone.items():
+                s["arms_unloaded"].setdefault(arm, []).append(x["ttft_s"])
+                if "default" in lone and arm != "default":
+                    s["unloaded_vs_default"].setdefault(arm, []).append(
+                        x["ttft_s"] / lone["default"]["ttft_s"])
+            for a, b in pairs:
+                slo = slos(w, a, b)
+                row = s["pairs"].setdefault(pair_name(a, b), {"binds": [0, 0], "arms": {}})
+                vllm = None
+                for arm, runs in w["arms"].items():
+                    if not runs or not scored_at(arm, a, b):
+                        continue
+                    g = goodput(list(shares(runs, slo).items()), target)
+                    cell = row["arms"].setdefault(arm, {"goodput": [], "ratio": [],
+                                                        "points": []})
+                    cell["goodput"].append(g)
+                    cell["points"].append({r: [met(lat, *slo) / max(len(lat), 1),
+                                               *wilson(met(lat, *slo), len(lat)), len(lat)]
+                                           for r, lat in runs.items()})
+                    if arm == "vllm":
+                        vllm = g
+                        for lat in runs.values():
+                            for x in lat:
+                                if x is not None and (x[0] > slo[0] or x[1] > slo[1]):
+                                    row["binds"][0] += x[0] > slo[0]
+                                    row["binds"][1] += x[1] > slo[1]
+                for arm, cell in row["arms"].items():
+                    if arm != "vllm" and vllm and len(cell["ratio"]) < len(cell["goodput"]):
+                        cell["ratio"].append(cell["goodput"][-1] / vllm)
+    for s in out.values():
+        for key in ("arms_unloaded", "unloaded_vs_default"):
+            s[key] = {a: _spread(v) for a, v in s[key].items()}
+        for row in s["pairs"].values():
+            ttft, tpot = row["binds"]
+            row["binds"] = None if ttft == tpot == 0 else ("TPOT" if tpot >= ttft else "TTFT")
+            for cell in row["arms"].values():
+                cell["goodput"], cell["ratio"] = _spread(cell["goodput"]), _spread(cell["ratio"])
     return out
 
 
-def grid(record: dict, ttft_scales: tuple[float, ...], tpot_scales: tuple[float, ...],
-         target: float = 0.9) -> dict:
-    """Goodput per workload and arm with the TTFT and TPOT SLOs scaled apart: {workload:
-    {"ttft x<a> tpot x<b>": {arm: req/s}}}. DistServe sets each application its own pair
-    (its summarization: a loose TTFT, a tight TPOT), where one scale for both makes
-    whichever SLO is tighter for a workload bind. An `slo` arm is scored at the SLOs it
-    was told only (scored_at)."""
-    out = {}
-    for name, w in record["workloads"].items():
-        base = w["unloaded"]
-        rows = out[name] = {}
-        for a in ttft_scales:
-            for b in tpot_scales:
-                rows[f"ttft x{a:g} tpot x{b:g}"] = {
-                    arm: goodput([(float(r), attainment(lat, a * base["ttft_s"],
-                                                        b * base["tpot_s"]))
-                                  for r, lat in runs.items()], target)
-                    for arm, runs in w["arms"].items() if scored_at(arm, a, b)}
-    return out
-
-
-def grid_table(g: dict) -> str:
-    """grid()'s goodput as Markdown, each arm's ratio to vLLM's."""
-    lines = []
-    for name, rows in g.items():
-        arms = list(dict.fromkeys(a for row in rows.values() for a in row))
-        lines += [f"\n{name}: goodput (req/s) at 90% attainment, ratio to vLLM",
-                  "| SLOs (x unloaded) | " + " | ".join(arms) + " |",
-                  "|---|" + "---|" * len(arms)]
-        for slos, row in rows.items():
-            v = row.get("vllm")
-            lines.append(f"| {slos} | " + " | ".join(
-                "-" if a not in row else f"{row[a]:.2f}" + (
-                    f" ({row[a] / v:.2f}x)" if v and a != "vllm" else "") for a in arms) + " |")
-    return "\n".join(lines)
+def _cell(c: dict, vllm: bool) -> str:
+    g = c["goodput"]
+    text = f"{g['median']:.2f}" + (f" [{g['low']:.2f}-{g['high']:.2f}]" if len(g["reps"]) > 1
+                                   else "")
+    if not vllm and (r := c["ratio"]):
+        text += f" ({r['median']:.2f}x" + (f" [{r['low']:.2f}-{r['high']:.2f}]"
+                                           if len(r["reps"]) > 1 else "") + ")"
+    return text
 
 
 def table(summary: dict) -> str:
+    """summarize()'s goodput as Markdown: per workload a row per SLO pair, per arm the
+    median goodput (req/s) [lowest-highest over the repetitions] (median ratio to vLLM's
+    [its spread])."""
     lines = []
     for name, s in summary.items():
         u = s["unloaded"]
-        arms = list(dict.fromkeys(a for row in s["scales"].values() for a in row
-                                  if a != "tpot_binds"))
-        lines += [f"\n{name}: unloaded TTFT {u['ttft_s'] * 1e3:.0f} ms, TPOT "
-                  f"{u['tpot_s'] * 1e3:.1f} ms (prompt {u['prompt_tokens']:.0f} tokens); "
-                  "goodput (req/s) at 90% attainment, ratio to vLLM",
-                  "| SLO scale | binds | " + " | ".join(arms) + " |",
+        arms = list(dict.fromkeys(a for row in s["pairs"].values() for a in row["arms"]))
+        base = ", ".join(f"{x['ttft_s'] * 1e3:.0f} ms / {x['tpot_s'] * 1e3:.1f} ms" for x in u)
+        lines += [f"\n{name}: goodput (req/s) at 90% attainment, median [spread] of "
+                  f"{len(u)} repetition(s), ratio to vLLM; vLLM's unloaded TTFT / TPOT per "
+                  f"repetition: {base}",
+                  "| SLOs (x unloaded) | binds | " + " | ".join(arms) + " |",
                   "|---|---|" + "---|" * len(arms)]
-        for scale, row in s["scales"].items():
-            v = row.get("vllm", {}).get("goodput")
-            cells = ["-" if a not in row else f"{row[a]['goodput']:.2f}" + (
-                f" ({row[a]['goodput'] / v:.2f}x)" if v and a != "vllm" else "") for a in arms]
-            binds = {True: "TPOT", False: "TTFT", None: "-"}[row["tpot_binds"]]
-            lines.append(f"| {scale} | {binds} | " + " | ".join(cells) + " |")
+        if lone := s.get("arms_unloaded"):
+            vs = s.get("unloaded_vs_default", {})
+            lines.insert(-2, "unloaded TTFT per arm, median [spread]: " + ", ".join(
+                f"{a} {v['median'] * 1e3:.0f} ms [{v['low'] * 1e3:.0f}-{v['high'] * 1e3:.0f}]"
+                + (f" ({vs[a]['median']:.2f}x default's [{vs[a]['low']:.2f}-"
+                   f"{vs[a]['high']:.2f}])" if a in vs else "") for a, v in lone.items()))
+        for pair, row in s["pairs"].items():
+            lines.append(f"| {pair} | {row['binds'] or '-'} | " + " | ".join(
+                "-" if a not in row["arms"] else _cell(row["arms"][a], a == "vllm")
+                for a in arms) + " |")
     return "\n".join(lines)
 
 
-def plot(summary: dict, out_dir: Path, scale: str) -> list[Path]:
-    """attainment_vs_rate_<workload>.png at SLO scale `scale`, and goodput_vs_scale.png."""
+def plot(summary: dict, out_dir: Path, pair: str) -> list[Path]:
+    """attainment_vs_rate_<workload>.png at SLO pair `pair` (each repetition's points
+    with their 95% Wilson intervals), and goodput_by_pair_<workload>.png (median goodput
+    per pair and arm, the bars spanning the repetitions)."""
     from .plots import _pyplot
 
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, s in summary.items():
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for arm, v in s["scales"][scale].items():
-            if arm == "tpot_binds":
-                continue
-            pts = sorted((float(r), a) for r, a in v["attainment"].items())
-            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=arm)
-        ax.axhline(90, ls="--", c="gray")
-        ax.set(title=f"{name}, SLO scale {scale}", xlabel="request rate (req/s)",
-               ylabel="SLO attainment (%)", ylim=(0, 102))
-        ax.legend()
+        if pair in s["pairs"]:
+            fig, ax = plt.subplots(figsize=(5.5, 3.8))
+            for i, (arm, c) in enumerate(s["pairs"][pair]["arms"].items()):
+                colour = f"C{i}"
+                for k, pts in enumerate(c["points"]):
+                    rates = sorted(pts, key=float)
+                    y = [100 * pts[r][0] for r in rates]
+                    err = [[100 * (pts[r][0] - pts[r][1]) for r in rates],
+                           [100 * (pts[r][2] - pts[r][0]) for r in rates]]
+                    ax.errorbar([float(r) for r in rates], y, yerr=err, color=colour,
+                                marker="o", ms=3, capsize=2, lw=1, alpha=0.8,
+                                label=arm if k == 0 else None)
+            ax.axhline(90, ls="--", c="gray")
+            ax.set(title=f"{name}, {pair}", xlabel="request rate (req/s)",
+                   ylabel="SLO attainment (%), 95% CI", ylim=(0, 102))
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            paths.append(out_dir / f"attainment_vs_rate_{name}.png")
+            fig.savefig(paths[-1], dpi=110)
+            plt.close(fig)
+        arms = list(dict.fromkeys(a for row in s["pairs"].values() for a in row["arms"]))
+        names = list(s["pairs"])
+        fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(names)), 3.8))
+        width = 0.8 / max(len(arms), 1)
+        for i, arm in enumerate(arms):
+            xs, med, err = [], [], [[], []]
+            for j, p in enumerate(names):
+                if (c := s["pairs"][p]["arms"].get(arm)) is not None:
+                    g = c["goodput"]
+                    xs.append(j + i * width)
+                    med.append(g["median"])
+                    err[0].append(g["median"] - g["low"])
+                    err[1].append(g["high"] - g["median"])
+            ax.bar(xs, med, width, yerr=err, capsize=2, label=arm)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=30,
+                      ha="right", fontsize=7)
+        ax.set(title=name, ylabel="goodput (req/s), median and range")
+        ax.legend(fontsize=7)
         fig.tight_layout()
-        paths.append(out_dir / f"attainment_vs_rate_{name}.png")
+        paths.append(out_dir / f"goodput_by_pair_{name}.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
-    fig, axes = plt.subplots(1, len(summary), figsize=(4.5 * len(summary), 3.5), squeeze=False)
-    for ax, (name, s) in zip(axes[0], summary.items()):
-        for arm in dict.fromkeys(a for row in s["scales"].values() for a in row
-                                 if a != "tpot_binds"):
-            pts = [(float(k), row[arm]["goodput"]) for k, row in s["scales"].items() if arm in row]
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=arm)
-        ax.set(title=name, xlabel="SLO scale (x unloaded latency)", ylabel="goodput (req/s)")
-        ax.legend()
-    fig.tight_layout()
-    paths.append(out_dir / "goodput_vs_scale.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
     return paths

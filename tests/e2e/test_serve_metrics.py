@@ -107,8 +107,9 @@ def test_every_metric_exists_moves_and_goodput_matches_the_client():
         label = f"slo=ttft<={SLO_TTFT_MS:g}ms,tpot<={SLO_TPOT_MS:g}ms"
         assert after_router[f"pdserve_goodput_requests_total{{{label}}}"] == client_good
 
-        # with both SLOs, a prompt the prefill worker alone is too slow for is colocated
-        # (router/placement.py): the prefill worker transfers the KV of the others
+        # with both SLOs the router places each prompt by the first token it predicts on
+        # each worker (router/placement.py): the prefill worker transfers the KV of those
+        # it prefilled
         on = {w: after_router[f"pdserve_prefills_total{{on={w}}}"] - before_router.get(
             f"pdserve_prefills_total{{on={w}}}", 0) for w in ("prefill_worker", "decode_worker")}
         assert on["prefill_worker"] + on["decode_worker"] == n and on["prefill_worker"] >= 3, on

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.goodput import GoodputConfig, workload
-from pdserve.bench.slo_attainment import (attainment, goodput, grid, grid_table, latencies,
-                                          summarize, table)
+from pdserve.bench.goodput import GoodputConfig, Prompts, workload
+from pdserve.bench.knee import bracket, next_rate, search, wilson
+from pdserve.bench.slo_attainment import (as_reps, attainment, goodput, latencies, summarize,
+                                          table)
 
 
 def test_attainment_needs_both_slos_and_counts_failures_as_misses():
@@ -35,19 +36,114 @@ def test_latencies_from_the_clients_detail():
     assert latencies(res) == [(0.2, pytest.approx(0.02)), None, (0.3, 0.02)]
 
 
-def test_summary_per_scale_and_which_slo_binds():
-    cfg = GoodputConfig(scales=(1, 10))
+BASE = {"ttft_s": 0.1, "tpot_s": 0.01, "prompt_tokens": 100}
+
+
+def rep(arms: dict, base: dict = BASE) -> dict:
+    return {"workloads": {"chat": {"unloaded": base, "arms": arms}}}
+
+
+def test_summary_per_pair_over_repetitions_with_spread_and_which_slo_binds():
     fast, slow_decode = (0.1, 0.01), (0.1, 0.05)
-    record = {"workloads": {"chat": {
-        "unloaded": {"ttft_s": 0.1, "tpot_s": 0.01, "prompt_tokens": 100},
-        "arms": {"vllm": {"1": [fast] * 10, "2": [slow_decode] * 10},
-                 "strict": {"1": [fast] * 10, "2": [fast] * 10}}}}}
-    s = summarize(record, cfg)["chat"]["scales"]
-    assert s["1"]["vllm"]["goodput"] == pytest.approx(1.1)     # 100% at 1, 0% at 2
-    assert s["1"]["strict"]["goodput"] == 2.0
-    assert s["1"]["tpot_binds"] is True
-    assert s["10"]["vllm"]["goodput"] == 2.0 and s["10"]["tpot_binds"] is None
-    assert "| 1 | TPOT | 1.10 | 2.00 (1.82x) |" in table(summarize(record, cfg))
+    record = {"reps": [
+        rep({"vllm": {"1": [fast] * 10, "2": [slow_decode] * 10},
+             "strict": {"1": [fast] * 10, "2": [fast] * 10}}),
+        rep({"vllm": {"1": [fast] * 10, "2": [fast] * 5 + [slow_decode] * 5},
+             "strict": {"1": [fast] * 10, "3": [fast] * 10}}),
+        rep({"vllm": {"1": [fast] * 10, "2": [slow_decode] * 10},     # a slower box: the
+             "strict": {"1": [fast] * 10, "2": [fast] * 10}},          # base is its own
+            base=dict(BASE, tpot_s=0.1)),
+    ]}
+    s = summarize(record, [(1, 1), (10, 10)])["chat"]["pairs"]
+    v, st = s["ttft x1 tpot x1"]["arms"]["vllm"], s["ttft x1 tpot x1"]["arms"]["strict"]
+    assert v["goodput"]["reps"] == [pytest.approx(1.1), pytest.approx(1.2), 2.0]
+    assert v["goodput"]["median"] == pytest.approx(1.2) and v["goodput"]["low"] == \
+        pytest.approx(1.1)
+    assert st["goodput"]["reps"] == [2.0, 3.0, 2.0]
+    assert st["ratio"]["reps"] == pytest.approx([2 / 1.1, 3 / 1.2, 1.0])
+    assert s["ttft x1 tpot x1"]["binds"] == "TPOT"
+    assert s["ttft x10 tpot x10"]["binds"] is None
+    share, lo, hi, n = v["points"][1]["2"]                      # 5 of 10 with its interval
+    assert (share, n) == (0.5, 10) and lo < 0.5 < hi and (lo, hi) == wilson(5, 10)
+    text = table(summarize(record, [(1, 1)]))
+    assert "| ttft x1 tpot x1 | TPOT | 1.20 [1.10-2.00] | 2.00 [2.00-3.00] (1.82x [1.00-2.50]) |" \
+        in text
+    assert "100 ms / 10.0 ms, 100 ms / 10.0 ms, 100 ms / 100.0 ms" in text
+
+
+def test_a_record_of_one_pass_is_one_repetition():
+    ok = [(0.1, 0.01)] * 10
+    record = {"workloads": {"chat": {"unloaded": BASE, "arms": {"vllm": {"1": ok}}}}}
+    assert as_reps(record) == [{"workloads": record["workloads"]}]
+    s = summarize(record, [(2, 2)])["chat"]["pairs"]["ttft x2 tpot x2"]
+    assert s["arms"]["vllm"]["goodput"]["reps"] == [1.0]
+    assert "| ttft x2 tpot x2 | - | 1.00 |" in table(summarize(record, [(2, 2)]))
+
+
+def test_wilson_s_interval():
+    """Wilson's score interval (Brown, Cai and DasGupta 2001, table values): 90 of 100
+    is 0.826-0.945; it stays inside [0, 1] at the ends, where the normal one does not."""
+    assert wilson(90, 100) == pytest.approx((0.8256, 0.9448), abs=1e-4)
+    assert wilson(0, 10)[0] == 0.0 and 0.27 < wilson(0, 10)[1] < 0.28
+    assert wilson(10, 10)[1] == 1.0 and 0.72 < wilson(10, 10)[0] < 0.73
+    assert wilson(0, 0) == (0.0, 1.0)
+
+
+def test_bracket_and_next_rate():
+    pts = {0.2: 1.0, 0.4: 0.95, 0.8: 0.5}
+    assert bracket(pts, 0.9) == (0.4, 0.8)
+    assert bracket({0.2: 1.0, 0.4: 0.7, 0.6: 0.95}, 0.9) == (0.2, 0.4)   # the first fall
+    assert bracket({0.2: 0.5}, 0.9) == (None, 0.2)
+    assert bracket({0.2: 1.0}, 0.9) == (0.2, None)
+    step, floor, top = 0.1, 0.1, 8.0
+    assert next_rate([(0.4, 0.8)], {0.2, 0.4, 0.8}, step, floor, top) == 0.6
+    assert next_rate([(0.4, 0.43)], {0.4, 0.43}, step, floor, top) is None   # within 10%
+    assert next_rate([(0.3, None)], {0.3}, step, floor, top) == 0.6         # go higher
+    assert next_rate([(None, 0.3)], {0.3}, step, floor, top) == 0.15        # go lower
+    assert next_rate([(None, 0.1)], {0.1}, step, floor, top) is None        # at the floor
+    assert next_rate([(8.0, None)], {8.0}, step, floor, top) is None        # at the top
+    # the first pair resolved, the second not: the second's midpoint
+    assert next_rate([(0.4, 0.42), (0.2, 0.4)], {0.2, 0.4, 0.42}, step, floor, top) == 0.3
+
+
+@pytest.mark.parametrize("knee_at, start", [(0.37, 0.3), (1.3, 0.3), (0.21, 0.8)])
+def test_search_finds_each_knee_within_its_step(knee_at, start):
+    """Attainment falling from 1 to 0 around the knee (two SLO pairs, the second's knee
+    twice the first's): the search ends with each knee bracketed within 10%."""
+    seen: dict[float, tuple[float, float]] = {}
+
+    def measure(rate):
+        seen[rate] = tuple(1.0 if rate <= k else 0.5 for k in (knee_at, 2 * knee_at))
+
+    def shares_now():
+        return [{r: s[i] for r, s in seen.items()} for i in range(2)]
+
+    rates = search(measure, shares_now, start, 0.9, step=0.1, floor=0.05, max_points=20)
+    assert len(rates) == len(set(rates)) and len(rates) < 20
+    for i, k in enumerate((knee_at, 2 * knee_at)):
+        lo, hi = bracket(shares_now()[i], 0.9)
+        assert lo <= k < hi and hi - lo <= 0.1 * lo + 1e-9
+
+
+def test_search_stops_at_max_points_and_at_the_floor():
+    calls = []
+    search(calls.append, lambda: [{r: 0.0 for r in calls}], 0.4, 0.9, floor=0.1)
+    assert calls == [0.4, 0.2, 0.1]                             # misses down to the floor
+    calls.clear()
+    search(calls.append, lambda: [{r: 1.0 if r < 0.333 else 0.0 for r in calls}], 0.3, 0.9,
+           step=0.001, max_points=4)
+    assert len(calls) == 4
+
+
+def test_prompts_per_rate_are_shared_by_arms_and_never_repeat_in_a_server():
+    pool = [{"prompt": f"p{i}", "output_tokens": 8, "prompt_tokens": 2} for i in range(5)]
+    prompts = Prompts(pool, 2)
+    first = prompts.at(0.5)
+    assert [r["prompt"] for r in first] == ["p0", "p1"] and prompts.at(0.5) == first
+    assert [r["prompt"] for r in prompts.at(0.25)] == ["p2", "p3"]
+    spent = [r["prompt"] for r in prompts.at(1.0)]              # the pool is spent at p4
+    assert spent == ["p4", "(slice 2)\np0"]
+    assert [r["prompt"] for r in prompts.at(2.0)] == ["(slice 3)\np1", "(slice 3)\np2"]
 
 
 @pytest.mark.parametrize("name, lo, hi, out_lo, out_hi", [
@@ -66,9 +162,14 @@ def test_workload_shapes(name, lo, hi, out_lo, out_hi):
     assert reqs == workload(name, tok, 8, seed=3)          # seeded
 
 
-def test_config_refuses_unknown_arms():
+def test_config_refuses_unknown_arms_and_spells_out_told():
     with pytest.raises(ValueError, match="arms"):
         GoodputConfig(arms=("vllm", "magic"))
+    with pytest.raises(ValueError, match="add the vllm arm"):
+        GoodputConfig(arms=("default", "told"))
+    cfg = GoodputConfig(arms=("vllm", "default", "told"), ttft_scales=(2, 4), tpot_scales=(8,))
+    assert cfg.pairs == [(2, 8), (4, 8)]
+    assert cfg.expanded_arms() == ["vllm", "default", "slo8t2", "slo8t4"]
 
 
 def test_an_slo_arm_is_told_its_scale_and_scored_at_it_only():
@@ -87,35 +188,28 @@ def test_an_slo_arm_is_told_its_scale_and_scored_at_it_only():
     GoodputConfig(arms=("vllm", "slo1.5t8"))
     with pytest.raises(ValueError, match="arms"):
         GoodputConfig(arms=("vllm", "slo1.5tx"))
-    with pytest.raises(ValueError, match="vllm first"):
-        GoodputConfig(arms=("default", "slo3"))
-    cfg = GoodputConfig(scales=(1, 10), arms=("vllm", "slo10"))
     ok = [(0.1, 0.01)] * 10
-    record = {"workloads": {"chat": {
-        "unloaded": {"ttft_s": 0.1, "tpot_s": 0.01, "prompt_tokens": 100},
-        "arms": {"vllm": {"1": ok}, "slo10": {"1": ok}}}}}
-    s = summarize(record, cfg)["chat"]["scales"]
-    assert "slo10" not in s["1"] and s["10"]["slo10"]["goodput"] == 1.0
-    assert "| 1 | - | 1.00 | - |" in table(summarize(record, cfg))
+    record = {"reps": [rep({"vllm": {"1": ok}, "slo10t10": {"1": ok}})]}
+    s = summarize(record, [(1, 1), (10, 10)])["chat"]["pairs"]
+    assert "slo10t10" not in s["ttft x1 tpot x1"]["arms"]
+    assert s["ttft x10 tpot x10"]["arms"]["slo10t10"]["goodput"]["median"] == 1.0
+    assert "| ttft x1 tpot x1 | - | 1.00 | - |" in table(summarize(record, [(1, 1), (10, 10)]))
 
 
-def test_the_grid_scales_ttft_and_tpot_apart():
-    """A colocated arm with slow first tokens at its top rate but steady decode, and one
-    whose decode slows there: a loose TTFT SLO with a tight TPOT one tells them apart.
-    An slo<k> arm is scored at TPOT scale k only, an slo<k>t<a> one at its pair only."""
-    late_first, slow_decode, fast = (0.5, 0.01), (0.1, 0.05), (0.1, 0.01)
-    record = {"workloads": {"chat": {
-        "unloaded": {"ttft_s": 0.1, "tpot_s": 0.01, "prompt_tokens": 100},
-        "arms": {"vllm": {"1": [fast] * 10, "2": [slow_decode] * 10},
-                 "strict": {"1": [fast] * 10, "2": [late_first] * 10},
-                 "slo2": {"1": [fast] * 10, "2": [fast] * 10},
-                 "slo2t10": {"1": [fast] * 10, "2": [fast] * 10}}}}}
-    g = grid(record, (1, 10), (2,))["chat"]
-    assert g["ttft x10 tpot x2"].pop("slo2t10") == 2.0 and "slo2t10" not in g["ttft x1 tpot x2"]
-    assert g["ttft x1 tpot x2"] == {"vllm": pytest.approx(1.1), "strict": pytest.approx(1.1),
-                                    "slo2": 2.0}
-    assert g["ttft x10 tpot x2"]["strict"] == 2.0 and g["ttft x10 tpot x2"]["vllm"] == \
-        pytest.approx(1.1)
-    assert "slo2" not in grid(record, (10,), (3,))["chat"]["ttft x10 tpot x3"]
-    assert "| ttft x10 tpot x2 | 1.10 | 2.00 (1.82x) | 2.00 (1.82x) |" in grid_table(
-        grid(record, (10,), (2,)))
+def test_each_arm_s_unloaded_ttft_against_the_default_s_in_the_same_repetition():
+    """--max-points 0 measures the arms' unloaded latency only: no goodput is scored,
+    and the told arm's lone first tokens are compared with the default's rep by rep."""
+    def lone(default_s, told_s):
+        r = rep({"default": {}, "slo4t4": {}})
+        r["workloads"]["chat"]["arms_unloaded"] = {
+            "vllm": dict(BASE), "default": dict(BASE, ttft_s=default_s),
+            "slo4t4": dict(BASE, ttft_s=told_s)}
+        return r
+
+    record = {"reps": [lone(1.0, 1.05), lone(2.0, 1.9), lone(1.0, 1.2)]}
+    s = summarize(record, [(4, 4)])["chat"]
+    assert s["unloaded_vs_default"]["slo4t4"]["reps"] == pytest.approx([1.05, 0.95, 1.2])
+    assert s["unloaded_vs_default"]["slo4t4"]["median"] == pytest.approx(1.05)
+    assert s["pairs"]["ttft x4 tpot x4"]["arms"] == {}          # no rate point, no goodput
+    assert "slo4t4 1200 ms [1050-1900] (1.05x default's [0.95-1.20])" in table(
+        summarize(record, [(4, 4)]))

@@ -46,7 +46,7 @@ class Placement:
         self.decode_index = (PrefixIndex() if rc.decode_routing_policy == "cache_aware"
                              else None)
         self.room = RoomQueue()
-        self.first_token = FirstTokenTimes()    # of the prefill workers (SLO placement)
+        self.first_token = FirstTokenTimes()    # of every worker that prefills (SLO placement)
 
     def mirrored(self) -> list[tuple[PrefixIndex, list[Worker]]]:
         """(index, workers) per role whose prefix caches the router mirrors
@@ -174,11 +174,15 @@ class Placement:
                                  rc.balance_rel_threshold, params.cache_salt)
             refusals = 0
             for d in order.workers:
-                # choose and charge with no await in between
-                # prompt logprobs come from a prefill worker's pass over the whole prompt
-                local = params.prompt_logprobs is None and self.prefill_on_decode(d, prompt_len)
-                p, p_cached = (None, 0) if local else self.prefill_router.pick(
+                # choose and charge with no await in between; the prefill worker the
+                # routing policy picks is the one SLO placement judges; prompt logprobs
+                # come from a prefill worker's pass over the whole prompt
+                p, p_cached = self.prefill_router.pick(
                     [w for w in live_p if w.available] or live_p, ids, params.cache_salt)
+                local = params.prompt_logprobs is None and self.prefill_on_decode(
+                    d, prompt_len, p)
+                if local:
+                    p, p_cached = None, 0
                 held = Reservation(d, p, prompt_len, num_samples, self.room,
                                    lent=self.lends_to(d))
                 held.by_cache = order.cached_blocks is not None and d is order.workers[0]
@@ -216,13 +220,14 @@ class Placement:
 
     SLO_MARGIN = 0.9      # share of the TTFT SLO a predicted first token may take
 
-    def prefill_eta(self, prompt_len: int) -> Eta | None:
-        """The first token of a `prompt_len`-token prompt on the live prefill worker
-        predicted to answer it first (FirstTokenTimes.eta: the queue it has, and the
-        one its arrival rate builds); None when none is live or one has not learned its
-        line yet."""
-        etas = [self.first_token.eta(p.worker_id, p.worker_id, p.total_queued_tokens,
-                                     prompt_len) for p in self.prefill if p.available]
+    def prefill_eta(self, prompt_len: int, p: Worker | None = None) -> Eta | None:
+        """The first token of a `prompt_len`-token prompt on prefill worker `p`, or
+        without one on the live prefill worker predicted to answer it first
+        (FirstTokenTimes.eta: the queue it has, and the one its arrival rate builds);
+        None when none is live or one judged has not learned its line yet."""
+        judged = [p] if p is not None else [w for w in self.prefill if w.available]
+        etas = [self.first_token.eta(w.worker_id, w.worker_id, w.total_queued_tokens,
+                                     prompt_len) for w in judged]
         if not etas or any(e is None for e in etas):
             return None
         return min(etas, key=lambda e: e.seconds)
@@ -241,9 +246,12 @@ class Placement:
                    for p in self.prefill)
         return bool(idle) and idle >= sum(w.node_ip == d.node_ip for w in self.decode)
 
-    def slo_choice(self, d: Worker, prompt_len: int, lent: bool) -> bool | None:
+    def slo_choice(self, d: Worker, prompt_len: int, lent: bool, p: Worker | None = None
+                   ) -> bool | None:
         """Under a TPOT SLO, whether the prompt goes to D (True) or a prefill worker
-        (False), or None to leave it to prefill_on_decode's rules. `lent`: lends_to(d).
+        (False: `p`, the one the routing policy picked; None: the first to answer of the
+        live ones), or None to leave it to prefill_on_decode's rules. `lent`:
+        lends_to(d).
 
         With both SLOs (router.slo_tpot_ms, router.slo_ttft_ms), by the first token
         predicted on each (Eta.seconds: the later of the worker's queue now and the
@@ -267,13 +275,13 @@ class Placement:
         rc = self.config.router
         if rc.slo_ttft_ms is None:
             return False
-        on_p = self.prefill_eta(prompt_len)
+        on_p = self.prefill_eta(prompt_len, p)
         on_d = self.first_token.eta(FirstTokenTimes.line(d, lent), d.worker_id,
                                     d.queued_tokens, prompt_len)
         choice = self._slo_rule(on_p, on_d, d.total_streams, rc.slo_ttft_ms / 1e3)
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("slo placement %s", json.dumps(self.slo_state(d, prompt_len, lent)
-                                                        | {"choice": choice}))
+            logger.debug("slo placement %s", json.dumps(
+                self.slo_state(d, prompt_len, lent, p) | {"choice": choice}))
         return choice
 
     def _slo_rule(self, on_p: Eta | None, on_d: Eta | None, d_streams: int,
@@ -289,20 +297,22 @@ class Placement:
             return True
         return on_d.now < on_p.now
 
-    def slo_state(self, d: Worker, prompt_len: int, lent: bool) -> dict:
+    def slo_state(self, d: Worker, prompt_len: int, lent: bool, p: Worker | None = None
+                  ) -> dict:
         """What slo_choice reads, as plain data (the debug log line `slo placement`, one
         per choice; tests replay such lines): the prompt, the TTFT SLO, D's streams and
-        queue, and per worker FirstTokenTimes.state with its queued tokens."""
+        queue, and per prefill worker judged (`p`, or every live one) FirstTokenTimes.state
+        with its queued tokens."""
         line = FirstTokenTimes.line(d, lent)
         return {"prompt_len": prompt_len, "slo_ttft_ms": self.config.router.slo_ttft_ms,
                 "lent": lent, "d_streams": d.total_streams,
                 "d": {"worker_id": d.worker_id, "line_key": line, "queued": d.queued_tokens,
                       **self.first_token.state(line, d.worker_id)},
-                "p": [{"worker_id": p.worker_id, "queued": p.total_queued_tokens,
-                       **self.first_token.state(p.worker_id, p.worker_id)}
-                      for p in self.prefill if p.available]}
+                "p": [{"worker_id": w.worker_id, "queued": w.total_queued_tokens,
+                       **self.first_token.state(w.worker_id, w.worker_id)}
+                      for w in ([p] if p is not None else self.prefill) if w.available]}
 
-    def prefill_on_decode(self, d: Worker, prompt_len: int) -> bool:
+    def prefill_on_decode(self, d: Worker, prompt_len: int, p: Worker | None = None) -> bool:
         """Conditional disaggregation: whether the router asks D to prefill the prompt
         itself. D decides (DecodeWorker.reserve: asked, or its uncached part is at most
         local_prefill_max_tokens), and Reservation.settle follows its decision.
@@ -311,7 +321,8 @@ class Placement:
           plus the tokens streamed, check_fits having bounded only the original) that
           outgrew them; D's pool holds it (prompt + max_tokens fit it).
 
-        With a TPOT SLO, slo_choice decides first.
+        With a TPOT SLO, slo_choice decides first, judging `p` (the prefill worker the
+        routing policy picked; None: the first to answer of the live ones).
 
         - D has no prefill of its own queued and prefill workers on D's node, at least
           as many as its decode workers, have none either (lends_to): the idle workers
@@ -325,11 +336,11 @@ class Placement:
           waiting for P alone. The limit defaults to one prefill step's budget (prefill
           workers' max_num_batched_tokens)."""
         if self.prefill and blocks_needed(prompt_len, self.config.prefill.block_size) > max(
-                p.num_blocks for p in self.prefill):
+                w.num_blocks for w in self.prefill):
             return True      # no prefill worker's pool holds it: a retry's prompt + tokens
         rc = self.config.router
         lent = self.lends_to(d)
-        if rc.slo_tpot_ms is not None and (choice := self.slo_choice(d, prompt_len, lent)
+        if rc.slo_tpot_ms is not None and (choice := self.slo_choice(d, prompt_len, lent, p)
                                            ) is not None:
             return choice
         if lent:
@@ -337,7 +348,7 @@ class Placement:
         limit = rc.max_prefill_queue_tokens
         if limit is None:
             limit = self.config.prefill.max_num_batched_tokens
-        queued = [p.total_queued_tokens for p in self.prefill if p.available]
+        queued = [w.total_queued_tokens for w in self.prefill if w.available]
         if not limit or not queued:
             return False
         shortest = min(queued)

@@ -99,6 +99,10 @@ class GoodputConfig:
                    and slo_scales(a) is None}:
             raise ValueError(f"arms {sorted(bad)}: choose from {', '.join(ARMS)}, told, "
                              "slo<k> or slo<k>t<a>")
+        if bad := [a for a in self.arms if slo_scales(a) and not any(
+                scored_at(a, *pair) for pair in self.pairs)]:
+            raise ValueError(f"arms {bad} are told SLOs no pair of --ttft-scales x "
+                             "--tpot-scales scores them at")
         if any(a == "told" or slo_scales(a) for a in self.arms) and "vllm" not in self.arms:
             raise ValueError("slo and told arms are told SLOs scaled on vLLM's unloaded "
                              "latency: add the vllm arm")

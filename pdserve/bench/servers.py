@@ -269,5 +269,7 @@ def unloaded(server: Server, model_dir: str, pool: list[dict], spare: list[dict]
     lone = sorted(spare, key=lambda r: abs(r["prompt_tokens"] - median))[:5]
     res = bench_serve(server, model_dir, lone, math.inf, 0, out, extra=("--max-concurrency", "1"))
     lat = [x for x in latencies(res) if x is not None]
+    if not lat:
+        raise RuntimeError(f"every lone request failed ({out}): no unloaded latency")
     return {"prompt_tokens": median, "ttft_s": statistics.median(x[0] for x in lat),
             "tpot_s": statistics.median(x[1] for x in lat)}

@@ -118,10 +118,11 @@ def summarize(record: dict, pairs: list[tuple[float, float]], target: float = 0.
             for a, b in pairs:
                 slo = slos(w, a, b)
                 row = s["pairs"].setdefault(pair_name(a, b), {"binds": [0, 0], "arms": {}})
-                vllm = None
+                vllm, here = None, []
                 for arm, runs in w["arms"].items():
                     if not runs or not scored_at(arm, a, b):
                         continue
+                    here.append(arm)
                     g = goodput(list(shares(runs, slo).items()), target)
                     cell = row["arms"].setdefault(arm, {"goodput": [], "ratio": [],
                                                         "points": []})
@@ -136,8 +137,9 @@ def summarize(record: dict, pairs: list[tuple[float, float]], target: float = 0.
                                 if x is not None and (x[0] > slo[0] or x[1] > slo[1]):
                                     row["binds"][0] += x[0] > slo[0]
                                     row["binds"][1] += x[1] > slo[1]
-                for arm, cell in row["arms"].items():
-                    if arm != "vllm" and vllm and len(cell["ratio"]) < len(cell["goodput"]):
+                for arm in here:      # ratios within this repetition only
+                    if arm != "vllm" and vllm:
+                        cell = row["arms"][arm]
                         cell["ratio"].append(cell["goodput"][-1] / vllm)
     for s in out.values():
         for key in ("arms_unloaded", "unloaded_vs_default"):

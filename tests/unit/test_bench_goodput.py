@@ -167,6 +167,9 @@ def test_config_refuses_unknown_arms_and_spells_out_told():
         GoodputConfig(arms=("vllm", "magic"))
     with pytest.raises(ValueError, match="add the vllm arm"):
         GoodputConfig(arms=("default", "told"))
+    with pytest.raises(ValueError, match="no pair"):
+        GoodputConfig(arms=("vllm", "slo3"))                  # TPOT scales 2, 4, 8
+    GoodputConfig(arms=("vllm", "slo3"), tpot_scales=(3,))
     cfg = GoodputConfig(arms=("vllm", "default", "told"), ttft_scales=(2, 4), tpot_scales=(8,))
     assert cfg.pairs == [(2, 8), (4, 8)]
     assert cfg.expanded_arms() == ["vllm", "default", "slo8t2", "slo8t4"]
@@ -185,7 +188,7 @@ def test_an_slo_arm_is_told_its_scale_and_scored_at_it_only():
     assert scored_at("slo3", 16, 3) and not scored_at("slo3", 16, 2)
     assert scored_at("slo1.5t8", 8, 1.5) and not scored_at("slo1.5t8", 16, 1.5)
     assert scored_at("strict", 16, 2)
-    GoodputConfig(arms=("vllm", "slo1.5t8"))
+    GoodputConfig(arms=("vllm", "slo1.5t8"), ttft_scales=(8,), tpot_scales=(1.5,))
     with pytest.raises(ValueError, match="arms"):
         GoodputConfig(arms=("vllm", "slo1.5tx"))
     ok = [(0.1, 0.01)] * 10
@@ -213,3 +216,15 @@ def test_each_arm_s_unloaded_ttft_against_the_default_s_in_the_same_repetition()
     assert s["pairs"]["ttft x4 tpot x4"]["arms"] == {}          # no rate point, no goodput
     assert "slo4t4 1200 ms [1050-1900] (1.05x default's [0.95-1.20])" in table(
         summarize(record, [(4, 4)]))
+
+
+def test_a_ratio_is_taken_within_its_repetition_only():
+    """An arm missing from a repetition (a run stopped before its turn) gets no ratio
+    there, and the next repetition's ratio is its own goodput over that repetition's
+    vLLM, whatever vLLM's goodput was in the one before (0 there: no ratio)."""
+    ok, bad = [(0.1, 0.01)] * 10, [None] * 10
+    record = {"reps": [rep({"vllm": {"1": bad}, "x": {"1": ok}}),       # vLLM 0: no ratio
+                       rep({"vllm": {"1": ok}, "x": {"1": ok, "2": ok}}),
+                       rep({"vllm": {"1": ok, "2": ok, "4": ok}})]}     # x not run yet
+    c = summarize(record, [(1, 1)])["chat"]["pairs"]["ttft x1 tpot x1"]["arms"]["x"]
+    assert c["goodput"]["reps"] == [1.0, 2.0] and c["ratio"]["reps"] == [2.0]

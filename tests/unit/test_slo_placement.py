@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from admission_fakes import FakeDecode, FakePrefill, collect, generate, make_router, queue
+from router_fakes import fake_router
 from pdserve.router.first_token import FirstTokenTimes
 from pdserve.router.placement import Placement
 
@@ -240,6 +241,27 @@ def test_the_router_learns_a_prefill_worker_s_first_token_times_from_its_request
         return r
 
     assert queue(asyncio.run(main())) == (0, 0)
+
+
+def test_the_prefill_worker_judged_is_the_one_the_routing_policy_picked():
+    """Two prefill workers: the one the policy picks is judged, so a saturated one is
+    not sent a prompt because the other is in time, and one not learned yet (just
+    scaled up) leaves only its own prompts to the untold rules."""
+    r = fake_router([FakePrefill(), FakePrefill()], [FakeDecode()], slo_tpot_ms=40.0,
+                    slo_ttft_ms=4000.0)
+    r.placement.first_token = FirstTokenTimes(clock=Clock())
+    d, (p0, p1) = r.placement.decode[0], r.placement.prefill
+    teach(r, p0, 0.002)
+    teach(r, d, 0.003)
+    d.streams, p0.queued_tokens = 2, 500
+    assert r.placement.prefill_eta(1000, p1) is None           # p1 has learned nothing
+    assert r.placement.slo_choice(d, 1000, lent=False, p=p1) is None
+    assert r.placement.slo_choice(d, 1000, lent=False, p=p0) is False   # 3 s, in time
+    teach(r, p1, 0.002)
+    arrive(r, p1, 0.6, 1000)                                   # p1 saturated (rho 1.2):
+    assert r.placement.slo_choice(d, 1000, lent=False, p=p1) is True    # D, 3 s
+    assert r.placement.slo_choice(d, 1000, lent=False, p=p0) is False
+    assert r.placement.slo_choice(d, 1000, lent=False) is False          # p0 answers first
 
 
 STATES = Path(__file__).parent / "data" / "slo_placement_states.jsonl"

@@ -265,6 +265,19 @@ class DecodeScheduler:
             self.on_kv_complete(c.request_id, c.ok, c.first_token, c.error)
         return completions
 
+    def extend_lease(self, request_id: str, lease_s: float) -> bool:
+        """Hold a request still waiting for a prefill worker's KV until `lease_s`
+        seconds from now at least (a lease is never shortened). Returns False when it is
+        not waiting: unknown, its KV arrived, it is prefilled here, aborted, or already
+        reclaimed."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if (req is None or req.abort_reason is not None
+                    or req.state != RequestState.WAITING_FOR_REMOTE_KV):
+                return False
+            req.lease_deadline = max(req.lease_deadline, time.monotonic() + lease_s)
+            return True
+
     def abort(self, request_id: str, reason: str = "cancelled", error: str | None = None,
               group: bool = False) -> None:
         """Finish the request at the next schedule(): cancelled, or with `error` failed;

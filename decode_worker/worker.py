@@ -252,6 +252,13 @@ class DecodeWorker(EngineActor):
         async for events in self._outbox.stream(router, self._stop, _IDLE_WAIT_S * 20):
             yield events
 
+    async def extend_lease(self, request_id: str, lease_s: float) -> bool:
+        """Hold the reservation of a request whose prefill worker has not sent its KV
+        yet for `lease_s` more seconds (the router renews it while the prompt is queued
+        or prefilled there; a router gone renews nothing, and the lease ends). False
+        when the request no longer waits for KV (Scheduler.extend_lease)."""
+        return self.scheduler.extend_lease(request_id, lease_s)
+
     async def abort(self, request_id: str, reason: str = "cancelled", group: bool = False) -> None:
         """Finish the request (at the next step); with `group`, every sample forked from
         it too (sampling n > 1: decode_worker/fork.py)."""

@@ -33,7 +33,7 @@ from .errors import RequestError
 from .relay import Relay
 from .reservation import Reservation
 from .samples import by_request
-from .workers import AttemptFailed, attempt_failed
+from .workers import AttemptFailed, Worker, attempt_failed
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +205,7 @@ class Attempt:
             source = held.d.handle
             peer, peer_blocks = placement.prefill_router.pull_peer(
                 [w for w in placement.prefill if w.alive], p, self.ids, self.params.cache_salt)
+        lease = asyncio.create_task(self._hold_lease(held.d))
         try:
             first: PrefillResult = await asyncio.wait_for(
                 p.handle.prefill.remote(PrefillOrder(
@@ -215,6 +216,7 @@ class Attempt:
         except ray.exceptions.RayError as e:
             raise attempt_failed("prefill", p, e) from e
         finally:
+            lease.cancel()
             held.first_token()
             self.queued.release()  # first token back (or prefill failed): not queued
         self.on.placement.first_token.observe(p.worker_id, queued_on_p,
@@ -222,6 +224,24 @@ class Attempt:
         if self.on.num_routers > 1:   # the others' share, as P counts it
             p.reported_queue(first.queued_tokens)
         return first
+
+    async def _hold_lease(self, d: Worker) -> None:
+        """While P has the prompt (queued or prefilling), renew D's lease on this
+        attempt's reservation every half lease (decode.lease_s, capped by the deadline),
+        so a long queue on P does not cost the reservation and the prefill done; ends
+        once D says the request no longer waits for KV, or D cannot be reached (the
+        attempt fails on its own then). A router gone renews nothing: the lease ends."""
+        lease_s = self.on.placement.config.decode.lease_s
+        while True:
+            await asyncio.sleep(lease_s / 2)
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                if not await d.handle.extend_lease.remote(self.id, min(lease_s, left)):
+                    return
+            except ray.exceptions.RayError:
+                return
 
     def _first_message(self, first: PrefillResult) -> pb.GenerateResponse | None:
         """P's first token into sample 0's relay (D samples the others after the fork),

@@ -23,6 +23,7 @@ class FakeDecode(EventsFromStreams):
         self.asked = asyncio.Event()
         self.reserved: list[str] = []
         self.aborted: list[str] = []
+        self.extended: list[tuple[str, float]] = []   # extend_lease calls
 
     async def reserve(self, rid, prompt_len, params, prompt_token_ids, lease_s=None,
                       prefill_locally=False):
@@ -44,6 +45,10 @@ class FakeDecode(EventsFromStreams):
 
     def abort(self, rid, reason, group=False):
         self.aborted.append(rid)
+
+    async def extend_lease(self, rid, lease_s):
+        self.extended.append((rid, lease_s))
+        return rid in self.reserved
 
 
 class FakePrefill:

@@ -129,6 +129,31 @@ def test_lease_does_not_apply_once_running(pool):
     assert pool.all_free()
 
 
+def test_a_lease_extended_while_the_prefill_worker_has_the_prompt_is_kept_past_its_first_end(pool):
+    """The router renews a lease while P has the prompt queued (router/attempt.py,
+    _hold_lease): extended, the reservation outlives its first deadline; a lease is
+    never shortened; a request no longer waiting for KV is not extended (False)."""
+    sched = make_sched(pool)
+    t0 = time.monotonic()
+    sched.reserve("a", 8, params(), lease_s=5.0, prompt_token_ids=prompt(8))
+    assert sched.extend_lease("a", 30.0)
+    assert sched._requests["a"].lease_deadline == pytest.approx(t0 + 30.0, abs=1.0)
+    assert sched.extend_lease("a", 1.0)                    # never shorter
+    assert sched._requests["a"].lease_deadline == pytest.approx(t0 + 30.0, abs=1.0)
+    sched.schedule(now=t0 + 20.0)                          # past the first 5 s: kept
+    assert sched.num_reclaimed == 0 and sched.drain_events() == []
+    assert not sched.extend_lease("nobody", 30.0)
+    sched.on_kv_complete("a", True, 10)
+    assert ids(sched.schedule()) == ["a"]                  # its KV arrived: running
+    assert not sched.extend_lease("a", 30.0)
+    finish_all(sched)
+    sched.reserve("b", 8, params(), lease_s=1.0, prompt_token_ids=prompt(8))
+    sched.schedule(now=time.monotonic() + 60.0)            # reclaimed: not extended
+    assert sched.num_reclaimed == 1 and not sched.extend_lease("b", 30.0)
+    sched.drain_events()
+    assert pool.all_free()
+
+
 # --- the KV connector (decode_worker/connector.py): forget, then release --------------------
 
 class ScriptedReceiver:

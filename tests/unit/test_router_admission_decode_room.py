@@ -102,3 +102,29 @@ def test_a_request_waits_for_decode_room_until_its_deadline(timeout_s, code):
         return r
 
     assert queue(asyncio.run(main())) == (0, 0)
+
+
+def test_the_router_renews_d_s_lease_while_the_prefill_worker_has_the_prompt():
+    """A prompt queued on P past D's lease (decode.lease_s, 0.1 s here): the router
+    renews the lease every half lease until P's first token, then stops; the request
+    completes and nothing stays queued."""
+    from dataclasses import replace
+
+    async def main():
+        d, p = FakeDecode(), FakePrefill()
+        r = make_router(d, p)
+        r.config = r.placement.config = replace(
+            r.config, decode=replace(r.config.decode, lease_s=0.1))
+        task = asyncio.ensure_future(collect(r.generate(make_request(
+            PROMPT, max_tokens=3, temperature=0), None)))
+        await until(lambda: len(d.extended) >= 3, "three renewals while P holds the prompt")
+        assert {rid for rid, _ in d.extended} == set(d.reserved)
+        assert all(0 < lease <= 0.1 for _, lease in d.extended)
+        p.go.set()
+        assert await asyncio.wait_for(task, 10) == [10, 11, 12]
+        renewed = len(d.extended)
+        await asyncio.sleep(0.2)                      # two half leases: none more
+        assert len(d.extended) == renewed
+        return r
+
+    assert queue(asyncio.run(main())) == (0, 0)

@@ -1,6 +1,9 @@
 """Admission control through the real server: with max_queued_requests=2, a burst of 8
 long prompts gets 2 admitted (token-identical to HF transformers) and the other 6
-refused at once with RESOURCE_EXHAUSTED naming the bound, while the 2 still prefill."""
+refused at once with RESOURCE_EXHAUSTED naming the bound, while the 2 still prefill.
+The decode worker's lease is 1 s, under the admitted pair's ~4 s of prefill: the router
+renews it while the prefill worker has each prompt, so none is reclaimed (and none is
+prefilled twice)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import ray
 from serving import Served, hf_greedy, start_ray
 
 pytestmark = pytest.mark.slow
@@ -18,13 +22,16 @@ MAX_QUEUED_REQUESTS = 2
 MAX_QUEUED_TOKENS = 2000
 MAX_TOKENS = 8
 FAST_S = 5.0      # loose bound on a refusal's latency; prefill of the admitted pair takes ~4 s
+LEASE_S = 1.0     # decode.lease_s: renewed every half lease while P has the prompt
 
 
 @pytest.fixture(scope="module")
 def served():
     start_ray()
     s = Served(router_kw={"max_queued_requests": MAX_QUEUED_REQUESTS,
-                          "max_queued_tokens": MAX_QUEUED_TOKENS})
+                          "max_queued_tokens": MAX_QUEUED_TOKENS,
+                          "max_prefill_queue_tokens": 0},     # every prompt on P
+               decode_kw={"lease_s": LEASE_S})
     yield s
     s.stop()           # every KV pool free and the router's queue empty
 
@@ -75,6 +82,10 @@ def test_burst_beyond_max_queued_requests_fails_fast(served):
     for i in admitted:
         ref = hf_greedy("default", tok(prompts[i])["input_ids"], MAX_TOKENS)
         assert done[i][1] == ref, f"prompt {i}: got {done[i][1]}, HF {ref}"
+    # the second admitted prompt waited on P behind the first, past D's lease
+    assert max(done[i][2] for i in admitted) > 2 * LEASE_S, done
+    [d] = ray.get([w.status.remote() for w in served.cluster.decode])
+    assert d.kv_reservations_reclaimed == 0, d
     served.assert_all_free()
 
 

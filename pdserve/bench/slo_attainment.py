@@ -170,6 +170,7 @@ def table(summary: dict) -> str:
     for name, s in summary.items():
         u = s["unloaded"]
         arms = list(dict.fromkeys(a for row in s["pairs"].values() for a in row["arms"]))
+        pairs = s["pairs"] if arms else {}          # no rate point: unloaded latency only
         base = ", ".join(f"{x['ttft_s'] * 1e3:.0f} ms / {x['tpot_s'] * 1e3:.1f} ms" for x in u)
         lines += [f"\n{name}: goodput (req/s) at 90% attainment, median [spread] of "
                   f"{len(u)} repetition(s), ratio to vLLM; vLLM's unloaded TTFT / TPOT per "
@@ -182,7 +183,9 @@ def table(summary: dict) -> str:
                 f"{a} {v['median'] * 1e3:.0f} ms [{v['low'] * 1e3:.0f}-{v['high'] * 1e3:.0f}]"
                 + (f" ({vs[a]['median']:.2f}x default's [{vs[a]['low']:.2f}-"
                    f"{vs[a]['high']:.2f}])" if a in vs else "") for a, v in lone.items()))
-        for pair, row in s["pairs"].items():
+        if not arms:
+            del lines[-2:]
+        for pair, row in pairs.items():
             lines.append(f"| {pair} | {row['binds'] or '-'} | " + " | ".join(
                 "-" if a not in row["arms"] else _cell(row["arms"][a], a == "vllm")
                 for a in arms) + " |")
@@ -199,6 +202,8 @@ def plot(summary: dict, out_dir: Path, pair: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, s in summary.items():
+        if not any(row["arms"] for row in s["pairs"].values()):
+            continue                            # no rate point: nothing to draw
         if pair in s["pairs"]:
             fig, ax = plt.subplots(figsize=(5.5, 3.8))
             for i, (arm, c) in enumerate(s["pairs"][pair]["arms"].items()):

@@ -72,15 +72,9 @@ class FirstTokenTimes:
         n, x, y = self._lines.get(worker_id, (0, 0.0, 0.0))
         self._lines[worker_id] = n + 1, x * self.DECAY + tokens, y * self.DECAY + seconds
 
-    def predict(self, worker_id: str, tokens: int) -> float | None:
-        """Seconds to the first token of a prompt sent now to `worker_id` with `tokens`
-        prompt tokens then queued there; None before LEARN observations."""
-        b = self.seconds_per_token(worker_id)
-        return None if b is None else b * tokens
-
     def seconds_per_token(self, worker_id: str) -> float | None:
-        """b of the worker's line (`worker_id` a line key: FirstTokenTimes.line); None
-        before LEARN observations."""
+        """b of the worker's line, seconds per queued prompt token (`worker_id` a line
+        key: FirstTokenTimes.line); None before LEARN observations."""
         n, x, y = self._lines.get(worker_id, (0, 0.0, 0.0))
         return None if n < self.LEARN or x <= 0 else y / x
 

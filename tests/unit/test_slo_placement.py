@@ -25,16 +25,16 @@ def test_first_token_times_are_seconds_per_queued_token_after_a_few_observations
     t = FirstTokenTimes()
     for tokens in (500, 1500, 1000):
         t.observe("prefill-0", tokens, 0.001 * tokens)
-        assert t.predict("prefill-0", 2000) is None           # fewer than LEARN so far
+        assert predict(t, "prefill-0", 2000) is None           # fewer than LEARN so far
     t.observe("prefill-0", 3000, 0.001 * 3000)
-    assert t.predict("prefill-0", 2000) == pytest.approx(2.0)
-    assert t.predict("prefill-1", 2000) is None              # another worker: its own line
+    assert predict(t, "prefill-0", 2000) == pytest.approx(2.0)
+    assert predict(t, "prefill-1", 2000) is None              # another worker: its own line
     for _ in range(40):                                       # the worker slowed down 2x:
         t.observe("prefill-0", 1000, 2.0)                     # old points fade
         t.observe("prefill-0", 2000, 4.0)
-    assert t.predict("prefill-0", 1500) == pytest.approx(3.0, rel=0.05)
+    assert predict(t, "prefill-0", 1500) == pytest.approx(3.0, rel=0.05)
     t.forget("prefill-0")
-    assert t.predict("prefill-0", 1500) is None
+    assert predict(t, "prefill-0", 1500) is None
 
 
 def test_a_narrow_band_of_long_queues_gives_the_worker_s_rate_not_a_line_s_intercept():
@@ -46,6 +46,12 @@ def test_a_narrow_band_of_long_queues_gives_the_worker_s_rate_not_a_line_s_inter
                           (10000, 0.0), (8500, 4.0)):
         t.observe("prefill-0", tokens, 0.007 * tokens + noise)
     assert t.seconds_per_token("prefill-0") == pytest.approx(0.007, rel=0.05)
+
+
+def predict(t: FirstTokenTimes, key: str, tokens: int) -> float | None:
+    """Seconds to a first token with `tokens` queued on line `key`; None unlearned."""
+    b = t.seconds_per_token(key)
+    return None if b is None else b * tokens
 
 
 def lending_router(**router_kw):
@@ -206,14 +212,14 @@ def test_a_saturated_prefill_worker_is_never_in_time_however_short_its_queue_now
 def test_first_token_lines_of_lent_and_own_cores_are_apart_and_forgotten_together():
     r, d, p = lending_router()
     teach(r, d, 0.001)
-    assert r.placement.first_token.predict(FirstTokenTimes.line(d, True), 1000) is None
+    assert predict(r.placement.first_token, FirstTokenTimes.line(d, True), 1000) is None
     teach(r, d, 0.0005, lent=True)
-    assert r.placement.first_token.predict(FirstTokenTimes.line(d, True), 1000) == \
+    assert predict(r.placement.first_token, FirstTokenTimes.line(d, True), 1000) == \
         pytest.approx(0.5)
-    assert r.placement.first_token.predict(FirstTokenTimes.line(d), 1000) == pytest.approx(1.0)
+    assert predict(r.placement.first_token, FirstTokenTimes.line(d), 1000) == pytest.approx(1.0)
     r.placement.first_token.forget(d.worker_id)
-    assert r.placement.first_token.predict(FirstTokenTimes.line(d, True), 1000) is None
-    assert r.placement.first_token.predict(FirstTokenTimes.line(d), 1000) is None
+    assert predict(r.placement.first_token, FirstTokenTimes.line(d, True), 1000) is None
+    assert predict(r.placement.first_token, FirstTokenTimes.line(d), 1000) is None
 
 
 def test_the_router_learns_the_decode_worker_s_own_first_token_times():
@@ -222,7 +228,7 @@ def test_the_router_learns_the_decode_worker_s_own_first_token_times():
         r = make_router(d, FakePrefill(), slo_tpot_ms=40.0, slo_ttft_ms=4000.0)
         for _ in range(FirstTokenTimes.LEARN):
             assert await asyncio.wait_for(collect(generate(r)), 10) == [11, 12]
-        predicted = r.placement.first_token.predict(r.decode[0].worker_id, 4)
+        predicted = predict(r.placement.first_token, r.decode[0].worker_id, 4)
         assert predicted is not None and 0 <= predicted < 5.0
         return r
 
@@ -236,7 +242,7 @@ def test_the_router_learns_a_prefill_worker_s_first_token_times_from_its_request
         p.go.set()
         for _ in range(FirstTokenTimes.LEARN):
             assert await asyncio.wait_for(collect(generate(r)), 10) == [10, 11, 12]
-        predicted = r.placement.first_token.predict(r.prefill[0].worker_id, 4)
+        predicted = predict(r.placement.first_token, r.prefill[0].worker_id, 4)
         assert predicted is not None and 0 <= predicted < 5.0
         return r
 

@@ -49,7 +49,6 @@ Arms (a fresh server per arm, workload and repetition):
 from __future__ import annotations
 
 import json
-import random
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -60,6 +59,7 @@ from .servers import (Server, VllmSetting, bench_serve, prefills, start_pdserve,
                       unloaded, vllm_bin)
 from .slo_attainment import (latencies, pair_name, plot, scored_at, shares, slo_scales,
                              slos, summarize, table)
+from .goodput_workloads import Prompts, workload
 
 ARMS = {
     "vllm": None,
@@ -136,70 +136,6 @@ def arm_args(arm: str, unloaded: dict | None) -> tuple[str, ...]:
     return ARMS[arm]
 
 
-def workload(name: str, tokenizer, n: int, seed: int, at_most: bool = False) -> list[dict]:
-    """`n` requests {"prompt", "output_tokens", "prompt_tokens"} of workload `name` (the
-    module docstring), drawn at random (`seed`); with `at_most`, as many as the data
-    holds when that is fewer.
-
-    Raises:
-        ValueError: fewer than `n` found (and not `at_most`)."""
-    from ..sharegpt import conversations, first_turns
-
-    rng = random.Random(seed)
-    pool: list[dict] = []
-    if name == "summarize":
-        head = "Summarize the conversation below.\n\n"
-        for conv in conversations():
-            text = "\n".join(f"{t.get('from')}: {t.get('value')}"
-                             for t in conv.get("conversations") or [])
-            ids = tokenizer(head + text)["input_ids"]
-            if len(ids) >= 1000:
-                keep = ids[:rng.randint(1000, min(1900, len(ids)))]
-                pool.append({"prompt": tokenizer.decode(keep), "output_tokens": rng.randint(64, 128)})
-            if len(pool) >= 4 * n:
-                break
-    else:
-        for prompt, reply in first_turns():
-            p = len(tokenizer(prompt)["input_ids"])
-            if name == "chat":
-                out = len(tokenizer(reply)["input_ids"])
-                if 4 <= p <= 1024 and out >= 4 and p + out <= 2048:
-                    pool.append({"prompt": prompt, "output_tokens": out})
-            elif 4 <= p <= 64:
-                pool.append({"prompt": prompt, "output_tokens": rng.randint(256, 512)})
-            if len(pool) >= 4 * n:
-                break
-    if at_most:
-        n = min(n, len(pool))
-    if len(pool) < n or not pool:
-        raise ValueError(f"workload {name}: {len(pool)} requests found, {n} asked for")
-    out = rng.sample(pool, n)
-    for r in out:                     # as the server counts them (no chat template)
-        r["prompt_tokens"] = len(tokenizer(r["prompt"])["input_ids"])
-    return out
-
-
-class Prompts:
-    """A workload's prompts, a slice of `size` per rate: the first time any arm visits a
-    rate, that rate gets the next slice, and every arm and repetition visiting it later
-    gets the same one (so arms are compared on the same requests where they meet, and a
-    server never sees a prompt twice). Once the pool is spent, slices reuse its prompts
-    behind a line naming the slice: its first KV block differs, so no prefix cache
-    carries over."""
-
-    def __init__(self, pool: list[dict], size: int):
-        self.pool, self.size, self._slices = pool, size, {}
-
-    def at(self, rate: float) -> list[dict]:
-        k = self._slices.setdefault(rate, len(self._slices))
-        out = []
-        for i in range(k * self.size, (k + 1) * self.size):
-            r = self.pool[i % len(self.pool)]
-            out.append(r if i < len(self.pool) else
-                       dict(r, prompt=f"(slice {k})\n{r['prompt']}"))
-        return out
-
-
 def _sweep(cfg: GoodputConfig, server: Server, model_dir: str, arm: str, w: dict,
            prompts: Prompts, start: float, floor: float, runs_dir: Path, tag: str,
            progress) -> None:
@@ -229,10 +165,44 @@ def _sweep(cfg: GoodputConfig, server: Server, model_dir: str, arm: str, w: dict
                 cfg.attainment, cfg.step, floor, max_points=cfg.max_points)
 
 
-def run(cfg: GoodputConfig, progress=print) -> dict:
+def finished_reps(record: dict, cfg: GoodputConfig) -> list[dict]:
+    """The repetitions of `record` (an OUT_DIR/goodput.json) in which every workload has
+    every arm of `cfg` measured: those `run(resume=True)` keeps.
+
+    Raises:
+        ValueError: the record was run with another configuration (a field other than
+            `reps` and `out_dir` differs), naming the fields."""
+    want = json.loads(json.dumps(asdict(cfg)))
+    had = json.loads(json.dumps(record.get("config", {})))
+    if bad := sorted(k for k in want if k not in ("reps", "out_dir")
+                     and had.get(k) != want[k]):
+        raise ValueError("cannot resume: the record was run with "
+                         + ", ".join(f"{k}={had.get(k)!r}" for k in bad)
+                         + " (this run: " + ", ".join(f"{k}={want[k]!r}" for k in bad) + ")")
+    systems = set(cfg.expanded_arms())
+    out = []
+    for rep in record.get("reps", []):
+        ws = rep.get("workloads", {})
+        if any(name not in ws or not systems <= set(ws[name].get("arms_unloaded", {}))
+               or (cfg.max_points and not systems <= set(ws[name].get("arms", {})))
+               for name in cfg.workloads):
+            break
+        out.append(rep)
+    return out
+
+
+def run(cfg: GoodputConfig, progress=print, resume: bool = False) -> dict:
     """Every repetition of every workload and arm (the module docstring); writes
     OUT_DIR/goodput.json (after each arm, so a long run stopped keeps what it measured)
-    and goodput.md."""
+    and goodput.md.
+
+    With `resume`, an OUT_DIR/goodput.json of the same configuration keeps its finished
+    repetitions (finished_reps) and only the rest, up to `cfg.reps`, run: so the
+    repetitions of a measure longer than one sitting can run on different days, each
+    scored against the SLO base measured in it. Every rate keeps the prompt slice it had.
+
+    Raises:
+        ValueError: `resume` and a record of another configuration (finished_reps)."""
     from transformers import AutoTokenizer
 
     from ..engine.loader import resolve_model
@@ -244,16 +214,25 @@ def run(cfg: GoodputConfig, progress=print) -> dict:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     record: dict = {"config": asdict(cfg), "vllm_setting": asdict(setting),
-                    "date": time.strftime("%Y-%m-%d"), "reps": []}
+                    "date": time.strftime("%Y-%m-%d"), "reps": [], "slices": {}}
+    if resume and (out / "goodput.json").is_file():
+        before = json.loads((out / "goodput.json").read_text())
+        record.update(reps=finished_reps(before, cfg), slices=before.get("slices", {}),
+                      date=before.get("date", record["date"]))
+        progress(f"resuming {out / 'goodput.json'}: {len(record['reps'])} of {cfg.reps} "
+                 "repetitions finished")
     arms = cfg.expanded_arms()
     pools = {}
     for w_index, name in enumerate(cfg.workloads):
         pool = workload(name, tok, cfg.requests * cfg.pool_points + SPARE,
                         cfg.seed + w_index, at_most=True)
-        pools[name] = pool[:SPARE], Prompts(pool[SPARE:], cfg.requests)
-    for rep in range(cfg.reps):
+        prompts = Prompts(pool[SPARE:], cfg.requests, record["slices"].get(name))
+        pools[name] = pool[:SPARE], prompts
+        record["slices"][name] = prompts.slices       # a rate keeps its slice on resume
+    for rep in range(len(record["reps"]), cfg.reps):
         order = arms if rep % 2 == 0 else arms[::-1]
-        record["reps"].append({"order": order, "workloads": {}})
+        record["reps"].append({"order": order, "workloads": {},
+                               "date": time.strftime("%Y-%m-%d")})
         for name in cfg.workloads:
             spare, prompts = pools[name]
             w = record["reps"][-1]["workloads"][name] = {"arms": {}}
@@ -342,6 +321,9 @@ def add_parser(bsub) -> None:
                    help="the SLO pair of the attainment plots, e.g. 'ttft x4 tpot x4' "
                         "(default: the middle of the grid)")
     p.add_argument("--out-dir", default=d.out_dir)
+    p.add_argument("--resume", action="store_true",
+                   help="keep OUT_DIR/goodput.json's finished repetitions (the same "
+                        "flags, --reps the total) and run the rest")
     p.add_argument("--rescore", action="store_true",
                    help="run nothing: score OUT_DIR/goodput.json again at these scales")
     p.set_defaults(fn=_command)
@@ -374,7 +356,11 @@ def _command(args) -> int:
               file=sys.stderr)
         return 2
     else:
-        record = run(cfg, lambda line: print(line, flush=True))
+        try:
+            record = run(cfg, lambda line: print(line, flush=True), resume=args.resume)
+        except ValueError as e:
+            print(f"pdserve bench goodput: {e}", file=sys.stderr)
+            return 2
     summary = summarize(record, cfg.pairs, cfg.attainment)
     text = table(summary)
     (out / "goodput.md").write_text(text + "\n")

@@ -5,6 +5,9 @@ No server: the client's per-request detail is made up."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 
 from pdserve.bench.goodput import GoodputConfig, Prompts, workload
@@ -229,3 +232,78 @@ def test_a_ratio_is_taken_within_its_repetition_only():
                        rep({"vllm": {"1": ok, "2": ok, "4": ok}})]}     # x not run yet
     c = summarize(record, [(1, 1)])["chat"]["pairs"]["ttft x1 tpot x1"]["arms"]["x"]
     assert c["goodput"]["reps"] == [1.0, 2.0] and c["ratio"]["reps"] == [2.0]
+
+
+class _Arm:
+    """A made-up server: every request within 1 s TTFT and 10 ms TPOT up to `knee`
+    req/s, all at 10x past it."""
+
+    def __init__(self, name: str, knee: float, started: list):
+        self.name, self.knee, self.startup_s = name, knee, 0.0
+        started.append(name)
+
+    def complete(self, *args):
+        return "Paris"
+
+    def stop(self):
+        pass
+
+
+def _fake_servers(monkeypatch, knees: dict[str, float], started: list, seen: dict):
+    import transformers
+
+    from pdserve.bench import goodput as g
+    from pdserve.engine import loader
+
+    monkeypatch.setattr(loader, "resolve_model", lambda name: "/nonexistent")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        staticmethod(lambda path: None))
+    monkeypatch.setattr(g, "workload", lambda name, tok, n, seed, at_most=False: [
+        {"prompt": f"p{i}", "output_tokens": 8, "prompt_tokens": 4} for i in range(n)])
+    monkeypatch.setattr(g, "start_vllm", lambda cfg, *a: _Arm("vllm", knees["vllm"], started))
+    monkeypatch.setattr(g, "start_pdserve", lambda cfg, *a: _Arm(
+        "slo" if cfg.pdserve_args else "default",
+        knees["slo4t4" if cfg.pdserve_args else "default"], started))
+    monkeypatch.setattr(g, "unloaded", lambda *a: {"ttft_s": 0.5, "tpot_s": 0.01})
+    monkeypatch.setattr(g, "prefills", lambda server: {"prefill_worker": 0})
+
+    def bench_serve(server, model_dir, prompts, rate, seed, path, temperature):
+        seen.setdefault(rate, set()).add(tuple(p["prompt"] for p in prompts))
+        slow = 10 if rate > server.knee else 1
+        return {"ttfts": [slow * 1.0] * len(prompts), "itls": [[slow * 0.01]] * len(prompts),
+                "output_lens": [8] * len(prompts), "failed": 0, "p90_ttft_ms": slow * 1e3,
+                "mean_tpot_ms": slow * 10.0}
+
+    monkeypatch.setattr(g, "bench_serve", bench_serve)
+
+
+def test_a_resumed_run_keeps_finished_repetitions_and_each_rate_s_prompts(tmp_path,
+                                                                          monkeypatch):
+    from pdserve.bench.goodput import finished_reps, run
+
+    knees = {"vllm": 0.5, "default": 0.6, "slo4t4": 0.7}
+    started: list[str] = []
+    seen: dict = {}
+    _fake_servers(monkeypatch, knees, started, seen)
+    cfg = GoodputConfig(arms=("vllm", "default", "slo4t4"), ttft_scales=(4,),
+                        tpot_scales=(4,), reps=1, requests=4, max_points=6,
+                        out_dir=str(tmp_path))
+    first = run(cfg, progress=lambda line: None)
+    assert started == ["vllm", "default", "slo"] and len(first["reps"]) == 1
+    # a second sitting: --reps 3 with --resume runs repetitions 2 and 3 only, the
+    # second in reversed order (vLLM last, so its SLO base is a server of its own)
+    started.clear()
+    record = run(replace(cfg, reps=3), progress=lambda line: None, resume=True)
+    assert started == ["vllm", "slo", "default", "vllm", "vllm", "default", "slo"]
+    assert len(record["reps"]) == 3 and record["reps"][0] == json.loads(
+        json.dumps(first["reps"][0]))
+    # every visit of a rate, in either sitting, sent that rate's one slice
+    assert seen and all(len(prompts) == 1 for prompts in seen.values())
+    gp = summarize(record, cfg.pairs)["summarize"]["pairs"]["ttft x4 tpot x4"]["arms"]
+    assert gp["default"]["goodput"]["reps"] == pytest.approx([0.6] * 3, rel=0.1)
+    # a repetition cut short is run again; another configuration is refused, naming it
+    cut = dict(record, reps=record["reps"][:2] + [{"workloads": {"summarize": {
+        "arms_unloaded": {"vllm": {}}, "arms": {}}}}])
+    assert len(finished_reps(cut, replace(cfg, reps=3))) == 2
+    with pytest.raises(ValueError, match="requests=4"):
+        finished_reps(record, replace(cfg, requests=100))

@@ -54,12 +54,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from . import knee
+from .goodput_workloads import Prompts, workload
 from .peer import PeerConfig, load_tuning
 from .servers import (Server, VllmSetting, bench_serve, prefills, start_pdserve, start_vllm,
                       unloaded, vllm_bin)
 from .slo_attainment import (latencies, pair_name, plot, scored_at, shares, slo_scales,
                              slos, summarize, table)
-from .goodput_workloads import Prompts, workload
 
 ARMS = {
     "vllm": None,
@@ -202,7 +202,8 @@ def run(cfg: GoodputConfig, progress=print, resume: bool = False) -> dict:
     scored against the SLO base measured in it. Every rate keeps the prompt slice it had.
 
     Raises:
-        ValueError: `resume` and a record of another configuration (finished_reps)."""
+        ValueError: `resume` and a record of another configuration (finished_reps) or
+            of another vLLM setting."""
     from transformers import AutoTokenizer
 
     from ..engine.loader import resolve_model
@@ -217,6 +218,10 @@ def run(cfg: GoodputConfig, progress=print, resume: bool = False) -> dict:
                     "date": time.strftime("%Y-%m-%d"), "reps": [], "slices": {}}
     if resume and (out / "goodput.json").is_file():
         before = json.loads((out / "goodput.json").read_text())
+        if before.get("vllm_setting", record["vllm_setting"]) != record["vllm_setting"]:
+            raise ValueError(f"cannot resume: the record's vLLM setting "
+                             f"{before['vllm_setting']} is not this run's "
+                             f"{record['vllm_setting']} (bench/results/peer's tuning)")
         record.update(reps=finished_reps(before, cfg), slices=before.get("slices", {}),
                       date=before.get("date", record["date"]))
         progress(f"resuming {out / 'goodput.json'}: {len(record['reps'])} of {cfg.reps} "

@@ -307,3 +307,7 @@ def test_a_resumed_run_keeps_finished_repetitions_and_each_rate_s_prompts(tmp_pa
     assert len(finished_reps(cut, replace(cfg, reps=3))) == 2
     with pytest.raises(ValueError, match="requests=4"):
         finished_reps(record, replace(cfg, requests=100))
+    saved = tmp_path / "goodput.json"
+    saved.write_text(json.dumps(dict(json.loads(saved.read_text()), vllm_setting={"x": 1})))
+    with pytest.raises(ValueError, match="vLLM setting"):
+        run(replace(cfg, reps=4), progress=lambda line: None, resume=True)
